@@ -1,0 +1,14 @@
+"""hvd_topk: Top-K gradient compression for Horovod + PyTorch.
+
+- ``hvd_topk.TopK``: a Horovod ``Compressor``; ``hvd.DistributedOptimizer(opt,
+  compression=hvd_topk.TopK)`` exchanges only the top 1% of each gradient (no error feedback).
+"""
+
+from hvd_topk._horovod import import_horovod_torch
+
+import_horovod_torch()  # a clear ImportError with install steps when Horovod is missing
+
+from hvd_topk.compressor import TopK  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["TopK", "__version__"]

@@ -1,0 +1,182 @@
+"""``TopK``: a Horovod ``Compressor`` that really exchanges (value, index) pairs.
+
+Horovod's compressor interface is ``compress(tensor) -> (tensor, ctx)``, then Horovod allreduces
+the returned tensor, then ``decompress(output, ctx)``. A dense tensor of zeros would still cost
+a full allreduce, so ``compress`` instead starts an ``hvd.allgather_async`` of the packed top-k
+pairs and hands Horovod a 3-element float32 *probe* to allreduce. ``decompress`` waits for the
+allgather, adds every rank's pairs in rank order and scales the sum the way Horovod's allreduce
+scaled the probe, so op=Average / op=Sum / ``gradient_predivide_factor`` all come out right
+without the compressor being told which one is in use.
+
+The probe holds ``[1, rank, rank**2]``: after the allreduce its first entry is the scale Horovod
+applied (1 for Average, the number of ranks for Sum) and the other two tell whether every rank
+of the job took part (the allgather always runs on the global process set).
+"""
+
+import functools
+import heapq
+import itertools
+import threading
+import time
+import types
+
+import torch
+
+from hvd_topk._horovod import import_horovod_torch
+from hvd_topk.selection import check_density, check_method, k_for, select
+from hvd_topk.stats import CompressionStats
+from hvd_topk.wire import Layout, index_dtype_for
+
+hvd = import_horovod_torch()
+from horovod.torch.compression import Compressor  # noqa: E402  (needs the check above)
+
+_instance_ids = itertools.count()
+
+
+class _OnDefaultInstance:
+    """Method descriptor: ``TopK.compress(t)`` on the class runs on a default ``TopK()``.
+
+    Horovod calls ``compression.compress(...)`` on whatever it was given, the class
+    (``compression=hvd_topk.TopK``) or an instance (``compression=hvd_topk.TopK(density=...)``).
+    """
+
+    def __init__(self, func):
+        self.func = func
+        functools.update_wrapper(self, func)
+
+    def __get__(self, obj, cls):
+        return types.MethodType(self.func, cls.default() if obj is None else obj)
+
+
+class _NameSlots:
+    """Allgather names that repeat every step (so Horovod's response cache hits).
+
+    Slots are taken in ``compress`` and given back in ``decompress``; both run in the same order
+    on every rank, so every rank derives the same name for the same tensor.
+    """
+
+    def __init__(self, prefix):
+        self._prefix, self._free, self._next, self._lock = prefix, [], 0, threading.Lock()
+
+    def take(self):
+        with self._lock:
+            if self._free:
+                slot = heapq.heappop(self._free)
+            else:
+                slot, self._next = self._next, self._next + 1
+        return slot, f"{self._prefix}.{slot}"
+
+    def give_back(self, slot):
+        with self._lock:
+            heapq.heappush(self._free, slot)
+
+
+class TopK(Compressor):
+    """Send only the ``k = max(1, round(density * n))`` largest-magnitude entries of a gradient.
+
+    Use as ``hvd.DistributedOptimizer(opt, compression=hvd_topk.TopK)`` (1% density) or
+    ``compression=hvd_topk.TopK(density=0.001)``. Each rank's pairs are allgathered (indices
+    int32 below 2**31 elements) and summed, then averaged for op=Average.
+
+    This drop-in path has **no error feedback**: Horovod's compressor interface does not say
+    which parameter a tensor belongs to, so what is not sent is lost. For error feedback (the
+    entries not sent are carried to the next step, which is what keeps accuracy) use
+    ``hvd_topk.DistributedOptimizer``.
+
+    Non-floating and empty tensors pass through to Horovod unchanged. The allgather runs on
+    Horovod's global process set; a ``process_set`` other than the global one is an error here.
+
+    Args:
+        density: fraction of entries to send, in (0, 1].
+        method: selection kernel, see ``hvd_topk.selection.METHODS``.
+        fp16_values: send values as float16 (halves the value bytes).
+    """
+
+    DEFAULT_DENSITY = 0.01
+
+    def __init__(self, density=DEFAULT_DENSITY, method="exact", fp16_values=False):
+        self.density = check_density(density)
+        self.method = check_method(method)
+        self.fp16_values = bool(fp16_values)
+        self._stats = CompressionStats()
+        self._names = _NameSlots(f"hvd_topk.TopK.{next(_instance_ids)}")
+        self._probe_checked = set()
+
+    def __repr__(self):
+        return f"TopK(density={self.density}, method={self.method!r}, fp16_values={self.fp16_values})"
+
+    @classmethod
+    def default(cls):
+        """The instance that class-level calls (``compression=TopK``) use: density 1%."""
+        if "_default" not in cls.__dict__:
+            cls._default = cls()
+        return cls.__dict__["_default"]
+
+    @_OnDefaultInstance
+    def compress(self, tensor):
+        if not tensor.is_floating_point() or tensor.numel() == 0:
+            return tensor, None
+        if isinstance(tensor, torch.nn.Parameter):
+            # Horovod's Adasum optimizer compresses parameter deltas, never gradients.
+            raise ValueError("hvd_topk.TopK does not support op=hvd.Adasum: Adasum combines "
+                             "dense deltas; use op=hvd.Average or op=hvd.Sum")
+        t0 = time.perf_counter()
+        numel = tensor.numel()
+        k = k_for(numel, self.density)
+        values, indices = select(tensor.reshape(-1), k, self.method)
+        layout = Layout(k, torch.float16 if self.fp16_values else tensor.dtype, index_dtype_for(numel))
+        packed = layout.pack(values, indices)
+        t1 = time.perf_counter()
+        slot, name = self._names.take()
+        handle = hvd.allgather_async(packed, name=name)
+        rank = float(hvd.rank())
+        probe = torch.tensor([1.0, rank, rank * rank], dtype=torch.float32, device=tensor.device)
+        self._stats.add(tensors_sparse=1, elements_total=numel, elements_selected=k,
+                        bytes_dense=numel * tensor.element_size(),
+                        bytes_sent=layout.nbytes + probe.numel() * probe.element_size(),
+                        time_selection_s=t1 - t0)
+        return probe, (handle, slot, layout, tensor.shape, tensor.dtype)
+
+    @_OnDefaultInstance
+    def decompress(self, tensor, ctx):
+        if ctx is None:
+            return tensor
+        handle, slot, layout, shape, dtype = ctx
+        size = hvd.size()
+        self._check_probe(tensor, size)
+        t0 = time.perf_counter()
+        gathered = hvd.synchronize(handle)
+        self._names.give_back(slot)
+        values, indices = layout.unpack(gathered, size)
+        out = torch.zeros(shape.numel(), dtype=dtype, device=gathered.device)
+        for rank in range(size):  # rank order: the same float sums on every rank
+            out.index_add_(0, indices[rank], values[rank].to(dtype))
+        # The probe's first entry is the scale Horovod applied to a sum: 1 means Average.
+        out.div_(size).mul_(tensor[0].to(dtype))
+        self._stats.add(time_exchange_s=time.perf_counter() - t0)
+        return out.view(shape)
+
+    def _check_probe(self, probe, size):
+        """Fail loudly if the probe shows a process set smaller than the job (once per device)."""
+        if probe.device.type != "cpu" and probe.device in self._probe_checked:
+            return  # reading a CUDA probe costs a host sync; once is enough
+        self._probe_checked.add(probe.device)
+        _, mean_rank, mean_square = (probe.double() / probe[0].double()).tolist()
+        want_rank = (size - 1) / 2.0
+        want_square = (size - 1) * (2 * size - 1) / 6.0
+        ok = (abs(mean_rank - want_rank) <= 1e-3 * max(1.0, want_rank)
+              and abs(mean_square - want_square) <= 1e-3 * max(1.0, want_square))
+        if not ok:
+            raise RuntimeError(
+                "hvd_topk.TopK exchanges over Horovod's global process set, but this tensor was "
+                "reduced over a smaller process set (or ranks disagree on the tensors being "
+                "reduced). Use the global process set, or hvd_topk.DistributedOptimizer.")
+
+    @_OnDefaultInstance
+    def stats(self):
+        """Totals since the last reset: bytes sent vs dense bytes replaced, density, timings."""
+        return self._stats.as_dict()
+
+    @_OnDefaultInstance
+    def reset_stats(self):
+        self._stats.reset()

@@ -1,0 +1,43 @@
+"""Counters that users, examples and benchmarks read: what was sent, what it replaced."""
+
+import threading
+
+
+class CompressionStats:
+    """Thread-safe running totals (backward hooks may run on autograd's device threads)."""
+
+    _FIELDS = (
+        "tensors_sparse",     # tensors sent as (value, index) pairs
+        "tensors_dense",      # tensors sent by dense allreduce
+        "elements_total",     # elements in all tensors handled
+        "elements_selected",  # elements chosen by top-k
+        "bytes_dense",        # bytes a dense allreduce of the same tensors would send
+        "bytes_sent",         # bytes this rank actually handed to Horovod
+        "nonfinite_resets",   # residuals reset because they held inf/nan
+    )
+    _TIMERS = ("time_selection_s", "time_exchange_s")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self):
+        with self._lock:
+            self._values = {name: 0 for name in self._FIELDS}
+            self._values.update({name: 0.0 for name in self._TIMERS})
+            self._values["steps"] = 0
+
+    def add(self, **amounts):
+        with self._lock:
+            for name, amount in amounts.items():
+                if name not in self._values:
+                    raise KeyError(f"unknown statistic {name!r}")
+                self._values[name] += amount
+
+    def as_dict(self):
+        """A snapshot with derived ratios: ``density`` achieved and ``bytes_ratio`` sent/dense."""
+        with self._lock:
+            out = dict(self._values)
+        out["density"] = out["elements_selected"] / out["elements_total"] if out["elements_total"] else 0.0
+        out["bytes_ratio"] = out["bytes_sent"] / out["bytes_dense"] if out["bytes_dense"] else 0.0
+        return out

@@ -1,0 +1,58 @@
+"""The bytes on the wire: (value, index) pairs of one or more tensors packed into one buffer.
+
+A message is ``[indices][values][padding]`` as ``uint8`` (the part with the wider dtype first),
+padded to a multiple of 8 bytes so that after an allgather every rank's block, and the index
+and value parts inside it, can be viewed as their real dtypes without a copy. Packing as bytes also lets
+dtypes Horovod 0.28.1 cannot allgather (bfloat16) travel unchanged.
+"""
+
+import torch
+
+_ALIGN = 8
+
+
+def index_dtype_for(numel):
+    """int32 while every index fits, int64 beyond 2**31 - 1 elements."""
+    return torch.int32 if numel < 2**31 else torch.int64
+
+
+class Layout:
+    """How many pairs of which dtypes one rank's message holds; identical on every rank."""
+
+    def __init__(self, count, value_dtype, index_dtype):
+        self.count = int(count)
+        self.value_dtype = value_dtype
+        self.index_dtype = index_dtype
+        index_bytes = self.count * _itemsize(index_dtype)
+        value_bytes = self.count * _itemsize(value_dtype)
+        used = index_bytes + value_bytes
+        self.nbytes = (used + _ALIGN - 1) // _ALIGN * _ALIGN
+        if _itemsize(value_dtype) > _itemsize(index_dtype):  # keep every part aligned
+            self._values, self._indices = slice(0, value_bytes), slice(value_bytes, used)
+        else:
+            self._indices, self._values = slice(0, index_bytes), slice(index_bytes, used)
+        self._padding = slice(used, self.nbytes)
+
+    def pack(self, values, indices, out=None):
+        """Write one rank's pairs into ``out`` (a reusable uint8 buffer) or a new one."""
+        if values.numel() != self.count or indices.numel() != self.count:
+            raise ValueError(f"expected {self.count} pairs, got {values.numel()} values "
+                             f"and {indices.numel()} indices")
+        if out is None:
+            out = torch.empty(self.nbytes, dtype=torch.uint8, device=values.device)
+        out[self._indices].view(self.index_dtype).copy_(indices)
+        out[self._values].view(self.value_dtype).copy_(values)
+        out[self._padding].zero_()
+        return out
+
+    def unpack(self, gathered, world_size):
+        """Views ``(values[world_size, count], indices[world_size, count])`` of an allgather."""
+        if gathered.numel() != world_size * self.nbytes:
+            raise ValueError(f"gathered {gathered.numel()} bytes, expected {world_size} ranks x "
+                             f"{self.nbytes} bytes: ranks disagree on the tensor being exchanged")
+        blocks = gathered.view(world_size, self.nbytes)
+        return blocks[:, self._values].view(self.value_dtype), blocks[:, self._indices].view(self.index_dtype)
+
+
+def _itemsize(dtype):
+    return torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,144 @@
+"""TopK under stock Horovod, checked against a numpy reference built from every rank's data.
+
+Run: mpirun -np 2 (or 3) python tests/dist/check_compressor.py
+"""
+
+import copy
+
+import numpy as np
+import torch
+
+import horovod.torch as hvd
+import hvd_topk
+from harness import assert_same_on_all_ranks, gather, run
+from reference import k_of, sparse_allreduce
+
+
+def check_allreduce():
+    rank = hvd.rank()
+    gen = torch.Generator().manual_seed(100 + rank)
+    cases = 0
+    for density in (0.01, 0.1, 1.0):
+        for op in (hvd.Average, hvd.Sum):
+            for dtype in (torch.float32, torch.float64):
+                for shape in ((1000,), (37, 53)):
+                    t = torch.randn(shape, generator=gen, dtype=dtype)
+                    out = hvd.allreduce(t, op=op, compression=hvd_topk.TopK(density=density),
+                                        name=f"ar.{cases}")
+                    ref = sparse_allreduce(gather(t.numpy()), density, average=op == hvd.Average)
+                    assert out.shape == t.shape and out.dtype == t.dtype
+                    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-6, atol=1e-7,
+                                               err_msg=f"density={density} op={op} {dtype} {shape}")
+                    assert_same_on_all_ranks(out.numpy(), "allreduce result")
+                    cases += 1
+    # The class itself is a compressor at 1% density.
+    t = torch.randn(5000, generator=gen)
+    out = hvd.allreduce(t, compression=hvd_topk.TopK, name="ar.class")
+    np.testing.assert_allclose(out.numpy(), sparse_allreduce(gather(t.numpy()), 0.01), rtol=1e-6, atol=1e-7)
+    nonzero = np.count_nonzero(out.numpy())
+    assert nonzero <= hvd.size() * k_of(5000, 0.01), nonzero
+    # fp16 values on the wire: the reference rounds each rank's values to float16.
+    t = torch.randn(3000, generator=gen)
+    out = hvd.allreduce(t, compression=hvd_topk.TopK(density=0.02, fp16_values=True), name="ar.fp16")
+    ref = sparse_allreduce(gather(t.numpy()), 0.02, value_dtype=np.float16)
+    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-6, atol=1e-7)
+    # bfloat16, which Horovod 0.28.1 cannot allgather itself, travels as bytes.
+    # Distinct magnitudes 1..256 are exact in bfloat16, so the top-k set has no ties.
+    signs = torch.randint(0, 2, (256,), generator=gen) * 2 - 1
+    t = ((torch.randperm(256, generator=gen) + 1) * signs).to(torch.bfloat16)
+    out = hvd.allreduce(t, compression=hvd_topk.TopK(density=0.05), op=hvd.Sum, name="ar.bf16")
+    ref = sparse_allreduce(gather(t.float().numpy()), 0.05, average=False)
+    np.testing.assert_allclose(out.float().numpy(), ref, rtol=2e-2, atol=1e-2)
+    # Integer and empty tensors pass through to Horovod's dense allreduce.
+    t = torch.arange(10, dtype=torch.int32) * (rank + 1)
+    out = hvd.allreduce(t, op=hvd.Sum, compression=hvd_topk.TopK, name="ar.int")
+    np.testing.assert_array_equal(out.numpy(), np.sum(gather(t.numpy()), axis=0))
+    out = hvd.allreduce(torch.empty(0), compression=hvd_topk.TopK, name="ar.empty")
+    assert out.numel() == 0
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def raw_grads(model, batches):
+    """Gradients of the unwrapped copy, accumulated over the batches (as Horovod does)."""
+    model.zero_grad()
+    for x, y in batches:
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    return {n: p.grad.detach().numpy().copy() for n, p in model.named_parameters()}
+
+
+def check_optimizer(density=0.05, op=hvd.Average, predivide=1.0, groups=None, passes=1, steps=2):
+    torch.manual_seed(0)
+    model = Net()
+    shadow = copy.deepcopy(model)
+    compressor = hvd_topk.TopK(density=density)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                   named_parameters=model.named_parameters(), compression=compressor,
+                                   op=op, gradient_predivide_factor=predivide, groups=groups,
+                                   backward_passes_per_step=passes)
+    gen = torch.Generator().manual_seed(7 + hvd.rank())
+    label = f"op={op} predivide={predivide} groups={groups} passes={passes}"
+    for step in range(steps):
+        batches = [(torch.randn(16, 20, generator=gen), torch.randint(0, 10, (16,), generator=gen))
+                   for _ in range(passes)]
+        shadow.load_state_dict(model.state_dict())
+        want = raw_grads(shadow, batches)
+        opt.zero_grad()
+        for x, y in batches:
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        for name, p in model.named_parameters():
+            ref = sparse_allreduce(gather(want[name]), density, average=op == hvd.Average)
+            np.testing.assert_allclose(p.grad.numpy(), ref, rtol=1e-5, atol=1e-7,
+                                       err_msg=f"{label} step {step} {name}")
+        with opt.skip_synchronize():
+            opt.step()
+        for name, p in model.named_parameters():
+            assert_same_on_all_ranks(p.detach().numpy(), f"{label} parameter {name}")
+    # Statistics, recomputed by hand from the contract: per tensor k pairs of 4+4 bytes
+    # (padded to 8) plus the 12-byte probe; dense bytes are 4 per element.
+    sizes = [p.numel() for p in model.parameters()]
+    stats = compressor.stats()
+    assert stats["tensors_sparse"] == steps * len(sizes), stats
+    assert stats["bytes_dense"] == steps * 4 * sum(sizes), stats
+    assert stats["elements_selected"] == steps * sum(k_of(n, density) for n in sizes), stats
+    want_sent = steps * sum((k_of(n, density) * 8 + 7) // 8 * 8 + 12 for n in sizes)
+    assert stats["bytes_sent"] == want_sent, (stats, want_sent)
+
+
+def check_adasum_rejected():
+    torch.manual_seed(0)
+    model = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   compression=hvd_topk.TopK, op=hvd.Adasum)
+    loss = model(torch.randn(4, 20)).sum()
+    try:
+        loss.backward()
+        opt.step()
+    except ValueError as exc:
+        assert "Adasum" in str(exc), exc
+    else:
+        raise AssertionError("op=Adasum with TopK did not raise")
+
+
+def main():
+    check_allreduce()
+    check_optimizer()
+    check_optimizer(op=hvd.Sum)
+    check_optimizer(predivide=2.0)
+    check_optimizer(groups=2)
+    check_optimizer(passes=2)
+    check_optimizer(density=1.0)
+    check_adasum_rejected()
+
+
+if __name__ == "__main__":
+    run(main)
