@@ -1,0 +1,26 @@
+# The two commands of the README: `make demo` (the main job) and `make test` (the tests).
+# Both run docker/install.sh first, which sets everything up on a fresh machine and only
+# checks on a machine that already has it.
+VENV ?= .venv
+NP ?= 2
+BIN := $(abspath $(VENV))/bin
+
+.PHONY: setup demo test test-unit test-distributed clean
+
+setup:
+	VENV=$(abspath $(VENV)) bash docker/install.sh
+
+demo: setup
+	PATH=$(BIN):$$PATH horovodrun -np $(NP) python examples/pytorch_digits.py --compression topk --density 0.01
+
+test: setup
+	$(BIN)/python -m pytest -v tests
+
+test-unit: setup
+	$(BIN)/python -m pytest -v -m "not distributed" tests
+
+test-distributed: setup
+	$(BIN)/python -m pytest -v -m distributed tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,155 @@
+#!/usr/bin/env python
+"""Data-parallel training on scikit-learn's digits (shipped offline) with Horovod + hvd_topk.
+
+    horovodrun -np 2 python examples/pytorch_digits.py --compression topk --density 0.01
+    mpirun -np 2 python examples/pytorch_digits.py --compression topk
+
+The one line that matters is the optimizer wrapping below: stock ``hvd.DistributedOptimizer``
+with ``compression=hvd_topk.TopK``. Rank 0 shows progress and, at the end, the test accuracy
+and the bytes sent compared to a dense fp32 allreduce.
+"""
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import horovod.torch as hvd
+import hvd_topk
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--compression", choices=("none", "fp16", "topk"), default="topk")
+    p.add_argument("--density", type=float, default=0.01, help="fraction sent by topk (default 0.01)")
+    p.add_argument("--epochs", type=int, default=40)
+    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--lr", type=float, default=0.05, help="per rank; scaled by the number of ranks")
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--json", metavar="PATH", help="write the final metrics here (rank 0)")
+    p.add_argument("--quiet", action="store_true", help="only the final summary")
+    args = p.parse_args(argv)
+    if args.epochs < 1 or args.batch_size < 1 or args.lr <= 0:
+        p.error("--epochs, --batch-size and --lr must be positive")
+    if args.compression == "topk":
+        try:
+            hvd_topk.selection.check_density(args.density, "--density")
+        except ValueError as exc:
+            p.error(str(exc))
+    return args
+
+
+def load_digits_split(seed=0, test_fraction=0.2):
+    """The 1,797 8x8 digits, scaled to [0, 1], split the same way on every rank."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(data.target, dtype=torch.long)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    n_test = int(len(y) * test_fraction)
+    test, train = order[:n_test], order[n_test:]
+    return (x[train], y[train]), (x[test], y[test])
+
+
+class DigitsNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(1, 32, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(32, 64, 3, padding=1)
+        self.fc1 = torch.nn.Linear(64 * 4 * 4, 128)
+        self.fc2 = torch.nn.Linear(128, 10)
+
+    def forward(self, x):
+        x = F.relu(self.conv1(x))
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = F.relu(self.fc1(x.flatten(1)))
+        return self.fc2(x)
+
+
+def make_compression(args):
+    if args.compression == "topk":
+        return hvd_topk.TopK(density=args.density)
+    return hvd.Compression.fp16 if args.compression == "fp16" else hvd.Compression.none
+
+
+def evaluate(model, x, y):
+    model.eval()
+    with torch.no_grad():
+        logits = model(x)
+    model.train()
+    return F.cross_entropy(logits, y).item(), (logits.argmax(1) == y).float().mean().item()
+
+
+def bytes_per_step(model, args, compression):
+    """(bytes sent, dense fp32 bytes) per step and rank; topk reads its own counters."""
+    dense = sum(p.numel() * 4 for p in model.parameters())
+    if args.compression == "topk":
+        s = compression.stats()
+        steps = max(1, s["tensors_sparse"] // sum(1 for _ in model.parameters()))
+        return s["bytes_sent"] / steps, s["bytes_dense"] / steps
+    return (dense // 2 if args.compression == "fp16" else dense), dense
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    hvd.init()
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)
+    rank, size = hvd.rank(), hvd.size()
+    say = print if rank == 0 and not args.quiet else (lambda *a, **k: None)
+
+    (x_train, y_train), (x_test, y_test) = load_digits_split()
+    x_local, y_local = x_train[rank::size], y_train[rank::size]  # this rank's shard
+    model = DigitsNet()
+    compression = make_compression(args)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr * size, momentum=args.momentum)
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                   compression=compression)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+
+    say(f"digits: {len(y_train)} train / {len(y_test)} test, {size} ranks, "
+        f"compression={args.compression}" + (f" density={args.density}" if args.compression == "topk" else ""))
+    gen = torch.Generator().manual_seed(args.seed + rank)
+    steps_per_epoch = (len(y_local) + args.batch_size - 1) // args.batch_size
+    # every rank must take the same number of steps
+    steps_per_epoch = int(hvd.allreduce(torch.tensor(steps_per_epoch), op=hvd.Min, name="steps"))
+    history, t0 = [], time.perf_counter()
+    for epoch in range(1, args.epochs + 1):
+        order = torch.randperm(len(y_local), generator=gen)
+        total = 0.0
+        for step in range(steps_per_epoch):
+            idx = order[step * args.batch_size:(step + 1) * args.batch_size]
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x_local[idx]), y_local[idx])
+            loss.backward()
+            opt.step()
+            total += loss.item()
+        train_loss = hvd.allreduce(torch.tensor(total / steps_per_epoch), name="train_loss").item()
+        test_loss, test_acc = evaluate(model, x_test, y_test)
+        history.append({"epoch": epoch, "train_loss": train_loss, "test_loss": test_loss, "test_acc": test_acc})
+        say(f"epoch {epoch:3d}/{args.epochs}  train loss {train_loss:.4f}  test loss {test_loss:.4f}  "
+            f"test acc {100 * test_acc:5.1f}%  ({time.perf_counter() - t0:.1f}s)", flush=True)
+
+    sent, dense = bytes_per_step(model, args, compression)
+    result = {"compression": args.compression, "density": args.density if args.compression == "topk" else None,
+              "ranks": size, "epochs": args.epochs, "test_acc": history[-1]["test_acc"],
+              "bytes_sent_per_step": sent, "bytes_dense_per_step": dense,
+              "bytes_ratio": sent / dense, "seconds": time.perf_counter() - t0, "history": history}
+    if rank == 0:
+        print(f"final test accuracy {100 * result['test_acc']:.2f}%  |  bytes sent per step and rank "
+              f"{sent:,.0f} vs dense fp32 {dense:,.0f} ({100 * result['bytes_ratio']:.2f}%)")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

@@ -1,0 +1,101 @@
+"""Single-process tests: the contract's pieces against numpy and hand-computed cases."""
+
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from hvd_topk import selection, wire
+from reference import k_of, topk_sparse
+
+
+@pytest.mark.parametrize("n,density,want", [(1000, 0.01, 10), (10, 0.01, 1), (150, 0.01, 2),
+                                            (250, 0.01, 2), (7, 1.0, 7), (3, 0.5, 2), (0, 0.1, 0)])
+def test_k_for_matches_contract(n, density, want):
+    # hand-computed: max(1, round(d * n)); Python rounds half to even (2.5 -> 2, 1.5 -> 2)
+    assert selection.k_for(n, density) == want
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -0.1, 1.5, float("nan"), float("inf"), "abc", None])
+def test_density_out_of_range_is_value_error_naming_it(bad):
+    with pytest.raises(ValueError, match=repr(bad).replace("(", r"\(").replace(")", r"\)")):
+        selection.check_density(bad)
+
+
+def test_bad_method_is_value_error():
+    with pytest.raises(ValueError, match="'fastest'"):
+        selection.check_method("fastest")
+
+
+@pytest.mark.parametrize("n,density", [(1000, 0.01), (4096, 0.1), (333, 1.0), (50_000, 0.001)])
+def test_exact_selection_matches_numpy(n, density):
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal(n).astype(np.float32)  # continuous: tie-free
+    k = k_of(n, density)
+    values, indices = selection.select(torch.from_numpy(x), k, "exact")
+    _, keep = topk_sparse(x, density)
+    assert sorted(indices.tolist()) == sorted(keep.tolist())
+    np.testing.assert_array_equal(values.numpy(), x[indices.numpy()])
+
+
+@pytest.mark.parametrize("value_dtype,index_dtype,count", [
+    (torch.float32, torch.int32, 7), (torch.float16, torch.int32, 5), (torch.float64, torch.int32, 3),
+    (torch.bfloat16, torch.int64, 9), (torch.float32, torch.int64, 1)])
+def test_wire_roundtrip_over_ranks(value_dtype, index_dtype, count):
+    layout = wire.Layout(count, value_dtype, index_dtype)
+    assert layout.nbytes % 8 == 0
+    assert layout.nbytes >= count * (torch.empty((), dtype=value_dtype).element_size()
+                                     + torch.empty((), dtype=index_dtype).element_size())
+    ranks = []
+    for r in range(3):
+        values = (torch.arange(count, dtype=torch.float64) * (r + 1) - 2.5).to(value_dtype)
+        indices = torch.arange(count, dtype=torch.int64).mul(r + 11).to(index_dtype)
+        ranks.append((values, indices, layout.pack(values, indices)))
+    gathered = torch.cat([packed for _, _, packed in ranks])  # what an allgather returns
+    values, indices = layout.unpack(gathered, 3)
+    for r, (v, i, _) in enumerate(ranks):
+        assert torch.equal(values[r], v) and torch.equal(indices[r], i)
+
+
+def test_wire_rejects_a_mismatched_gather():
+    layout = wire.Layout(4, torch.float32, torch.int32)
+    with pytest.raises(ValueError, match="ranks disagree"):
+        layout.unpack(torch.zeros(layout.nbytes * 2 + 8, dtype=torch.uint8), 2)
+
+
+def test_index_dtype_switches_at_2_pow_31():
+    assert wire.index_dtype_for(2**31 - 1) == torch.int32
+    assert wire.index_dtype_for(2**31) == torch.int64
+
+
+def test_topk_class_and_instance():
+    import hvd_topk
+    from horovod.torch.compression import Compressor
+
+    assert issubclass(hvd_topk.TopK, Compressor)
+    assert hvd_topk.TopK.default().density == 0.01
+    assert hvd_topk.TopK.default() is hvd_topk.TopK.default()
+    c = hvd_topk.TopK(density=0.001, fp16_values=True)
+    assert isinstance(c, Compressor) and c.density == 0.001
+    with pytest.raises(ValueError, match="1.5"):
+        hvd_topk.TopK(density=1.5)
+    # Non-floating and empty tensors pass through without any communication.
+    ints = torch.arange(5)
+    assert hvd_topk.TopK.compress(ints) == (ints, None)
+    empty = torch.empty(0)
+    assert c.compress(empty)[1] is None and c.decompress(empty, None) is empty
+
+
+def test_missing_horovod_gives_install_instructions():
+    code = ("import sys; sys.modules['horovod'] = None; sys.modules['horovod.torch'] = None\n"
+            "import hvd_topk\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()
+    assert any(line.startswith("ImportError: importing horovod.torch failed") for line in last), proc.stderr
+    assert "docker/install.sh" in proc.stderr
+    # a short message, not a deep traceback
+    assert proc.stderr.count('File "') <= 3, proc.stderr
