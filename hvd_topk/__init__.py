@@ -2,6 +2,9 @@
 
 - ``hvd_topk.TopK``: a Horovod ``Compressor``; ``hvd.DistributedOptimizer(opt,
   compression=hvd_topk.TopK)`` exchanges only the top 1% of each gradient (no error feedback).
+- ``hvd_topk.DistributedOptimizer``: same signature as ``hvd.DistributedOptimizer``, with error
+  feedback, fused packed exchange, a dense path where sparse does not pay, checkpointable state
+  and ``compression_stats()``.
 """
 
 from hvd_topk._horovod import import_horovod_torch
@@ -9,6 +12,7 @@ from hvd_topk._horovod import import_horovod_torch
 import_horovod_torch()  # a clear ImportError with install steps when Horovod is missing
 
 from hvd_topk.compressor import TopK  # noqa: E402
+from hvd_topk.optimizer import DistributedOptimizer  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["TopK", "__version__"]
+__all__ = ["TopK", "DistributedOptimizer", "__version__"]

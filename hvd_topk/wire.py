@@ -34,14 +34,24 @@ class Layout:
         self._padding = slice(used, self.nbytes)
 
     def pack(self, values, indices, out=None):
-        """Write one rank's pairs into ``out`` (a reusable uint8 buffer) or a new one."""
-        if values.numel() != self.count or indices.numel() != self.count:
-            raise ValueError(f"expected {self.count} pairs, got {values.numel()} values "
-                             f"and {indices.numel()} indices")
+        """Write one rank's pairs into ``out`` (a reusable uint8 buffer) or a new one.
+
+        ``values`` and ``indices`` are tensors, or equal-length sequences of tensors (the
+        tensors of a fusion bucket), written one after the other without concatenating first.
+        """
+        values = [values] if torch.is_tensor(values) else list(values)
+        indices = [indices] if torch.is_tensor(indices) else list(indices)
+        n_values, n_indices = sum(v.numel() for v in values), sum(i.numel() for i in indices)
+        if n_values != self.count or n_indices != self.count:
+            raise ValueError(f"expected {self.count} pairs, got {n_values} values and {n_indices} indices")
         if out is None:
-            out = torch.empty(self.nbytes, dtype=torch.uint8, device=values.device)
-        out[self._indices].view(self.index_dtype).copy_(indices)
-        out[self._values].view(self.value_dtype).copy_(values)
+            out = torch.empty(self.nbytes, dtype=torch.uint8, device=values[0].device)
+        for part, dtype, chunks in ((self._values, self.value_dtype, values),
+                                    (self._indices, self.index_dtype, indices)):
+            dest, start = out[part].view(dtype), 0
+            for chunk in chunks:
+                dest[start:start + chunk.numel()].copy_(chunk.reshape(-1))
+                start += chunk.numel()
         out[self._padding].zero_()
         return out
 

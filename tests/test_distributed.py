@@ -1,4 +1,9 @@
-"""Scripts under tests/dist run as real Horovod jobs: mpirun -np 2 and -np 3 (odd sizes catch bugs)."""
+"""Scripts under tests/dist run as real Horovod jobs: mpirun -np 2 and -np 3 (odd sizes catch bugs).
+
+Each script checks every rank against an independent reference (numpy, fed with every rank's
+raw data through mpi4py); a failure on any rank aborts the job, and a hang is killed by the
+timeout in tests/mpi.py.
+"""
 
 import pytest
 
@@ -6,8 +11,11 @@ from mpi import DIST, run_mpi
 
 pytestmark = pytest.mark.distributed
 
+SCRIPTS = ["check_compressor.py", "check_optimizer.py", "check_mismatch.py"]
+
 
 @pytest.mark.parametrize("np_", [2, 3])
-def test_topk_compressor_under_stock_horovod(np_):
-    out = run_mpi(np_, DIST / "check_compressor.py")
-    assert f"OK on {np_} ranks" in out.stdout
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_distributed(script, np_):
+    out = run_mpi(np_, DIST / script)
+    assert f"OK on {np_} ranks" in out.stdout, out.stdout

@@ -1,0 +1,277 @@
+"""hvd_topk.DistributedOptimizer checked step by step against the numpy contract.
+
+Run: mpirun -np 2 (or 3) python tests/dist/check_optimizer.py
+"""
+
+import copy
+import warnings
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import horovod.torch as hvd
+import hvd_topk
+from harness import assert_same_on_all_ranks, gather, run
+from reference import ErrorFeedbackReference, dgc_density, k_of
+
+
+class Net(torch.nn.Module):
+    """Two big weights (sparse path) and small biases (dense path); head2 is optional."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(40, 96)
+        self.fc2 = torch.nn.Linear(96, 10)
+        self.head2 = torch.nn.Linear(96, 10)
+
+    def forward(self, x, use_head2=True):
+        h = torch.relu(self.fc1(x))
+        out = self.fc2(h)
+        return out + self.head2(h) if use_head2 else out
+
+
+def batch(step, rank, n=24, part=None):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    x, y = torch.randn(n, 40, generator=gen), torch.randint(0, 10, (n,), generator=gen)
+    if part is None:
+        return x, y
+    half = n // 2
+    return x[part * half:(part + 1) * half], y[part * half:(part + 1) * half]
+
+
+def build(density=0.05, lr=0.1, momentum=0.9, seed=0, **options):
+    torch.manual_seed(seed)
+    model = Net()
+    inner = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                        compression=hvd_topk.TopK(density=density), **options)
+    return model, opt
+
+
+def check_contract(label, steps=4, density=0.05, momentum_correction=0.0, error_feedback=True,
+                   warmup_steps=0, op=hvd.Average, drop_head2_on_rank=None, **options):
+    rank, size = hvd.rank(), hvd.size()
+    model, opt = build(density=density, momentum=0.0 if momentum_correction else 0.9, op=op,
+                       momentum_correction=momentum_correction, error_feedback=error_feedback,
+                       warmup_steps=warmup_steps, min_numel=500, **options)
+    shadow = copy.deepcopy(model)
+    ref = ErrorFeedbackReference(size, momentum=momentum_correction, error_feedback=error_feedback)
+    for step in range(steps):
+        use_head2 = rank != drop_head2_on_rank
+        x, y = batch(step, rank)
+        shadow.load_state_dict(model.state_dict())
+        shadow.zero_grad()
+        F.cross_entropy(shadow(x, use_head2), y).backward()
+        raw = {n: (p.grad.numpy().copy() if p.grad is not None else np.zeros(tuple(p.shape), np.float32))
+               for n, p in shadow.named_parameters()}
+        opt.zero_grad()
+        F.cross_entropy(model(x, use_head2), y).backward()
+        opt.synchronize()
+        d = dgc_density(step, density, warmup_steps)
+        for name, p in model.named_parameters():
+            grads = gather(raw[name])
+            if p.numel() >= 500:
+                want = ref.sparse(name, grads, d, average=op == hvd.Average)
+            else:
+                want = np.sum(grads, axis=0) / (size if op == hvd.Average else 1)
+            np.testing.assert_allclose(p.grad.numpy(), want, rtol=1e-6, atol=1e-7,
+                                       err_msg=f"{label}: step {step} {name}")
+        with opt.skip_synchronize():
+            opt.step()
+        for name, p in model.named_parameters():
+            assert_same_on_all_ranks(p.detach().numpy(), f"{label}: step {step} parameter {name}")
+    residuals = opt.state_dict()["hvd_topk"]["residuals"]
+    for name, r in residuals.items():
+        if error_feedback:
+            np.testing.assert_allclose(r.numpy().reshape(-1), ref.residual[rank][name].reshape(-1),
+                                       rtol=1e-6, atol=1e-7, err_msg=f"{label}: residual {name}")
+    stats = opt.compression_stats()
+    sizes = [p.numel() for p in model.parameters() if p.numel() >= 500]
+    assert stats["steps"] == steps, stats
+    want_selected = sum(k_of(n, dgc_density(s, density, warmup_steps)) for s in range(steps) for n in sizes)
+    want_selected += steps * sum(p.numel() for p in model.parameters() if p.numel() < 500)
+    assert stats["elements_selected"] == want_selected, (stats, want_selected)
+    if options.get("dense_fallback", True):
+        assert stats["bytes_sent"] < stats["bytes_dense"], stats
+    return model
+
+
+def check_cost_model_goes_dense():
+    """At density 1/P or more a ring allreduce moves fewer bytes: the big tensors go dense."""
+    size = hvd.size()
+    model, opt = build(density=min(1.0, 1.0 / size + 0.01), min_numel=500)
+    train(model, opt, 2)
+    stats = opt.compression_stats()
+    assert stats["tensors_sparse"] == 0 and stats["tensors_dense"] == 2 * 6, stats
+    assert stats["bytes_sent"] == stats["bytes_dense"], stats
+    for p in model.parameters():
+        assert_same_on_all_ranks(p.detach().numpy(), "dense fallback parameters")
+
+
+def check_passes_equal_concatenated_batch():
+    """backward_passes_per_step=2 over two halves (loss/2) == one pass over the whole batch."""
+    rank = hvd.rank()
+    model_a, opt_a = build(backward_passes_per_step=2, min_numel=500)
+    model_b, opt_b = build(min_numel=500)
+    for step in range(3):
+        opt_a.zero_grad()
+        for part in (0, 1):
+            x, y = batch(step, rank, part=part)
+            (F.cross_entropy(model_a(x), y) / 2).backward()
+        opt_a.step()
+        opt_b.zero_grad()
+        x, y = batch(step, rank)
+        F.cross_entropy(model_b(x), y).backward()
+        opt_b.step()
+        for (name, a), b in zip(model_a.named_parameters(), model_b.parameters()):
+            np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-5, atol=1e-6,
+                                       err_msg=f"passes=2 vs concatenated: step {step} {name}")
+
+
+def train(model, opt, steps, start=0):
+    for step in range(start, start + steps):
+        x, y = batch(step, hvd.rank())
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def check_checkpoint_resume():
+    """Save at step 3 (one state per rank), resume in fresh objects: bitwise equal at step 7."""
+    model, opt = build(min_numel=500, warmup_steps=4)
+    train(model, opt, 7)
+    model_b, opt_b = build(min_numel=500, warmup_steps=4)
+    train(model_b, opt_b, 3)
+    saved = copy.deepcopy({"model": model_b.state_dict(), "opt": opt_b.state_dict()})
+    assert saved["opt"]["hvd_topk"]["step"] == 3
+    model_c, opt_c = build(min_numel=500, warmup_steps=4, seed=123)  # different init on purpose
+    model_c.load_state_dict(saved["model"])
+    opt_c.load_state_dict(saved["opt"])
+    train(model_c, opt_c, 4, start=3)
+    for (name, a), c in zip(model.named_parameters(), model_c.parameters()):
+        assert torch.equal(a, c), f"resume: {name} differs (max {float((a - c).abs().max())})"
+    for name, r in opt.state_dict()["hvd_topk"]["residuals"].items():
+        assert torch.equal(r, opt_c.state_dict()["hvd_topk"]["residuals"][name]), name
+    # A state saved on another rank restarts the residuals from zero, with a warning.
+    other = copy.deepcopy(opt.state_dict())
+    other["hvd_topk"]["rank"] = (hvd.rank() + 1) % hvd.size()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt_c.load_state_dict(other)
+    assert any("residuals start from zero" in str(w.message) for w in caught)
+    assert all(float(r.abs().sum()) == 0 for r in opt_c.state_dict()["hvd_topk"]["residuals"].values())
+
+
+def check_elastic_state():
+    model, opt = build(min_numel=500)
+    train(model, opt, 2)
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, epoch=0)
+    state.commit()
+    committed = copy.deepcopy(opt.state_dict()["hvd_topk"])
+    params = copy.deepcopy(model.state_dict())
+    train(model, opt, 2, start=2)
+    assert opt.state_dict()["hvd_topk"]["step"] == 4
+    state.restore()
+    restored = opt.state_dict()["hvd_topk"]
+    assert restored["step"] == committed["step"] == 2
+    for name, r in committed["residuals"].items():
+        assert torch.equal(restored["residuals"][name], r), name
+    for name, t in params.items():
+        assert torch.equal(model.state_dict()[name], t), name
+
+
+def check_broadcast_optimizer_state():
+    model, opt = build(min_numel=500)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)  # must not run an exchange or count a step
+    assert opt.compression_stats()["step"] == 0
+    train(model, opt, 2)
+    assert isinstance(opt, torch.optim.SGD)
+
+
+def check_nonfinite():
+    """An inf in rank 0's gradient reaches the average on every rank, never the residual."""
+    rank = hvd.rank()
+    model, opt = build(min_numel=500)
+    inject = {"on": True}
+
+    def poison(grad):
+        if inject["on"] and rank == 0:
+            grad = grad.clone()
+            grad.view(-1)[7] = float("inf")  # almost surely not among the top-k
+        return grad
+
+    model.fc1.weight.register_hook(poison)
+    x, y = batch(0, rank)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.synchronize()
+    assert not torch.isfinite(model.fc1.weight.grad).all(), "non-finite gradient was lost"
+    residuals = opt.state_dict()["hvd_topk"]["residuals"]
+    assert all(torch.isfinite(r).all() for r in residuals.values())
+    if rank == 0:
+        assert float(residuals["fc1.weight"].abs().sum()) == 0
+        assert opt.compression_stats()["nonfinite_resets"] >= 1
+    inject["on"] = False
+    opt.zero_grad()  # the step is skipped, as GradScaler would
+    train(model, opt, 1, start=1)
+    for p in model.parameters():
+        assert torch.isfinite(p).all()
+
+
+def check_bad_input():
+    torch.manual_seed(0)
+    model = Net()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    for kwargs, error, text in [
+        ({"compression": hvd_topk.TopK(density=0.5), "op": hvd.Adasum}, ValueError, "Adasum"),
+        ({"min_numel": -1}, ValueError, "-1"),
+        ({"momentum_correction": 1.5}, ValueError, "1.5"),
+        ({"warmup_steps": -2}, ValueError, "-2"),
+        ({"warmup_density": 0.0, "warmup_steps": 3}, ValueError, "0.0"),
+        ({"backward_passes_per_step": 0}, ValueError, "0"),
+        ({"fusion_bytes": 0}, ValueError, "0"),
+        ({"densty": 0.1}, TypeError, "densty"),
+        ({"compression": hvd.Compression.fp16}, TypeError, "compression"),
+        ({"named_parameters": [("a", p) for p in model.parameters()]}, ValueError, "duplicates"),
+        ({"named_parameters": list(model.named_parameters())[:2]}, ValueError, "not named"),
+    ]:
+        try:
+            hvd_topk.DistributedOptimizer(sgd, **kwargs)
+        except error as exc:
+            assert text in str(exc), (kwargs, exc)
+        else:
+            raise AssertionError(f"{kwargs} was accepted")
+    # Parameters added after the optimizer was built: a clear error, not silent divergence.
+    model, opt = build(min_numel=500)
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    try:
+        train(model, opt, 1)
+    except RuntimeError as exc:
+        assert "parameters changed" in str(exc), exc
+    else:
+        raise AssertionError("added parameters were not detected")
+
+
+def main():
+    check_contract("default")
+    check_contract("sum", op=hvd.Sum)
+    check_contract("no error feedback", error_feedback=False)
+    check_contract("momentum correction", momentum_correction=0.9)
+    check_contract("warm-up", warmup_steps=3, steps=5)
+    check_contract("small buckets", fusion_bytes=4096)
+    check_contract("groups=2", groups=2)
+    check_contract("no gradient on rank 1", drop_head2_on_rank=1)
+    check_contract("fp32 dense fallback off", dense_fallback=False, density=0.6)
+    check_cost_model_goes_dense()
+    check_passes_equal_concatenated_batch()
+    check_checkpoint_resume()
+    check_elastic_state()
+    check_broadcast_optimizer_state()
+    check_nonfinite()
+    check_bad_input()
+
+
+if __name__ == "__main__":
+    run(main)
