@@ -4,9 +4,11 @@
     horovodrun -np 2 python examples/pytorch_digits.py --compression topk --density 0.01
     mpirun -np 2 python examples/pytorch_digits.py --compression topk
 
-The one line that matters is the optimizer wrapping below: stock ``hvd.DistributedOptimizer``
-with ``compression=hvd_topk.TopK``. Rank 0 shows progress and, at the end, the test accuracy
-and the bytes sent compared to a dense fp32 allreduce.
+The one line that matters is the optimizer wrapping in ``make_optimizer``: stock
+``hvd.DistributedOptimizer`` with ``compression=hvd_topk.TopK`` (``--optimizer horovod``, the
+default), or ``hvd_topk.DistributedOptimizer`` with error feedback (``--optimizer topk-ef``).
+Rank 0 shows progress and, at the end, the test accuracy and the bytes sent compared to a dense
+fp32 allreduce (and, for topk-ef, the optimizer's compression statistics).
 """
 
 import argparse
@@ -26,7 +28,10 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--compression", choices=("none", "fp16", "topk"), default="topk")
     p.add_argument("--density", type=float, default=0.01, help="fraction sent by topk (default 0.01)")
-    p.add_argument("--epochs", type=int, default=40)
+    p.add_argument("--optimizer", choices=("horovod", "topk-ef"), default="horovod",
+                   help="hvd.DistributedOptimizer (+ --compression) or hvd_topk.DistributedOptimizer")
+    p.add_argument("--no-error-feedback", action="store_true", help="topk-ef without error feedback")
+    p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--lr", type=float, default=0.05, help="per rank; scaled by the number of ranks")
     p.add_argument("--momentum", type=float, default=0.9)
@@ -36,6 +41,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.epochs < 1 or args.batch_size < 1 or args.lr <= 0:
         p.error("--epochs, --batch-size and --lr must be positive")
+    if args.optimizer == "topk-ef" and args.compression != "topk":
+        p.error("--optimizer topk-ef always compresses with TopK; use --compression topk")
     if args.compression == "topk":
         try:
             hvd_topk.selection.check_density(args.density, "--density")
@@ -78,6 +85,16 @@ def make_compression(args):
     return hvd.Compression.fp16 if args.compression == "fp16" else hvd.Compression.none
 
 
+def make_optimizer(args, model, compression):
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=args.momentum)
+    if args.optimizer == "topk-ef":
+        return hvd_topk.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                             compression=compression,
+                                             error_feedback=not args.no_error_feedback)
+    return hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                    compression=compression)
+
+
 def evaluate(model, x, y):
     model.eval()
     with torch.no_grad():
@@ -86,9 +103,12 @@ def evaluate(model, x, y):
     return F.cross_entropy(logits, y).item(), (logits.argmax(1) == y).float().mean().item()
 
 
-def bytes_per_step(model, args, compression):
+def bytes_per_step(model, args, compression, opt):
     """(bytes sent, dense fp32 bytes) per step and rank; topk reads its own counters."""
     dense = sum(p.numel() * 4 for p in model.parameters())
+    if args.optimizer == "topk-ef":
+        s = opt.compression_stats()
+        return s["bytes_sent"] / max(1, s["steps"]), s["bytes_dense"] / max(1, s["steps"])
     if args.compression == "topk":
         s = compression.stats()
         steps = max(1, s["tensors_sparse"] // sum(1 for _ in model.parameters()))
@@ -108,14 +128,13 @@ def main(argv=None):
     x_local, y_local = x_train[rank::size], y_train[rank::size]  # this rank's shard
     model = DigitsNet()
     compression = make_compression(args)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr * size, momentum=args.momentum)
-    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                   compression=compression)
+    opt = make_optimizer(args, model, compression)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
 
-    say(f"digits: {len(y_train)} train / {len(y_test)} test, {size} ranks, "
-        f"compression={args.compression}" + (f" density={args.density}" if args.compression == "topk" else ""))
+    say(f"digits: {len(y_train)} train / {len(y_test)} test, {size} ranks, optimizer={args.optimizer}, "
+        f"compression={args.compression}" + (f" density={args.density}" if args.compression == "topk" else "")
+        + (" (no error feedback)" if args.no_error_feedback else ""))
     gen = torch.Generator().manual_seed(args.seed + rank)
     steps_per_epoch = (len(y_local) + args.batch_size - 1) // args.batch_size
     # every rank must take the same number of steps
@@ -137,14 +156,23 @@ def main(argv=None):
         say(f"epoch {epoch:3d}/{args.epochs}  train loss {train_loss:.4f}  test loss {test_loss:.4f}  "
             f"test acc {100 * test_acc:5.1f}%  ({time.perf_counter() - t0:.1f}s)", flush=True)
 
-    sent, dense = bytes_per_step(model, args, compression)
-    result = {"compression": args.compression, "density": args.density if args.compression == "topk" else None,
+    sent, dense = bytes_per_step(model, args, compression, opt)
+    result = {"optimizer": args.optimizer, "error_feedback": args.optimizer == "topk-ef" and not args.no_error_feedback,
+              "compression": args.compression, "density": args.density if args.compression == "topk" else None,
               "ranks": size, "epochs": args.epochs, "test_acc": history[-1]["test_acc"],
               "bytes_sent_per_step": sent, "bytes_dense_per_step": dense,
               "bytes_ratio": sent / dense, "seconds": time.perf_counter() - t0, "history": history}
+    if args.optimizer == "topk-ef":
+        result["compression_stats"] = opt.compression_stats()
     if rank == 0:
         print(f"final test accuracy {100 * result['test_acc']:.2f}%  |  bytes sent per step and rank "
               f"{sent:,.0f} vs dense fp32 {dense:,.0f} ({100 * result['bytes_ratio']:.2f}%)")
+        if "compression_stats" in result:
+            st = result["compression_stats"]
+            print(f"compression_stats: steps {st['steps']}, achieved density {st['density']:.4f}, "
+                  f"sparse/dense tensors {st['tensors_sparse']}/{st['tensors_dense']}, "
+                  f"selection {st['time_selection_s']:.2f}s, exchange wait {st['time_exchange_s']:.2f}s, "
+                  f"non-finite resets {st['nonfinite_resets']}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
