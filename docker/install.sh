@@ -57,7 +57,8 @@ else
   fi
   PY=$VENV/bin/python
 fi
-PIP=("$PY" -m pip --disable-pip-version-check -q)
+# --no-compile: byte-compiling all of torch at install costs ~35 s; Python compiles lazily instead.
+PIP=("$PY" -m pip --disable-pip-version-check -q --no-compile)
 
 # ---- 3. Python dependencies ----------------------------------------------------------------
 mkdir -p "$CACHE/wheels"
