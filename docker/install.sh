@@ -57,15 +57,16 @@ else
   fi
   PY=$VENV/bin/python
 fi
+PIP=("$PY" -m pip --disable-pip-version-check -q)
 # --no-compile: byte-compiling all of torch at install costs ~35 s; Python compiles lazily instead.
-PIP=("$PY" -m pip --disable-pip-version-check -q --no-compile)
+INSTALL=("${INSTALL[@]}" --no-compile)
 
 # ---- 3. Python dependencies ----------------------------------------------------------------
 mkdir -p "$CACHE/wheels"
 log "pip: $TORCH_SPEC numpy mpi4py pytest scikit-learn"
-"${PIP[@]}" install setuptools wheel packaging
+"${INSTALL[@]}" setuptools wheel packaging
 # mpi4py compiles against OpenMPI; --find-links picks the wheel cached by an earlier run.
-"${PIP[@]}" install --find-links "$CACHE/wheels" "$TORCH_SPEC" numpy mpi4py pytest pytest-timeout \
+"${INSTALL[@]}" --find-links "$CACHE/wheels" "$TORCH_SPEC" numpy mpi4py pytest pytest-timeout \
   scikit-learn cloudpickle psutil pyyaml
 if ! ls "$CACHE"/wheels/mpi4py-*.whl >/dev/null 2>&1; then
   "${PIP[@]}" wheel --no-deps --find-links "$CACHE/wheels" -w "$CACHE/wheels" mpi4py || true
@@ -121,17 +122,17 @@ WRAPPER
   else
     log "using cached Horovod wheel $WHEEL"
   fi
-  "${PIP[@]}" install --force-reinstall --no-deps "$WHEEL"
-  "${PIP[@]}" install "$WHEEL"  # its light Python dependencies
+  "${INSTALL[@]}" --force-reinstall --no-deps "$WHEEL"
+  "${INSTALL[@]}" "$WHEEL"  # its light Python dependencies
 fi
 
 # ---- 5. hvd_topk itself --------------------------------------------------------------------
 if [ -f "$REPO/pyproject.toml" ]; then
   log "installing hvd_topk"
   if [ "$EDITABLE" = 1 ]; then
-    "${PIP[@]}" install --no-deps --no-build-isolation -e "$REPO"
+    "${INSTALL[@]}" --no-deps --no-build-isolation -e "$REPO"
   else
-    "${PIP[@]}" install --no-deps --no-build-isolation "$REPO"
+    "${INSTALL[@]}" --no-deps --no-build-isolation "$REPO"
   fi
 fi
 
