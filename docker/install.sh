@@ -59,7 +59,7 @@ else
 fi
 PIP=("$PY" -m pip --disable-pip-version-check -q)
 # --no-compile: byte-compiling all of torch at install costs ~35 s; Python compiles lazily instead.
-INSTALL=("${INSTALL[@]}" --no-compile)
+INSTALL=("${PIP[@]}" install --no-compile)
 
 # ---- 3. Python dependencies ----------------------------------------------------------------
 mkdir -p "$CACHE/wheels"
