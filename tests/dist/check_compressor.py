@@ -10,7 +10,7 @@ import torch
 
 import horovod.torch as hvd
 import hvd_topk
-from harness import assert_same_on_all_ranks, gather, run
+from harness import assert_same_on_all_ranks, gather, run, step_and_check_same
 from reference import k_of, sparse_allreduce
 
 
@@ -98,10 +98,7 @@ def check_optimizer(density=0.05, op=hvd.Average, predivide=1.0, groups=None, pa
             ref = sparse_allreduce(gather(want[name]), density, average=op == hvd.Average)
             np.testing.assert_allclose(p.grad.numpy(), ref, rtol=1e-5, atol=1e-7,
                                        err_msg=f"{label} step {step} {name}")
-        with opt.skip_synchronize():
-            opt.step()
-        for name, p in model.named_parameters():
-            assert_same_on_all_ranks(p.detach().numpy(), f"{label} parameter {name}")
+        step_and_check_same(opt, model, f"{label}: step {step}")
     # Statistics, recomputed by hand from the contract: per tensor k pairs of 4+4 bytes
     # (padded to 8) plus the 12-byte probe; dense bytes are 4 per element.
     sizes = [p.numel() for p in model.parameters()]

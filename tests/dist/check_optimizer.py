@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import horovod.torch as hvd
 import hvd_topk
-from harness import assert_same_on_all_ranks, gather, run
+from harness import assert_same_on_all_ranks, gather, run, step_and_check_same
 from reference import ErrorFeedbackReference, dgc_density, k_of
 
 
@@ -77,10 +77,7 @@ def check_contract(label, steps=4, density=0.05, momentum_correction=0.0, error_
                 want = np.sum(grads, axis=0) / (size if op == hvd.Average else 1)
             np.testing.assert_allclose(p.grad.numpy(), want, rtol=1e-6, atol=1e-7,
                                        err_msg=f"{label}: step {step} {name}")
-        with opt.skip_synchronize():
-            opt.step()
-        for name, p in model.named_parameters():
-            assert_same_on_all_ranks(p.detach().numpy(), f"{label}: step {step} parameter {name}")
+        step_and_check_same(opt, model, f"{label}: step {step}")
     residuals = opt.state_dict()["hvd_topk"]["residuals"]
     for name, r in residuals.items():
         if error_feedback:

@@ -37,3 +37,11 @@ def assert_same_on_all_ranks(array, what):
         if not np.array_equal(other, arrays[0]):
             raise AssertionError(f"{what}: rank {r} differs from rank 0 "
                                  f"(max |diff| {np.max(np.abs(other - arrays[0]))})")
+
+
+def step_and_check_same(opt, model, label):
+    """``step()`` after an explicit ``synchronize()``; parameters must be bitwise equal on all ranks."""
+    with opt.skip_synchronize():
+        opt.step()
+    for name, p in model.named_parameters():
+        assert_same_on_all_ranks(p.detach().numpy(), f"{label}: parameter {name}")
