@@ -11,7 +11,7 @@ setup:
 	VENV=$(abspath $(VENV)) bash docker/install.sh
 
 demo: setup
-	PATH=$(BIN):$$PATH horovodrun -np $(NP) python examples/pytorch_digits.py --compression topk --density 0.01
+	PATH=$(BIN):$$PATH horovodrun -np $(NP) --gloo python examples/pytorch_digits.py --compression topk --density 0.01
 
 test: setup
 	$(BIN)/python -m pytest -v tests

@@ -10,6 +10,7 @@ cheaper go through a grouped dense allreduce instead.
 """
 
 import hashlib
+import itertools
 import math
 import time
 import warnings
@@ -93,6 +94,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
 
 
 _HOROVOD_OPTIMIZER_MODULE = hvd.DistributedOptimizer.__module__
+# Optimizers are built in the same order on every rank, so this numbering names their
+# collectives alike everywhere and keeps two optimizers' messages apart.
+_optimizer_ids = itertools.count()
 
 
 class _Bucket:
@@ -156,6 +160,7 @@ class _TopKDistributedOptimizer(torch.optim.Optimizer):
             warnings.warn("momentum_correction applies momentum before compression; the inner "
                           "optimizer's own momentum should be 0 (DGC), or momentum is applied twice")
 
+        self._prefix = f"hvd_topk.opt{next(_optimizer_ids)}"
         self._names = _parameter_names(self.param_groups, named_parameters)
         self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         self._param_ids = [id(p) for g in self.param_groups for p in g["params"]]
@@ -197,7 +202,7 @@ class _TopKDistributedOptimizer(torch.optim.Optimizer):
 
     def _launch(self, bucket):
         density = self._schedule.density(self._step)
-        name = f"hvd_topk.{bucket.index}"
+        name = f"{self._prefix}.bucket{bucket.index}"
         for p, _, _ in bucket.members:
             if p.grad is None:  # no gradient here this step: contribute zeros, as Horovod does
                 p.grad = torch.zeros_like(p)
