@@ -43,6 +43,8 @@ def parse_args(argv=None):
         p.error("--epochs, --batch-size and --lr must be positive")
     if args.optimizer == "topk-ef" and args.compression != "topk":
         p.error("--optimizer topk-ef always compresses with TopK; use --compression topk")
+    if args.no_error_feedback and args.optimizer != "topk-ef":
+        p.error("--no-error-feedback only applies to --optimizer topk-ef (the drop-in TopK has none)")
     if args.compression == "topk":
         try:
             hvd_topk.selection.check_density(args.density, "--density")
