@@ -7,8 +7,6 @@ Sparse is cheaper while ``density < 2 * b_dense / (P * (b_value + b_index))``: 5
 12.5% at P=8, 1.6% at P=64 for fp32 values and int32 indices.
 """
 
-import torch
-
 from hvd_topk._horovod import import_horovod_torch
 
 hvd = import_horovod_torch()
@@ -48,7 +46,3 @@ def launch_dense(tensors, name, op, predivide, process_set):
 
 def wait(handle):
     return hvd.synchronize(handle)
-
-
-def zeros_like_flat(numel, dtype, device):
-    return torch.zeros(numel, dtype=dtype, device=device)

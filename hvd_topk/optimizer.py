@@ -74,7 +74,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if isinstance(optimizer, _TopKDistributedOptimizer) or hasattr(optimizer, "_topk"):
+    if hasattr(optimizer, "_topk"):
         raise ValueError("optimizer is already a hvd_topk.DistributedOptimizer")
     if hasattr(optimizer, "_handles") and hasattr(optimizer, "_compression"):
         raise ValueError("optimizer is already a horovod DistributedOptimizer; wrap the plain "
