@@ -22,6 +22,7 @@ import types
 
 import torch
 
+from hvd_topk import exchange
 from hvd_topk._horovod import import_horovod_torch
 from hvd_topk.selection import check_density, check_method, k_for, select
 from hvd_topk.stats import CompressionStats
@@ -128,7 +129,7 @@ class TopK(Compressor):
         packed = layout.pack(values, indices)
         t1 = time.perf_counter()
         slot, name = self._names.take()
-        handle = hvd.allgather_async(packed, name=name)
+        handle = exchange.launch_allgather(packed, name, hvd.global_process_set)
         rank = float(hvd.rank())
         probe = torch.tensor([1.0, rank, rank * rank], dtype=torch.float32, device=tensor.device)
         self._stats.add(tensors_sparse=1, elements_total=numel, elements_selected=k,
@@ -145,12 +146,11 @@ class TopK(Compressor):
         size = hvd.size()
         self._check_probe(tensor, size)
         t0 = time.perf_counter()
-        gathered = hvd.synchronize(handle)
+        gathered = exchange.wait(handle)
         self._names.give_back(slot)
         values, indices = layout.unpack(gathered, size)
         out = torch.zeros(shape.numel(), dtype=dtype, device=gathered.device)
-        for rank in range(size):  # rank order: the same float sums on every rank
-            out.index_add_(0, indices[rank], values[rank].to(dtype))
+        exchange.scatter_add_ranks(out, values, indices)  # rank order: same bits on every rank
         # The probe's first entry is the scale Horovod applied to a sum: 1 means Average.
         out.div_(size).mul_(tensor[0].to(dtype))
         self._stats.add(time_exchange_s=time.perf_counter() - t0)
