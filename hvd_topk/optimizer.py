@@ -113,6 +113,15 @@ class _Bucket:
         self.ready = 0
         self.pending = None  # (kind, handle, layout) between launch and finish
         self.flat = None     # reused receive buffer
+        self.send = None     # (layout, reused message buffer)
+
+    def send_buffer(self, count, value_dtype):
+        """Layout and message buffer for ``count`` pairs, reused while the count stays the same
+        (it changes only during warm-up). Safe: the previous send finished in synchronize()."""
+        if self.send is None or self.send[0].count != count or self.send[0].value_dtype != value_dtype:
+            layout = Layout(count, value_dtype, self.index_dtype)
+            self.send = (layout, torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device))
+        return self.send
 
     def receive_buffer(self):
         if self.flat is None:
@@ -220,9 +229,9 @@ class _TopKDistributedOptimizer(torch.optim.Optimizer):
                 values.append(vals)
                 indices.append((idx + offset).to(bucket.index_dtype))
                 selected += k
-            layout = Layout(selected, torch.float16 if self._topk.fp16_values else bucket.dtype,
-                            bucket.index_dtype)
-            message = layout.pack(values, indices)
+            layout, message = bucket.send_buffer(selected, torch.float16 if self._topk.fp16_values
+                                                 else bucket.dtype)
+            layout.pack(values, indices, out=message)
             self._stats.add(time_selection_s=time.perf_counter() - t0, tensors_sparse=len(bucket.members),
                             elements_selected=selected, bytes_sent=layout.nbytes)
             bucket.pending = ("sparse", exchange.launch_allgather(message, name, self.process_set), layout)
