@@ -135,6 +135,8 @@ if [ -f "$REPO/pyproject.toml" ]; then
   else
     "${INSTALL[@]}" --no-deps --no-build-isolation "$REPO"
   fi
+  log "building the native CPU selection kernel"
+  "$PY" -m hvd_topk.native >/dev/null || die "building hvd_topk's native kernel failed (see above)"
 fi
 
 # ---- 6. verify -----------------------------------------------------------------------------

@@ -1,0 +1,100 @@
+"""The native CPU selection kernel (``topk.cpp``): built once with the system C++ compiler,
+loaded with ctypes.
+
+The kernel has a plain C ABI and no torch headers, so it builds in about a second and works
+with whatever torch is installed. ``docker/install.sh`` builds it (``python -m hvd_topk.native``);
+if it is missing at import time it is built then, into a per-user cache keyed by the source's
+hash (``HVD_TOPK_NATIVE_DIR`` overrides the place). Without a compiler hvd_topk still works:
+selection falls back to torch ops, with one warning saying so and how to fix it.
+"""
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("topk.cpp")
+FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]
+ABI_VERSION = 2
+
+_lock = threading.Lock()
+_lib = None
+_error = None
+
+
+def _library_path():
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    root = os.environ.get("HVD_TOPK_NATIVE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hvd_topk", "native")
+    return Path(root) / f"libhvdtk-{digest}.so"
+
+
+def build(verbose=False):
+    """Compile the kernel if its cached library is missing; return the library's path."""
+    path = _library_path()
+    if path.exists():
+        return path
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not compiler:
+        raise RuntimeError("no C++ compiler found (install g++, or set CXX)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Build to a temporary name and rename: ranks starting together may build at once.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    cmd = [compiler, *FLAGS, "-o", tmp, str(SOURCE)]
+    if verbose:
+        print(" ".join(cmd), file=sys.stderr)
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"building {SOURCE.name} failed:\n{result.stderr[-4000:]}")
+    os.replace(tmp, path)
+    return path
+
+
+def _declare(lib):
+    p, i64, i32, u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint64
+    for name in ("hvdtk_select_f32", "hvdtk_select_f64"):
+        fn = getattr(lib, name)
+        fn.argtypes = [p, p, i64, i64, i64, p, i32, p, i32, i32, u64, p]
+        fn.restype = i64
+    f64 = ctypes.c_double
+    for name in ("hvdtk_scatter_f32", "hvdtk_scatter_f64"):
+        fn = getattr(lib, name)
+        fn.argtypes = [p, p, i32, p, i64, i64, i64, i64, f64, f64]
+        fn.restype = None
+    lib.hvdtk_abi_version.restype = i32
+    if lib.hvdtk_abi_version() != ABI_VERSION:
+        raise RuntimeError("stale native library: ABI version mismatch")
+    return lib
+
+
+def library():
+    """The loaded kernel, or None (with one warning) when it cannot be built or loaded."""
+    global _lib, _error
+    if _lib is not None or _error is not None:
+        return _lib
+    with _lock:
+        if _lib is None and _error is None:
+            if os.environ.get("HVD_TOPK_NATIVE", "1") == "0":
+                _error = "disabled by HVD_TOPK_NATIVE=0"
+                return None
+            try:
+                _lib = _declare(ctypes.CDLL(str(build())))
+            except Exception as exc:  # noqa: BLE001 - any failure means: use torch ops
+                _error = str(exc)
+                warnings.warn(f"hvd_topk: the native CPU selection kernel is unavailable ({exc}); "
+                              "using torch ops, which are several times slower. Run "
+                              "`python -m hvd_topk.native` to see the build error.")
+    return _lib
+
+
+def unavailable_reason():
+    library()
+    return _error

@@ -1,0 +1,420 @@
+// hvd_topk's CPU selection kernel: top-k by magnitude in about one pass over memory.
+//
+// 1. Sample: read S entries in random runs of 16 (one cache line of fp32 each), so sampling
+//    costs a few thousand cache misses, not S.
+// 2. Threshold: the sample's r-th largest magnitude, r chosen so that the expected number of
+//    entries at or above it is k plus a few standard deviations (so it is rarely too few).
+// 3. One pass: collect the positions with |x| >= threshold, in ascending order. With error
+//    feedback the same pass first adds the gradient into the residual (x += g) and zeroes the
+//    gradient (it becomes the destination of the exchanged sum), so the residual is read and
+//    written once per step.
+// 4. Keep exactly k: the k-th largest candidate magnitude (nth_element on the few candidates),
+//    then a scan of the candidates in position order. Output indices are ascending.
+// 5. Too few candidates (rare): mode EXACT lowers the threshold and passes again, so the result
+//    is the true top-k; mode SAMPLED keeps its one pass and fills up with the lowest positions
+//    not collected (real entries, never duplicates), so exactly k distinct pairs always go out.
+//
+// NaN counts as the largest magnitude (as in torch.topk) so it is always sent and reaches the
+// average; any inf/nan in x is reported in flags[0].
+//
+// Plain C ABI (called through ctypes with tensors' data pointers): no torch headers, so the
+// build takes a second and the library works with any torch version.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kRun = 16;          // sampled entries per random position
+constexpr int64_t kSample = 65536;    // entries sampled (then all of x when n is small)
+
+struct Rng {  // splitmix64: tiny, good enough for picking sample positions
+  uint64_t s;
+  uint64_t next() {
+    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+};
+
+template <typename T>
+inline float key_of(T v) {  // magnitude as the sort key; NaN sorts above everything
+  float a = std::fabs(static_cast<float>(v));
+  return a == a ? a : INFINITY;
+}
+
+template <typename T>
+inline bool finite(T v) { return std::isfinite(static_cast<double>(v)); }
+
+struct Positions {  // growable; entries past `size` may be written while collecting
+  int64_t* p = nullptr;
+  int64_t size = 0, cap = 0;
+  void reserve(int64_t need) {
+    if (need <= cap) return;
+    int64_t c = std::max(need, 2 * cap);
+    int64_t* q = new int64_t[c];
+    if (size) std::memcpy(q, p, size * sizeof(int64_t));
+    delete[] p;
+    p = q;
+    cap = c;
+  }
+  ~Positions() { delete[] p; }
+};
+
+struct Scratch {  // reused across calls (one per thread): no allocation in steady state
+  std::vector<float> sample;
+  std::vector<uint32_t> keys;
+  Positions cand;
+};
+thread_local Scratch scratch;
+
+// Threshold such that about `want` of the n entries are expected at or above it.
+template <typename T>
+float sample_threshold(const T* x, const T* g, int64_t n, double want, uint64_t seed) {
+  std::vector<float>& s = scratch.sample;
+  s.clear();
+  s.reserve(kSample);
+  Rng rng{seed ^ (uint64_t)n * 0x2545F4914F6CDD1Dull};
+  int64_t runs = kSample / kRun;
+  for (int64_t j = 0; j < runs; ++j) {
+    int64_t start = (int64_t)(rng.next() % (uint64_t)(n - kRun + 1));
+    for (int64_t i = start; i < start + kRun; ++i)
+      s.push_back(key_of(g ? static_cast<T>(x[i] + g[i]) : x[i]));
+  }
+  int64_t S = (int64_t)s.size();
+  double expect = want * (double)S / (double)n;           // sample entries above the k-th
+  double r = expect + 4.0 * std::sqrt(expect) + 8.0;       // margin: rarely too few
+  if (r >= (double)S) return -INFINITY;                    // take everything
+  int64_t pos = S - 1 - (int64_t)r;                        // r-th largest, ascending order
+  std::nth_element(s.begin(), s.begin() + pos, s.end());
+  return s[pos];
+}
+
+// Appends to c the positions b + j (j < 16) whose bit is set in `bits`, in order.
+inline int64_t* emit(int64_t* out, uint32_t bits, int64_t b) {
+  while (bits) {
+    *out++ = b + __builtin_ctz(bits);
+    bits &= bits - 1;
+  }
+  return out;
+}
+
+// Generic block: optional x += g, g = 0; collect key >= t (> t when strict). False if a value
+// is not finite.
+template <typename T>
+bool collect_block(T* x, T* g, int64_t b, int64_t e, float t, bool strict, int64_t*& out) {
+  bool ok = true;
+  for (int64_t i = b; i < e; ++i) {
+    T v = x[i];
+    if (g) {
+      v = static_cast<T>(v + g[i]);
+      x[i] = v;
+      g[i] = T(0);
+    }
+    ok &= finite(v);
+    float a = key_of(v);
+    *out = i;
+    out += strict ? (a > t) : (a >= t);
+  }
+  return ok;
+}
+
+#if defined(__x86_64__)
+// float32, 16 entries at a time. The magnitude's bits (sign cleared) compare as integers in
+// the same order as the floats, and inf/nan have the largest bits of all: one integer compare
+// per lane collects NaN (which must be sent) along with the large values, and the running
+// maximum of the bits tells whether anything was not finite. Only the (rare) 16-entry groups
+// holding a candidate are walked.
+//   tb: the threshold's bits; an entry is collected when bits > tb - 1 (>=) or bits > tb (>).
+__attribute__((target("avx2"))) bool collect_f32_avx2(float* x, float* g, int64_t n, int32_t gt,
+                                                      int64_t*& out, int64_t& i) {
+  const __m256i mag = _mm256_set1_epi32(0x7fffffff), thr = _mm256_set1_epi32(gt);
+  __m256i hi = _mm256_setzero_si256();
+  for (; i + 16 <= n; i += 16) {
+    __m256i a0, a1;
+    if (g) {
+      __m256 v0 = _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(g + i));
+      __m256 v1 = _mm256_add_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(g + i + 8));
+      _mm256_storeu_ps(x + i, v0);
+      _mm256_storeu_ps(x + i + 8, v1);
+      _mm256_storeu_ps(g + i, _mm256_setzero_ps());
+      _mm256_storeu_ps(g + i + 8, _mm256_setzero_ps());
+      a0 = _mm256_and_si256(_mm256_castps_si256(v0), mag);
+      a1 = _mm256_and_si256(_mm256_castps_si256(v1), mag);
+    } else {
+      a0 = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(x + i)), mag);
+      a1 = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(x + i + 8)), mag);
+    }
+    hi = _mm256_max_epi32(hi, _mm256_max_epi32(a0, a1));
+    uint32_t hit = (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(a0, thr))) |
+                   ((uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(a1, thr))) << 8);
+    if (hit) out = emit(out, hit, i);
+  }
+  alignas(32) int32_t lanes[8];
+  _mm256_store_si256((__m256i*)lanes, hi);
+  int32_t m = 0;
+  for (int l = 0; l < 8; ++l) m = std::max(m, lanes[l]);
+  return m < 0x7f800000;
+}
+
+// The same with SSE2 (every x86-64 CPU): four lanes, non-finite checked by a compare.
+inline bool collect_f32_sse2(float* x, float* g, int64_t n, int32_t gt, int64_t*& out, int64_t& i) {
+  const __m128i mag = _mm_set1_epi32(0x7fffffff), thr = _mm_set1_epi32(gt);
+  const __m128i big = _mm_set1_epi32(0x7f7fffff);
+  uint32_t bad = 0;
+  for (; i + 16 <= n; i += 16) {
+    uint32_t hit = 0;
+    for (int q = 0; q < 4; ++q) {
+      __m128i a;
+      if (g) {
+        __m128 v = _mm_add_ps(_mm_loadu_ps(x + i + 4 * q), _mm_loadu_ps(g + i + 4 * q));
+        _mm_storeu_ps(x + i + 4 * q, v);
+        _mm_storeu_ps(g + i + 4 * q, _mm_setzero_ps());
+        a = _mm_and_si128(_mm_castps_si128(v), mag);
+      } else {
+        a = _mm_and_si128(_mm_loadu_si128((const __m128i*)(x + i + 4 * q)), mag);
+      }
+      hit |= (uint32_t)_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpgt_epi32(a, thr))) << (4 * q);
+      bad |= (uint32_t)_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpgt_epi32(a, big)));
+    }
+    if (hit) out = emit(out, hit, i);
+  }
+  return bad == 0;
+}
+
+inline bool collect_f32(float* x, float* g, int64_t n, float t, bool strict, int64_t*& out) {
+  // Integer form of "key >= t" (or "> t"); t <= 0 and -inf collect everything (or every non-zero).
+  int32_t tb;
+  if (!(t > 0.0f)) {
+    tb = strict ? 0 : -1;
+  } else {
+    std::memcpy(&tb, &t, 4);
+    if (!strict) tb -= 1;
+  }
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  int64_t i = 0;
+  bool ok = avx2 ? collect_f32_avx2(x, g, n, tb, out, i) : collect_f32_sse2(x, g, n, tb, out, i);
+  if (i < n) ok &= collect_block(x, g, i, n, t, strict, out);
+  return ok;
+}
+#endif
+
+// One pass: optional x += g, g = 0; collect ascending positions with key >= t (or > t when
+// strict). Returns whether every x was finite.
+template <typename T>
+bool collect(T* x, T* g, int64_t n, float t, bool strict) {
+  Positions& c = scratch.cand;
+  c.size = 0;
+  bool ok = true;
+  constexpr int64_t B = 1 << 16;
+  for (int64_t b = 0; b < n; b += B) {
+    int64_t e = std::min(n, b + B);
+    c.reserve(c.size + (e - b));  // room for every entry of the block
+    int64_t* out = c.p + c.size;
+    int64_t* start = out;
+#if defined(__x86_64__)
+    if constexpr (std::is_same<T, float>::value) {
+      ok &= collect_f32(x + b, g ? g + b : nullptr, e - b, t, strict, out);
+      for (int64_t* q = start; q < out; ++q) *q += b;
+    } else
+#endif
+    {
+      ok &= collect_block(x, g, b, e, t, strict, out);
+    }
+    c.size += out - start;
+  }
+  return ok;
+}
+
+template <typename T>
+inline uint32_t key_bits(T v) {  // order-preserving integer key of |v|; NaN above inf
+  float a = std::fabs(static_cast<float>(v));
+  uint32_t b;
+  std::memcpy(&b, &a, 4);
+  return b;
+}
+
+// The k-th largest of keys (k >= 1) by a two-level radix select: a histogram of the top 16
+// bits finds the bucket holding it, a histogram of the low 16 bits inside that bucket finds
+// it exactly. Two sequential passes over the keys instead of nth_element's random swaps.
+inline uint32_t kth_largest(const std::vector<uint32_t>& keys, int64_t k) {
+  static thread_local std::vector<uint32_t> hist;
+  hist.assign(1 << 16, 0);
+  for (uint32_t b : keys) ++hist[b >> 16];
+  int64_t above = 0;
+  uint32_t top = 0;
+  for (int64_t h = (1 << 16) - 1; h >= 0; --h) {
+    if (above + hist[h] >= k) { top = (uint32_t)h; break; }
+    above += hist[h];
+  }
+  hist.assign(1 << 16, 0);
+  for (uint32_t b : keys)
+    if ((b >> 16) == top) ++hist[b & 0xffff];
+  int64_t need = k - above;
+  for (int64_t h = (1 << 16) - 1; h >= 0; --h) {
+    if (hist[h] >= need) return (top << 16) | (uint32_t)h;
+    need -= hist[h];
+  }
+  return top << 16;  // not reached
+}
+
+// Keep the k largest candidates, in position order, into (idx, val).
+template <typename T, typename I>
+void keep_k(const T* x, int64_t k, int64_t offset, I* idx, T* val) {
+  const int64_t* c = scratch.cand.p;
+  int64_t m = scratch.cand.size;
+  if (m == k) {
+    for (int64_t j = 0; j < k; ++j) { idx[j] = (I)(c[j] + offset); val[j] = x[c[j]]; }
+    return;
+  }
+  std::vector<uint32_t>& keys = scratch.keys;
+  keys.resize(m);
+  for (int64_t j = 0; j < m; ++j) keys[j] = key_bits(x[c[j]]);
+  uint32_t kth = kth_largest(keys, k);
+  int64_t above = 0;
+  for (int64_t j = 0; j < m; ++j) above += keys[j] > kth;
+  int64_t ties = k - above;  // entries equal to the k-th to keep, first positions first
+  int64_t o = 0;
+  for (int64_t j = 0; j < m && o < k; ++j) {
+    bool take = keys[j] > kth || (keys[j] == kth && ties-- > 0);
+    if (take) { idx[o] = (I)(c[j] + offset); val[o] = x[c[j]]; ++o; }
+  }
+}
+
+// Fewer than k candidates in SAMPLED mode: add the lowest positions not collected, merged so
+// the output stays ascending.
+template <typename T, typename I>
+void fill_up(const T* x, int64_t n, int64_t k, int64_t offset, I* idx, T* val) {
+  const int64_t* c = scratch.cand.p;
+  int64_t m = scratch.cand.size, need = k - m, o = 0, j = 0;
+  for (int64_t i = 0; i < n && o < k; ++i) {
+    if (j < m && c[j] == i) { idx[o] = (I)(i + offset); val[o] = x[i]; ++o; ++j; }
+    else if (need > 0) { idx[o] = (I)(i + offset); val[o] = x[i]; ++o; --need; }
+  }
+}
+
+template <typename T, typename I>
+int64_t select_impl(T* x, T* g, int64_t n, int64_t k, int64_t offset, I* idx, T* val,
+                    int exact, int zero_sent, uint64_t seed, int64_t* flags) {
+  flags[0] = 0;  // non-finite seen
+  flags[1] = 0;  // passes over x
+  flags[2] = 0;  // entries filled up (SAMPLED shortfall)
+  if (k <= 0 || n <= 0) return 0;
+  if (k > n) k = n;
+  float t = (n <= 2 * kSample) ? -INFINITY : sample_threshold(x, g, n, (double)k, seed);
+  bool strict = false;
+  if (t == 0.0f && !exact) strict = true;  // mostly zeros: collect the non-zeros only
+  bool ok = collect(x, g, n, t, strict);
+  g = nullptr;  // the gradient has been folded in
+  flags[1] = 1;
+  double want = (double)k;
+  while (scratch.cand.size < k && exact) {
+    want *= 4.0;  // too few: lower the threshold and pass again (rare)
+    float t2 = want >= (double)n ? -INFINITY : sample_threshold(x, (T*)nullptr, n, want, seed + 1);
+    if (!(t2 < t)) t2 = -INFINITY;
+    t = t2;
+    collect(x, (T*)nullptr, n, t, false);
+    flags[1] += 1;
+  }
+  flags[0] = ok ? 0 : 1;
+  if (scratch.cand.size >= k) {
+    keep_k(x, k, offset, idx, val);
+  } else {
+    flags[2] = k - scratch.cand.size;
+    fill_up(x, n, k, offset, idx, val);
+  }
+  if (zero_sent)
+    for (int64_t j = 0; j < k; ++j) x[(int64_t)idx[j] - offset] = T(0);
+  return k;
+}
+
+template <typename T>
+int64_t dispatch_index(T* x, T* g, int64_t n, int64_t k, int64_t offset, void* idx,
+                       int index_bytes, T* val, int exact, int zero_sent, uint64_t seed,
+                       int64_t* flags) {
+  if (index_bytes == 4)
+    return select_impl(x, g, n, k, offset, (int32_t*)idx, val, exact, zero_sent, seed, flags);
+  return select_impl(x, g, n, k, offset, (int64_t*)idx, val, exact, zero_sent, seed, flags);
+}
+
+// dest[idx[r][j] - offset] += val[r][j] for ranks r = 0, 1, ... in order (each rank's indices
+// are distinct), then every touched entry becomes dest / div * mul (gathered first, then
+// written, so an entry several ranks sent is scaled once). Rank r's pairs start at byte
+// r * row_bytes of idx and of val (the allgathered messages).
+template <typename T, typename I>
+void scatter_impl(T* dest, const char* idx, const char* val, int64_t world, int64_t k,
+                  int64_t row_bytes, int64_t offset, double div, double mul) {
+  for (int64_t r = 0; r < world; ++r) {
+    const I* ir = (const I*)(idx + r * row_bytes);
+    const T* vr = (const T*)(val + r * row_bytes);
+    for (int64_t j = 0; j < k; ++j) dest[(int64_t)ir[j] - offset] += vr[j];
+  }
+  if (div == 1.0 && mul == 1.0) return;
+  static thread_local std::vector<T> scaled;
+  scaled.resize(world * k);
+  const T d = (T)div, m = (T)mul;
+  for (int64_t r = 0, q = 0; r < world; ++r) {
+    const I* ir = (const I*)(idx + r * row_bytes);
+    for (int64_t j = 0; j < k; ++j, ++q) scaled[q] = mul == 1.0 ? dest[(int64_t)ir[j] - offset] / d
+                                                              : dest[(int64_t)ir[j] - offset] / d * m;
+  }
+  for (int64_t r = 0, q = 0; r < world; ++r) {
+    const I* ir = (const I*)(idx + r * row_bytes);
+    for (int64_t j = 0; j < k; ++j, ++q) dest[(int64_t)ir[j] - offset] = scaled[q];
+  }
+}
+
+template <typename T>
+void scatter_dispatch(T* dest, const void* idx, int index_bytes, const void* val, int64_t world,
+                      int64_t k, int64_t row_bytes, int64_t offset, double div, double mul) {
+  if (index_bytes == 4)
+    scatter_impl<T, int32_t>(dest, (const char*)idx, (const char*)val, world, k, row_bytes, offset, div, mul);
+  else
+    scatter_impl<T, int64_t>(dest, (const char*)idx, (const char*)val, world, k, row_bytes, offset, div, mul);
+}
+
+}  // namespace
+
+extern "C" {
+
+int hvdtk_abi_version() { return 2; }
+
+// Select the k largest |x| (after x += g when g is given; g is then zeroed). Writes k ascending
+// positions (+ offset, int32 or int64 per index_bytes) to idx and their values to val; with
+// zero_sent, x is then zeroed at those positions (error feedback: what was sent is gone).
+// flags (3 int64): [non-finite seen, passes, entries filled up]. Returns k (clamped to n).
+int64_t hvdtk_select_f32(float* x, float* g, int64_t n, int64_t k, int64_t offset, void* idx,
+                         int index_bytes, float* val, int exact, int zero_sent, uint64_t seed,
+                         int64_t* flags) {
+  return dispatch_index(x, g, n, k, offset, idx, index_bytes, val, exact, zero_sent, seed, flags);
+}
+
+int64_t hvdtk_select_f64(double* x, double* g, int64_t n, int64_t k, int64_t offset, void* idx,
+                         int index_bytes, double* val, int exact, int zero_sent, uint64_t seed,
+                         int64_t* flags) {
+  return dispatch_index(x, g, n, k, offset, idx, index_bytes, val, exact, zero_sent, seed, flags);
+}
+
+// Rank-ordered scatter-add of allgathered pairs with scaling of the touched entries; see
+// scatter_impl.
+void hvdtk_scatter_f32(float* dest, const void* idx, int index_bytes, const void* val,
+                       int64_t world, int64_t k, int64_t row_bytes, int64_t offset, double div,
+                       double mul) {
+  scatter_dispatch(dest, idx, index_bytes, val, world, k, row_bytes, offset, div, mul);
+}
+
+void hvdtk_scatter_f64(double* dest, const void* idx, int index_bytes, const void* val,
+                       int64_t world, int64_t k, int64_t row_bytes, int64_t offset, double div,
+                       double mul) {
+  scatter_dispatch(dest, idx, index_bytes, val, world, k, row_bytes, offset, div, mul);
+}
+
+}  // extern "C"
