@@ -25,11 +25,17 @@ class ErrorFeedback:
         self.momenta = {}     # name -> tensor (u in DGC), only with momentum correction
         self._nonfinite = None  # 0-d counter tensor, read only when statistics are asked for
 
-    def compensate(self, name, grad):
-        """Fold ``grad`` into the parameter's accumulator and return it (a persistent buffer)."""
+    def accumulator(self, name, grad):
+        """The parameter's accumulator (created as zeros on first use), without updating it:
+        for the native kernel, which folds ``grad`` in during its selection pass."""
         acc = self.residuals.get(name)
         if acc is None:
             acc = self.residuals[name] = torch.zeros_like(grad, memory_format=torch.contiguous_format)
+        return acc
+
+    def compensate(self, name, grad):
+        """Fold ``grad`` into the parameter's accumulator and return it (a persistent buffer)."""
+        acc = self.accumulator(name, grad)
         if self.momentum:
             u = self.momenta.get(name)
             if u is None:
@@ -52,6 +58,18 @@ class ErrorFeedback:
             u.masked_fill_(bad, 0)
         self._count(bad)
         return bad
+
+    def sent_native(self, name, flat_indices, nonfinite):
+        """After the native kernel zeroed the sent entries of the accumulator: zero them in the
+        momentum too, and wipe both if the kernel saw inf/nan (a host bool on CPU)."""
+        u = self.momenta.get(name)
+        if u is not None:
+            u.view(-1).index_fill_(0, flat_indices, 0)
+        if nonfinite:
+            self.residuals[name].zero_()
+            if u is not None:
+                u.zero_()
+        self._count(torch.tensor(bool(nonfinite)))
 
     def flush(self, name):
         """Everything was sent (dense step): the accumulator starts again from zero."""

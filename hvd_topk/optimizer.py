@@ -23,7 +23,8 @@ from hvd_topk._horovod import import_horovod_torch
 from hvd_topk.compressor import TopK
 from hvd_topk.memory import ErrorFeedback
 from hvd_topk.schedule import DensitySchedule
-from hvd_topk.selection import k_for, select
+from hvd_topk import selection
+from hvd_topk.selection import k_for
 from hvd_topk.stats import CompressionStats
 from hvd_topk.wire import Layout, index_dtype_for
 
@@ -112,7 +113,6 @@ class _Bucket:
         self.index_dtype = index_dtype_for(self.numel)
         self.ready = 0
         self.pending = None  # (kind, handle, layout) between launch and finish
-        self.flat = None     # reused receive buffer
         self.send = None     # (layout, reused message buffer)
 
     def send_buffer(self, count, value_dtype):
@@ -123,12 +123,6 @@ class _Bucket:
             self.send = (layout, torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device))
         return self.send
 
-    def receive_buffer(self):
-        if self.flat is None:
-            self.flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        else:
-            self.flat.zero_()
-        return self.flat
 
 
 class _TopKDistributedOptimizer(torch.optim.Optimizer):
@@ -217,24 +211,20 @@ class _TopKDistributedOptimizer(torch.optim.Optimizer):
                 p.grad = torch.zeros_like(p)
         if self._bucket_is_sparse_now(bucket, density):
             t0 = time.perf_counter()
-            values, indices, selected = [], [], 0
-            for p, pname, offset in bucket.members:
-                flat = self._memory.compensate(pname, p.grad).view(-1) if self._memory else p.grad.reshape(-1)
-                k = k_for(flat.numel(), density)
-                vals, idx = select(flat, k, self._topk.method)
-                bad = self._memory.sent(pname, idx) if self._memory else ~torch.isfinite(flat).all()
-                # An inf/nan must reach the averaged gradient (GradScaler skips the step on it)
-                # even when it was not among the selected entries.
-                vals[:1].masked_fill_(bad, math.nan)
-                values.append(vals)
-                indices.append((idx + offset).to(bucket.index_dtype))
-                selected += k
-            layout, message = bucket.send_buffer(selected, torch.float16 if self._topk.fp16_values
-                                                 else bucket.dtype)
-            layout.pack(values, indices, out=message)
+            counts = [k_for(p.numel(), density) for p, _, _ in bucket.members]
+            value_dtype = torch.float16 if self._topk.fp16_values else bucket.dtype
+            layout, message = bucket.send_buffer(sum(counts), value_dtype)
+            value_slots, index_slots = layout.views(message)
+            start = 0
+            for (p, pname, offset), k in zip(bucket.members, counts):
+                self._select_into(p, pname, offset, k, value_slots[start:start + k],
+                                  index_slots[start:start + k])
+                start += k
+            layout.zero_padding(message)
             self._stats.add(time_selection_s=time.perf_counter() - t0, tensors_sparse=len(bucket.members),
-                            elements_selected=selected, bytes_sent=layout.nbytes)
-            bucket.pending = ("sparse", exchange.launch_allgather(message, name, self.process_set), layout)
+                            elements_selected=start, bytes_sent=layout.nbytes)
+            bucket.pending = ("sparse", exchange.launch_allgather(message, name, self.process_set),
+                              (layout, counts))
         else:
             grads = []
             for p, pname, _ in bucket.members:
@@ -249,17 +239,63 @@ class _TopKDistributedOptimizer(torch.optim.Optimizer):
                                                              self.process_set), None)
         self._stats.add(elements_total=bucket.numel, bytes_dense=bucket.numel * bucket.flat_itemsize)
 
+    def _select_into(self, p, pname, offset, k, value_slots, index_slots):
+        """Compensate, select and write one parameter's k pairs into its slots of the message;
+        ``p.grad`` is left zeroed, ready to receive the exchanged sum.
+
+        CPU fp32/fp64: one native call folds the gradient into the residual, selects, writes the
+        pairs in place and zeroes what was sent and the gradient, in about one pass. Elsewhere
+        the same with torch ops.
+        """
+        grad = p.grad
+        memory = self._memory
+        direct = value_slots.dtype == grad.dtype
+        if selection.native_ok(grad):
+            values = value_slots if direct else torch.empty(k, dtype=grad.dtype)
+            if memory is not None and not memory.momentum:
+                acc = memory.accumulator(pname, grad)
+                result = selection.select_native(acc.view(-1), k, index_slots, values, self._topk.method,
+                                                 add=grad.view(-1), offset=offset, zero_sent=True)
+            else:
+                acc = memory.compensate(pname, grad) if memory is not None else grad
+                result = selection.select_native(acc.view(-1), k, index_slots, values, self._topk.method,
+                                                 offset=offset, zero_sent=memory is not None)
+                grad.zero_()
+            if memory is not None:
+                local = index_slots.long() - offset if memory.momentum else None
+                memory.sent_native(pname, local, result.nonfinite)
+            if result.nonfinite:  # an inf/nan must reach the averaged gradient (GradScaler)
+                values[:1] = math.nan
+            if not direct:
+                value_slots.copy_(values)
+            return
+        flat = memory.compensate(pname, grad).view(-1) if memory else grad.reshape(-1)
+        values, indices = selection.select(flat, k, self._topk.method)
+        bad = memory.sent(pname, indices) if memory else ~torch.isfinite(flat).all()
+        values[:1].masked_fill_(bad, math.nan)
+        value_slots.copy_(values)
+        index_slots.copy_(indices + offset)
+        grad.zero_()
+
     def _finish(self, bucket):
-        kind, handle, layout = bucket.pending
+        kind, handle, extra = bucket.pending
         t0 = time.perf_counter()
         result = exchange.wait(handle)
         if kind == "sparse":
+            layout, counts = extra
             values, indices = layout.unpack(result, self._world)
-            flat = exchange.scatter_add_ranks(bucket.receive_buffer(), values, indices)
-            if self.op == hvd.Average:
-                flat.div_(self._world)
-            for p, _, offset in bucket.members:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+            div = float(self._world) if self.op == hvd.Average else 1.0
+            start = 0
+            for (p, _, offset), k in zip(bucket.members, counts):
+                # p.grad was zeroed at launch: add every rank's pairs in rank order (the same
+                # bits on every rank), then average the touched entries only.
+                dest = p.grad.view(-1) if p.grad.is_contiguous() else torch.zeros(p.numel(), dtype=p.dtype,
+                                                                                  device=p.device)
+                exchange.scatter_add_ranks(dest, values[:, start:start + k], indices[:, start:start + k],
+                                           offset=offset, div=div)
+                if not p.grad.is_contiguous():
+                    p.grad.copy_(dest.view_as(p.grad))
+                start += k
         bucket.pending = None
         bucket.ready = 0
         self._stats.add(time_exchange_s=time.perf_counter() - t0)

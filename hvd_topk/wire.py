@@ -55,6 +55,18 @@ class Layout:
         out[self._padding].zero_()
         return out
 
+    def views(self, message):
+        """``(values, indices)``: 1-D views of one rank's message, for writing pairs in place."""
+        return message[self._values].view(self.value_dtype), message[self._indices].view(self.index_dtype)
+
+    def zero_padding(self, message):
+        message[self._padding].zero_()
+
+    @property
+    def row_offsets(self):
+        """Byte offsets of the values and of the indices inside one rank's block."""
+        return self._values.start, self._indices.start
+
     def unpack(self, gathered, world_size):
         """Views ``(values[world_size, count], indices[world_size, count])`` of an allgather."""
         if gathered.numel() != world_size * self.nbytes:
