@@ -16,6 +16,7 @@ of the job took part (the allgather always runs on the global process set).
 import functools
 import heapq
 import itertools
+import sys
 import threading
 import time
 import types
@@ -24,7 +25,8 @@ import torch
 
 from hvd_topk import exchange
 from hvd_topk._horovod import import_horovod_torch
-from hvd_topk.selection import check_density, check_method, k_for, select
+from hvd_topk.selection import (DEFAULT_METHOD, check_density, check_method, k_for, native_ok, select,
+                                select_native)
 from hvd_topk.stats import CompressionStats
 from hvd_topk.wire import Layout, index_dtype_for
 
@@ -57,7 +59,7 @@ class _NameSlots:
     """
 
     def __init__(self, prefix):
-        self._prefix, self._free, self._next, self._lock = prefix, [], 0, threading.Lock()
+        self.prefix, self._free, self._next, self._lock = prefix, [], 0, threading.Lock()
 
     def take(self):
         with self._lock:
@@ -65,11 +67,37 @@ class _NameSlots:
                 slot = heapq.heappop(self._free)
             else:
                 slot, self._next = self._next, self._next + 1
-        return slot, f"{self._prefix}.{slot}"
+        return slot, f"{self.prefix}.{slot}"
 
     def give_back(self, slot):
         with self._lock:
             heapq.heappush(self._free, slot)
+
+
+def _horovod_tensor_name(max_depth=6):
+    """The name Horovod gave the tensor being compressed, read from its caller's frame.
+
+    Horovod's compressor interface passes no name, and the order of ``compress`` calls is not
+    the same on every rank when Horovod's ``synchronize()`` starts the parameters whose hooks
+    did not fire (it walks a ``set``). Naming allgathers by call order would then pair different
+    tensors across ranks, so the parameter's own name is used where Horovod's frame has it:
+    ``DistributedOptimizer._allreduce_grad_async(p)`` / ``_grouped_allreduce_grad_async`` (the
+    ``p`` being compressed) or ``hvd.allreduce(tensor, name=...)``. None when not found.
+    """
+    frame = sys._getframe(2)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        local = frame.f_locals
+        names = getattr(local.get("self"), "_parameter_names", None)
+        if isinstance(names, dict) and isinstance(local.get("p"), torch.nn.Parameter):
+            name = names.get(local["p"])
+            if name is not None:
+                return str(name)
+        if frame.f_code.co_name in ("allreduce", "allreduce_async") and isinstance(local.get("name"), str):
+            return local["name"]
+        frame = frame.f_back
+    return None
 
 
 class TopK(Compressor):
@@ -89,13 +117,15 @@ class TopK(Compressor):
 
     Args:
         density: fraction of entries to send, in (0, 1].
-        method: selection kernel, see ``hvd_topk.selection.METHODS``.
+        method: ``"sampled"`` (default: threshold from a sample, one pass, exactly k entries,
+            >= 95% of the true top-k) or ``"exact"`` (the same set as ``torch.topk``); see
+            ``hvd_topk.selection``.
         fp16_values: send values as float16 (halves the value bytes).
     """
 
     DEFAULT_DENSITY = 0.01
 
-    def __init__(self, density=DEFAULT_DENSITY, method="exact", fp16_values=False):
+    def __init__(self, density=DEFAULT_DENSITY, method=DEFAULT_METHOD, fp16_values=False):
         self.density = check_density(density)
         self.method = check_method(method)
         self.fp16_values = bool(fp16_values)
@@ -124,11 +154,20 @@ class TopK(Compressor):
         t0 = time.perf_counter()
         numel = tensor.numel()
         k = k_for(numel, self.density)
-        values, indices = select(tensor.reshape(-1), k, self.method)
+        flat = tensor.reshape(-1)
         layout = Layout(k, torch.float16 if self.fp16_values else tensor.dtype, index_dtype_for(numel))
-        packed = layout.pack(values, indices)
+        packed = torch.empty(layout.nbytes, dtype=torch.uint8, device=tensor.device)
+        value_slots, index_slots = layout.views(packed)
+        if native_ok(flat) and value_slots.dtype == flat.dtype:
+            select_native(flat, k, index_slots, value_slots, self.method)  # straight into the message
+        else:
+            values, indices = select(flat, k, self.method)
+            value_slots.copy_(values)
+            index_slots.copy_(indices)
+        layout.zero_padding(packed)
         t1 = time.perf_counter()
-        slot, name = self._names.take()
+        hint = _horovod_tensor_name()
+        slot, name = (None, f"{self._names.prefix}.{hint}") if hint else self._names.take()
         handle = exchange.launch_allgather(packed, name, hvd.global_process_set)
         rank = float(hvd.rank())
         probe = torch.tensor([1.0, rank, rank * rank], dtype=torch.float32, device=tensor.device)
@@ -147,12 +186,14 @@ class TopK(Compressor):
         self._check_probe(tensor, size)
         t0 = time.perf_counter()
         gathered = exchange.wait(handle)
-        self._names.give_back(slot)
+        if slot is not None:
+            self._names.give_back(slot)
         values, indices = layout.unpack(gathered, size)
         out = torch.zeros(shape.numel(), dtype=dtype, device=gathered.device)
-        exchange.scatter_add_ranks(out, values, indices)  # rank order: same bits on every rank
         # The probe's first entry is the scale Horovod applied to a sum: 1 means Average.
-        out.div_(size).mul_(tensor[0].to(dtype))
+        # Reading it costs nothing on CPU; on CUDA it stays a tensor (no host sync).
+        scale = float(tensor[0]) if tensor.device.type == "cpu" else tensor[0].to(dtype)
+        exchange.scatter_add_ranks(out, values, indices, div=size, mul=scale)  # rank order
         self._stats.add(time_exchange_s=time.perf_counter() - t0)
         return out.view(shape)
 
