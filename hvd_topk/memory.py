@@ -24,6 +24,7 @@ class ErrorFeedback:
         self.residuals = {}   # name -> tensor shaped like the gradient (v in DGC)
         self.momenta = {}     # name -> tensor (u in DGC), only with momentum correction
         self._nonfinite = None  # 0-d counter tensor, read only when statistics are asked for
+        self._nonfinite_host = 0  # the same, counted where the flag was already on the host
 
     def accumulator(self, name, grad):
         """The parameter's accumulator (created as zeros on first use), without updating it:
@@ -69,7 +70,7 @@ class ErrorFeedback:
             self.residuals[name].zero_()
             if u is not None:
                 u.zero_()
-        self._count(torch.tensor(bool(nonfinite)))
+            self._nonfinite_host += 1
 
     def flush(self, name):
         """Everything was sent (dense step): the accumulator starts again from zero."""
@@ -85,7 +86,7 @@ class ErrorFeedback:
         self._nonfinite = bad.long() if self._nonfinite is None else self._nonfinite.add_(bad.long())
 
     def nonfinite_resets(self):
-        return 0 if self._nonfinite is None else int(self._nonfinite.item())
+        return self._nonfinite_host + (0 if self._nonfinite is None else int(self._nonfinite.item()))
 
     def state_dict(self):
         return {"residuals": dict(self.residuals), "momenta": dict(self.momenta)}

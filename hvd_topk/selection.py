@@ -59,12 +59,9 @@ def check_method(method):
 _NATIVE_FUNCS = {torch.float32: "hvdtk_select_f32", torch.float64: "hvdtk_select_f64"}
 
 
-def native_ok(*tensors):
-    """Whether the native kernel can work on these tensors (CPU, fp32/fp64, contiguous)."""
-    first = tensors[0]
-    return (first.device.type == "cpu" and first.dtype in _NATIVE_FUNCS
-            and all(t.device.type == "cpu" and t.dtype == first.dtype and t.is_contiguous()
-                    for t in tensors)
+def native_ok(tensor):
+    """Whether the native kernel can work on this tensor (CPU, fp32/fp64, contiguous)."""
+    return (tensor.dtype in _NATIVE_FUNCS and tensor.device.type == "cpu" and tensor.is_contiguous()
             and native.library() is not None)
 
 

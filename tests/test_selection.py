@@ -62,7 +62,7 @@ def test_native_indices_ascending_with_offset_and_int32():
 
 
 @needs_native
-@pytest.mark.parametrize("n", [5000, 400_000])
+@pytest.mark.parametrize("n", [5000, 40_000, 400_000])
 def test_fused_error_feedback_matches_numpy(n):
     """x += g; select top-k of x; g = 0; x zeroed where sent: one call, checked by hand."""
     residual = sample("laplace", n, seed=1)

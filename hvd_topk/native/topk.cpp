@@ -1,7 +1,7 @@
 // hvd_topk's CPU selection kernel: top-k by magnitude in about one pass over memory.
 //
-// 1. Sample: read S entries in random runs of 16 (one cache line of fp32 each), so sampling
-//    costs a few thousand cache misses, not S.
+// 1. Sample: read S entries in random runs of 32 (two cache lines of fp32), so sampling costs
+//    a few thousand cache misses, not S.
 // 2. Threshold: the sample's r-th largest magnitude, r chosen so that the expected number of
 //    entries at or above it is k plus a few standard deviations (so it is rarely too few).
 // 3. One pass: collect the positions with |x| >= threshold, in ascending order. With error
@@ -32,8 +32,9 @@
 
 namespace {
 
-constexpr int64_t kRun = 16;          // sampled entries per random position
-constexpr int64_t kSample = 65536;    // entries sampled (then all of x when n is small)
+constexpr int64_t kRun = 32;          // sampled entries per random position (2 cache lines)
+constexpr int64_t kSample = 65536;    // entries sampled (at most a quarter of x)
+constexpr int64_t kSmall = 16384;     // at or below: every entry is a candidate
 
 struct Rng {  // splitmix64: tiny, good enough for picking sample positions
   uint64_t s;
@@ -70,32 +71,64 @@ struct Positions {  // growable; entries past `size` may be written while collec
 };
 
 struct Scratch {  // reused across calls (one per thread): no allocation in steady state
-  std::vector<float> sample;
-  std::vector<uint32_t> keys;
+  std::vector<uint32_t> sample, keys;
   Positions cand;
 };
 thread_local Scratch scratch;
 
+template <typename T>
+inline uint32_t key_bits(T v) {  // order-preserving integer key of |v|; NaN above inf
+  float a = std::fabs(static_cast<float>(v));
+  uint32_t b;
+  std::memcpy(&b, &a, 4);
+  return b;
+}
+
+// The k-th largest of keys (k >= 1) by a two-level radix select: a histogram of the top 16
+// bits finds the bucket holding it, a histogram of the low 16 bits inside that bucket finds
+// it exactly. Two sequential passes over the keys instead of nth_element's random swaps.
+inline uint32_t kth_largest(const std::vector<uint32_t>& keys, int64_t k) {
+  static thread_local std::vector<uint32_t> hist;
+  hist.assign(1 << 16, 0);
+  for (uint32_t b : keys) ++hist[b >> 16];
+  int64_t above = 0;
+  uint32_t top = 0;
+  for (int64_t h = (1 << 16) - 1; h >= 0; --h) {
+    if (above + hist[h] >= k) { top = (uint32_t)h; break; }
+    above += hist[h];
+  }
+  hist.assign(1 << 16, 0);
+  for (uint32_t b : keys)
+    if ((b >> 16) == top) ++hist[b & 0xffff];
+  int64_t need = k - above;
+  for (int64_t h = (1 << 16) - 1; h >= 0; --h) {
+    if (hist[h] >= need) return (top << 16) | (uint32_t)h;
+    need -= hist[h];
+  }
+  return top << 16;  // not reached
+}
+
 // Threshold such that about `want` of the n entries are expected at or above it.
 template <typename T>
 float sample_threshold(const T* x, const T* g, int64_t n, double want, uint64_t seed) {
-  std::vector<float>& s = scratch.sample;
+  std::vector<uint32_t>& s = scratch.sample;
   s.clear();
   s.reserve(kSample);
   Rng rng{seed ^ (uint64_t)n * 0x2545F4914F6CDD1Dull};
-  int64_t runs = kSample / kRun;
+  int64_t runs = std::min(kSample, n / 4) / kRun;  // small tensors: a quarter of them
   for (int64_t j = 0; j < runs; ++j) {
     int64_t start = (int64_t)(rng.next() % (uint64_t)(n - kRun + 1));
     for (int64_t i = start; i < start + kRun; ++i)
-      s.push_back(key_of(g ? static_cast<T>(x[i] + g[i]) : x[i]));
+      s.push_back(key_bits(g ? static_cast<T>(x[i] + g[i]) : x[i]));
   }
   int64_t S = (int64_t)s.size();
   double expect = want * (double)S / (double)n;           // sample entries above the k-th
   double r = expect + 4.0 * std::sqrt(expect) + 8.0;       // margin: rarely too few
   if (r >= (double)S) return -INFINITY;                    // take everything
-  int64_t pos = S - 1 - (int64_t)r;                        // r-th largest, ascending order
-  std::nth_element(s.begin(), s.begin() + pos, s.end());
-  return s[pos];
+  uint32_t bits = kth_largest(s, (int64_t)r);
+  float t;
+  std::memcpy(&t, &bits, 4);
+  return t == t ? t : INFINITY;
 }
 
 // Appends to c the positions b + j (j < 16) whose bit is set in `bits`, in order.
@@ -234,38 +267,6 @@ bool collect(T* x, T* g, int64_t n, float t, bool strict) {
   return ok;
 }
 
-template <typename T>
-inline uint32_t key_bits(T v) {  // order-preserving integer key of |v|; NaN above inf
-  float a = std::fabs(static_cast<float>(v));
-  uint32_t b;
-  std::memcpy(&b, &a, 4);
-  return b;
-}
-
-// The k-th largest of keys (k >= 1) by a two-level radix select: a histogram of the top 16
-// bits finds the bucket holding it, a histogram of the low 16 bits inside that bucket finds
-// it exactly. Two sequential passes over the keys instead of nth_element's random swaps.
-inline uint32_t kth_largest(const std::vector<uint32_t>& keys, int64_t k) {
-  static thread_local std::vector<uint32_t> hist;
-  hist.assign(1 << 16, 0);
-  for (uint32_t b : keys) ++hist[b >> 16];
-  int64_t above = 0;
-  uint32_t top = 0;
-  for (int64_t h = (1 << 16) - 1; h >= 0; --h) {
-    if (above + hist[h] >= k) { top = (uint32_t)h; break; }
-    above += hist[h];
-  }
-  hist.assign(1 << 16, 0);
-  for (uint32_t b : keys)
-    if ((b >> 16) == top) ++hist[b & 0xffff];
-  int64_t need = k - above;
-  for (int64_t h = (1 << 16) - 1; h >= 0; --h) {
-    if (hist[h] >= need) return (top << 16) | (uint32_t)h;
-    need -= hist[h];
-  }
-  return top << 16;  // not reached
-}
-
 // Keep the k largest candidates, in position order, into (idx, val).
 template <typename T, typename I>
 void keep_k(const T* x, int64_t k, int64_t offset, I* idx, T* val) {
@@ -309,7 +310,7 @@ int64_t select_impl(T* x, T* g, int64_t n, int64_t k, int64_t offset, I* idx, T*
   flags[2] = 0;  // entries filled up (SAMPLED shortfall)
   if (k <= 0 || n <= 0) return 0;
   if (k > n) k = n;
-  float t = (n <= 2 * kSample) ? -INFINITY : sample_threshold(x, g, n, (double)k, seed);
+  float t = (n <= kSmall) ? -INFINITY : sample_threshold(x, g, n, (double)k, seed);
   bool strict = false;
   if (t == 0.0f && !exact) strict = true;  // mostly zeros: collect the non-zeros only
   bool ok = collect(x, g, n, t, strict);
