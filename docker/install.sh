@@ -29,8 +29,9 @@ log() { printf '[install %3ss] %s\n' "$(( $(date +%s) - T0 ))" "$*"; }
 die() { printf '[install] ERROR: %s\n' "$*" >&2; exit 1; }
 
 # ---- 1. Debian packages --------------------------------------------------------------------
-# openssh-server + iproute2: multi-host launches and the emulated hosts of tests and benchmarks.
-APT_PKGS=(openmpi-bin libopenmpi-dev cmake g++ make python3-venv openssh-server iproute2)
+# python3-dev: Horovod compiles against Python.h. openssh-server + iproute2: multi-host
+# launches and the emulated hosts of tests and benchmarks.
+APT_PKGS=(openmpi-bin libopenmpi-dev cmake g++ make python3-venv python3-dev openssh-server iproute2)
 if [ "${HVD_TOPK_SKIP_APT:-0}" != 1 ]; then
   missing=()
   for p in "${APT_PKGS[@]}"; do
