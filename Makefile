@@ -5,7 +5,7 @@ VENV ?= .venv
 NP ?= 2
 BIN := $(abspath $(VENV))/bin
 
-.PHONY: setup demo test test-unit test-distributed clean
+.PHONY: setup demo test test-unit test-distributed image-test two-hosts bench-selection bench-exchange bench-training bench-convergence bench-scaling clean
 
 setup:
 	VENV=$(abspath $(VENV)) bash docker/install.sh
@@ -21,6 +21,27 @@ test-unit: setup
 
 test-distributed: setup
 	$(BIN)/python -m pytest -v -m distributed tests
+
+# The Docker image, built without a Docker engine (podman/buildah on a debootstrap base), and
+# the distributed tests inside it.
+image-test:
+	bash docker/build_and_test.sh
+
+# Two emulated hosts (network namespaces, shaped links, sshd each): horovodrun -H and mpirun -H.
+two-hosts: setup
+	$(BIN)/python benchmarks/two_hosts.py
+
+# Benchmarks: each writes benchmarks/results/NAME.{json,md} (and a PNG where it plots).
+bench-selection: setup
+	$(BIN)/python benchmarks/selection.py
+bench-exchange: setup
+	$(BIN)/python benchmarks/exchange.py
+bench-training: setup
+	$(BIN)/python benchmarks/training.py
+bench-convergence: setup
+	$(BIN)/python benchmarks/convergence.py
+bench-scaling: setup
+	$(BIN)/python benchmarks/scaling.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
