@@ -1,0 +1,376 @@
+"""Gradient-exchange time and bytes on the wire: Horovod dense / fp16 vs hvd_topk, on shaped links.
+
+P ranks (``--ranks 2 4``), each on its own emulated host (benchmarks/emulated_hosts.py: a network
+namespace with a tbf-shaped veth of ``--rates 1gbit 10gbit``, its own hostname and sshd), launched
+by one ``mpirun -H host0:1,...`` from a launcher namespace over ssh, MPI over TCP only
+(``--mca btl tcp,self``, interfaces restricted to the emulated subnet). Gradients have the shapes
+of ResNet-50's 161 parameter tensors (25,557,032 fp32 values).
+
+Methods (``--methods``; ``topk`` and ``topk-ef`` run at every ``--densities`` value):
+    none     no exchange: only the gradient deposit (the baseline included in every other row)
+    dense    hvd.DistributedOptimizer(opt, compression=hvd.Compression.none)
+    fp16     hvd.DistributedOptimizer(opt, compression=hvd.Compression.fp16)
+    topk     hvd.DistributedOptimizer(opt, compression=hvd_topk.TopK(density=d))   (drop-in, no EF)
+    topk-ef  hvd_topk.DistributedOptimizer(opt, compression=hvd_topk.TopK(density=d))
+
+One timed step (``--grad-mode backward``, the default): ``torch.autograd.backward(params,
+grad_tensors=G)`` deposits a pre-generated random gradient set G (a pool of ``--pool`` sets made
+outside the timed region, so values change every step) into the zeroed ``p.grad``; that fires the
+optimizers' per-parameter hooks exactly as a real backward does, so Horovod and hvd_topk start their
+exchanges there (selection included), and ``opt.synchronize()`` finishes them (decompression
+included). Time = deposit + synchronize; the ``none`` row is the deposit alone. With
+``--grad-mode set`` the gradients are copied into ``p.grad`` outside the timer and only
+``synchronize()`` is timed (every exchange then starts inside synchronize(); Horovod starts
+hook-less parameters in set order, which differs between ranks, and hvd_topk.TopK pairs them by
+Horovod's parameter names). Ranks are aligned by an allreduce of a scalar before each step; a step's
+time is the slowest rank's; the table shows the median over ``--steps`` after ``--warmup``.
+
+Bytes on the wire: each rank's eth0 tx/rx byte counters (the namespace's
+/sys/class/net/eth0/statistics) over the timed steps, divided by the steps (includes the small
+barrier allreduce and TCP/IP headers). "payload" is what the method hands to the network per
+rank and step (4 B x n for dense fp32, 2 B x n for fp16, hvd_topk's own ``bytes_sent``).
+
+Full run (about 10-15 min with torch.topk selection):
+    .venv/bin/python benchmarks/exchange.py
+Quick smoke run:
+    .venv/bin/python benchmarks/exchange.py --ranks 2 --rates 1gbit --methods dense topk-ef \\
+        --densities 0.01 --steps 2 --warmup 1 --output-name exchange-smoke
+Results: benchmarks/results/<output-name>.json and .md (default output-name: exchange).
+"""
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RESULTS = HERE / "results"
+RESNET50_PARAMS = 25_557_032
+
+
+def resnet50_shapes():
+    """The 161 parameter shapes of torchvision's resnet50(), in named_parameters() order."""
+    shapes = [(64, 3, 7, 7), (64,), (64,)]
+    inplanes = 64
+    for planes, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
+        for b in range(blocks):
+            shapes += [(planes, inplanes, 1, 1), (planes,), (planes,),
+                       (planes, planes, 3, 3), (planes,), (planes,),
+                       (planes * 4, planes, 1, 1), (planes * 4,), (planes * 4,)]
+            if b == 0:
+                shapes += [(planes * 4, inplanes, 1, 1), (planes * 4,), (planes * 4,)]
+            inplanes = planes * 4
+    shapes += [(1000, 2048), (1000,)]
+    return shapes
+
+
+def method_list(methods, densities):
+    out = []
+    for m in methods:
+        if m in ("topk", "topk-ef"):
+            out += [f"{m}@{d:g}" for d in densities]
+        else:
+            out.append(m)
+    return out
+
+
+def label(m):
+    name, _, d = m.partition("@")
+    return f"{name} {float(d) * 100:g}%" if d else name
+
+
+# ------------------------------------------------------------------------------------------------
+# worker: runs under mpirun on every rank
+# ------------------------------------------------------------------------------------------------
+def _read_counters():
+    base = Path("/sys/class/net/eth0/statistics")
+    try:
+        return int((base / "tx_bytes").read_text()), int((base / "rx_bytes").read_text())
+    except OSError:
+        return None
+
+
+def make_optimizer(method, params, topk_method, hvd, hvd_topk, torch):
+    name, _, d = method.partition("@")
+    inner = torch.optim.SGD(params, lr=0.0)
+    named = [(f"p{i}", p) for i, p in enumerate(params)]
+    kw = {} if topk_method is None else {"method": topk_method}
+    if name == "none":
+        return None, None
+    if name == "dense":
+        return hvd.DistributedOptimizer(inner, named_parameters=named, compression=hvd.Compression.none), None
+    if name == "fp16":
+        return hvd.DistributedOptimizer(inner, named_parameters=named, compression=hvd.Compression.fp16), None
+    if name == "topk":
+        comp = hvd_topk.TopK(density=float(d), **kw)
+        return hvd.DistributedOptimizer(inner, named_parameters=named, compression=comp), comp
+    if name == "topk-ef":
+        comp = hvd_topk.TopK(density=float(d), **kw)
+        return hvd_topk.DistributedOptimizer(inner, named_parameters=named, compression=comp), comp
+    raise ValueError(f"unknown method {method}")
+
+
+def worker(args):
+    import numpy as np
+    import torch
+    import horovod.torch as hvd
+    import hvd_topk
+
+    torch.set_num_threads(args.threads)
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    shapes = resnet50_shapes()
+    n = sum(int(np.prod(s)) for s in shapes)
+    assert len(shapes) == 161 and n == RESNET50_PARAMS, (len(shapes), n)
+    names = hvd.allgather_object(os.uname().nodename)
+    say(f"P={size} on hosts {names}; counters {'ok' if _read_counters() else 'missing'}; "
+        f"building {args.pool} gradient sets of {n:,} values")
+    g = torch.Generator().manual_seed(1234 + rank)
+    pool = [[torch.randn(s, generator=g) for s in shapes] for _ in range(args.pool)]
+
+    def barrier():
+        hvd.allreduce(torch.zeros(1), name="bench.barrier", op=hvd.Sum)
+
+    results = []
+    for method in method_list(args.methods, args.densities):
+        gc.collect()
+        params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+        opt, comp = make_optimizer(method, params, args.topk_method, hvd, hvd_topk, torch)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        times, check = [], None
+        total = args.warmup + args.steps
+        c0 = None
+        t_method = time.time()
+        for step in range(total):
+            grads = pool[step % len(pool)]
+            if args.grad_mode == "set":
+                for p, gr in zip(params, grads):
+                    p.grad.copy_(gr)
+            else:
+                for p in params:
+                    p.grad.zero_()
+            barrier()
+            if step == args.warmup:
+                c0 = _read_counters()
+                if comp is not None:
+                    comp.reset_stats()
+                if hasattr(opt, "reset_compression_stats"):
+                    opt.reset_compression_stats()
+            t0 = time.perf_counter()
+            if args.grad_mode == "backward":
+                torch.autograd.backward(params, grad_tensors=grads)
+            if opt is not None:
+                opt.synchronize()
+            dt = time.perf_counter() - t0
+            if step >= args.warmup:
+                times.append(dt)
+            if step == 0 and opt is not None:
+                # sanity: every rank holds the same exchanged gradient, and it is finite
+                s = torch.tensor([float(sum(p.grad.double().sum() for p in params))], dtype=torch.float64)
+                every = hvd.allgather(s, name="bench.check").tolist()
+                check = {"identical_across_ranks": len(set(every)) == 1,
+                         "finite": all(map(np.isfinite, every))}
+                if not check["identical_across_ranks"] or not check["finite"]:
+                    say(f"  WARNING {method}: exchanged gradients differ across ranks: {every}")
+            say(f"  [{method}] step {step + 1}/{total} {'(warm-up) ' if step < args.warmup else ''}"
+                f"{dt * 1e3:.0f} ms (rank 0)")
+        barrier()
+        c1 = _read_counters()
+        if c0 and c1:
+            wire = torch.tensor([(c1[0] - c0[0]) / args.steps, (c1[1] - c0[1]) / args.steps], dtype=torch.float64)
+        else:
+            wire = torch.tensor([float("nan"), float("nan")], dtype=torch.float64)
+        all_times = hvd.allgather(torch.tensor([times], dtype=torch.float64), name="bench.times")
+        all_wire = hvd.allgather(wire.view(1, 2), name="bench.wire")
+        step_max = all_times.max(dim=0).values.tolist()
+        row = {"method": method, "label": label(method), "P": size,
+               "median_ms": 1e3 * statistics.median(step_max),
+               "min_ms": 1e3 * min(step_max), "max_ms": 1e3 * max(step_max),
+               "step_ms_slowest_rank": [1e3 * t for t in step_max],
+               "rank0_ms": [1e3 * t for t in times],
+               "wire_tx_bytes_per_step_rank": float(all_wire[:, 0].mean()),
+               "wire_rx_bytes_per_step_rank": float(all_wire[:, 1].mean()),
+               "check": check, "wall_s": time.time() - t_method}
+        name = method.partition("@")[0]
+        if name == "dense":
+            row["payload_bytes_per_step_rank"] = 4 * n
+        elif name == "fp16":
+            row["payload_bytes_per_step_rank"] = 2 * n
+        elif name == "none":
+            row["payload_bytes_per_step_rank"] = 0
+        if name == "topk-ef":
+            st = opt.compression_stats()
+            row["compression_stats"] = st
+            row["payload_bytes_per_step_rank"] = st["bytes_sent"] / max(1, st["steps"])
+        elif name == "topk":
+            st = comp.stats()
+            row["compression_stats"] = st
+            row["payload_bytes_per_step_rank"] = st["bytes_sent"] / args.steps
+        results.append(row)
+        say(f"{label(method):>14}: median {row['median_ms']:8.1f} ms/step   "
+            f"wire tx {row['wire_tx_bytes_per_step_rank'] / 1e6:8.2f} MB/step/rank")
+        del opt, comp, params
+    if rank == 0 and args.out:
+        Path(args.out).write_text(json.dumps({"hosts": names, "rows": results,
+                                              "hvd_topk": {"version": hvd_topk.__version__, "file": hvd_topk.__file__,
+                                                           "default_topk": repr(hvd_topk.TopK())}}, indent=1))
+
+
+# ------------------------------------------------------------------------------------------------
+# driver: sets up the emulated hosts and runs one mpirun per (P, rate)
+# ------------------------------------------------------------------------------------------------
+def driver(args, argv, worker_args=None, script=None, benchmark="exchange", render=None):
+    """Set up P emulated hosts per ``--ranks``, run the worker under one mpirun per rate, save."""
+    sys.path.insert(0, str(HERE))
+    import emulated_hosts as eh_mod
+
+    script = Path(script or __file__).resolve()
+    worker_args = worker_args or exchange_worker_args
+    render = render or markdown
+    started = time.time()
+    info = eh_mod.machine_info()
+    runs = []
+
+    def save(partial):
+        return _save_report(args, argv, script, benchmark, render, info, started, runs, partial)
+
+    print(f"{benchmark} benchmark: ranks {args.ranks}, rates {args.rates}, methods "
+          f"{[label(m) for m in method_list(args.methods, args.densities)]}, {args.warmup} warm-up + "
+          f"{args.steps} timed steps", flush=True)
+    for P in args.ranks:
+        with eh_mod.EmulatedHosts(P, rate=args.rates[0], sshd=True, ssh_port=args.ssh_port) as eh:
+            for rate in args.rates:
+                eh.set_rate(rate)
+                out = eh.tmpdir / f"result-{P}-{rate}.json"
+                cmd = ["mpirun", "-np", str(P), "-H", eh.hostlist(), *eh.mpirun_args(),
+                       "--mca", "plm_rsh_no_tree_spawn", "1",
+                       "-x", f"PATH={Path(sys.executable).parent}:/usr/bin:/bin:/usr/sbin:/sbin",
+                       "-x", f"PYTHONPATH={REPO}", "-x", f"OMP_NUM_THREADS={args.threads}",
+                       # Horovod tuning set by the user (e.g. HOROVOD_CYCLE_TIME) reaches every rank
+                       *[a for k in sorted(os.environ) if k.startswith("HOROVOD_") for a in ("-x", k)],
+                       "--wdir", str(REPO), sys.executable, str(script), "--worker",
+                       *worker_args(args), "--out", str(out)]
+                print(f"\n== P={P}, rate {rate}: {shlex.join(cmd)}", flush=True)
+                t0 = time.time()
+                rc, output = eh_mod.stream(eh.launcher_cmd(cmd), timeout=args.timeout)
+                if rc != 0 or not out.exists():
+                    raise SystemExit(f"mpirun failed (exit {rc}) for P={P} rate {rate}")
+                res = json.loads(out.read_text())
+                for row in res["rows"]:
+                    row["rate"] = rate
+                runs.append({"P": P, "rate": rate, "hosts": res["hosts"], "rows": res["rows"],
+                             "wall_s": time.time() - t0, "mpirun": shlex.join(cmd),
+                             **{k: v for k, v in res.items() if k not in ("rows", "hosts")}})
+                save(partial=True)  # keep what is done if a later configuration fails
+    return save(partial=False)
+
+
+def _save_report(args, argv, script, benchmark, render, info, started, runs, partial):
+    report = {"benchmark": benchmark, "partial": partial,
+              "command": shlex.join([*[f"{k}={os.environ[k]}" for k in sorted(os.environ) if k.startswith("HOROVOD_")],
+                                     ".venv/bin/python", str(script.relative_to(REPO)), *argv]),
+              "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": info, "params": RESNET50_PARAMS, "tensors": 161,
+              "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
+              "wall_s": time.time() - started, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
+              "runs": runs}
+    md = render(report)
+    if partial:
+        md = "(partial: the run has not finished)\n\n" + md
+    else:
+        print("\n" + md)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{args.output_name}.json").write_text(json.dumps(report, indent=1))
+    (RESULTS / f"{args.output_name}.md").write_text(md)
+    print(f"saved {RESULTS / (args.output_name + '.json')} and .md ({report['wall_s']:.0f} s"
+          f"{', partial' if partial else ''})", flush=True)
+    return report
+
+
+def exchange_worker_args(args):
+    out = ["--methods", *args.methods, "--densities", *map(str, args.densities),
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--pool", str(args.pool),
+           "--threads", str(args.threads), "--grad-mode", args.grad_mode]
+    if args.topk_method:
+        out += ["--topk-method", args.topk_method]
+    return out
+
+
+def markdown(report):
+    m = report["machine"]
+    s = report["settings"]
+    lines = [f"# Gradient exchange, ResNet-50 shapes ({report['tensors']} tensors, "
+             f"{report['params']:,} fp32 values)", "",
+             f"- command: `{report['command']}`",
+             f"- date: {report['date_utc']}; machine: {m.get('Model name')}, {m.get('cores')} cores, "
+             f"{m.get('mem_gib')} GiB; git {m.get('git')}; {m.get('mpi')}; load average at start/end "
+             f"{m.get('loadavg_at_start')} / {report.get('loadavg_at_end')}",
+             f"- one emulated host per rank (network namespace, tbf-shaped veth), mpirun over ssh, "
+             f"MPI over TCP only; grad mode `{s['grad_mode']}`, {s['warmup']} warm-up + {s['steps']} "
+             f"timed steps, median of the slowest rank's step time; selection method "
+             f"`{s.get('topk_method') or 'TopK default'}`; {s['threads']} torch thread(s) per rank",
+             f"- hvd_topk: `{(report['runs'][0].get('hvd_topk') or {}).get('default_topk') if report['runs'] else '?'}` "
+             f"(TopK() defaults) from {(report['runs'][0].get('hvd_topk') or {}).get('file') if report['runs'] else '?'}",
+             "- time = gradient deposit + exchange (selection, allgather/allreduce, decompression); "
+             "`none` = deposit only; wire = eth0 tx bytes per rank and step (counters); "
+             "payload = bytes the method hands to the network per rank and step", ""]
+    for run in report["runs"]:
+        rows = run["rows"]
+        ref = {r["method"]: r["median_ms"] for r in rows}
+        lines += [f"## P={run['P']}, {run['rate']} per host ({run['wall_s']:.0f} s wall)", "",
+                  "| method | median ms | min-max ms | vs dense | vs fp16 | wire MB/step/rank | payload MB/step/rank | ranks agree |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|"]
+        for r in rows:
+            vd = f"{ref['dense'] / r['median_ms']:.2f}x" if "dense" in ref and r["method"] != "none" else "-"
+            vf = f"{ref['fp16'] / r['median_ms']:.2f}x" if "fp16" in ref and r["method"] != "none" else "-"
+            pay = r.get("payload_bytes_per_step_rank")
+            agree = "-" if r["check"] is None else ("yes" if r["check"]["identical_across_ranks"] else "NO")
+            lines.append(f"| {r['label']} | {r['median_ms']:.1f} | {r['min_ms']:.0f}-{r['max_ms']:.0f} | "
+                         f"{vd} | {vf} | {r['wire_tx_bytes_per_step_rank'] / 1e6:.2f} | "
+                         f"{'' if pay is None else f'{pay / 1e6:.2f}'} | {agree} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def common_arguments(ap, densities, pool, output_name):
+    """The options exchange.py and training.py share (P, links, methods, steps, launch)."""
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"], help="tbf rate per host link, or none")
+    ap.add_argument("--methods", nargs="+", default=["none", "dense", "fp16", "topk", "topk-ef"],
+                    choices=["none", "dense", "fp16", "topk", "topk-ef"])
+    ap.add_argument("--densities", type=float, nargs="+", default=densities)
+    ap.add_argument("--topk-method", default=None, help="TopK(method=...); default: TopK's default")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per method")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--pool", type=int, default=pool, help="pre-generated inputs cycled through")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--ssh-port", type=int, default=2222)
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds per mpirun")
+    ap.add_argument("--output-name", default=output_name)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common_arguments(ap, densities=[0.01, 0.001], pool=3, output_name="exchange")
+    ap.add_argument("--grad-mode", choices=["backward", "set"], default="backward")
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(args)
+    else:
+        driver(args, argv)
+
+
+if __name__ == "__main__":
+    main()

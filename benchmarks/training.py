@@ -1,0 +1,242 @@
+"""End-to-end training step time of a ResNet-50 on shaped links: dense vs fp16 vs hvd_topk.
+
+The model is a real ResNet-50 (torchvision's architecture written out here, so torchvision is
+not needed: 161 parameter tensors, 25,557,032 parameters, the same as benchmarks/exchange.py)
+fed small synthetic images (``--image-size 32`` by default, batch ``--batch`` per rank) so that
+compute stays modest on a 2-core machine while the gradient is full-size. One rank per emulated
+host (benchmarks/emulated_hosts.py), one mpirun per (P, rate) over ssh, MPI over TCP only.
+
+One timed step = ``zero_grad`` + forward + backward (Horovod / hvd_topk start exchanges from their
+hooks) + ``opt.step()`` (which synchronizes, then SGD with momentum). Ranks are aligned by an
+allreduce of a scalar before each step; a step's time is the slowest rank's; median over
+``--steps`` after ``--warmup``. ``none`` is the same step with the plain optimizer (no exchange).
+
+Methods: none, dense (hvd.DistributedOptimizer, no compression), fp16 (hvd.Compression.fp16),
+topk (hvd.DistributedOptimizer + hvd_topk.TopK(density=d), drop-in), topk-ef
+(hvd_topk.DistributedOptimizer, error feedback), at ``--densities`` (default 1%).
+
+Full run (about 10 min with torch.topk selection):
+    .venv/bin/python benchmarks/training.py
+Smoke run:
+    .venv/bin/python benchmarks/training.py --ranks 2 --rates 1gbit --methods none dense topk-ef \\
+        --steps 2 --warmup 1 --output-name training-smoke
+Results: benchmarks/results/<output-name>.json and .md (default output-name: training).
+"""
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import exchange  # noqa: E402  (shared driver, shapes, labels)
+
+
+def build_resnet50(torch):
+    nn = torch.nn
+
+    class Bottleneck(nn.Module):
+        def __init__(self, inplanes, planes, stride, downsample):
+            super().__init__()
+            self.conv1 = nn.Conv2d(inplanes, planes, 1, bias=False)
+            self.bn1 = nn.BatchNorm2d(planes)
+            self.conv2 = nn.Conv2d(planes, planes, 3, stride, 1, bias=False)
+            self.bn2 = nn.BatchNorm2d(planes)
+            self.conv3 = nn.Conv2d(planes, planes * 4, 1, bias=False)
+            self.bn3 = nn.BatchNorm2d(planes * 4)
+            self.relu = nn.ReLU(inplace=True)
+            self.downsample = downsample
+
+        def forward(self, x):
+            idt = x if self.downsample is None else self.downsample(x)
+            out = self.relu(self.bn1(self.conv1(x)))
+            out = self.relu(self.bn2(self.conv2(out)))
+            out = self.bn3(self.conv3(out))
+            return self.relu(out + idt)
+
+    class ResNet50(nn.Module):
+        def __init__(self, num_classes=1000):
+            super().__init__()
+            self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
+            self.bn1 = nn.BatchNorm2d(64)
+            self.relu = nn.ReLU(inplace=True)
+            self.maxpool = nn.MaxPool2d(3, 2, 1)
+            inplanes, layers = 64, []
+            for planes, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+                mods = []
+                for b in range(blocks):
+                    ds = None
+                    if b == 0:
+                        ds = nn.Sequential(nn.Conv2d(inplanes, planes * 4, 1, stride, bias=False),
+                                           nn.BatchNorm2d(planes * 4))
+                    mods.append(Bottleneck(inplanes, planes, stride if b == 0 else 1, ds))
+                    inplanes = planes * 4
+                layers.append(nn.Sequential(*mods))
+            self.layer1, self.layer2, self.layer3, self.layer4 = layers
+            self.avgpool = nn.AdaptiveAvgPool2d(1)
+            self.fc = nn.Linear(2048, num_classes)
+
+        def forward(self, x):
+            x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+            x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+            return self.fc(torch.flatten(self.avgpool(x), 1))
+
+    model = ResNet50()
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    assert shapes == [tuple(s) for s in exchange.resnet50_shapes()], "ResNet-50 shapes differ"
+    return model
+
+
+def worker(args):
+    import torch
+    import horovod.torch as hvd
+    import hvd_topk
+
+    torch.set_num_threads(args.threads)
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    names = hvd.allgather_object(os.uname().nodename)
+    g = torch.Generator().manual_seed(7 + rank)
+    batches = [(torch.randn(args.batch, 3, args.image_size, args.image_size, generator=g),
+                torch.randint(0, 1000, (args.batch,), generator=g)) for _ in range(args.pool)]
+    say(f"P={size} on hosts {names}; ResNet-50, batch {args.batch}/rank, {args.image_size}x"
+        f"{args.image_size} synthetic images, {args.threads} thread(s)/rank")
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def barrier():
+        hvd.allreduce(torch.zeros(1), name="bench.barrier", op=hvd.Sum)
+
+    rows = []
+    for method in exchange.method_list(args.methods, args.densities):
+        gc.collect()
+        torch.manual_seed(0)
+        model = build_resnet50(torch)
+        name, _, d = method.partition("@")
+        inner = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        kw = {} if args.topk_method is None else {"method": args.topk_method}
+        comp = None
+        if name == "none":
+            opt = inner
+        elif name in ("dense", "fp16"):
+            opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                           compression=hvd.Compression.none if name == "dense"
+                                           else hvd.Compression.fp16)
+        elif name == "topk":
+            comp = hvd_topk.TopK(density=float(d), **kw)
+            opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=comp)
+        elif name == "topk-ef":
+            comp = hvd_topk.TopK(density=float(d), **kw)
+            opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                                compression=comp)
+        else:
+            raise ValueError(method)
+        if name != "none":
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        times, losses = [], []
+        total = args.warmup + args.steps
+        t_method = time.time()
+        for step in range(total):
+            x, y = batches[step % len(batches)]
+            barrier()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            dt = time.perf_counter() - t0
+            losses.append(loss.item())
+            if step >= args.warmup:
+                times.append(dt)
+            say(f"  [{method}] step {step + 1}/{total} {'(warm-up) ' if step < args.warmup else ''}"
+                f"{dt * 1e3:.0f} ms (rank 0), loss {losses[-1]:.3f}")
+        # parameters must agree across ranks after distributed steps
+        agree = None
+        if name != "none":
+            s = torch.tensor([float(sum(p.detach().double().sum() for p in model.parameters()))], dtype=torch.float64)
+            every = hvd.allgather(s, name="bench.check").tolist()
+            agree = len(set(every)) == 1
+        all_times = hvd.allgather(torch.tensor([times], dtype=torch.float64), name="bench.times")
+        step_max = all_times.max(dim=0).values.tolist()
+        row = {"method": method, "label": exchange.label(method), "P": size,
+               "median_ms": 1e3 * statistics.median(step_max), "min_ms": 1e3 * min(step_max),
+               "max_ms": 1e3 * max(step_max), "step_ms_slowest_rank": [1e3 * t for t in step_max],
+               "rank0_ms": [1e3 * t for t in times], "losses_rank0": losses,
+               "params_identical_across_ranks": agree, "wall_s": time.time() - t_method}
+        if name == "topk-ef":
+            row["compression_stats"] = opt.compression_stats()
+        elif name == "topk":
+            row["compression_stats"] = comp.stats()
+        rows.append(row)
+        say(f"{exchange.label(method):>14}: median {row['median_ms']:8.1f} ms/step"
+            f"{'' if agree in (None, True) else '   WARNING: parameters differ across ranks'}")
+        del opt, inner, model, comp
+    if rank == 0 and args.out:
+        Path(args.out).write_text(json.dumps({"hosts": names, "rows": rows,
+                                              "hvd_topk": {"version": hvd_topk.__version__, "file": hvd_topk.__file__,
+                                                           "default_topk": repr(hvd_topk.TopK())}}, indent=1))
+
+
+def worker_args(args):
+    out = ["--methods", *args.methods, "--densities", *map(str, args.densities),
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--pool", str(args.pool),
+           "--threads", str(args.threads), "--batch", str(args.batch),
+           "--image-size", str(args.image_size)]
+    if args.topk_method:
+        out += ["--topk-method", args.topk_method]
+    return out
+
+
+def markdown(report):
+    m, s = report["machine"], report["settings"]
+    lines = [f"# Training step, ResNet-50 ({report['params']:,} parameters), synthetic "
+             f"{s['image_size']}x{s['image_size']} images, batch {s['batch']} per rank", "",
+             f"- command: `{report['command']}`",
+             f"- date: {report['date_utc']}; machine: {m.get('Model name')}, {m.get('cores')} cores, "
+             f"{m.get('mem_gib')} GiB; git {m.get('git')}; {m.get('mpi')}; load average at start/end "
+             f"{m.get('loadavg_at_start')} / {report.get('loadavg_at_end')}",
+             f"- one emulated host per rank (network namespace, tbf-shaped veth), mpirun over ssh, MPI "
+             f"over TCP only; step = zero_grad + forward + backward + opt.step() (SGD momentum 0.9); "
+             f"{s['warmup']} warm-up + {s['steps']} timed steps, median of the slowest rank; "
+             f"{s['threads']} torch thread(s) per rank; selection `{s.get('topk_method') or 'TopK default'}`",
+             f"- hvd_topk: `{(report['runs'][0].get('hvd_topk') or {}).get('default_topk') if report['runs'] else '?'}` "
+             f"(TopK() defaults) from {(report['runs'][0].get('hvd_topk') or {}).get('file') if report['runs'] else '?'}",
+             "- `none` = the same step without any exchange (plain torch optimizer)", ""]
+    for run in report["runs"]:
+        ref = {r["method"]: r["median_ms"] for r in run["rows"]}
+        lines += [f"## P={run['P']}, {run['rate']} per host ({run['wall_s']:.0f} s wall)", "",
+                  "| method | median ms/step | min-max ms | vs dense | vs fp16 | exchange overhead vs none | ranks agree |",
+                  "|---|---:|---:|---:|---:|---:|---|"]
+        for r in run["rows"]:
+            vd = f"{ref['dense'] / r['median_ms']:.2f}x" if "dense" in ref and r["method"] != "none" else "-"
+            vf = f"{ref['fp16'] / r['median_ms']:.2f}x" if "fp16" in ref and r["method"] != "none" else "-"
+            ov = f"{r['median_ms'] - ref['none']:+.0f} ms" if "none" in ref and r["method"] != "none" else "-"
+            agree = r["params_identical_across_ranks"]
+            lines.append(f"| {r['label']} | {r['median_ms']:.1f} | {r['min_ms']:.0f}-{r['max_ms']:.0f} | "
+                         f"{vd} | {vf} | {ov} | {'-' if agree is None else ('yes' if agree else 'NO')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    exchange.common_arguments(ap, densities=[0.01], pool=2, output_name="training")
+    ap.add_argument("--batch", type=int, default=8, help="per rank")
+    ap.add_argument("--image-size", type=int, default=32)
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(args)
+    else:
+        exchange.driver(args, argv, worker_args=worker_args, script=__file__, benchmark="training",
+                        render=markdown)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""benchmarks/scaling.py (the scaling simulator) against hand-computed cases. No MPI, fast."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "scaling.py"
+spec = importlib.util.spec_from_file_location("scaling_model", SCRIPT)
+sim = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = sim
+spec.loader.exec_module(sim)
+
+N = 25.6e6  # ResNet-50
+
+
+def no_latency(**kw):
+    return sim.Costs(alpha_s=0.0, **kw)
+
+
+def test_dense_ring_allreduce_p2_1gbit():
+    # 2 (P-1)/P * 102.4 MB / 125 MB/s
+    assert sim.dense_allreduce_s(2, N, 4, 1, no_latency()) == pytest.approx(0.8192)
+    # fp16 halves the bytes
+    assert sim.dense_allreduce_s(2, N, 2, 1, no_latency()) == pytest.approx(0.4096)
+    # latency: 2 (P-1) alpha per fusion message; 102.4 MB is two 64 MiB messages, 51.2 MB one
+    c = sim.Costs(alpha_s=1e-3)
+    assert sim.dense_allreduce_s(2, N, 4, 1, c) == pytest.approx(0.8192 + 2 * 1 * 1e-3 * 2)
+    assert sim.dense_allreduce_s(2, N, 2, 1, c) == pytest.approx(0.4096 + 2 * 1 * 1e-3 * 1)
+    # P=8 at 10 Gbit: 2*7/8 * 102.4e6 / 1.25e9
+    assert sim.dense_allreduce_s(8, N, 4, 10, no_latency()) == pytest.approx(0.14336)
+    assert sim.dense_allreduce_s(1, N, 4, 1, c) == 0.0
+
+
+def test_sparse_allgather_bytes_and_time():
+    # P=4, 1%: k = 256,000 pairs of 8 bytes from each of the 3 other ranks
+    assert sim.sparse_bytes_in(4, N, 0.01, no_latency()) == 3 * 256_000 * 8 == 6_144_000
+    zero_local = no_latency(selection_s_per_elem=0.0, pass_s_per_elem=0.0, scatter_s_per_elem=0.0)
+    wire, local = sim.sparse_times(4, N, 0.01, 1, zero_local)
+    assert wire == pytest.approx(6.144e6 / 125e6)  # 49.152 ms
+    assert local == 0.0
+    # local: selection n*c_sel + EF pass n*c_pass + decompression P*k*c_scatter + n*c_pass
+    c = no_latency(selection_s_per_elem=1e-9, pass_s_per_elem=0.2e-9, scatter_s_per_elem=2e-9, ef_passes=1)
+    _, local = sim.sparse_times(4, N, 0.01, 1, c)
+    assert local == pytest.approx(N * 1e-9 + N * 0.2e-9 + 4 * 256_000 * 2e-9 + N * 0.2e-9)
+
+
+def test_break_even_switches_hvd_topk_to_dense():
+    c = no_latency()
+    # hvd_topk's rule for fp32 + int32: sparse while density < 1/P
+    assert sim.goes_sparse(64, 0.01, c)       # 1% < 1/64
+    assert not sim.goes_sparse(128, 0.01, c)  # 1% >= 1/128
+    assert not sim.goes_sparse(1, 0.01, c)    # nothing to exchange: dense (a no-op)
+    dense = sim.step("dense fp32", 128, N, 0.1, 1, c)
+    topk = sim.step("hvd_topk 1%", 128, N, 0.1, 1, c)
+    assert topk["mode"] == "dense" and topk["step_s"] == dense["step_s"]
+    assert sim.step("hvd_topk 0.1%", 128, N, 0.1, 1, c)["mode"] == "sparse"
+    # same numbers as the module the optimizer uses
+    from hvd_topk.exchange import sparse_break_even
+    assert sparse_break_even(8) == 0.125
+    assert sim.goes_sparse(8, 0.124, c)
+    assert not sim.goes_sparse(8, 0.125, c)
+
+
+def test_step_time_and_efficiency():
+    c = no_latency()
+    r = sim.step("dense fp32", 2, N, 0.1, 1, c)
+    assert r["step_s"] == pytest.approx(0.1 + 0.8192)
+    assert r["efficiency"] == pytest.approx(0.1 / 0.9192)
+    one = sim.step("hvd_topk 1%", 1, N, 0.1, 1, c)
+    assert one["step_s"] == 0.1 and one["efficiency"] == 1.0
+    # overlap: wire hides behind up to overlap * compute; local work never does
+    c_ov = no_latency(overlap=1.0)
+    assert sim.step("dense fp32", 2, N, 0.1, 1, c_ov)["step_s"] == pytest.approx(0.8192)
+    assert sim.step("dense fp32", 2, N, 0.1, 1000, c_ov)["step_s"] == pytest.approx(0.1)
+
+
+def test_calibration_from_selection_json(tmp_path):
+    missing = sim.calibrate(tmp_path / "selection.json")
+    assert missing[0] == pytest.approx(1e-9) and missing[1] == pytest.approx(0.2e-9)
+    rows = [
+        {"n": 25_000_000, "density": 0.01, "threads": 1, "method": "sampled", "median_s": 0.02},
+        {"n": 10_000_000, "density": 0.01, "threads": 1, "method": "sampled", "median_s": 0.1},
+        {"n": 25_000_000, "density": 0.001, "threads": 1, "method": "sampled", "median_s": 0.05},
+        {"n": 25_000_000, "density": 0.01, "threads": 2, "method": "sampled", "median_s": 0.01},
+        {"n": 25_000_000, "density": 0.01, "threads": 1, "method": "torch.topk", "median_s": 0.5},
+        {"n": 25_000_000, "density": 0.01, "threads": 1, "method": "stream", "median_s": 0.005},
+    ]
+    path = tmp_path / "selection.json"
+    path.write_text(json.dumps(rows))
+    sel, pas, note = sim.calibrate(path)
+    assert sel == pytest.approx(0.8e-9)   # 0.02 s / 25M, largest n, density 1%, one thread
+    assert pas == pytest.approx(0.2e-9)   # 0.005 s / 25M
+    assert "selection.json" in note
+    path.write_text(json.dumps({"rows": rows}))
+    assert sim.calibrate(path, threads=2)[0] == pytest.approx(0.4e-9)
+
+
+def test_simulate_covers_the_grid():
+    rows = sim.simulate({"m": (N, 0.1)}, [1, 10], [1, 2, 4], sim.Costs())
+    assert len(rows) == 6
+    assert all(set(sim.METHODS) <= set(r) for r in rows)
