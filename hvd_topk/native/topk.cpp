@@ -1,18 +1,20 @@
 // hvd_topk's CPU selection kernel: top-k by magnitude in about one pass over memory.
 //
-// 1. Sample: read S entries in random runs of 32 (two cache lines of fp32), so sampling costs
-//    a few thousand cache misses, not S.
+// 1. Sample: fresh random positions on every call: single entries in tensors that fit in cache,
+//    runs of 32 (two cache lines of fp32) in larger ones, so sampling costs a few thousand
+//    cache misses, not S.
 // 2. Threshold: the sample's r-th largest magnitude, r chosen so that the expected number of
 //    entries at or above it is k plus a few standard deviations (so it is rarely too few).
 // 3. One pass: collect the positions with |x| >= threshold, in ascending order. With error
 //    feedback the same pass first adds the gradient into the residual (x += g) and zeroes the
 //    gradient (it becomes the destination of the exchanged sum), so the residual is read and
 //    written once per step.
-// 4. Keep exactly k: the k-th largest candidate magnitude (nth_element on the few candidates),
+// 4. Keep exactly k: the k-th largest candidate magnitude (radix select on the few candidates),
 //    then a scan of the candidates in position order. Output indices are ascending.
 // 5. Too few candidates (rare): mode EXACT lowers the threshold and passes again, so the result
-//    is the true top-k; mode SAMPLED keeps its one pass and fills up with the lowest positions
-//    not collected (real entries, never duplicates), so exactly k distinct pairs always go out.
+//    is the true top-k; mode SAMPLED does so only below 95% of k, and otherwise fills up with
+//    the lowest positions not collected (real entries, never duplicates): exactly k distinct
+//    pairs always go out, at least 95% of them from the true top-k.
 //
 // NaN counts as the largest magnitude (as in torch.topk) so it is always sent and reaches the
 // average; any inf/nan in x is reported in flags[0].
@@ -35,6 +37,7 @@ namespace {
 constexpr int64_t kRun = 32;          // sampled entries per random position (2 cache lines)
 constexpr int64_t kSample = 65536;    // entries sampled (at most a quarter of x)
 constexpr int64_t kSmall = 16384;     // at or below: every entry is a candidate
+constexpr int64_t kSingles = 1 << 18; // at or below: sample single entries, not runs
 
 struct Rng {  // splitmix64: tiny, good enough for picking sample positions
   uint64_t s;
@@ -73,6 +76,7 @@ struct Positions {  // growable; entries past `size` may be written while collec
 struct Scratch {  // reused across calls (one per thread): no allocation in steady state
   std::vector<uint32_t> sample, keys;
   Positions cand;
+  uint64_t calls = 0;  // varies the sample positions from call to call
 };
 thread_local Scratch scratch;
 
@@ -114,11 +118,15 @@ float sample_threshold(const T* x, const T* g, int64_t n, double want, uint64_t 
   std::vector<uint32_t>& s = scratch.sample;
   s.clear();
   s.reserve(kSample);
-  Rng rng{seed ^ (uint64_t)n * 0x2545F4914F6CDD1Dull};
-  int64_t runs = std::min(kSample, n / 4) / kRun;  // small tensors: a quarter of them
+  Rng rng{seed ^ (uint64_t)n * 0x2545F4914F6CDD1Dull ^ (++scratch.calls * 0xD1B54A32D192ED03ull)};
+  // Fresh positions on every call (a fixed set could keep missing a structured gradient's large
+  // values, step after step). Tensors up to kSingles entries sit in cache: sample single entries
+  // (independent); larger ones in runs of kRun to keep the number of cache misses small.
+  int64_t step = n <= kSingles ? 1 : kRun;
+  int64_t runs = (n <= kSingles ? std::min(kSample / 4, n / 4) : std::min(kSample, n / 4)) / step;
   for (int64_t j = 0; j < runs; ++j) {
-    int64_t start = (int64_t)(rng.next() % (uint64_t)(n - kRun + 1));
-    for (int64_t i = start; i < start + kRun; ++i)
+    int64_t start = (int64_t)(rng.next() % (uint64_t)(n - step + 1));
+    for (int64_t i = start; i < start + step; ++i)
       s.push_back(key_bits(g ? static_cast<T>(x[i] + g[i]) : x[i]));
   }
   int64_t S = (int64_t)s.size();
@@ -317,7 +325,10 @@ int64_t select_impl(T* x, T* g, int64_t n, int64_t k, int64_t offset, I* idx, T*
   g = nullptr;  // the gradient has been folded in
   flags[1] = 1;
   double want = (double)k;
-  while (scratch.cand.size < k && exact) {
+  // Too few collected: EXACT passes again until it has k; SAMPLED only when it has less than
+  // 95% of k (then fills up the rest), so its recall is never below 95%.
+  int64_t enough = exact ? k : k - k / 20;
+  while (scratch.cand.size < enough && !strict) {  // strict: the rest are zeros (ties)
     want *= 4.0;  // too few: lower the threshold and pass again (rare)
     float t2 = want >= (double)n ? -INFINITY : sample_threshold(x, (T*)nullptr, n, want, seed + 1);
     if (!(t2 < t)) t2 = -INFINITY;
