@@ -264,6 +264,8 @@ class _TopKDistributedOptimizer(torch.optim.Optimizer):
             if memory is not None:
                 local = index_slots.long() - offset if memory.momentum else None
                 memory.sent_native(pname, local, result.nonfinite)
+            if result.passes > 1 or result.filled:
+                self._stats.add(selection_repasses=result.passes - 1, selection_filled=result.filled)
             if result.nonfinite:  # an inf/nan must reach the averaged gradient (GradScaler)
                 values[:1] = math.nan
             if not direct:

@@ -14,6 +14,8 @@ class CompressionStats:
         "bytes_dense",        # bytes a dense allreduce of the same tensors would send
         "bytes_sent",         # bytes this rank actually handed to Horovod
         "nonfinite_resets",   # residuals reset because they held inf/nan
+        "selection_repasses", # extra passes the native kernel made (threshold estimated too high)
+        "selection_filled",   # entries 'sampled' took from outside the top-k (<= 5% of k each)
     )
     _TIMERS = ("time_selection_s", "time_exchange_s")
 

@@ -113,9 +113,9 @@ def test_mostly_zeros_gives_k_distinct_entries(method):
 
 
 @needs_native
-def test_sampled_shortfall_fills_with_distinct_real_entries():
-    """A threshold estimated from a sample that misses a cluster of large values: sampled still
-    returns k distinct entries with their real values; exact passes again and is exact."""
+def test_cluster_of_large_values_at_the_end():
+    """All the large values in one block (the sample sees few of them): sampled still returns
+    k distinct entries with their real values; exact returns exactly that block's top."""
     n, k = 1_000_000, 2000
     x = torch.full((n,), 1e-3)
     x[-5000:] = torch.linspace(1.0, 2.0, 5000)  # large values the sample may barely see
