@@ -5,7 +5,7 @@ VENV ?= .venv
 NP ?= 2
 BIN := $(abspath $(VENV))/bin
 
-.PHONY: setup demo test test-unit test-distributed image-test two-hosts bench-selection bench-exchange bench-training bench-convergence bench-scaling clean
+.PHONY: setup demo test test-unit test-distributed image-test two-hosts clean
 
 setup:
 	VENV=$(abspath $(VENV)) bash docker/install.sh
@@ -31,17 +31,10 @@ image-test:
 two-hosts: setup
 	$(BIN)/python benchmarks/two_hosts.py
 
-# Benchmarks: each writes benchmarks/results/NAME.{json,md} (and a PNG where it plots).
-bench-selection: setup
-	$(BIN)/python benchmarks/selection.py
-bench-exchange: setup
-	$(BIN)/python benchmarks/exchange.py
-bench-training: setup
-	$(BIN)/python benchmarks/training.py
-bench-convergence: setup
-	$(BIN)/python benchmarks/convergence.py
-bench-scaling: setup
-	$(BIN)/python benchmarks/scaling.py
+# Benchmarks: `make bench-NAME` runs benchmarks/NAME.py (selection, exchange, training,
+# convergence, scaling); each writes benchmarks/results/NAME.{json,md} (and a PNG where it plots).
+bench-%: setup
+	$(BIN)/python benchmarks/$*.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
