@@ -28,7 +28,7 @@ from hvd_topk import native
 METHODS = ("sampled", "exact")
 DEFAULT_METHOD = "sampled"
 
-SAMPLE = 65536        # entries sampled to estimate the threshold (as in the native kernel)
+SAMPLE = 65536        # entries the torch-ops path samples to estimate the threshold
 SMALL = 2 * SAMPLE    # at or below this size there is nothing to gain: exact selection
 
 
@@ -110,18 +110,19 @@ def select_exact_torch(flat, k):
     return flat[indices], indices
 
 
-_sample_positions = {}
+_generators = {}
 
 
 def _positions(n, device):
-    """Fixed random sample positions per (size, device), made once (no per-step host work)."""
-    key = (n, str(device))
-    pos = _sample_positions.get(key)
-    if pos is None:
-        gen = torch.Generator().manual_seed(n)
-        pos = torch.randint(n, (SAMPLE,), generator=gen).to(device)
-        _sample_positions[key] = pos
-    return pos
+    """Fresh random sample positions on every call, drawn on the tensor's device (no host
+    sync) from hvd_topk's own generator (the user's RNG stream is left alone). A fixed set of
+    positions could keep missing a structured gradient's large values step after step, as the
+    native kernel once did."""
+    key = str(device)
+    gen = _generators.get(key)
+    if gen is None:
+        gen = _generators[key] = torch.Generator(device=device).manual_seed(0x5EED)
+    return torch.randint(n, (SAMPLE,), generator=gen, device=device)
 
 
 def threshold_rank(n, k, sample=SAMPLE):
@@ -138,7 +139,7 @@ def select_sampled_torch(flat, k):
     r = threshold_rank(n, k) if n > SMALL else None
     if r is None:
         return select_exact_torch(flat, k)
-    magnitude = flat.abs()
+    magnitude = flat.abs().nan_to_num_(nan=math.inf)  # NaN counts as largest, as in torch.topk
     sample = magnitude[_positions(n, flat.device)]
     threshold = torch.kthvalue(sample, SAMPLE - r).values  # the r-th largest (1-based)
     capacity = min(n, int(1.5 * r * n / SAMPLE) + 16)  # expected count x 1.5

@@ -97,6 +97,17 @@ def test_nonfinite_is_reported_and_sent(method):
     assert not selection.select_native(clean, 100, idx, val, method).nonfinite
 
 
+def test_torch_sampled_path_sends_nan_and_inf():
+    """The CUDA path's ops (run on CPU): NaN counts as the largest magnitude, as in torch.topk
+    and the native kernel, so it reaches the average instead of vanishing."""
+    x = sample("normal", 200_000, seed=4)
+    x[123] = float("nan")
+    x[456] = float("inf")
+    values, indices = selection.select_sampled_torch(x, 100)
+    assert {123, 456} <= set(indices.tolist())
+    assert torch.isnan(values).any() and torch.isinf(values).any()
+
+
 @needs_native
 @pytest.mark.parametrize("method", ["sampled", "exact"])
 def test_mostly_zeros_gives_k_distinct_entries(method):
