@@ -17,13 +17,16 @@ emulated host over ssh, as on a real cluster.
 
 Everything is removed on exit of the ``with`` block: normal exit, exceptions, SIGINT, SIGTERM
 (processes still inside the namespaces are killed first). A run that was SIGKILLed leaves
-``hvdtk-*`` namespaces behind: ``python benchmarks/emulated_hosts.py cleanup`` removes those whose
-creating process is gone (``--all`` removes every ``hvdtk-*`` one).
+``hvdtk-*`` namespaces behind: ``python -m hvd_topk.testing.emulated_hosts cleanup`` removes those
+whose creating process is gone (``--all`` removes every ``hvdtk-*`` one).
+
+``EmulatedHosts.mpirun_command(argv)`` is the ``mpirun -H host0:1,...`` line that starts
+``argv`` with one rank per emulated host; run it through ``launcher_cmd`` (and ``stream``).
 
 CLI:
-    python benchmarks/emulated_hosts.py demo --hosts 2 --rate 1gbit     # set up, measure, tear down
-    python benchmarks/emulated_hosts.py shell --hosts 2 --rate 1gbit    # print commands, wait for Ctrl-C
-    python benchmarks/emulated_hosts.py list | cleanup [--all]
+    python -m hvd_topk.testing.emulated_hosts demo --hosts 2 --rate 1gbit   # set up, measure, tear down
+    python -m hvd_topk.testing.emulated_hosts shell --hosts 2 --rate 1gbit  # print commands, wait for Ctrl-C
+    python -m hvd_topk.testing.emulated_hosts list | cleanup [--all]
 """
 
 import argparse
@@ -59,13 +62,33 @@ def _ns_exec(ns, *cmd):
 
 
 def list_namespaces(prefix=PREFIX):
-    out = _run(["ip", "netns", "list"], check=False).stdout
+    """Names of the network namespaces starting with ``prefix`` ([] without iproute2)."""
+    try:
+        out = _run(["ip", "netns", "list"], check=False).stdout
+    except OSError:
+        return []
     return [line.split()[0] for line in out.splitlines() if line.split() and line.split()[0].startswith(prefix)]
 
 
-def _pid_of_name(name):
-    m = re.match(re.escape(PREFIX) + r"(\d+)-", name)
+def pid_of_name(name, prefix=PREFIX):
+    """The creating process's pid in a name made by EmulatedHosts (``hvdtk-<pid>-...``), else None."""
+    m = re.match(re.escape(prefix) + r"(\d+)-", name)
     return int(m.group(1)) if m else None
+
+
+def stale_names(names, all_runs=False, alive=None, prefix=PREFIX):
+    """Which of ``names`` are leftovers: those starting with ``prefix`` whose creating process
+    (the pid in the name) is gone (``alive(pid)`` says; default: signal 0), or, with
+    ``all_runs``, every one starting with ``prefix``. Other names are never chosen."""
+    alive = alive or _alive
+    out = []
+    for name in sorted(set(names)):
+        if not name.startswith(prefix):
+            continue
+        pid = pid_of_name(name, prefix)
+        if all_runs or (pid is not None and not alive(pid)):
+            out.append(name)
+    return out
 
 
 def _alive(pid):
@@ -103,25 +126,33 @@ def remove_namespace(ns):
     shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
 
 
-def cleanup_stale(all_runs=False, verbose=True):
-    """Remove ``hvdtk-*`` namespaces, /etc/netns dirs and temp dirs whose creating process is gone."""
+def cleanup_stale(all_runs=False, verbose=True, *, alive=None, namespaces=None, netns_etc=None,
+                  tmp_root=None, remove=None):
+    """Remove ``hvdtk-<pid>-*`` namespaces, /etc/netns dirs and temp dirs whose creating process
+    is gone (every one with ``all_runs``). Returns what was removed.
+
+    The keyword arguments exist for tests: ``namespaces`` (default: ``ip netns list``),
+    ``netns_etc`` (/etc/netns), ``tmp_root`` (the temp directory), ``remove`` (called per
+    namespace; default ``remove_namespace``) and ``alive`` (pid -> bool)."""
+    netns_etc = Path(netns_etc) if netns_etc is not None else NETNS_ETC
+    remove = remove or remove_namespace
     removed = []
-    names = set(list_namespaces())
-    if NETNS_ETC.is_dir():
-        names |= {p.name for p in NETNS_ETC.iterdir() if p.name.startswith(PREFIX)}
-    for ns in sorted(names):
-        pid = _pid_of_name(ns)
-        if all_runs or (pid is not None and not _alive(pid)):
-            remove_namespace(ns)
-            removed.append(ns)
-    for d in Path(tempfile.gettempdir()).glob(PREFIX + "[0-9]*-*"):
-        pid = _pid_of_name(d.name)
-        if d.is_dir() and pid is not None and (all_runs or not _alive(pid)):
-            for pidfile in d.glob("*.pid"):  # sshds of a killed run (normally gone with their netns)
-                with contextlib.suppress(Exception):
-                    os.kill(int(pidfile.read_text().split()[0]), signal.SIGTERM)
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(str(d))
+    names = set(list_namespaces() if namespaces is None else namespaces)
+    if netns_etc.is_dir():
+        names |= {p.name for p in netns_etc.iterdir() if p.name.startswith(PREFIX)}
+    for ns in stale_names(names, all_runs, alive):
+        remove(ns)
+        shutil.rmtree(netns_etc / ns, ignore_errors=True)
+        removed.append(ns)
+    tmp_root = Path(tmp_root) if tmp_root is not None else Path(tempfile.gettempdir())
+    dirs = {d.name: d for d in tmp_root.glob(PREFIX + "[0-9]*-*") if d.is_dir()}
+    for name in stale_names(dirs, all_runs, alive):
+        d = dirs[name]
+        for pidfile in d.glob("*.pid"):  # sshds of a killed run (normally gone with their netns)
+            with contextlib.suppress(Exception):
+                os.kill(int(pidfile.read_text().split()[0]), signal.SIGTERM)
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(str(d))
     if verbose:
         print("removed:", ", ".join(removed) if removed else "nothing")
     return removed
@@ -158,6 +189,7 @@ class EmulatedHosts:
         self.hosts = [Host(f"h{i}", f"{self.base}-h{i}", f"10.{net}.0.{11 + i}", f"host{i}")
                       for i in range(n)]
         self.launcher = Host("ln", f"{self.base}-ln", f"10.{net}.0.2", "launcher")
+        self.ssh_key = self.ssh_config = None  # made on entry
         self._made = []          # namespaces created, for cleanup
         self._sshd_pids = []
         self.tmpdir = None
@@ -311,6 +343,33 @@ class EmulatedHosts:
         """``host0:1,host1:1,...`` for -H."""
         return ",".join(f"{h.hostname}:{slots}" for h in self.hosts[:count or self.n])
 
+    def mpirun_command(self, argv, *, np=None, python=None, pythonpath=None, wdir=None,
+                       env_names=("OMP_NUM_THREADS",), mpirun="mpirun"):
+        """``mpirun -np NP -H host0:1,... [mpirun_args] ... PYTHON ARGV...``: one rank per emulated
+        host (the first ``np``, default all), started over ssh from the launcher namespace.
+
+        Every rank gets ``PATH`` with ``python``'s directory first, ``PYTHONPATH`` (when given),
+        ``OMP_NUM_THREADS`` (1 unless set here) and every ``HOROVOD_*`` variable set here (a
+        user's Horovod tuning reaches all ranks); ``wdir`` is the ranks' working directory."""
+        np = self.n if np is None else np
+        if isinstance(np, bool) or not isinstance(np, int) or not 1 <= np <= self.n:
+            raise ValueError(f"np must be an integer in 1..{self.n}, got {np!r}")
+        python = python or sys.executable
+        cmd = [mpirun, "-np", str(np), "-H", self.hostlist(count=np), *self.mpirun_args(),
+               "--mca", "plm_rsh_no_tree_spawn", "1",
+               "-x", f"PATH={Path(python).parent}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"]
+        if pythonpath:
+            cmd += ["-x", f"PYTHONPATH={pythonpath}"]
+        for name in env_names:
+            if name == "OMP_NUM_THREADS" and name not in os.environ:
+                cmd += ["-x", "OMP_NUM_THREADS=1"]
+            else:
+                cmd += ["-x", name]
+        cmd += [a for k in sorted(os.environ) if k.startswith("HOROVOD_") for a in ("-x", k)]
+        if wdir is not None:
+            cmd += ["--wdir", str(wdir)]
+        return cmd + [python, *map(str, argv)]
+
     def mpirun_args(self):
         """mpirun options that launch over ssh from the launcher and keep MPI on TCP over eth0.
 
@@ -370,28 +429,6 @@ def measure_link(eh, seconds=2.0):
 
 
 # ---- helpers shared by the benchmarks ------------------------------------------------------------
-def machine_info():
-    """CPU model, core count, kernel, library versions and git commit, for results files."""
-    import platform
-    info = {"hostname": platform.node(), "kernel": platform.release(), "python": platform.python_version()}
-    lscpu = _run(["lscpu"], check=False).stdout
-    for line in lscpu.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("Model name", "CPU(s)", "Thread(s) per core"):
-            info[key.strip()] = value.strip()
-    info["cores"] = os.cpu_count()
-    info["loadavg_at_start"] = [round(x, 2) for x in os.getloadavg()]  # the machine may be shared
-    mem = Path("/proc/meminfo").read_text().split("\n")[0].split()
-    info["mem_gib"] = round(int(mem[1]) / 2**20, 1)
-    repo = Path(__file__).resolve().parent.parent
-    git = _run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], check=False).stdout.strip()
-    dirty = _run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"], check=False).stdout.strip()
-    info["git"] = git + ("+dirty" if dirty else "")
-    mpi = _run(["mpirun", "--version"], check=False).stdout.splitlines()
-    info["mpi"] = mpi[0] if mpi else None
-    return info
-
-
 def stream(cmd, timeout, prefix="  | ", env=None, keep=True):
     """Run ``cmd`` in its own session, echo its output lines (progress) and return (rc, output).
     A run past ``timeout`` seconds is killed with its whole process group."""
