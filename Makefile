@@ -32,7 +32,7 @@ two-hosts: setup
 	$(BIN)/python benchmarks/two_hosts.py
 
 # Benchmarks: `make bench-NAME` runs benchmarks/NAME.py (selection, exchange, training,
-# convergence, scaling); each writes benchmarks/results/NAME.{json,md} (and a PNG where it plots).
+# convergence, scaling, overhead); each writes benchmarks/results/NAME.{json,md} (and a PNG where it plots).
 bench-%: setup
 	$(BIN)/python benchmarks/$*.py
 

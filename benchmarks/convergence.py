@@ -20,9 +20,7 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -31,6 +29,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from hvd_topk.testing.launch import mpirun_command
+from hvd_topk.testing.machine import machine_info
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "pytorch_digits.py"
@@ -68,52 +69,10 @@ def parse_args(argv=None):
     return args
 
 
-def machine_info():
-    cpu = platform.processor() or platform.machine()
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                cpu = line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "os": platform.platform(), "python": platform.python_version()}
-    try:
-        import torch
-        info["torch"] = torch.__version__
-    except ImportError:
-        pass
-    try:
-        from importlib.metadata import version
-        info["horovod"] = version("horovod")
-    except Exception:  # noqa: BLE001 - informational only
-        pass
-    try:
-        rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "hvd_topk", "examples"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-        info["git"] = rev + (" (+ uncommitted changes in hvd_topk/ or examples/)" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return info
-
-
-def mpirun_command(np_, args):
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        sys.exit("mpirun not found: run `bash docker/install.sh` (installs OpenMPI)")
-    cmd = [mpirun, "-np", str(np_), "--oversubscribe", "--bind-to", "none",
-           "--mca", "btl_vader_single_copy_mechanism", "none", "-x", "OMP_NUM_THREADS=1"]
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        cmd.append("--allow-run-as-root")
-    return cmd + [sys.executable, str(EXAMPLE), *args]
-
-
 def run_one(np_, extra, seed, epochs, timeout):
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        cmd = mpirun_command(np_, ["--quiet", "--json", str(out), "--epochs", str(epochs),
+        cmd = mpirun_command(np_, [EXAMPLE, "--quiet", "--json", str(out), "--epochs", str(epochs),
                                    "--seed", str(seed), *extra])
         t0 = time.perf_counter()
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -167,8 +126,8 @@ def markdown(data, rows):
         "",
         f"Date (UTC): {m['date']}  ",
         f"Machine: {m['machine']['cpu']}, {m['machine']['cores']} cores; {m['machine']['os']}; "
-        f"Python {m['machine']['python']}, torch {m['machine'].get('torch', '?')}, "
-        f"horovod {m['machine'].get('horovod', '?')}; hvd_topk git {m['machine'].get('git', '?')}  ",
+        f"Python {m['machine']['python']}, torch {m['machine'].get('torch') or '?'}, "
+        f"horovod {m['machine'].get('horovod') or '?'}; hvd_topk git {m['machine'].get('git') or '?'}  ",
         f"Command: `{m['command']}`  ",
         f"Each run: `{m['run_command']}` with ARGS below; {m['np']} ranks, {m['epochs']} epochs, "
         f"batch 32 per rank, SGD lr 0.05·P momentum 0.9; seeds {', '.join(map(str, m['seeds']))} "
@@ -253,7 +212,7 @@ def main(argv=None):
     command = shlex.join([os.path.relpath(sys.executable, Path.cwd()),
                           os.path.relpath(__file__, Path.cwd()), *(sys.argv[1:] if argv is None else argv)])
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": command, "machine": machine_info(), "np": args.np, "epochs": args.epochs,
+            "command": command, "machine": machine_info(ROOT), "np": args.np, "epochs": args.epochs,
             "seeds": args.seeds, "prefix": str(prefix),
             "run_command": f"mpirun -np {args.np} --oversubscribe --bind-to none -x OMP_NUM_THREADS=1 "
                            f"python examples/pytorch_digits.py --quiet --json OUT --epochs {args.epochs} "

@@ -1,6 +1,6 @@
 """A real two-host Horovod run on one machine: horovodrun -H and mpirun -H across emulated hosts.
 
-Sets up two emulated hosts (benchmarks/emulated_hosts.py: a network namespace each, eth0 shaped
+Sets up two emulated hosts (hvd_topk.testing.emulated_hosts: a network namespace each, eth0 shaped
 to ``--rate`` (1 Gbit by default) on both ends, own hostname host0/host1, own sshd on port
 ``--ssh-port`` with a fresh key) plus a launcher namespace, then from the launcher runs the digits
 example with the error-feedback optimizer:
@@ -32,7 +32,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 EXAMPLE = REPO / "examples" / "pytorch_digits.py"
-sys.path.insert(0, str(HERE))
 
 
 def rank_info_and_exec(cmd):
@@ -45,7 +44,7 @@ def rank_info_and_exec(cmd):
 
 def run_two_hosts(launchers=("horovodrun", "mpirun"), epochs=10, rate="1gbit", ssh_port=2222,
                   timeout=240, min_accuracy=0.90, extra=()):
-    import emulated_hosts as eh_mod
+    from hvd_topk.testing import emulated_hosts as eh_mod
 
     python = sys.executable
     venv_bin = str(Path(python).parent)
@@ -67,9 +66,8 @@ def run_two_hosts(launchers=("horovodrun", "mpirun"), epochs=10, rate="1gbit", s
                        "--ssh-identity-file", str(eh.ssh_key), "--gloo", "--network-interface", "eth0",
                        "--start-timeout", "60", *prog]
             elif launcher == "mpirun":
-                cmd = ["mpirun", "-np", "2", "-H", eh.hostlist(), *eh.mpirun_args(),
-                       "--mca", "plm_rsh_no_tree_spawn", "1", "-x", f"PATH={path}",
-                       "-x", f"PYTHONPATH={REPO}", "-x", "OMP_NUM_THREADS=1", "--wdir", str(REPO), *prog]
+                cmd = eh.mpirun_command(prog[1:], np=2, python=python, pythonpath=str(REPO),
+                                        wdir=REPO)
             else:
                 raise ValueError(launcher)
             env = dict(os.environ, PATH=path, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from hvd_topk.testing.emulated_hosts import list_namespaces, pid_of_name
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "two_hosts.py"
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -69,8 +71,5 @@ def test_horovodrun_and_mpirun_across_two_emulated_hosts(tmp_path):
     assert "final test accuracy" in output
     assert summary["ok"], output[-6000:]
     # nothing left behind by this run
-    leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    pid_prefix = "hvdtk-"
-    mine = [line for line in leftover.splitlines() if line.startswith(pid_prefix)
-            and line.split("-")[1] == str(proc.pid)]
-    assert not mine, leftover
+    leftover = list_namespaces()
+    assert not [ns for ns in leftover if pid_of_name(ns) == proc.pid], leftover
