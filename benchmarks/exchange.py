@@ -1,6 +1,6 @@
 """Gradient-exchange time and bytes on the wire: Horovod dense / fp16 vs hvd_topk, on shaped links.
 
-P ranks (``--ranks 2 4``), each on its own emulated host (benchmarks/emulated_hosts.py: a network
+P ranks (``--ranks 2 4``), each on its own emulated host (hvd_topk.testing.emulated_hosts: a network
 namespace with a tbf-shaped veth of ``--rates 1gbit 10gbit``, its own hostname and sshd), launched
 by one ``mpirun -H host0:1,...`` from a launcher namespace over ssh, MPI over TCP only
 (``--mca btl tcp,self``, interfaces restricted to the emulated subnet). Gradients have the shapes
@@ -13,17 +13,24 @@ Methods (``--methods``; ``topk`` and ``topk-ef`` run at every ``--densities`` va
     topk     hvd.DistributedOptimizer(opt, compression=hvd_topk.TopK(density=d))   (drop-in, no EF)
     topk-ef  hvd_topk.DistributedOptimizer(opt, compression=hvd_topk.TopK(density=d))
 
-One timed step (``--grad-mode backward``, the default): ``torch.autograd.backward(params,
-grad_tensors=G)`` deposits a pre-generated random gradient set G (a pool of ``--pool`` sets made
-outside the timed region, so values change every step) into the zeroed ``p.grad``; that fires the
-optimizers' per-parameter hooks exactly as a real backward does, so Horovod and hvd_topk start their
-exchanges there (selection included), and ``opt.synchronize()`` finishes them (decompression
-included). Time = deposit + synchronize; the ``none`` row is the deposit alone. With
-``--grad-mode set`` the gradients are copied into ``p.grad`` outside the timer and only
-``synchronize()`` is timed (every exchange then starts inside synchronize(); Horovod starts
-hook-less parameters in set order, which differs between ranks, and hvd_topk.TopK pairs them by
-Horovod's parameter names). Ranks are aligned by an allreduce of a scalar before each step; a step's
-time is the slowest rank's; the table shows the median over ``--steps`` after ``--warmup``.
+One timed step (``--grad-mode realistic``, the default, what a training loop does):
+``opt.zero_grad(set_to_none=True)``, then, outside the timer, a forward pass
+``loss = sum_p (p * c_p).sum()`` with fixed random ``c_p`` of each parameter's shape (a pool of
+``--pool`` sets cycled, so values change every step); timed: ``loss.backward()``, in which autograd
+allocates a fresh ``p.grad`` (= c_p) for every parameter and the optimizers' per-parameter hooks
+fire in backward order (last parameters first), so Horovod and hvd_topk start their exchanges
+there (selection included), then ``opt.synchronize()`` (decompression included). The ``none`` row
+is the backward alone.
+
+``--grad-mode pre-zeroed`` is the older step, labelled "pre-zeroed (flatters compression)": the
+gradient set is added by ``torch.autograd.backward(params, grad_tensors=G)`` into ``p.grad``
+tensors that already exist and were zeroed in place, so no gradient memory is freshly allocated
+(and page-faulted) during the timed step, unlike in training. ``--grad-mode set`` copies the
+gradients into ``p.grad`` outside the timer and times only ``synchronize()`` (every exchange then
+starts inside synchronize(); Horovod starts hook-less parameters in set order, which differs
+between ranks, and hvd_topk.TopK pairs them by Horovod's parameter names). Ranks are aligned by an
+allreduce of a scalar before each step; a step's time is the slowest rank's; the table shows the
+median over ``--steps`` after ``--warmup``.
 
 Bytes on the wire: each rank's eth0 tx/rx byte counters (the namespace's
 /sys/class/net/eth0/statistics) over the timed steps, divided by the steps (includes the small
@@ -52,23 +59,52 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results"
-RESNET50_PARAMS = 25_557_032
+sys.path.insert(0, str(HERE))
+
+from _testing import load  # noqa: E402  (hvd_topk.testing, also when measuring an older hvd_topk)
+
+resnet50_shapes = load("shapes").resnet50_shapes
+RESNET50_PARAMS = load("shapes").RESNET50["numel"]
+
+GRAD_MODES = {
+    "realistic": "realistic: zero_grad(set_to_none=True), forward, backward allocates fresh p.grad, "
+                 "synchronize()",
+    "pre-zeroed": "pre-zeroed (flatters compression): backward adds into existing, zeroed p.grad; "
+                  "no fresh gradient memory in the timed step",
+    "set": "set: gradients copied into p.grad outside the timer; only synchronize() timed",
+}
 
 
-def resnet50_shapes():
-    """The 161 parameter shapes of torchvision's resnet50(), in named_parameters() order."""
-    shapes = [(64, 3, 7, 7), (64,), (64,)]
-    inplanes = 64
-    for planes, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
-        for b in range(blocks):
-            shapes += [(planes, inplanes, 1, 1), (planes,), (planes,),
-                       (planes, planes, 3, 3), (planes,), (planes,),
-                       (planes * 4, planes, 1, 1), (planes * 4,), (planes * 4,)]
-            if b == 0:
-                shapes += [(planes * 4, inplanes, 1, 1), (planes * 4,), (planes * 4,)]
-            inplanes = planes * 4
-    shapes += [(1000, 2048), (1000,)]
-    return shapes
+def loss_constants(shapes, pool, seed, torch):
+    """``pool`` sets of fixed random tensors c_p, one per shape: the realistic step's
+    ``loss = sum_p (p * c_p).sum()`` makes autograd deposit ``p.grad = c_p``."""
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(s, generator=g) for s in shapes] for _ in range(pool)]
+
+
+def forward(params, consts):
+    """``sum_p (p * c_p).sum()``: its backward allocates a fresh gradient for every parameter,
+    parameters created last first, as a model's backward does."""
+    loss = None
+    for p, c in zip(params, consts):
+        term = (p * c).sum()
+        loss = term if loss is None else loss + term
+    return loss
+
+
+def zero_grad(opt, params):
+    """``opt.zero_grad(set_to_none=True)``, or the same on bare parameters when there is no optimizer.
+
+    Horovod 0.28.1's ``DistributedOptimizer.zero_grad()`` takes no argument (it calls torch's,
+    whose default is ``set_to_none=True``): it is called plainly, and the gradients are then
+    dropped here as well, so that every mode starts its backward from ``p.grad is None``."""
+    if opt is not None:
+        try:
+            opt.zero_grad(set_to_none=True)
+        except TypeError:
+            opt.zero_grad()
+    for p in params:
+        p.grad = None
 
 
 def method_list(methods, densities):
@@ -117,6 +153,22 @@ def make_optimizer(method, params, topk_method, hvd, hvd_topk, torch):
     raise ValueError(f"unknown method {method}")
 
 
+def stats_difference(after, before):
+    """``after - before`` for the numeric running totals of ``compression_stats()``; other
+    entries (current density, bucket counts, lists) as in ``after``."""
+    if before is None:
+        return dict(after)
+    out = {}
+    for k, v in after.items():
+        b = before.get(k)
+        numeric = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if numeric and isinstance(b, (int, float)) and not k.startswith(("current_", "buckets_")):
+            out[k] = v - b
+        else:
+            out[k] = v
+    return out
+
+
 def worker(args):
     import numpy as np
     import torch
@@ -133,8 +185,7 @@ def worker(args):
     names = hvd.allgather_object(os.uname().nodename)
     say(f"P={size} on hosts {names}; counters {'ok' if _read_counters() else 'missing'}; "
         f"building {args.pool} gradient sets of {n:,} values")
-    g = torch.Generator().manual_seed(1234 + rank)
-    pool = [[torch.randn(s, generator=g) for s in shapes] for _ in range(args.pool)]
+    pool = loss_constants(shapes, args.pool, 1234 + rank, torch)
 
     def barrier():
         hvd.allreduce(torch.zeros(1), name="bench.barrier", op=hvd.Sum)
@@ -144,30 +195,37 @@ def worker(args):
         gc.collect()
         params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
         opt, comp = make_optimizer(method, params, args.topk_method, hvd, hvd_topk, torch)
-        for p in params:
-            p.grad = torch.zeros_like(p)
+        if args.grad_mode != "realistic":
+            for p in params:
+                p.grad = torch.zeros_like(p)
         times, check = [], None
         total = args.warmup + args.steps
         c0 = None
         t_method = time.time()
         for step in range(total):
             grads = pool[step % len(pool)]
+            loss = None
             if args.grad_mode == "set":
                 for p, gr in zip(params, grads):
                     p.grad.copy_(gr)
-            else:
+            elif args.grad_mode == "pre-zeroed":
                 for p in params:
                     p.grad.zero_()
+            else:
+                zero_grad(opt, params)
+                loss = forward(params, grads)
             barrier()
             if step == args.warmup:
                 c0 = _read_counters()
                 if comp is not None:
                     comp.reset_stats()
-                if hasattr(opt, "reset_compression_stats"):
-                    opt.reset_compression_stats()
+                # totals at the start of the timed steps (the lead's rewrite may drop the reset)
+                stats0 = opt.compression_stats() if hasattr(opt, "compression_stats") else None
             t0 = time.perf_counter()
-            if args.grad_mode == "backward":
+            if args.grad_mode == "pre-zeroed":
                 torch.autograd.backward(params, grad_tensors=grads)
+            elif loss is not None:
+                loss.backward()
             if opt is not None:
                 opt.synchronize()
             dt = time.perf_counter() - t0
@@ -208,9 +266,9 @@ def worker(args):
         elif name == "none":
             row["payload_bytes_per_step_rank"] = 0
         if name == "topk-ef":
-            st = opt.compression_stats()
+            st = stats_difference(opt.compression_stats(), stats0)
             row["compression_stats"] = st
-            row["payload_bytes_per_step_rank"] = st["bytes_sent"] / max(1, st["steps"])
+            row["payload_bytes_per_step_rank"] = st["bytes_sent"] / max(1, st.get("steps") or args.steps)
         elif name == "topk":
             st = comp.stats()
             row["compression_stats"] = st
@@ -230,14 +288,13 @@ def worker(args):
 # ------------------------------------------------------------------------------------------------
 def driver(args, argv, worker_args=None, script=None, benchmark="exchange", render=None):
     """Set up P emulated hosts per ``--ranks``, run the worker under one mpirun per rate, save."""
-    sys.path.insert(0, str(HERE))
-    import emulated_hosts as eh_mod
+    eh_mod = load("emulated_hosts")
 
     script = Path(script or __file__).resolve()
     worker_args = worker_args or exchange_worker_args
     render = render or markdown
     started = time.time()
-    info = eh_mod.machine_info()
+    info = load("machine").machine_info(REPO)
     runs = []
 
     def save(partial):
@@ -251,14 +308,12 @@ def driver(args, argv, worker_args=None, script=None, benchmark="exchange", rend
             for rate in args.rates:
                 eh.set_rate(rate)
                 out = eh.tmpdir / f"result-{P}-{rate}.json"
-                cmd = ["mpirun", "-np", str(P), "-H", eh.hostlist(), *eh.mpirun_args(),
-                       "--mca", "plm_rsh_no_tree_spawn", "1",
-                       "-x", f"PATH={Path(sys.executable).parent}:/usr/bin:/bin:/usr/sbin:/sbin",
-                       "-x", f"PYTHONPATH={REPO}", "-x", f"OMP_NUM_THREADS={args.threads}",
-                       # Horovod tuning set by the user (e.g. HOROVOD_CYCLE_TIME) reaches every rank
-                       *[a for k in sorted(os.environ) if k.startswith("HOROVOD_") for a in ("-x", k)],
-                       "--wdir", str(REPO), sys.executable, str(script), "--worker",
-                       *worker_args(args), "--out", str(out)]
+                # PYTHONPATH set here (e.g. an older checkout to measure) goes first
+                pythonpath = ":".join(x for x in (os.environ.get("PYTHONPATH"), str(REPO)) if x)
+                os.environ["OMP_NUM_THREADS"] = str(args.threads)
+                # Horovod tuning set by the user (e.g. HOROVOD_CYCLE_TIME) reaches every rank
+                cmd = eh.mpirun_command([script, "--worker", *worker_args(args), "--out", out],
+                                        pythonpath=pythonpath, wdir=REPO)
                 print(f"\n== P={P}, rate {rate}: {shlex.join(cmd)}", flush=True)
                 t0 = time.time()
                 rc, output = eh_mod.stream(eh.launcher_cmd(cmd), timeout=args.timeout)
@@ -279,7 +334,7 @@ def _save_report(args, argv, script, benchmark, render, info, started, runs, par
               "command": shlex.join([*[f"{k}={os.environ[k]}" for k in sorted(os.environ) if k.startswith("HOROVOD_")],
                                      ".venv/bin/python", str(script.relative_to(REPO)), *argv]),
               "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": info, "params": RESNET50_PARAMS, "tensors": 161,
+              "machine": info, "params": RESNET50_PARAMS, "tensors": len(resnet50_shapes()),
               "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
               "wall_s": time.time() - started, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
               "runs": runs}
@@ -305,23 +360,27 @@ def exchange_worker_args(args):
     return out
 
 
+def summary(info):
+    return load("machine").summary(info)
+
+
 def markdown(report):
     m = report["machine"]
     s = report["settings"]
     lines = [f"# Gradient exchange, ResNet-50 shapes ({report['tensors']} tensors, "
              f"{report['params']:,} fp32 values)", "",
              f"- command: `{report['command']}`",
-             f"- date: {report['date_utc']}; machine: {m.get('Model name')}, {m.get('cores')} cores, "
-             f"{m.get('mem_gib')} GiB; git {m.get('git')}; {m.get('mpi')}; load average at start/end "
-             f"{m.get('loadavg_at_start')} / {report.get('loadavg_at_end')}",
+             f"- date: {report['date_utc']}; machine: {summary(m)}; load average at end "
+             f"{report.get('loadavg_at_end')}",
+             f"- step: {GRAD_MODES.get(s.get('grad_mode'), s.get('grad_mode'))}",
              f"- one emulated host per rank (network namespace, tbf-shaped veth), mpirun over ssh, "
              f"MPI over TCP only; grad mode `{s['grad_mode']}`, {s['warmup']} warm-up + {s['steps']} "
              f"timed steps, median of the slowest rank's step time; selection method "
              f"`{s.get('topk_method') or 'TopK default'}`; {s['threads']} torch thread(s) per rank",
              f"- hvd_topk: `{(report['runs'][0].get('hvd_topk') or {}).get('default_topk') if report['runs'] else '?'}` "
              f"(TopK() defaults) from {(report['runs'][0].get('hvd_topk') or {}).get('file') if report['runs'] else '?'}",
-             "- time = gradient deposit + exchange (selection, allgather/allreduce, decompression); "
-             "`none` = deposit only; wire = eth0 tx bytes per rank and step (counters); "
+             "- time = backward (gradient deposit) + exchange (selection, allgather/allreduce, "
+             "decompression); `none` = backward only; wire = eth0 tx bytes per rank and step (counters); "
              "payload = bytes the method hands to the network per rank and step", ""]
     for run in report["runs"]:
         rows = run["rows"]
@@ -364,7 +423,10 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common_arguments(ap, densities=[0.01, 0.001], pool=3, output_name="exchange")
-    ap.add_argument("--grad-mode", choices=["backward", "set"], default="backward")
+    ap.add_argument("--grad-mode", choices=list(GRAD_MODES), default="realistic",
+                    help="realistic (default): zero_grad(set_to_none=True) + forward + backward into "
+                         "fresh p.grad; pre-zeroed (flatters compression): backward adds into existing "
+                         "zeroed p.grad; set: only synchronize() timed")
     args = ap.parse_args(argv)
     if args.worker:
         worker(args)

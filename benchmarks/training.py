@@ -4,7 +4,7 @@ The model is a real ResNet-50 (torchvision's architecture written out here, so t
 not needed: 161 parameter tensors, 25,557,032 parameters, the same as benchmarks/exchange.py)
 fed small synthetic images (``--image-size 32`` by default, batch ``--batch`` per rank) so that
 compute stays modest on a 2-core machine while the gradient is full-size. One rank per emulated
-host (benchmarks/emulated_hosts.py), one mpirun per (P, rate) over ssh, MPI over TCP only.
+host (hvd_topk.testing.emulated_hosts), one mpirun per (P, rate) over ssh, MPI over TCP only.
 
 One timed step = ``zero_grad`` + forward + backward (Horovod / hvd_topk start exchanges from their
 hooks) + ``opt.step()`` (which synchronizes, then SGD with momentum). Ranks are aligned by an
@@ -139,6 +139,7 @@ def worker(args):
             raise ValueError(method)
         if name != "none":
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        params = list(model.parameters())
         times, losses = [], []
         total = args.warmup + args.steps
         t_method = time.time()
@@ -146,7 +147,7 @@ def worker(args):
             x, y = batches[step % len(batches)]
             barrier()
             t0 = time.perf_counter()
-            opt.zero_grad()
+            exchange.zero_grad(opt, params)  # zero_grad(set_to_none=True)
             loss = loss_fn(model(x), y)
             loss.backward()
             opt.step()
@@ -198,11 +199,10 @@ def markdown(report):
     lines = [f"# Training step, ResNet-50 ({report['params']:,} parameters), synthetic "
              f"{s['image_size']}x{s['image_size']} images, batch {s['batch']} per rank", "",
              f"- command: `{report['command']}`",
-             f"- date: {report['date_utc']}; machine: {m.get('Model name')}, {m.get('cores')} cores, "
-             f"{m.get('mem_gib')} GiB; git {m.get('git')}; {m.get('mpi')}; load average at start/end "
-             f"{m.get('loadavg_at_start')} / {report.get('loadavg_at_end')}",
+             f"- date: {report['date_utc']}; machine: {exchange.summary(m)}; load average at end "
+             f"{report.get('loadavg_at_end')}",
              f"- one emulated host per rank (network namespace, tbf-shaped veth), mpirun over ssh, MPI "
-             f"over TCP only; step = zero_grad + forward + backward + opt.step() (SGD momentum 0.9); "
+             f"over TCP only; step = zero_grad(set_to_none=True) + forward + backward + opt.step() (SGD momentum 0.9); "
              f"{s['warmup']} warm-up + {s['steps']} timed steps, median of the slowest rank; "
              f"{s['threads']} torch thread(s) per rank; selection `{s.get('topk_method') or 'TopK default'}`",
              f"- hvd_topk: `{(report['runs'][0].get('hvd_topk') or {}).get('default_topk') if report['runs'] else '?'}` "
