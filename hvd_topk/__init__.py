@@ -7,9 +7,7 @@
   and ``compression_stats()``.
 """
 
-from hvd_topk._horovod import import_horovod_torch
-
-import_horovod_torch()  # a clear ImportError with install steps when Horovod is missing
+import hvd_topk._horovod  # noqa: F401  a clear ImportError with install steps when Horovod is missing
 
 from hvd_topk.compressor import TopK  # noqa: E402
 from hvd_topk.optimizer import DistributedOptimizer  # noqa: E402

@@ -1,4 +1,26 @@
-"""Import Horovod's PyTorch API, or fail with a message that says how to get it."""
+"""Everything hvd_topk needs from Horovod beyond its documented API, in one place.
+
+Checked against Horovod 0.28.1 (``CHECKED_VERSION``). Each private detail relied on:
+
+1. ``tensor_name_from_caller``: reads the parameter name from the calling frames of
+   ``horovod.torch.optimizer._DistributedOptimizer._allreduce_grad_async(self, p)`` /
+   ``_grouped_allreduce_grad_async`` (locals ``self._parameter_names`` and ``p``), or the
+   ``name`` argument of ``horovod.torch.mpi_ops.allreduce(_async)``. Horovod's compressor
+   interface passes no name, and its ``synchronize()`` starts hook-less parameters in ``set``
+   order, which differs between ranks. If the frames change, hvd_topk falls back to call-order
+   names, counts it (``name_fallbacks``) and warns once.
+2. ``OPTIMIZER_MODULE``: ``hvd.broadcast_optimizer_state`` initialises a fresh optimizer's
+   state by calling the *inner* ``step()`` only when the optimizer's class lives in Horovod's
+   optimizer module; hvd_topk's wrapper class claims that module so no exchange runs there.
+3. ``is_horovod_distributed_optimizer``: recognises an optimizer already wrapped by
+   ``hvd.DistributedOptimizer`` by its ``_handles`` and ``_compression`` attributes.
+"""
+
+import sys
+import threading
+import warnings
+
+CHECKED_VERSION = "0.28.1"
 
 INSTALL_HINT = (
     "hvd_topk needs Horovod (0.28.1) built with PyTorch support. From a clone of hvd_topk run\n"
@@ -11,10 +33,55 @@ INSTALL_HINT = (
 )
 
 
-def import_horovod_torch():
-    """Return the ``horovod.torch`` module or raise ImportError with install instructions."""
-    try:
-        import horovod.torch as hvd
-    except ImportError as exc:  # also covers a Horovod built without PyTorch
-        raise ImportError(f"importing horovod.torch failed ({exc}).\n{INSTALL_HINT}") from None
-    return hvd
+try:
+    import horovod.torch as hvd
+except ImportError as _exc:  # also covers a Horovod built without PyTorch
+    raise ImportError(f"importing horovod.torch failed ({_exc}).\n{INSTALL_HINT}") from None
+
+# (2) the module whose optimizers hvd.broadcast_optimizer_state steps with the inner step().
+OPTIMIZER_MODULE = hvd.DistributedOptimizer.__module__
+
+
+def is_horovod_distributed_optimizer(optimizer):
+    """(3) True for an optimizer already wrapped by ``hvd.DistributedOptimizer``."""
+    return hasattr(optimizer, "_handles") and hasattr(optimizer, "_compression")
+
+
+_fallbacks = {"count": 0, "warned": False}
+_fallback_lock = threading.Lock()
+
+
+def tensor_name_from_caller(max_depth=6):
+    """(1) The name Horovod gave the tensor being compressed, or None (counted, warned once).
+
+    Looks up to ``max_depth`` frames above the compressor's caller for Horovod's optimizer
+    (``self._parameter_names`` and the parameter ``p``) or ``hvd.allreduce(..., name=...)``.
+    """
+    frame = sys._getframe(2)
+    for _ in range(max_depth):
+        if frame is None:
+            break
+        local = frame.f_locals
+        names = getattr(local.get("self"), "_parameter_names", None)
+        param = local.get("p")
+        if isinstance(names, dict) and param is not None and param in names:
+            return str(names[param])
+        if frame.f_code.co_name in ("allreduce", "allreduce_async") and isinstance(local.get("name"), str):
+            return local["name"]
+        frame = frame.f_back
+    with _fallback_lock:
+        _fallbacks["count"] += 1
+        warn = not _fallbacks["warned"]
+        _fallbacks["warned"] = True
+    if warn:
+        warnings.warn("hvd_topk.TopK could not read Horovod's name for a tensor (Horovod "
+                      f"{getattr(sys.modules.get('horovod'), '__version__', '?')}, checked with "
+                      f"{CHECKED_VERSION}); naming its allgather by call order instead. That is "
+                      "right as long as every rank compresses its tensors in the same order "
+                      "(name your tensors in hvd.allreduce(..., name=...) to be safe).")
+    return None
+
+
+def name_fallbacks():
+    """How many tensors were named by call order because no Horovod name was found."""
+    return _fallbacks["count"]

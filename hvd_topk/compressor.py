@@ -16,22 +16,20 @@ of the job took part (the allgather always runs on the global process set).
 import functools
 import heapq
 import itertools
-import sys
 import threading
 import time
 import types
 
 import torch
 
-from hvd_topk import exchange
-from hvd_topk._horovod import import_horovod_torch
-from hvd_topk.selection import (DEFAULT_METHOD, check_density, check_method, k_for, native_ok, select,
-                                select_native)
+from hvd_topk._horovod import hvd, tensor_name_from_caller
+from hvd_topk.codec import Codec
+from hvd_topk.exchange import AllgatherPairs
+from hvd_topk.selection import DEFAULT_METHOD, check_density, check_method
 from hvd_topk.stats import CompressionStats
-from hvd_topk.wire import Layout, index_dtype_for
+from hvd_topk.wire import index_dtype_for
 
-hvd = import_horovod_torch()
-from horovod.torch.compression import Compressor  # noqa: E402  (needs the check above)
+from horovod.torch.compression import Compressor  # noqa: E402  (hvd_topk._horovod checked it)
 
 _instance_ids = itertools.count()
 
@@ -74,32 +72,6 @@ class _NameSlots:
             heapq.heappush(self._free, slot)
 
 
-def _horovod_tensor_name(max_depth=6):
-    """The name Horovod gave the tensor being compressed, read from its caller's frame.
-
-    Horovod's compressor interface passes no name, and the order of ``compress`` calls is not
-    the same on every rank when Horovod's ``synchronize()`` starts the parameters whose hooks
-    did not fire (it walks a ``set``). Naming allgathers by call order would then pair different
-    tensors across ranks, so the parameter's own name is used where Horovod's frame has it:
-    ``DistributedOptimizer._allreduce_grad_async(p)`` / ``_grouped_allreduce_grad_async`` (the
-    ``p`` being compressed) or ``hvd.allreduce(tensor, name=...)``. None when not found.
-    """
-    frame = sys._getframe(2)
-    for _ in range(max_depth):
-        if frame is None:
-            return None
-        local = frame.f_locals
-        names = getattr(local.get("self"), "_parameter_names", None)
-        if isinstance(names, dict) and isinstance(local.get("p"), torch.nn.Parameter):
-            name = names.get(local["p"])
-            if name is not None:
-                return str(name)
-        if frame.f_code.co_name in ("allreduce", "allreduce_async") and isinstance(local.get("name"), str):
-            return local["name"]
-        frame = frame.f_back
-    return None
-
-
 class TopK(Compressor):
     """Send only the ``k = max(1, round(density * n))`` largest-magnitude entries of a gradient.
 
@@ -129,6 +101,8 @@ class TopK(Compressor):
         self.density = check_density(density)
         self.method = check_method(method)
         self.fp16_values = bool(fp16_values)
+        self._codec = Codec(self.method, self.fp16_values)
+        self._plans = {}  # (numel, dtype) -> codec.Plan, the same every step
         self._stats = CompressionStats()
         self._names = _NameSlots(f"hvd_topk.TopK.{next(_instance_ids)}")
         self._probe_checked = set()
@@ -153,47 +127,44 @@ class TopK(Compressor):
                              "dense deltas; use op=hvd.Average or op=hvd.Sum")
         t0 = time.perf_counter()
         numel = tensor.numel()
-        k = k_for(numel, self.density)
-        flat = tensor.reshape(-1)
-        layout = Layout(k, torch.float16 if self.fp16_values else tensor.dtype, index_dtype_for(numel))
-        packed = torch.empty(layout.nbytes, dtype=torch.uint8, device=tensor.device)
-        value_slots, index_slots = layout.views(packed)
-        if native_ok(flat) and value_slots.dtype == flat.dtype:
-            select_native(flat, k, index_slots, value_slots, self.method)  # straight into the message
-        else:
-            values, indices = select(flat, k, self.method)
-            value_slots.copy_(values)
-            index_slots.copy_(indices)
-        layout.zero_padding(packed)
+        plan = self._plan(numel, tensor.dtype)
+        message = torch.empty(plan.layout.nbytes, dtype=torch.uint8, device=tensor.device)
+        self._codec.encode(tensor.reshape(-1), plan, message)
         t1 = time.perf_counter()
-        hint = _horovod_tensor_name()
+        hint = tensor_name_from_caller()
         slot, name = (None, f"{self._names.prefix}.{hint}") if hint else self._names.take()
-        handle = exchange.launch_allgather(packed, name, hvd.global_process_set)
+        handle = AllgatherPairs.start(message, name, hvd.global_process_set)
         rank = float(hvd.rank())
         probe = torch.tensor([1.0, rank, rank * rank], dtype=torch.float32, device=tensor.device)
-        self._stats.add(tensors_sparse=1, elements_total=numel, elements_selected=k,
+        self._stats.add(tensors_sparse=1, elements_total=numel, elements_selected=plan.count,
                         bytes_dense=numel * tensor.element_size(),
-                        bytes_sent=layout.nbytes + probe.numel() * probe.element_size(),
+                        bytes_sent=plan.layout.nbytes + probe.numel() * probe.element_size(),
                         time_selection_s=t1 - t0)
-        return probe, (handle, slot, layout, tensor.shape, tensor.dtype)
+        return probe, (handle, slot, plan, tensor.shape, tensor.dtype)
+
+    def _plan(self, numel, dtype):
+        plan = self._plans.get((numel, dtype))
+        if plan is None:
+            plan = self._plans[(numel, dtype)] = self._codec.plan([numel], self.density, "tensor", dtype,
+                                                                  index_dtype_for(numel))
+        return plan
 
     @_OnDefaultInstance
     def decompress(self, tensor, ctx):
         if ctx is None:
             return tensor
-        handle, slot, layout, shape, dtype = ctx
+        handle, slot, plan, shape, dtype = ctx
         size = hvd.size()
         self._check_probe(tensor, size)
         t0 = time.perf_counter()
-        gathered = exchange.wait(handle)
+        gathered = AllgatherPairs.finish(handle)
         if slot is not None:
             self._names.give_back(slot)
-        values, indices = layout.unpack(gathered, size)
         out = torch.zeros(shape.numel(), dtype=dtype, device=gathered.device)
         # The probe's first entry is the scale Horovod applied to a sum: 1 means Average.
         # Reading it costs nothing on CPU; on CUDA it stays a tensor (no host sync).
         scale = float(tensor[0]) if tensor.device.type == "cpu" else tensor[0].to(dtype)
-        exchange.scatter_add_ranks(out, values, indices, div=size, mul=scale)  # rank order
+        self._codec.decode(gathered, plan.layout, size, [out], plan.bounds, div=size, mul=scale)
         self._stats.add(time_exchange_s=time.perf_counter() - t0)
         return out.view(shape)
 

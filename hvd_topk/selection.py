@@ -19,6 +19,7 @@ Where it runs:
 """
 
 import ctypes
+import itertools
 import math
 
 import torch
@@ -104,6 +105,29 @@ def select_native(x, k, out_indices, out_values, method=DEFAULT_METHOD, add=None
     return result
 
 
+_SEGMENT_FUNCS = {torch.float32: "hvdtk_select_segments_f32", torch.float64: "hvdtk_select_segments_f64"}
+
+
+def select_segments(x, bounds, ks, out_indices, out_values, method=DEFAULT_METHOD, zero_sent=False,
+                    nonfinite=None, seed=0):
+    """Native top-k of every segment of ``x`` (flat, CPU fp32/fp64) in one call.
+
+    Segment ``s`` is ``x[bounds[s]:bounds[s+1]]``; its ``ks[s]`` largest-|value| entries are
+    written, segment after segment, into ``out_indices`` (int32 or int64; positions in ``x``,
+    ascending inside each segment) and ``out_values``. ``bounds`` and ``ks`` are CPU int64
+    tensors (built once per bucket and density). ``zero_sent`` zeroes the sent entries of ``x``;
+    ``nonfinite`` (uint8, one per segment) is set where a segment held inf/nan. Returns a
+    ``NativeResult`` (``nonfinite``: any segment had inf/nan; passes and fill-ups summed).
+    """
+    check_method(method)
+    result = NativeResult()
+    fn = getattr(native.library(), _SEGMENT_FUNCS[x.dtype])
+    fn(x.data_ptr(), ks.numel(), bounds.data_ptr(), ks.data_ptr(), out_indices.data_ptr(),
+       out_indices.element_size(), out_values.data_ptr(), int(method == "exact"), int(zero_sent),
+       seed, result.flags, nonfinite.data_ptr() if nonfinite is not None else None)
+    return result
+
+
 def select_exact_torch(flat, k):
     """The k entries of largest |value| (the same index set as ``torch.topk`` on tie-free data)."""
     _, indices = torch.topk(flat.abs(), k, sorted=False)
@@ -113,16 +137,20 @@ def select_exact_torch(flat, k):
 _generators = {}
 
 
-def _positions(n, device):
-    """Fresh random sample positions on every call, drawn on the tensor's device (no host
-    sync) from hvd_topk's own generator (the user's RNG stream is left alone). A fixed set of
-    positions could keep missing a structured gradient's large values step after step, as the
-    native kernel once did."""
+def _generator(device):
+    """hvd_topk's own random generator on ``device`` (the user's RNG stream is left alone)."""
     key = str(device)
     gen = _generators.get(key)
     if gen is None:
         gen = _generators[key] = torch.Generator(device=device).manual_seed(0x5EED)
-    return torch.randint(n, (SAMPLE,), generator=gen, device=device)
+    return gen
+
+
+def _positions(n, device):
+    """Fresh random sample positions on every call, drawn on the tensor's device (no host
+    sync). A fixed set of positions could keep missing a structured gradient's large values
+    step after step, as the native kernel once did."""
+    return torch.randint(n, (SAMPLE,), generator=_generator(device), device=device)
 
 
 def threshold_rank(n, k, sample=SAMPLE):
@@ -153,6 +181,81 @@ def select_sampled_torch(flat, k):
     indices = torch.where(real, indices, indices[:1])  # short: repeat the largest, value 0
     values = torch.where(real, flat[indices], torch.zeros((), dtype=flat.dtype, device=flat.device))
     return values, indices
+
+
+def select_segments_torch(x, sizes, ks, method=DEFAULT_METHOD):
+    """Top-k of every segment of ``x`` with torch ops: ``(values, indices, nonfinite)``.
+
+    ``sizes``/``ks`` are Python lists (static per bucket): segment ``s`` holds the next
+    ``sizes[s]`` entries and sends ``ks[s]`` of them. Outputs have ``sum(ks)`` entries, segment
+    after segment (indices int64, positions in ``x``); ``nonfinite`` is a bool tensor, one per
+    segment. No host synchronisation: ``sampled`` estimates every segment's threshold from one
+    batched sample, collects a fixed number of candidates for the whole buffer, and ranks them
+    inside their segments with two stable sorts, so a bucket costs one set of kernels however
+    many tensors it holds. A segment that gets fewer than k candidates (rare) repeats its
+    largest entry with value 0 (adding 0 changes nothing). ``exact`` runs ``torch.topk`` per
+    segment.
+    """
+    check_method(method)
+    device, nseg = x.device, len(sizes)
+    if nseg == 1:
+        values, indices = select(x, ks[0], method)
+        return values, indices, (~torch.isfinite(values)).any().view(1)
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + n)
+    if method == "exact":
+        parts = [select_exact_torch(x[b:b + n], k) for b, n, k in zip(starts, sizes, ks)]
+        values = torch.cat([v for v, _ in parts])
+        indices = torch.cat([i + b for (_, i), b in zip(parts, starts)])
+        bad = torch.stack([(~torch.isfinite(v)).any() for v, _ in parts])
+        return values, indices, bad
+    magnitude = x.abs().nan_to_num_(nan=math.inf)  # NaN counts as largest, as in torch.topk
+    per = max(1024, SAMPLE // nseg)  # sample entries per segment
+    ranks, caps = [], []
+    for n, k in zip(sizes, ks):
+        r = threshold_rank(n, k, per) if n > 2 * per else None
+        ranks.append(per if r is None else r)  # r = per: the sample's smallest, replaced below
+        caps.append(n if r is None else min(n, int(1.5 * r * n / per) + 16))
+    gen = _generator(device)
+    size_t = torch.tensor(sizes, device=device, dtype=torch.float64)
+    start_t = torch.tensor(starts[:-1], device=device)
+    pos = (torch.rand(nseg, per, generator=gen, device=device, dtype=torch.float64) * size_t[:, None]).long()
+    pos = torch.minimum(pos, (size_t.long() - 1)[:, None]) + start_t[:, None]
+    ordered = magnitude[pos].sort(dim=1, descending=True).values
+    threshold = ordered.gather(1, torch.tensor(ranks, device=device)[:, None] - 1).view(-1)
+    take_all = torch.tensor([c == n for c, n in zip(caps, sizes)], device=device)
+    threshold = torch.where(take_all, torch.full_like(threshold, -1.0), threshold)
+    size_long = torch.tensor(sizes, device=device)
+    every = threshold.repeat_interleave(size_long, output_size=x.numel())
+    cand = torch.nonzero_static(magnitude >= every, size=sum(caps), fill_value=-1).view(-1)
+    valid = cand >= 0
+    cand = cand.clamp_(min=0)
+    bounds = torch.tensor(starts[1:], device=device)
+    seg = torch.where(valid, torch.searchsorted(bounds, cand, right=True), nseg)
+    key = torch.where(valid, magnitude[cand], -1.0)
+    order = key.argsort(descending=True, stable=True)
+    order = order[seg[order].argsort(stable=True)]  # by segment, largest first inside each
+    cand, seg, key = cand[order], seg[order], key[order]
+    counts = torch.bincount(seg, minlength=nseg + 1)
+    rank = torch.arange(cand.numel(), device=device) - (counts.cumsum(0) - counts)[seg]
+    k_t = torch.tensor(ks + [0], device=device)
+    out_start = torch.tensor([0] + list(itertools.accumulate(ks)), device=device)
+    keep = rank < k_t[seg]
+    slot = torch.where(keep, out_start[seg] + rank, out_start[-1])  # dropped: one spare slot
+    total = out_start[-1:]
+    # Unfilled slots repeat their segment's largest candidate (rank 0) with value 0.
+    first = (counts.cumsum(0) - counts)[:nseg].clamp(max=max(cand.numel() - 1, 0))
+    fallback = torch.where(counts[:nseg] > 0, cand[first], start_t)
+    slot_seg = torch.repeat_interleave(torch.arange(nseg, device=device), k_t[:nseg], output_size=sum(ks))
+    indices = torch.cat([fallback[slot_seg], total.new_zeros(1)])
+    indices = indices.index_put_((slot,), cand)[:-1]
+    filled = torch.zeros(sum(ks) + 1, dtype=torch.bool, device=device).index_put_(
+        (slot,), torch.ones_like(keep))[:-1]
+    values = torch.where(filled, x[indices], torch.zeros((), dtype=x.dtype, device=device))
+    bad = torch.zeros(nseg + 1, device=device).index_add_(
+        0, seg, (key == math.inf).to(torch.float32))[:nseg] > 0
+    return values, indices, bad
 
 
 def select(flat, k, method=DEFAULT_METHOD):

@@ -28,6 +28,7 @@ class CompressionStats:
             self._values = {name: 0 for name in self._FIELDS}
             self._values.update({name: 0.0 for name in self._TIMERS})
             self._values["steps"] = 0
+            self._tensors = {}
 
     def add(self, **amounts):
         with self._lock:
@@ -36,10 +37,20 @@ class CompressionStats:
                     raise KeyError(f"unknown statistic {name!r}")
                 self._values[name] += amount
 
+    def add_tensor(self, name, amount):
+        """Add a 0-d device tensor without reading it (no host synchronisation on the hot
+        path); it is read when statistics are asked for."""
+        if name not in self._values:
+            raise KeyError(f"unknown statistic {name!r}")
+        with self._lock:
+            self._tensors[name] = amount if name not in self._tensors else self._tensors[name] + amount
+
     def as_dict(self):
         """A snapshot with derived ratios: ``density`` achieved and ``bytes_ratio`` sent/dense."""
         with self._lock:
             out = dict(self._values)
+            for name, amount in self._tensors.items():
+                out[name] += int(amount)
         out["density"] = out["elements_selected"] / out["elements_total"] if out["elements_total"] else 0.0
         out["bytes_ratio"] = out["bytes_sent"] / out["bytes_dense"] if out["bytes_dense"] else 0.0
         return out

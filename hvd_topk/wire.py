@@ -23,8 +23,9 @@ class Layout:
         self.count = int(count)
         self.value_dtype = value_dtype
         self.index_dtype = index_dtype
-        index_bytes = self.count * _itemsize(index_dtype)
-        value_bytes = self.count * _itemsize(value_dtype)
+        self.index_itemsize, self.value_itemsize = _itemsize(index_dtype), _itemsize(value_dtype)
+        index_bytes = self.count * self.index_itemsize
+        value_bytes = self.count * self.value_itemsize
         used = index_bytes + value_bytes
         self.nbytes = (used + _ALIGN - 1) // _ALIGN * _ALIGN
         if _itemsize(value_dtype) > _itemsize(index_dtype):  # keep every part aligned

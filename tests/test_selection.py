@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hvd_topk import exchange, native, selection
+from hvd_topk import codec, native, selection, wire
 
 needs_native = pytest.mark.skipif(native.library() is None, reason="native kernel did not build")
 
@@ -157,23 +157,136 @@ def test_sampled_on_a_structured_gradient():
         assert np.isin(true_topk(x, k), idx.numpy()).mean() >= 0.95, call
 
 
+def _ranked_pairs(world, k, n, dtype, seed=5):
+    """Each rank's k distinct indices (ascending, as the kernel sends them) and values."""
+    gen = torch.Generator().manual_seed(seed)
+    indices = torch.stack([torch.randperm(n, generator=gen)[:k].sort().values for _ in range(world)]).int()
+    return torch.randn(world, k, generator=gen).to(dtype), indices
+
+
+@pytest.mark.parametrize("path", ["native", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
 @pytest.mark.parametrize("div,mul", [(1.0, 1.0), (3.0, 1.0), (3.0, 3.0)])
-def test_scatter_add_ranks_matches_numpy(dtype, div, mul):
-    """Rank-ordered adds of overlapping index sets, then touched entries scaled once."""
-    world, k, n, offset = 3, 50, 400, 7
-    gen = torch.Generator().manual_seed(5)
-    indices = torch.stack([torch.randperm(n, generator=gen)[:k] + offset for _ in range(world)]).int()
-    values = torch.randn(world, k, generator=gen).to(dtype)
-    out = torch.zeros(n, dtype=dtype)
-    exchange.scatter_add_ranks(out, values, indices, offset=offset, div=div, mul=mul)
+def test_decode_adds_ranks_in_order_into_each_tensor(path, dtype, div, mul):
+    """Rank-ordered adds of overlapping index sets into three tensors of one bucket, then
+    touched entries scaled once: against numpy."""
+    if path == "native" and (dtype == torch.float16 or native.library() is None):
+        pytest.skip("the native kernel takes fp32/fp64")
+    world, k, sizes = 3, 50, [150, 7, 243]
+    n = sum(sizes)
+    values, indices = _ranked_pairs(world, k, n, dtype)
+    layout = wire.Layout(k, dtype, torch.int32)
+    gathered = torch.cat([layout.pack(values[r], indices[r]) for r in range(world)])
+    dests = [torch.zeros(s, dtype=dtype) for s in sizes]
+    bounds = torch.tensor([0, 150, 157, 400])
+    scale = mul if path == "native" else torch.tensor(mul, dtype=dtype)  # a tensor forces torch ops
+    codec.Codec.decode(gathered, layout, world, dests, bounds, div=div, mul=scale)
     want = np.zeros(n, dtype=np.float64)
     for r in range(world):
-        want[indices[r].numpy() - offset] += values[r].double().numpy()
-    touched = np.unique(indices.numpy() - offset)
+        want[indices[r].numpy()] += values[r].double().numpy()
+    touched = np.unique(indices.numpy())
     want[touched] = want[touched] / div * mul
     tol = 1e-2 if dtype == torch.float16 else 1e-6
-    np.testing.assert_allclose(out.double().numpy(), want, rtol=tol, atol=tol)
+    np.testing.assert_allclose(torch.cat(dests).double().numpy(), want, rtol=tol, atol=tol)
+
+
+@needs_native
+def test_decode_refuses_pairs_outside_the_bucket():
+    layout = wire.Layout(2, torch.float32, torch.int32)
+    gathered = layout.pack(torch.ones(2), torch.tensor([3, 99], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="ranks disagree"):
+        codec.Codec.decode(gathered, layout, 1, [torch.zeros(10)], torch.tensor([0, 10]))
+
+
+def _segment_truth(x, bounds, ks):
+    """Per segment, the set of positions of its k largest |x| (numpy, independent)."""
+    a = np.abs(x.numpy().astype(np.float64))
+    a[np.isnan(a)] = np.inf
+    out = []
+    for b, e, k in zip(bounds, bounds[1:], ks):
+        part = a[b:e]
+        out.append(set((np.argpartition(-part, k - 1)[:k] + b).tolist()))
+    return out
+
+
+SEGMENT_SIZES = [5000, 300_000, 70_000, 1_200_000, 100, 1]
+
+
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.1])
+@pytest.mark.parametrize("kernel", ["native-sampled", "native-exact", "torch-sampled", "torch-exact"])
+def test_select_segments_takes_k_of_each_segment(kernel, density):
+    """One call over a bucket of six tensors (1 to 1.2M entries): each segment gets exactly its
+    own k, from its own range; exact = numpy's top-k; sampled >= 95% of it and k distinct."""
+    path, method = kernel.split("-")
+    if path == "native" and native.library() is None:
+        pytest.skip("native kernel did not build")
+    x = sample("t3", sum(SEGMENT_SIZES), seed=int(density * 1e4))
+    bounds = [0, *np.cumsum(SEGMENT_SIZES).tolist()]
+    ks = [selection.k_for(n, density) for n in SEGMENT_SIZES]
+    if path == "native":
+        idx = torch.empty(sum(ks), dtype=torch.int32)
+        val = torch.empty(sum(ks))
+        flags = torch.ones(len(ks), dtype=torch.uint8)
+        result = selection.select_segments(x, torch.tensor(bounds), torch.tensor(ks), idx, val, method,
+                                           nonfinite=flags)
+        assert not result.nonfinite and not flags.any()
+        idx = idx.long()
+    else:
+        val, idx, bad = selection.select_segments_torch(x, SEGMENT_SIZES, ks, method)
+        assert not bad.any()
+    np.testing.assert_array_equal(val.numpy(), x.numpy()[idx.numpy()])
+    start = 0
+    for s, (truth, k) in enumerate(zip(_segment_truth(x, bounds, ks), ks)):
+        got = idx[start:start + k].numpy()
+        start += k
+        assert ((got >= bounds[s]) & (got < bounds[s + 1])).all(), s
+        if method == "exact":
+            assert set(got.tolist()) == truth, s
+        else:
+            assert len(set(got.tolist())) == k, s
+            assert len(truth & set(got.tolist())) >= 0.95 * k, s
+
+
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_encode_zeroes_what_it_sent_and_flags_the_segment_with_nan(path):
+    """Error feedback in the codec: the sent entries of the buffer become 0, the rest stay;
+    a NaN is sent and flags its own segment only."""
+    if path == "native" and native.library() is None:
+        pytest.skip("native kernel did not build")
+    sizes = [3000, 500_000, 20_000]
+    x = sample("laplace", sum(sizes), seed=7)
+    x[3000 + 1234] = float("nan")
+    if path == "torch":  # a strided view is not native-eligible: the codec must use torch ops
+        x = torch.zeros(2 * x.numel())[::2].copy_(x)
+        assert not selection.native_ok(x)
+    before = x.clone()
+    plan = codec.Codec("exact").plan(sizes, 0.01, "tensor", x.dtype, torch.int32)
+    message = torch.empty(plan.layout.nbytes, dtype=torch.uint8)
+    encoded = codec.Codec("exact").encode(x, plan, message, zero_sent=True)
+    values, indices = plan.layout.unpack(message, 1)
+    sent = indices[0].long().numpy()
+    bad = encoded.nonfinite if isinstance(encoded.nonfinite, list) else encoded.nonfinite.nonzero().view(-1).tolist()
+    assert bad == [1]
+    assert 3000 + 1234 in sent.tolist()
+    want = before.numpy().copy()
+    want[sent] = 0
+    clean = np.r_[0:3000, 503_000:523_000]  # a flagged segment is wiped by the engine instead
+    np.testing.assert_array_equal(x.numpy()[clean], want[clean])
+    np.testing.assert_array_equal(values[0].numpy(), before.numpy()[sent])
+
+
+def test_bucket_scope_gives_one_k_for_the_whole_buffer():
+    """selection_scope="bucket": k = density x the bucket's size, spent where |x| is largest
+    (here all in the loud second tensor)."""
+    sizes = [10_000, 10_000]
+    x = torch.cat([sample("normal", 10_000, seed=1) * 1e-3, sample("normal", 10_000, seed=2)])
+    plan = codec.Codec("exact").plan(sizes, 0.01, "bucket", torch.float32, torch.int32)
+    assert plan.count == 200 and plan.sizes == [20_000]
+    message = torch.empty(plan.layout.nbytes, dtype=torch.uint8)
+    codec.Codec("exact").encode(x, plan, message)
+    _, indices = plan.layout.unpack(message, 1)
+    assert (indices >= 10_000).all()
+    assert set(indices[0].tolist()) == _segment_truth(x, [0, 20_000], [200])[0]
 
 
 def test_without_native_kernel_falls_back_with_a_warning(tmp_path):

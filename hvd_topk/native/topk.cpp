@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <type_traits>
 #include <vector>
 #if defined(__x86_64__)
@@ -91,7 +92,17 @@ inline uint32_t key_bits(T v) {  // order-preserving integer key of |v|; NaN abo
 // The k-th largest of keys (k >= 1) by a two-level radix select: a histogram of the top 16
 // bits finds the bucket holding it, a histogram of the low 16 bits inside that bucket finds
 // it exactly. Two sequential passes over the keys instead of nth_element's random swaps.
+// Few keys (a small tensor's candidates): nth_element on a copy beats clearing two 256 KiB
+// histograms, which would dominate a model's many small tensors.
+constexpr size_t kRadixMin = 1 << 15;
+
 inline uint32_t kth_largest(const std::vector<uint32_t>& keys, int64_t k) {
+  if (keys.size() < kRadixMin) {
+    static thread_local std::vector<uint32_t> copy;
+    copy.assign(keys.begin(), keys.end());
+    std::nth_element(copy.begin(), copy.begin() + (k - 1), copy.end(), std::greater<uint32_t>());
+    return copy[k - 1];
+  }
   static thread_local std::vector<uint32_t> hist;
   hist.assign(1 << 16, 0);
   for (uint32_t b : keys) ++hist[b >> 16];
@@ -393,11 +404,129 @@ void scatter_dispatch(T* dest, const void* idx, int index_bytes, const void* val
     scatter_impl<T, int64_t>(dest, (const char*)idx, (const char*)val, world, k, row_bytes, offset, div, mul);
 }
 
+// Segmented selection: for each segment s of x, [bounds[s], bounds[s+1]), the ks[s] largest
+// |x| of that segment (positions relative to x, ascending), written one segment after another
+// into (idx, val). nonfinite[s] is set to 1 where segment s held inf/nan. flags sums the
+// per-segment passes and fill-ups; flags[0] counts segments with inf/nan.
+template <typename T, typename I>
+int64_t segments_impl(T* x, int64_t nseg, const int64_t* bounds, const int64_t* ks, I* idx,
+                      T* val, int exact, int zero_sent, uint64_t seed, int64_t* flags,
+                      uint8_t* nonfinite) {
+  int64_t out = 0, f[3];
+  flags[0] = flags[1] = flags[2] = 0;
+  for (int64_t s = 0; s < nseg; ++s) {
+    int64_t b = bounds[s], n = bounds[s + 1] - b, k = std::min(ks[s], n);
+    if (k <= 0) { if (nonfinite) nonfinite[s] = 0; continue; }
+    select_impl(x + b, (T*)nullptr, n, k, b, idx + out, val + out, exact, zero_sent,
+                seed + (uint64_t)s, f);
+    if (nonfinite) nonfinite[s] = (uint8_t)f[0];
+    flags[0] += f[0];
+    flags[1] += f[1];
+    flags[2] += f[2];
+    out += k;
+  }
+  return out;
+}
+
+template <typename T>
+int64_t segments_dispatch(T* x, int64_t nseg, const int64_t* bounds, const int64_t* ks, void* idx,
+                          int index_bytes, T* val, int exact, int zero_sent, uint64_t seed,
+                          int64_t* flags, uint8_t* nonfinite) {
+  if (index_bytes == 4)
+    return segments_impl(x, nseg, bounds, ks, (int32_t*)idx, val, exact, zero_sent, seed, flags, nonfinite);
+  return segments_impl(x, nseg, bounds, ks, (int64_t*)idx, val, exact, zero_sent, seed, flags, nonfinite);
+}
+
+// Rank-ordered scatter-add of a bucket's allgathered pairs into its tensors' own buffers:
+// dest[s] holds positions [bounds[s], bounds[s+1]) of the bucket. For r = 0, 1, ... in order,
+// each pair (i, v) of rank r does dest[s(i)][i - bounds[s(i)]] += v; then every touched entry
+// becomes value / div * mul (read first, written after, so an entry several ranks sent is
+// scaled once). Pairs are usually ascending (a cursor follows them); others are found by
+// binary search. Returns the number of pairs whose index was outside the bucket (skipped):
+// non-zero means the ranks disagree on the message layout.
+template <typename T, typename I>
+int64_t scatter_segments_impl(T* const* dest, const int64_t* bounds, int64_t nseg, const char* idx,
+                              const char* val, int64_t world, int64_t k, int64_t row_bytes,
+                              double div, double mul) {
+  const int64_t total = bounds[nseg];
+  int64_t bad = 0;
+  auto place = [&](int64_t i, int64_t& cur) -> T* {
+    if (i < 0 || i >= total) return nullptr;
+    if (i < bounds[cur] || i >= bounds[cur + 1])
+      cur = (int64_t)(std::upper_bound(bounds, bounds + nseg + 1, i) - bounds) - 1;
+    return dest[cur] + (i - bounds[cur]);
+  };
+  for (int64_t r = 0; r < world; ++r) {
+    const I* ir = (const I*)(idx + r * row_bytes);
+    const T* vr = (const T*)(val + r * row_bytes);
+    int64_t cur = 0;
+    for (int64_t j = 0; j < k; ++j) {
+      T* d = place((int64_t)ir[j], cur);
+      if (d) *d += vr[j]; else ++bad;
+    }
+  }
+  if (div == 1.0 && mul == 1.0) return bad;
+  static thread_local std::vector<T> scaled;
+  scaled.resize(world * k);
+  const T dv = (T)div, m = (T)mul;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int64_t r = 0, q = 0; r < world; ++r) {
+      const I* ir = (const I*)(idx + r * row_bytes);
+      int64_t cur = 0;
+      for (int64_t j = 0; j < k; ++j, ++q) {
+        T* d = place((int64_t)ir[j], cur);
+        if (!d) continue;
+        if (pass == 0) scaled[q] = mul == 1.0 ? *d / dv : *d / dv * m;
+        else *d = scaled[q];
+      }
+    }
+  }
+  return bad;
+}
+
+template <typename T>
+int64_t scatter_segments_dispatch(T* const* dest, const int64_t* bounds, int64_t nseg, const void* idx,
+                                  int index_bytes, const void* val, int64_t world, int64_t k,
+                                  int64_t row_bytes, double div, double mul) {
+  if (index_bytes == 4)
+    return scatter_segments_impl<T, int32_t>(dest, bounds, nseg, (const char*)idx, (const char*)val,
+                                             world, k, row_bytes, div, mul);
+  return scatter_segments_impl<T, int64_t>(dest, bounds, nseg, (const char*)idx, (const char*)val,
+                                           world, k, row_bytes, div, mul);
+}
+
 }  // namespace
 
 extern "C" {
 
-int hvdtk_abi_version() { return 2; }
+// Scatter a bucket's allgathered pairs into its tensors; see scatter_segments_impl.
+int64_t hvdtk_scatter_segments_f32(float* const* dest, const int64_t* bounds, int64_t nseg,
+                                   const void* idx, int index_bytes, const void* val, int64_t world,
+                                   int64_t k, int64_t row_bytes, double div, double mul) {
+  return scatter_segments_dispatch(dest, bounds, nseg, idx, index_bytes, val, world, k, row_bytes, div, mul);
+}
+
+int64_t hvdtk_scatter_segments_f64(double* const* dest, const int64_t* bounds, int64_t nseg,
+                                   const void* idx, int index_bytes, const void* val, int64_t world,
+                                   int64_t k, int64_t row_bytes, double div, double mul) {
+  return scatter_segments_dispatch(dest, bounds, nseg, idx, index_bytes, val, world, k, row_bytes, div, mul);
+}
+
+int hvdtk_abi_version() { return 3; }
+
+// Segmented selection in one call (a fusion bucket's tensors, k each); see segments_impl.
+// Returns the number of pairs written (the sum of min(ks[s], segment size)).
+int64_t hvdtk_select_segments_f32(float* x, int64_t nseg, const int64_t* bounds, const int64_t* ks,
+                                  void* idx, int index_bytes, float* val, int exact, int zero_sent,
+                                  uint64_t seed, int64_t* flags, uint8_t* nonfinite) {
+  return segments_dispatch(x, nseg, bounds, ks, idx, index_bytes, val, exact, zero_sent, seed, flags, nonfinite);
+}
+
+int64_t hvdtk_select_segments_f64(double* x, int64_t nseg, const int64_t* bounds, const int64_t* ks,
+                                  void* idx, int index_bytes, double* val, int exact, int zero_sent,
+                                  uint64_t seed, int64_t* flags, uint8_t* nonfinite) {
+  return segments_dispatch(x, nseg, bounds, ks, idx, index_bytes, val, exact, zero_sent, seed, flags, nonfinite);
+}
 
 // Select the k largest |x| (after x += g when g is given; g is then zeroed). Writes k ascending
 // positions (+ offset, int32 or int64 per index_bytes) to idx and their values to val; with

@@ -1,0 +1,186 @@
+"""Fusion buckets: which parameters travel in one message, and the flat buffer each one keeps.
+
+A bucket's parameters are laid end to end in one contiguous buffer (``acc``). For a sparse
+bucket with error feedback it *is* the residual: each gradient is folded in as it arrives
+(``acc[tensor] += grad``), selection runs over the whole buffer in one call, and the sent
+entries are zeroed there. Without error feedback, and for the dense bucket of small tensors,
+it is a staging copy of this step's gradients. With DGC momentum correction a second buffer
+(``momentum``) holds ``u``. Buffers are allocated on first use and live as long as the
+optimizer, so the hot path allocates nothing.
+
+Buckets are planned identically on every rank (same order, same members), which is what lets
+every rank name and size its messages alike.
+"""
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from hvd_topk.wire import index_dtype_for
+
+
+class Member(NamedTuple):
+    """One parameter's place in its bucket's flat buffer."""
+    param: torch.Tensor
+    name: str
+    offset: int
+    numel: int
+
+
+class Bucket:
+    """Parameters that travel in one message.
+
+    ``sparse`` buckets are Top-K candidates (the exchange strategy may still send one dense on
+    a step); the others hold small tensors and always go dense.
+    """
+
+    def __init__(self, index, params, names, sparse):
+        self.index = index
+        self.sparse = sparse
+        self.members, offset = [], 0
+        for p in params:
+            self.members.append(Member(p, names[p], offset, p.numel()))
+            offset += p.numel()
+        self.numel = offset
+        first = params[0]
+        self.dtype, self.device = first.dtype, first.device
+        self.element_size = first.element_size()
+        self.index_dtype = index_dtype_for(self.numel)
+        self.bounds = torch.tensor([m.offset for m in self.members] + [self.numel], dtype=torch.int64)
+        self.acc = None        # flat buffer: residual (error feedback) or staging copy
+        self.momentum = None   # flat buffer: DGC's u, only with momentum correction
+        self.folded = set()    # members folded in this step (by position)
+        self.pending = None    # the exchange in flight, between launch and finish
+        self._plans = {}       # (density, scope, value dtype) -> codec.Plan
+        self._message = None   # reused send buffer
+
+    # ---- buffers ---------------------------------------------------------------------------
+    def buffer(self):
+        if self.acc is None:
+            self.acc = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        return self.acc
+
+    def momentum_buffer(self):
+        if self.momentum is None:
+            self.momentum = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        return self.momentum
+
+    def view(self, flat, member):
+        """``member``'s part of a flat buffer, shaped like its parameter."""
+        return flat[member.offset:member.offset + member.numel].view(member.param.shape)
+
+    def segment(self, flat, position):
+        m = self.members[position]
+        return flat[m.offset:m.offset + m.numel]
+
+    # ---- one step --------------------------------------------------------------------------
+    def fold(self, position, grad, accumulate, momentum=0.0):
+        """Fold one member's gradient into the buffer (``grad`` None: no gradient this step).
+
+        ``accumulate``: error feedback, ``acc += grad`` (DGC: ``u = m u + grad; acc += u``);
+        otherwise the buffer takes a copy of the gradient (zeros when there is none).
+        """
+        member = self.members[position]
+        acc = self.view(self.buffer(), member)
+        if accumulate and momentum:
+            u = self.view(self.momentum_buffer(), member)
+            u.mul_(momentum)
+            if grad is not None:
+                u.add_(grad)
+            acc.add_(u)
+        elif accumulate:
+            if grad is not None:
+                acc.add_(grad)
+        elif grad is not None:
+            acc.copy_(grad)
+        else:
+            acc.zero_()
+        self.folded.add(position)
+
+    def complete(self):
+        return len(self.folded) == len(self.members)
+
+    def plan(self, codec, density, scope):
+        """The codec's plan for this bucket at ``density`` (cached: it changes only in warm-up)."""
+        key = (density, scope, codec.value_dtype(self.dtype))
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) > 64:  # a long warm-up: keep memory bounded
+                self._plans.clear()
+            plan = self._plans[key] = codec.plan([m.numel for m in self.members], density, scope,
+                                                 self.dtype, self.index_dtype)
+        return plan
+
+    def message(self, nbytes):
+        """The send buffer, reused while its size stays the same (safe: the previous send of
+        this bucket finished in the last ``synchronize()``)."""
+        if self._message is None or self._message.numel() != nbytes:
+            self._message = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._message
+
+    def reset(self):
+        """Forget this step's progress (a new step, or a state restore)."""
+        self.folded.clear()
+        self.pending = None
+
+
+def plan_buckets(params, names, min_numel, fusion_bytes, groups=None):
+    """Buckets in the same order on every rank.
+
+    Sparse buckets hold floating-point tensors of at least ``min_numel`` elements, in reverse
+    registration order (roughly the order backward produces gradients), filled up to
+    ``fusion_bytes`` each, one dtype/device per bucket. ``groups`` overrides the filling: an int
+    (that many buckets) or a list of parameter lists (one bucket each; unlisted parameters are
+    bucketed as usual). The small tensors form one dense bucket per dtype/device, last.
+    """
+    eligible = [p for p in params if p.is_floating_point() and p.numel() >= min_numel]
+    chosen = set(map(id, eligible))
+    small = [p for p in params if id(p) not in chosen]
+    plans = []
+    if isinstance(groups, int) and not isinstance(groups, bool):
+        if groups < 1:
+            raise ValueError(f"groups must be >= 1, got {groups}")
+        ordered = list(reversed(eligible))
+        per = math.ceil(len(ordered) / groups) if ordered else 1
+        plans = [ordered[i:i + per] for i in range(0, len(ordered), per)]
+        ordered = []
+    elif groups is not None:
+        if not isinstance(groups, (list, tuple)) or not all(isinstance(g, (list, tuple)) for g in groups):
+            raise ValueError(f"groups must be None, an int or a list of parameter lists, got {groups!r}")
+        listed = set()
+        for group in groups:
+            members = [p for p in group if id(p) in chosen]
+            if any(id(p) in listed for p in members):
+                raise ValueError("a parameter appears in more than one of groups")
+            listed.update(map(id, members))
+            if members:
+                plans.append(members)
+        ordered = [p for p in reversed(eligible) if id(p) not in listed]
+    else:
+        ordered = list(reversed(eligible))
+    current, current_bytes = [], 0
+    for p in ordered:
+        nbytes = p.numel() * p.element_size()
+        if current and (current_bytes + nbytes > fusion_bytes
+                        or (p.dtype, p.device) != (current[0].dtype, current[0].device)):
+            plans.append(current)
+            current, current_bytes = [], 0
+        current.append(p)
+        current_bytes += nbytes
+    if current:
+        plans.append(current)
+    buckets = []
+    for plan in plans:
+        for same in _split_by_dtype(plan):
+            buckets.append(Bucket(len(buckets), same, names, sparse=True))
+    for same in _split_by_dtype(small):
+        buckets.append(Bucket(len(buckets), same, names, sparse=False))
+    return buckets
+
+
+def _split_by_dtype(params):
+    by_key = {}
+    for p in params:
+        by_key.setdefault((p.dtype, p.device), []).append(p)
+    return list(by_key.values())

@@ -1,0 +1,151 @@
+"""The Top-K codec, shared by the drop-in ``TopK`` and the error-feedback optimizer.
+
+``encode``: select -> zero what was sent (error feedback) -> flag non-finite -> pack, from one
+flat buffer (a gradient, or a fusion bucket's accumulator) into one message.
+``decode``: unpack every rank's message -> add in rank order -> scale, into the destination
+tensors. The native-or-torch-ops choice is made here and nowhere else:
+
+- CPU fp32/fp64: the native kernel selects every segment of the buffer in one call, writing
+  the pairs straight into the message, and scatters the gathered pairs straight into the
+  destination tensors in one call.
+- Elsewhere (CUDA, half precision, no compiler): ``selection.select_segments_torch``, one set
+  of kernels per buffer, and rank-ordered ``index_add_``.
+
+Compensation (adding the residual) happens where the gradient is folded into the bucket
+(``hvd_topk.buckets``); a drop-in gradient has nothing to compensate.
+"""
+
+import ctypes
+import itertools
+from typing import NamedTuple
+
+import torch
+
+from hvd_topk import native, selection
+from hvd_topk.selection import k_for, native_ok
+from hvd_topk.wire import Layout
+
+
+class Plan:
+    """What one encode moves for a buffer at one density; built once and reused.
+
+    Args:
+        sizes: element counts of the buffer's tensors, in buffer order.
+        density: fraction of entries to send.
+        scope: ``"tensor"`` (k per tensor: the contract) or ``"bucket"`` (one top-k over the
+            whole buffer, k = density x its size).
+        value_dtype, index_dtype: what travels.
+    """
+
+    def __init__(self, sizes, density, scope, value_dtype, index_dtype):
+        numel = sum(sizes)
+        self.sizes = [numel] if scope == "bucket" else list(sizes)
+        self.ks = [k_for(n, density) for n in self.sizes]
+        self.count = sum(self.ks)
+        self.density, self.scope = density, scope
+        self.layout = Layout(self.count, value_dtype, index_dtype)
+        self.bounds = torch.tensor([0, *itertools.accumulate(self.sizes)], dtype=torch.int64)
+        self.ks_tensor = torch.tensor(self.ks, dtype=torch.int64)
+        self.nonfinite = torch.zeros(len(self.sizes), dtype=torch.uint8)
+        self._values = None  # scratch for values of another dtype than the message's
+
+    def value_scratch(self, dtype):
+        if self._values is None or self._values.dtype != dtype:
+            self._values = torch.empty(self.count, dtype=dtype)
+        return self._values
+
+
+class Encoded(NamedTuple):
+    """What ``encode`` reports: the segments that held inf/nan (a list of segment numbers on
+    CPU, a bool tensor per segment elsewhere; empty list when none), and native statistics."""
+    nonfinite: object
+    repasses: int
+    filled: int
+
+
+class Codec:
+    """Top-K selection and its wire format; ``method`` and ``fp16_values`` as in ``TopK``."""
+
+    def __init__(self, method=selection.DEFAULT_METHOD, fp16_values=False):
+        self.method = selection.check_method(method)
+        self.fp16_values = fp16_values
+
+    def value_dtype(self, dtype):
+        return torch.float16 if self.fp16_values else dtype
+
+    def plan(self, sizes, density, scope, dtype, index_dtype):
+        return Plan(sizes, density, scope, self.value_dtype(dtype), index_dtype)
+
+    def encode(self, x, plan, message, zero_sent=False):
+        """Select ``plan``'s pairs of the flat buffer ``x`` into ``message`` (uint8,
+        ``plan.layout.nbytes``). ``zero_sent``: zero the sent entries of ``x`` (error feedback).
+        Inf/nan always count as the largest magnitudes, so they are sent and reach the average;
+        the segments holding them are reported, and what they hold afterwards is for the caller
+        to wipe."""
+        values, indices = plan.layout.views(message)
+        if native_ok(x):
+            out = values if values.dtype == x.dtype else plan.value_scratch(x.dtype)
+            result = selection.select_segments(x, plan.bounds, plan.ks_tensor, indices, out, self.method,
+                                               zero_sent=zero_sent, nonfinite=plan.nonfinite)
+            if out is not values:
+                values.copy_(out)
+            bad = plan.nonfinite.nonzero().view(-1).tolist() if result.nonfinite else []
+            encoded = Encoded(bad, result.passes - len(plan.sizes), result.filled)
+        else:
+            got_values, got_indices, bad = selection.select_segments_torch(x, plan.sizes, plan.ks, self.method)
+            values.copy_(got_values)
+            indices.copy_(got_indices)
+            if zero_sent:  # x - x == 0 exactly; repeated fill-up slots subtract 0
+                x.index_put_((got_indices,), -got_values, accumulate=True)
+            encoded = Encoded(bad, 0, 0)
+        plan.layout.zero_padding(message)
+        return encoded
+
+    @staticmethod
+    def decode(gathered, layout, world, dests, bounds, div=1.0, mul=1.0):
+        """Add every rank's pairs, in rank order, into ``dests`` (zeroed flat tensors holding
+        positions ``[bounds[i], bounds[i+1])`` of the buffer), then make every touched entry
+        ``sum / div * mul``. Same bits on every rank. ``mul`` may be a 0-d tensor (a CUDA
+        probe, never read on the host)."""
+        values, indices = layout.unpack(gathered, world)
+        if (values.dtype == dests[0].dtype and not torch.is_tensor(mul) and _rows_alike(values, indices)
+                and all(native_ok(d) and d.dtype == values.dtype for d in dests)):
+            fn = getattr(native.library(), _SCATTER[values.dtype])
+            pointers = (ctypes.c_void_p * len(dests))(*[d.data_ptr() for d in dests])
+            outside = fn(pointers, bounds.data_ptr(), len(dests), indices.data_ptr(), indices.element_size(),
+                         values.data_ptr(), values.shape[0], values.shape[1],
+                         values.stride(0) * values.element_size(), float(div), float(mul))
+            if outside:
+                raise RuntimeError(f"{outside} received pairs point outside the buffer: ranks disagree "
+                                   "on the tensors being exchanged")
+            return
+        flat = dests[0] if len(dests) == 1 else torch.zeros(int(bounds[-1]), dtype=dests[0].dtype,
+                                                            device=dests[0].device)
+        scatter_add_ranks(flat, values, indices, div=div, mul=mul)
+        if len(dests) > 1:
+            edges = bounds.tolist()
+            for d, b, e in zip(dests, edges, edges[1:]):
+                d.copy_(flat[b:e])
+
+
+_SCATTER = {torch.float32: "hvdtk_scatter_segments_f32", torch.float64: "hvdtk_scatter_segments_f64"}
+
+
+def scatter_add_ranks(out, values, indices, div=1.0, mul=1.0):
+    """``out[indices[r]] += values[r]`` for r = 0, 1, ... in order (torch ops), then every
+    touched entry becomes ``out / div * mul`` once, even where several ranks sent it."""
+    for r in range(values.shape[0]):
+        out.index_add_(0, indices[r].long(), values[r].to(out.dtype))
+    scale_by = torch.is_tensor(mul) or mul != 1.0  # a tensor (a CUDA probe) is never read here
+    if div != 1.0 or scale_by:
+        touched = indices.reshape(-1).long()
+        scaled = out[touched] / div
+        out[touched] = scaled * mul if scale_by else scaled
+    return out
+
+
+def _rows_alike(values, indices):
+    """Both [world, k] on CPU, unit stride inside a row, the same byte stride between rows."""
+    return (values.dim() == 2 and values.shape == indices.shape and values.stride(1) == 1
+            and indices.stride(1) == 1 and values.device.type == "cpu"
+            and values.stride(0) * values.element_size() == indices.stride(0) * indices.element_size())
