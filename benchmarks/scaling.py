@@ -16,9 +16,10 @@ depend on P):
       t_cpu  = n * c_sel                       (selection, calibrated, see below)
              + ef_passes * n * c_pass          (error feedback: acc = residual + grad)
              + P k * c_scatter + n * c_pass    (decompression: P k scattered adds + one pass over n)
-- hvd_topk goes dense (fp32 allreduce) where its own cost model says the sparse allgather moves
-  more bytes: density >= hvd_topk.exchange.sparse_break_even(P) (= 1/P for fp32 with int32
-  indices), exactly as hvd_topk.DistributedOptimizer does. That rule counts bytes only, so it can
+- the byte counts are hvd_topk's own cost functions (``hvd_topk.exchange``: ``DenseAllreduce``
+  and ``AllgatherPairs``.wire_bytes), and hvd_topk goes dense (fp32 allreduce) exactly where
+  ``hvd_topk.exchange.cheapest`` makes hvd_topk.DistributedOptimizer do so: where the sparse
+  allgather moves at least as many bytes, density >= 1/P for fp32 with int32 indices. That rule counts bytes only, so it can
   still pick sparse where selection makes sparse slower (flagged in the table).
 - step = compute + t_cpu + max(0, t_wire - overlap * compute); by default overlap = 0 (no
   overlap of communication with backward: the pessimistic bound). Efficiency = compute / step.
@@ -52,7 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 
-from hvd_topk.exchange import sparse_break_even  # noqa: E402  (the optimizer's own rule)
+from hvd_topk.exchange import STRATEGIES, AllgatherPairs, DenseAllreduce, cheapest  # noqa: E402  (the optimizer's own)
 
 GBIT = 1e9 / 8  # bytes per second in 1 Gbit/s
 DEFAULT_SELECTION_NS = 1.0
@@ -89,13 +90,14 @@ def dense_allreduce_s(P, n, elem_bytes, gbps, costs):
     if P <= 1:
         return 0.0
     m = messages(n, elem_bytes, costs.fusion_bytes)
-    return 2 * (P - 1) / P * n * elem_bytes / (gbps * GBIT) + 2 * (P - 1) * costs.alpha_s * m
+    wire = DenseAllreduce.wire_bytes(P, n, 0, costs.value_bytes, costs.index_bytes, elem_bytes)
+    return wire / (gbps * GBIT) + 2 * (P - 1) * costs.alpha_s * m
 
 
 def sparse_bytes_in(P, n, density, costs):
     """Bytes into each rank for the ring allgather of every rank's k pairs."""
     k = max(1, round(density * n))
-    return (P - 1) * k * (costs.value_bytes + costs.index_bytes)
+    return AllgatherPairs.wire_bytes(P, n, k, costs.value_bytes, costs.index_bytes, 4)
 
 
 def sparse_times(P, n, density, gbps, costs):
@@ -109,9 +111,13 @@ def sparse_times(P, n, density, gbps, costs):
     return wire, selection + ef + decompress
 
 
-def goes_sparse(P, density, costs):
-    """hvd_topk.DistributedOptimizer's choice (dense_fallback=True), from its own cost model."""
-    return density < sparse_break_even(P, 4, costs.value_bytes, costs.index_bytes)
+def goes_sparse(P, density, costs, n=2**24):
+    """hvd_topk.DistributedOptimizer's choice (dense_fallback=True) for a bucket of n fp32
+    elements: its own ``cheapest`` over its own strategies (one rank: dense, a no-op)."""
+    if P <= 1:
+        return False
+    k = max(1, round(density * n))
+    return cheapest(STRATEGIES, P, n, k, costs.value_bytes, costs.index_bytes, 4).sparse
 
 
 def step(method, P, n, compute_s, gbps, costs):
@@ -123,7 +129,7 @@ def step(method, P, n, compute_s, gbps, costs):
         wire = dense_allreduce_s(P, n, 2, gbps, costs)
     else:
         density = DENSITY[method]
-        if goes_sparse(P, density, costs):
+        if goes_sparse(P, density, costs, n):
             mode = "sparse"
             wire, local = sparse_times(P, n, density, gbps, costs)
         else:
@@ -385,7 +391,7 @@ def main(argv=None):
                         f"{1000 * args.resnet_compute_s:.0f} ms, BERT-base {1000 * args.bert_compute_s:.0f} ms "
                         f"(V100-class GPU, batch 32); hvd_topk: fp32 values + int32 indices, error feedback "
                         f"({args.ef_passes:g} pass), decompression P·k scattered adds at {args.scatter_ns:g} ns + "
-                        f"one pass over n; dense where density >= sparse_break_even(P); "
+                        f"one pass over n; dense where hvd_topk.exchange.cheapest says so (density >= 1/P); "
                         + ("no overlap of communication with compute" if args.overlap == 0 else
                            f"wire time overlaps up to {args.overlap:g} of compute; selection and "
                            f"decompression never overlap")),

@@ -1,0 +1,99 @@
+"""Fusion buckets and exchange strategies, single process (no MPI): planning, the flat buffer's
+folding rules, and the cost functions against hand-computed numbers."""
+
+import pytest
+import torch
+
+from hvd_topk import exchange
+from hvd_topk.buckets import plan_buckets
+
+
+def params(*shapes, dtype=torch.float32):
+    return [torch.nn.Parameter(torch.zeros(s, dtype=dtype)) for s in shapes]
+
+
+def names_of(ps):
+    return {p: f"p{i}" for i, p in enumerate(ps)}
+
+
+def test_buckets_fill_up_to_fusion_bytes_in_reverse_order_and_small_tensors_go_dense():
+    ps = params((100, 10), (10,), (300,), (50, 10), (1000,))
+    buckets = plan_buckets(ps, names_of(ps), min_numel=100, fusion_bytes=4 * 1300)
+    # eligible (>= 100 elements), reversed: p4 (1000), p3 (500), p2 (300), p0 (1000)
+    assert [[m.name for m in b.members] for b in buckets] == [["p4"], ["p3", "p2"], ["p0"], ["p1"]]
+    assert [b.sparse for b in buckets] == [True, True, True, False]
+    assert [b.index for b in buckets] == [0, 1, 2, 3]
+    b = buckets[1]
+    assert [(m.offset, m.numel) for m in b.members] == [(0, 500), (500, 300)]
+    assert b.numel == 800 and b.bounds.tolist() == [0, 500, 800]
+
+
+def test_buckets_split_by_dtype_and_groups_override():
+    ps = params((200,), (200,)) + params((200,), dtype=torch.float64)
+    buckets = plan_buckets(ps, names_of(ps), min_numel=100, fusion_bytes=1 << 20)
+    assert [[m.name for m in b.members] for b in buckets] == [["p2"], ["p1", "p0"]]
+    assert [[m.name for m in b.members] for b in plan_buckets(ps, names_of(ps), 100, 1 << 20, groups=3)] == \
+        [["p2"], ["p1"], ["p0"]]
+    listed = plan_buckets(ps, names_of(ps), 100, 1 << 20, groups=[[ps[0]]])
+    assert [[m.name for m in b.members] for b in listed] == [["p0"], ["p2"], ["p1"]]
+    with pytest.raises(ValueError, match="more than one"):
+        plan_buckets(ps, names_of(ps), 100, 1 << 20, groups=[[ps[0]], [ps[0]]])
+    with pytest.raises(ValueError, match=">= 1"):
+        plan_buckets(ps, names_of(ps), 100, 1 << 20, groups=0)
+
+
+def test_fold_accumulates_with_error_feedback_and_copies_without():
+    ps = params((3,), (2,))
+    (bucket,) = plan_buckets(ps, names_of(ps), min_numel=1, fusion_bytes=1 << 20)
+    # members are in reverse order: p1 at offset 0, p0 at offset 2
+    bucket.fold(0, torch.tensor([1.0, 2.0]), accumulate=True)
+    bucket.fold(1, torch.tensor([3.0, 4.0, 5.0]), accumulate=True)
+    assert bucket.complete()
+    bucket.reset()
+    bucket.fold(0, torch.tensor([10.0, 20.0]), accumulate=True)
+    bucket.fold(1, None, accumulate=True)  # no gradient: the residual stays
+    assert bucket.acc.tolist() == [11.0, 22.0, 3.0, 4.0, 5.0]
+    bucket.fold(0, torch.tensor([7.0, 8.0]), accumulate=False)
+    bucket.fold(1, None, accumulate=False)  # no gradient without error feedback: zeros
+    assert bucket.acc.tolist() == [7.0, 8.0, 0.0, 0.0, 0.0]
+
+
+def test_fold_with_dgc_momentum_correction():
+    """u = m u + g; acc += u, written out by hand for two steps."""
+    ps = params((2,))
+    (bucket,) = plan_buckets(ps, names_of(ps), min_numel=1, fusion_bytes=1 << 20)
+    bucket.fold(0, torch.tensor([1.0, -2.0]), accumulate=True, momentum=0.5)
+    bucket.fold(0, torch.tensor([1.0, 1.0]), accumulate=True, momentum=0.5)
+    # u1 = [1, -2]; acc1 = [1, -2]; u2 = [1.5, 0]; acc2 = [2.5, -2]
+    assert bucket.momentum.tolist() == [1.5, 0.0]
+    assert bucket.acc.tolist() == [2.5, -2.0]
+
+
+def test_fold_takes_a_channels_last_gradient_in_logical_order():
+    ps = params((2, 3, 2, 2))
+    (bucket,) = plan_buckets(ps, names_of(ps), min_numel=1, fusion_bytes=1 << 20)
+    grad = torch.arange(24.0).view(2, 3, 2, 2).contiguous(memory_format=torch.channels_last)
+    bucket.fold(0, grad, accumulate=True)
+    assert bucket.acc.tolist() == list(range(24))
+
+
+@pytest.mark.parametrize("P", [2, 3, 8, 64])
+def test_strategy_costs_by_hand(P):
+    n, k = 1_000_000, 10_000
+    assert exchange.DenseAllreduce.wire_bytes(P, n, k, 4, 4, 4) == pytest.approx(2 * (P - 1) / P * n * 4)
+    assert exchange.DenseAllreduce.wire_bytes(P, n, k, 4, 4, 2) == pytest.approx((P - 1) / P * n * 4)
+    assert exchange.AllgatherPairs.wire_bytes(P, n, k, 4, 4, 4) == (P - 1) * k * 8
+    assert exchange.AllgatherPairs.wire_bytes(P, n, k, 2, 4, 4) == (P - 1) * k * 6
+    assert exchange.DenseAllreduce.wire_bytes(1, n, k, 4, 4, 4) == 0
+
+
+def test_cheapest_and_break_even_agree():
+    # fp32 values + int32 indices: sparse pays below density 1/P; a tie goes dense.
+    assert exchange.sparse_break_even(2) == 0.5
+    assert exchange.sparse_break_even(8) == 0.125
+    assert exchange.sparse_break_even(64) == pytest.approx(1 / 64)
+    assert exchange.sparse_break_even(1) == 0.0
+    n = 800
+    for P, k, want in [(8, 99, exchange.AllgatherPairs), (8, 100, exchange.DenseAllreduce),
+                       (2, 399, exchange.AllgatherPairs), (64, 13, exchange.DenseAllreduce)]:
+        assert exchange.cheapest(exchange.STRATEGIES, P, n, k, 4, 4, 4) is want, (P, k)
