@@ -1,21 +1,79 @@
 """Scripts under tests/dist run as real Horovod jobs: mpirun -np 2 and -np 3 (odd sizes catch bugs).
 
 Each script checks every rank against an independent reference (numpy, fed with every rank's
-raw data through mpi4py); a failure on any rank aborts the job, and a hang is killed by the
-timeout in tests/mpi.py.
+raw data through mpi4py), as a list of named checks (tests/dist/harness.py). Each check is one
+pytest item, ``<script>-np<N>-<check name>``; each (script, N) job runs once, when its first item
+runs, and a failing check does not stop the others. One more item per job, ``...-(job)``, fails
+when the job hung (killed by the timeout in tests/mpi.py) or crashed, did not report every
+check, or exited with a status that disagrees with its checks. The names come from
+``python SCRIPT --list``, which starts neither MPI nor Horovod.
 """
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from mpi import DIST, run_mpi
+from check_results import failure_message, item_id, job_message, validate_names
+from mpi import DIST, launch_mpi, script_env
 
 pytestmark = pytest.mark.distributed
 
 SCRIPTS = ["check_compressor.py", "check_optimizer.py", "check_mismatch.py"]
+NPS = (2, 3)
+JOB = "(job)"  # the item for the job as a whole
+LIST_TIMEOUT_S = 120
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_distributed(script, np_):
-    out = run_mpi(np_, DIST / script)
-    assert f"OK on {np_} ranks" in out.stdout, out.stdout
+def list_checks(script):
+    """``(names, None)`` from ``script --list``, or ``(None, why not)``."""
+    cmd = [sys.executable, str(DIST / script), "--list"]
+    try:
+        proc = subprocess.run(cmd, env=script_env(), capture_output=True, text=True, timeout=LIST_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {LIST_TIMEOUT_S}s: {' '.join(cmd)}"
+    if proc.returncode != 0:
+        return None, f"exit {proc.returncode}: {' '.join(cmd)}\n--- stderr\n{proc.stderr[-4000:]}"
+    try:
+        return validate_names(proc.stdout.splitlines()), None
+    except ValueError as exc:
+        return None, f"{' '.join(cmd)}: {exc}"
+
+
+# At collection, the three scripts at once (each imports torch and Horovod: a few seconds).
+with ThreadPoolExecutor(len(SCRIPTS)) as _pool:
+    LISTED = dict(zip(SCRIPTS, _pool.map(list_checks, SCRIPTS)))
+
+
+def _cases():
+    for script in SCRIPTS:
+        names, _ = LISTED[script]
+        for np_ in NPS:
+            for name in [*(names or []), JOB]:
+                yield pytest.param(script, np_, name, id=item_id(script, np_, name))
+
+
+_JOBS = {}
+
+
+def job(script, np_):
+    """The (script, np) job, run once, on first use, with the hard timeout of tests/mpi.py."""
+    if (script, np_) not in _JOBS:
+        _JOBS[script, np_] = launch_mpi(np_, DIST / script)
+    return _JOBS[script, np_]
+
+
+@pytest.mark.parametrize("script, np_, name", list(_cases()))
+def test_check(script, np_, name):
+    names, list_error = LISTED[script]
+    if names is None:
+        pytest.fail(f"{script} --list failed, so its checks are unknown: {list_error}", pytrace=False)
+    ran = job(script, np_)
+    if name == JOB:
+        message = job_message(names, ran.stdout, ran.returncode, ran.problem(), ran.tail())
+    else:
+        ended = ran.problem() or f"the job ended (exit status {ran.returncode}) before rank 0 reported it"
+        message = failure_message(name, ran.stdout, ended, ran.tail())
+    if message:
+        pytest.fail(message, pytrace=False)

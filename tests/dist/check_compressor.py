@@ -1,6 +1,7 @@
 """TopK under stock Horovod, checked against a numpy reference built from every rank's data.
 
-Run: mpirun -np 2 (or 3) python tests/dist/check_compressor.py
+Run: PYTHONPATH=.:tests mpirun -np 2 (or 3) python tests/dist/check_compressor.py
+(``--list`` prints the names of its checks).
 """
 
 import copy
@@ -10,7 +11,7 @@ import torch
 
 import horovod.torch as hvd
 import hvd_topk
-from harness import assert_same_on_all_ranks, gather, run, step_and_check_same
+from harness import assert_same_on_all_ranks, gather, raises, run, step_and_check_same
 from reference import k_of, sparse_allreduce
 
 
@@ -143,26 +144,29 @@ def check_adasum_rejected():
                                    named_parameters=model.named_parameters(),
                                    compression=hvd_topk.TopK, op=hvd.Adasum)
     loss = model(torch.randn(4, 20)).sum()
-    try:
+    with raises(ValueError, match="Adasum", what="op=Adasum with TopK"):
         loss.backward()
         opt.step()
-    except ValueError as exc:
-        assert "Adasum" in str(exc), exc
-    else:
-        raise AssertionError("op=Adasum with TopK did not raise")
 
 
-def main():
-    check_allreduce()
-    check_optimizer()
-    check_optimizer(op=hvd.Sum)
-    check_optimizer(predivide=2.0)
-    check_optimizer(groups=2)
-    check_optimizer(passes=2)
-    check_optimizer(density=1.0)
-    check_grads_set_by_hand()
-    check_adasum_rejected()
+def optimizer(label, **options):
+    """The named check of Horovod's DistributedOptimizer with TopK and these options."""
+    return f"horovod optimizer: {label}", lambda: check_optimizer(**options)
+
+
+# Run in this order on every rank; add a check with one line.
+CHECKS = [
+    ("allreduce", check_allreduce),
+    optimizer("default"),
+    optimizer("op=Sum", op=hvd.Sum),
+    optimizer("predivide=2.0", predivide=2.0),
+    optimizer("groups=2", groups=2),
+    optimizer("passes=2", passes=2),
+    optimizer("density=1.0", density=1.0),
+    ("grads set by hand", check_grads_set_by_hand),
+    ("adasum rejected", check_adasum_rejected),
+]
 
 
 if __name__ == "__main__":
-    run(main)
+    run(CHECKS)

@@ -1,29 +1,131 @@
-"""Shared set-up for scripts run under mpirun: Horovod + mpi4py, fail-fast on any rank."""
+"""Shared set-up for scripts run under mpirun: Horovod + mpi4py, named checks reported one by one.
 
+A script ends with ``run(CHECKS)``, ``CHECKS`` an ordered list of ``(name, function)``. Every rank
+runs every check; a check that raises fails on that rank without stopping the others. After each
+check the ranks agree (mpi4py, on a communicator of the harness's own, never a Horovod
+collective) on which ranks failed, and rank 0 prints one result line for it (the format is in
+tests/check_results.py). The job exits 1 when a check failed anywhere.
+
+A rank that fails part-way through a collective can leave the other ranks waiting in it for
+ever: when not every rank has finished a check ``HVD_TOPK_CHECK_SYNC_TIMEOUT`` seconds (60)
+after one rank did, that rank aborts the job (the failing check is already reported by name on
+the failing rank; the checks not run yet are reported missing by tests/test_distributed.py).
+
+``python SCRIPT --list`` prints the check names, one a line, without starting MPI or Horovod.
+"""
+
+import contextlib
+import os
+import re
 import sys
+import time
 import traceback
 
 import numpy as np
-from mpi4py import MPI  # initialise MPI before Horovod so both share it
 
 import horovod.torch as hvd
+from check_results import (rank_failure_line, result_line, running_line, validate_names)
 
-COMM = MPI.COMM_WORLD
+# MPI.COMM_WORLD, set by run(): importing mpi4py.MPI starts MPI, which --list must not do.
+COMM = None
+SYNC_TIMEOUT_S = float(os.environ.get("HVD_TOPK_CHECK_SYNC_TIMEOUT", "60"))
 
 
-def run(main):
-    """Run ``main()`` on every rank; an exception on one rank aborts the whole job (exit 1)."""
+def _say(text, stream=None):
+    stream = stream or sys.stdout
+    stream.write(text + "\n")
+    stream.flush()
+
+
+def run(checks, argv=None):
+    """Run every ``(name, function)`` in ``checks`` on every rank (see the module docstring)."""
+    checks = list(checks)
+    names = validate_names(name for name, _ in checks)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv == ["--list"]:
+        for name in names:
+            print(name)
+        return
+    if argv:
+        sys.exit(f"usage: {sys.argv[0]} [--list]  (got {argv})")
+
+    global COMM
+    from mpi4py import MPI  # initialise MPI before Horovod so both share it
+
+    COMM = MPI.COMM_WORLD
+    control = COMM.Dup()  # the harness's messages never pair with a check's own mpi4py calls
     hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    failed = []
+    for name, check in checks:
+        _say(running_line(rank, name))
+        error = None
+        try:
+            check()
+        except KeyboardInterrupt:
+            raise
+        except BaseException:
+            error = traceback.format_exc()
+            _say(f"[rank {rank}] FAILED {name}\n{error}", sys.stderr)
+            _say(rank_failure_line(name, rank, error))
+        _wait_for_all_ranks(control, name, rank)
+        errors = control.allgather(error)
+        if any(e is not None for e in errors):
+            failed.append(name)
+        if rank == 0:
+            _say(result_line(name, errors))
+    control.Free()
+    if rank == 0:
+        if failed:
+            _say(f"{len(failed)} of {len(checks)} checks FAILED on {size} ranks: {failed}")
+        else:
+            _say(f"OK on {size} ranks ({len(checks)} checks)")
+    if failed:
+        sys.exit(1)
+
+
+def _wait_for_all_ranks(control, name, rank):
+    """Return once every rank has finished check ``name``; abort the job if that takes too long."""
+    request = control.Ibarrier()
+    deadline = time.monotonic() + SYNC_TIMEOUT_S
+    while not request.Test():
+        if time.monotonic() > deadline:
+            _say(f"[rank {rank}] check {name!r}: finished here, but not on every rank after "
+                 f"{SYNC_TIMEOUT_S:g}s (a rank stuck in a collective after another failed?); "
+                 f"aborting the job", sys.stderr)
+            sys.stdout.flush()
+            COMM.Abort(1)
+        time.sleep(0.005)
+
+
+@contextlib.contextmanager
+def raises(expected, match=None, what=None):
+    """Like ``pytest.raises``: the block must raise ``expected`` (a type or a tuple of types).
+
+    ``match`` is a regular expression searched in ``str(exception)`` (``re.escape`` a literal
+    text); ``what`` prefixes the failure message. Any other exception propagates unchanged. The
+    context value's ``.value`` is the exception caught.
+    """
+    caught = _Caught()
+    prefix = f"{what}: " if what else ""
     try:
-        main()
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.write(f"rank {hvd.rank()} FAILED\n")
-        sys.stderr.flush()
-        COMM.Abort(1)
-    COMM.Barrier()
-    if hvd.rank() == 0:
-        print(f"OK on {hvd.size()} ranks")
+        yield caught
+    except expected as exc:
+        caught.value = exc
+        if match is not None and not re.search(match, str(exc)):
+            raise AssertionError(f"{prefix}{type(exc).__name__} raised, but its message {str(exc)!r} "
+                                 f"does not match {match!r}") from exc
+    else:
+        raise AssertionError(f"{prefix}did not raise {_type_names(expected)}")
+
+
+class _Caught:
+    value = None
+
+
+def _type_names(expected):
+    types = expected if isinstance(expected, tuple) else (expected,)
+    return " or ".join(t.__name__ for t in types)
 
 
 def gather(array):
