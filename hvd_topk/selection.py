@@ -10,8 +10,8 @@ Methods (``TopK(method=...)``):
 
 Where it runs:
 
-- CPU, float32/float64: the native kernel (``hvd_topk.native``), ~one pass over memory; with
-  error feedback the same pass also folds the gradient into the residual.
+- CPU, float32/float64: the native kernel (``hvd_topk.native``), ~one pass over memory, one
+  call per fusion bucket (``select_segments``).
 - Elsewhere (CUDA, half precision, no compiler): torch ops with no host synchronisation.
   ``sampled`` then takes a fixed number of candidates with ``torch.nonzero_static``; if too few
   entries reach the threshold, the missing slots repeat a selected index with value 0 (adding
@@ -87,19 +87,18 @@ class NativeResult:
         return int(self.flags[2])
 
 
-def select_native(x, k, out_indices, out_values, method=DEFAULT_METHOD, add=None, offset=0,
-                  zero_sent=False, seed=0):
+def select_native(x, k, out_indices, out_values, method=DEFAULT_METHOD, offset=0, zero_sent=False,
+                  seed=0):
     """Native top-k of ``x`` (flat, CPU fp32/fp64) into preallocated outputs, in one call.
 
     ``out_indices`` (int32 or int64, k entries) gets ascending positions plus ``offset``;
-    ``out_values`` (x's dtype) their values. ``add``: fold ``x += add`` into the same pass and
-    zero ``add``. ``zero_sent``: zero ``x`` at the selected positions afterwards. Returns a
-    ``NativeResult``. The caller checks ``native_ok`` first.
+    ``out_values`` (x's dtype) their values. ``zero_sent``: zero ``x`` at the selected
+    positions afterwards. Returns a ``NativeResult``. The caller checks ``native_ok`` first.
     """
     check_method(method)
     result = NativeResult()
     fn = getattr(native.library(), _NATIVE_FUNCS[x.dtype])
-    fn(x.data_ptr(), add.data_ptr() if add is not None else None, x.numel(), k, offset,
+    fn(x.data_ptr(), x.numel(), k, offset,
        out_indices.data_ptr(), out_indices.element_size(), out_values.data_ptr(),
        int(method == "exact"), int(zero_sent), seed, result.flags)
     return result

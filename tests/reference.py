@@ -41,16 +41,28 @@ class ErrorFeedbackReference:
         self.u = [dict() for _ in range(ranks)]
 
     def sparse(self, name, per_rank_grads, density, average=True):
-        total = np.zeros(per_rank_grads[0].size, dtype=np.float32)
-        for r, g in enumerate(per_rank_grads):
-            g = g.reshape(-1).astype(np.float32)
+        """One tensor's exchanged result (k = density x its size: selection_scope="tensor")."""
+        return self.sparse_bucket([name], {name: per_rank_grads}, density, average)[name]
+
+    def sparse_bucket(self, names, grads, density, average=True):
+        """The exchanged results of tensors that share one top-k (selection_scope="bucket"):
+        k = density x their total size, taken over their accumulators laid end to end.
+        ``grads[name]`` is every rank's raw gradient; returns ``{name: result}``."""
+        shapes = {n: grads[n][0].shape for n in names}
+        sizes = [grads[n][0].size for n in names]
+        edges = np.cumsum([0] + sizes)
+        total = np.zeros(edges[-1], dtype=np.float32)
+        for r in range(self.ranks):
+            g = np.concatenate([grads[n][r].reshape(-1).astype(np.float32) for n in names])
+            old = lambda table: np.concatenate([table[r].get(n, np.zeros(s, np.float32))
+                                                for n, s in zip(names, sizes)])
             if not self.error_feedback:
                 acc = g.copy()
             elif self.momentum:
-                u = self.u[r].get(name, np.zeros_like(g)) * np.float32(self.momentum) + g
-                acc = self.residual[r].get(name, np.zeros_like(g)) + u
+                u = old(self.u) * np.float32(self.momentum) + g
+                acc = old(self.residual) + u
             else:
-                acc = self.residual[r].get(name, np.zeros_like(g)) + g
+                acc = old(self.residual) + g
             k = k_of(acc.size, density)
             keep = np.argsort(-np.abs(acc), kind="stable")[:k]
             sent = np.zeros_like(acc)
@@ -58,13 +70,15 @@ class ErrorFeedbackReference:
             total += sent  # rank order, float32, like the optimizer
             if self.error_feedback:
                 acc[keep] = 0
-                self.residual[r][name] = acc
+                for i, n in enumerate(names):
+                    self.residual[r][n] = acc[edges[i]:edges[i + 1]].copy()
                 if self.momentum:
                     u[keep] = 0
-                    self.u[r][name] = u
+                    for i, n in enumerate(names):
+                        self.u[r][n] = u[edges[i]:edges[i + 1]].copy()
         if average:
             total /= np.float32(self.ranks)
-        return total.reshape(per_rank_grads[0].shape)
+        return {n: total[edges[i]:edges[i + 1]].reshape(shapes[n]) for i, n in enumerate(names)}
 
 
 def dgc_density(step, target, warmup_steps, start=0.25):

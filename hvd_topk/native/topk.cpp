@@ -5,11 +5,9 @@
 //    cache misses, not S.
 // 2. Threshold: the sample's r-th largest magnitude, r chosen so that the expected number of
 //    entries at or above it is k plus a few standard deviations (so it is rarely too few).
-// 3. One pass: collect the positions with |x| >= threshold, in ascending order. With error
-//    feedback the same pass first adds the gradient into the residual (x += g) and zeroes the
-//    gradient (it becomes the destination of the exchanged sum), so the residual is read and
-//    written once per step.
-// 4. Keep exactly k: the k-th largest candidate magnitude (radix select on the few candidates),
+// 3. One pass: collect the positions with |x| >= threshold, in ascending order (read only).
+// 4. Keep exactly k: the k-th largest candidate magnitude (radix select on many candidates,
+//    nth_element on few),
 //    then a scan of the candidates in position order. Output indices are ascending.
 // 5. Too few candidates (rare): mode EXACT lowers the threshold and passes again, so the result
 //    is the true top-k; mode SAMPLED does so only below 95% of k, and otherwise fills up with
@@ -18,6 +16,10 @@
 //
 // NaN counts as the largest magnitude (as in torch.topk) so it is always sent and reaches the
 // average; any inf/nan in x is reported in flags[0].
+//
+// A fusion bucket's tensors are selected in one call (hvdtk_select_segments_*, k per segment),
+// and the gathered pairs of every rank are added into the bucket's tensors in one call
+// (hvdtk_scatter_segments_*).
 //
 // Plain C ABI (called through ctypes with tensors' data pointers): no torch headers, so the
 // build takes a second and the library works with any torch version.
@@ -125,7 +127,7 @@ inline uint32_t kth_largest(const std::vector<uint32_t>& keys, int64_t k) {
 
 // Threshold such that about `want` of the n entries are expected at or above it.
 template <typename T>
-float sample_threshold(const T* x, const T* g, int64_t n, double want, uint64_t seed) {
+float sample_threshold(const T* x, int64_t n, double want, uint64_t seed) {
   std::vector<uint32_t>& s = scratch.sample;
   s.clear();
   s.reserve(kSample);
@@ -138,7 +140,7 @@ float sample_threshold(const T* x, const T* g, int64_t n, double want, uint64_t 
   for (int64_t j = 0; j < runs; ++j) {
     int64_t start = (int64_t)(rng.next() % (uint64_t)(n - step + 1));
     for (int64_t i = start; i < start + step; ++i)
-      s.push_back(key_bits(g ? static_cast<T>(x[i] + g[i]) : x[i]));
+      s.push_back(key_bits(x[i]));
   }
   int64_t S = (int64_t)s.size();
   double expect = want * (double)S / (double)n;           // sample entries above the k-th
@@ -159,18 +161,12 @@ inline int64_t* emit(int64_t* out, uint32_t bits, int64_t b) {
   return out;
 }
 
-// Generic block: optional x += g, g = 0; collect key >= t (> t when strict). False if a value
-// is not finite.
+// Generic block: collect key >= t (> t when strict). False if a value is not finite.
 template <typename T>
-bool collect_block(T* x, T* g, int64_t b, int64_t e, float t, bool strict, int64_t*& out) {
+bool collect_block(const T* x, int64_t b, int64_t e, float t, bool strict, int64_t*& out) {
   bool ok = true;
   for (int64_t i = b; i < e; ++i) {
     T v = x[i];
-    if (g) {
-      v = static_cast<T>(v + g[i]);
-      x[i] = v;
-      g[i] = T(0);
-    }
     ok &= finite(v);
     float a = key_of(v);
     *out = i;
@@ -186,25 +182,13 @@ bool collect_block(T* x, T* g, int64_t b, int64_t e, float t, bool strict, int64
 // maximum of the bits tells whether anything was not finite. Only the (rare) 16-entry groups
 // holding a candidate are walked.
 //   tb: the threshold's bits; an entry is collected when bits > tb - 1 (>=) or bits > tb (>).
-__attribute__((target("avx2"))) bool collect_f32_avx2(float* x, float* g, int64_t n, int32_t gt,
+__attribute__((target("avx2"))) bool collect_f32_avx2(const float* x, int64_t n, int32_t gt,
                                                       int64_t*& out, int64_t& i) {
   const __m256i mag = _mm256_set1_epi32(0x7fffffff), thr = _mm256_set1_epi32(gt);
   __m256i hi = _mm256_setzero_si256();
   for (; i + 16 <= n; i += 16) {
-    __m256i a0, a1;
-    if (g) {
-      __m256 v0 = _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(g + i));
-      __m256 v1 = _mm256_add_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(g + i + 8));
-      _mm256_storeu_ps(x + i, v0);
-      _mm256_storeu_ps(x + i + 8, v1);
-      _mm256_storeu_ps(g + i, _mm256_setzero_ps());
-      _mm256_storeu_ps(g + i + 8, _mm256_setzero_ps());
-      a0 = _mm256_and_si256(_mm256_castps_si256(v0), mag);
-      a1 = _mm256_and_si256(_mm256_castps_si256(v1), mag);
-    } else {
-      a0 = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(x + i)), mag);
-      a1 = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(x + i + 8)), mag);
-    }
+    __m256i a0 = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(x + i)), mag);
+    __m256i a1 = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(x + i + 8)), mag);
     hi = _mm256_max_epi32(hi, _mm256_max_epi32(a0, a1));
     uint32_t hit = (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(a0, thr))) |
                    ((uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(a1, thr))) << 8);
@@ -218,22 +202,14 @@ __attribute__((target("avx2"))) bool collect_f32_avx2(float* x, float* g, int64_
 }
 
 // The same with SSE2 (every x86-64 CPU): four lanes, non-finite checked by a compare.
-inline bool collect_f32_sse2(float* x, float* g, int64_t n, int32_t gt, int64_t*& out, int64_t& i) {
+inline bool collect_f32_sse2(const float* x, int64_t n, int32_t gt, int64_t*& out, int64_t& i) {
   const __m128i mag = _mm_set1_epi32(0x7fffffff), thr = _mm_set1_epi32(gt);
   const __m128i big = _mm_set1_epi32(0x7f7fffff);
   uint32_t bad = 0;
   for (; i + 16 <= n; i += 16) {
     uint32_t hit = 0;
     for (int q = 0; q < 4; ++q) {
-      __m128i a;
-      if (g) {
-        __m128 v = _mm_add_ps(_mm_loadu_ps(x + i + 4 * q), _mm_loadu_ps(g + i + 4 * q));
-        _mm_storeu_ps(x + i + 4 * q, v);
-        _mm_storeu_ps(g + i + 4 * q, _mm_setzero_ps());
-        a = _mm_and_si128(_mm_castps_si128(v), mag);
-      } else {
-        a = _mm_and_si128(_mm_loadu_si128((const __m128i*)(x + i + 4 * q)), mag);
-      }
+      __m128i a = _mm_and_si128(_mm_loadu_si128((const __m128i*)(x + i + 4 * q)), mag);
       hit |= (uint32_t)_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpgt_epi32(a, thr))) << (4 * q);
       bad |= (uint32_t)_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpgt_epi32(a, big)));
     }
@@ -242,7 +218,7 @@ inline bool collect_f32_sse2(float* x, float* g, int64_t n, int32_t gt, int64_t*
   return bad == 0;
 }
 
-inline bool collect_f32(float* x, float* g, int64_t n, float t, bool strict, int64_t*& out) {
+inline bool collect_f32(const float* x, int64_t n, float t, bool strict, int64_t*& out) {
   // Integer form of "key >= t" (or "> t"); t <= 0 and -inf collect everything (or every non-zero).
   int32_t tb;
   if (!(t > 0.0f)) {
@@ -253,16 +229,15 @@ inline bool collect_f32(float* x, float* g, int64_t n, float t, bool strict, int
   }
   static const bool avx2 = __builtin_cpu_supports("avx2");
   int64_t i = 0;
-  bool ok = avx2 ? collect_f32_avx2(x, g, n, tb, out, i) : collect_f32_sse2(x, g, n, tb, out, i);
-  if (i < n) ok &= collect_block(x, g, i, n, t, strict, out);
+  bool ok = avx2 ? collect_f32_avx2(x, n, tb, out, i) : collect_f32_sse2(x, n, tb, out, i);
+  if (i < n) ok &= collect_block(x, i, n, t, strict, out);
   return ok;
 }
 #endif
 
-// One pass: optional x += g, g = 0; collect ascending positions with key >= t (or > t when
-// strict). Returns whether every x was finite.
+// One pass: collect ascending positions with key >= t (or > t when strict). Returns whether every x was finite.
 template <typename T>
-bool collect(T* x, T* g, int64_t n, float t, bool strict) {
+bool collect(const T* x, int64_t n, float t, bool strict) {
   Positions& c = scratch.cand;
   c.size = 0;
   bool ok = true;
@@ -274,12 +249,12 @@ bool collect(T* x, T* g, int64_t n, float t, bool strict) {
     int64_t* start = out;
 #if defined(__x86_64__)
     if constexpr (std::is_same<T, float>::value) {
-      ok &= collect_f32(x + b, g ? g + b : nullptr, e - b, t, strict, out);
+      ok &= collect_f32(x + b, e - b, t, strict, out);
       for (int64_t* q = start; q < out; ++q) *q += b;
     } else
 #endif
     {
-      ok &= collect_block(x, g, b, e, t, strict, out);
+      ok &= collect_block(x, b, e, t, strict, out);
     }
     c.size += out - start;
   }
@@ -322,18 +297,17 @@ void fill_up(const T* x, int64_t n, int64_t k, int64_t offset, I* idx, T* val) {
 }
 
 template <typename T, typename I>
-int64_t select_impl(T* x, T* g, int64_t n, int64_t k, int64_t offset, I* idx, T* val,
+int64_t select_impl(T* x, int64_t n, int64_t k, int64_t offset, I* idx, T* val,
                     int exact, int zero_sent, uint64_t seed, int64_t* flags) {
   flags[0] = 0;  // non-finite seen
   flags[1] = 0;  // passes over x
   flags[2] = 0;  // entries filled up (SAMPLED shortfall)
   if (k <= 0 || n <= 0) return 0;
   if (k > n) k = n;
-  float t = (n <= kSmall) ? -INFINITY : sample_threshold(x, g, n, (double)k, seed);
+  float t = (n <= kSmall) ? -INFINITY : sample_threshold(x, n, (double)k, seed);
   bool strict = false;
   if (t == 0.0f && !exact) strict = true;  // mostly zeros: collect the non-zeros only
-  bool ok = collect(x, g, n, t, strict);
-  g = nullptr;  // the gradient has been folded in
+  bool ok = collect(x, n, t, strict);
   flags[1] = 1;
   double want = (double)k;
   // Too few collected: EXACT passes again until it has k; SAMPLED only when it has less than
@@ -341,10 +315,10 @@ int64_t select_impl(T* x, T* g, int64_t n, int64_t k, int64_t offset, I* idx, T*
   int64_t enough = exact ? k : k - k / 20;
   while (scratch.cand.size < enough && !strict) {  // strict: the rest are zeros (ties)
     want *= 4.0;  // too few: lower the threshold and pass again (rare)
-    float t2 = want >= (double)n ? -INFINITY : sample_threshold(x, (T*)nullptr, n, want, seed + 1);
+    float t2 = want >= (double)n ? -INFINITY : sample_threshold(x, n, want, seed + 1);
     if (!(t2 < t)) t2 = -INFINITY;
     t = t2;
-    collect(x, (T*)nullptr, n, t, false);
+    collect(x, n, t, false);
     flags[1] += 1;
   }
   flags[0] = ok ? 0 : 1;
@@ -360,48 +334,12 @@ int64_t select_impl(T* x, T* g, int64_t n, int64_t k, int64_t offset, I* idx, T*
 }
 
 template <typename T>
-int64_t dispatch_index(T* x, T* g, int64_t n, int64_t k, int64_t offset, void* idx,
+int64_t dispatch_index(T* x, int64_t n, int64_t k, int64_t offset, void* idx,
                        int index_bytes, T* val, int exact, int zero_sent, uint64_t seed,
                        int64_t* flags) {
   if (index_bytes == 4)
-    return select_impl(x, g, n, k, offset, (int32_t*)idx, val, exact, zero_sent, seed, flags);
-  return select_impl(x, g, n, k, offset, (int64_t*)idx, val, exact, zero_sent, seed, flags);
-}
-
-// dest[idx[r][j] - offset] += val[r][j] for ranks r = 0, 1, ... in order (each rank's indices
-// are distinct), then every touched entry becomes dest / div * mul (gathered first, then
-// written, so an entry several ranks sent is scaled once). Rank r's pairs start at byte
-// r * row_bytes of idx and of val (the allgathered messages).
-template <typename T, typename I>
-void scatter_impl(T* dest, const char* idx, const char* val, int64_t world, int64_t k,
-                  int64_t row_bytes, int64_t offset, double div, double mul) {
-  for (int64_t r = 0; r < world; ++r) {
-    const I* ir = (const I*)(idx + r * row_bytes);
-    const T* vr = (const T*)(val + r * row_bytes);
-    for (int64_t j = 0; j < k; ++j) dest[(int64_t)ir[j] - offset] += vr[j];
-  }
-  if (div == 1.0 && mul == 1.0) return;
-  static thread_local std::vector<T> scaled;
-  scaled.resize(world * k);
-  const T d = (T)div, m = (T)mul;
-  for (int64_t r = 0, q = 0; r < world; ++r) {
-    const I* ir = (const I*)(idx + r * row_bytes);
-    for (int64_t j = 0; j < k; ++j, ++q) scaled[q] = mul == 1.0 ? dest[(int64_t)ir[j] - offset] / d
-                                                              : dest[(int64_t)ir[j] - offset] / d * m;
-  }
-  for (int64_t r = 0, q = 0; r < world; ++r) {
-    const I* ir = (const I*)(idx + r * row_bytes);
-    for (int64_t j = 0; j < k; ++j, ++q) dest[(int64_t)ir[j] - offset] = scaled[q];
-  }
-}
-
-template <typename T>
-void scatter_dispatch(T* dest, const void* idx, int index_bytes, const void* val, int64_t world,
-                      int64_t k, int64_t row_bytes, int64_t offset, double div, double mul) {
-  if (index_bytes == 4)
-    scatter_impl<T, int32_t>(dest, (const char*)idx, (const char*)val, world, k, row_bytes, offset, div, mul);
-  else
-    scatter_impl<T, int64_t>(dest, (const char*)idx, (const char*)val, world, k, row_bytes, offset, div, mul);
+    return select_impl(x, n, k, offset, (int32_t*)idx, val, exact, zero_sent, seed, flags);
+  return select_impl(x, n, k, offset, (int64_t*)idx, val, exact, zero_sent, seed, flags);
 }
 
 // Segmented selection: for each segment s of x, [bounds[s], bounds[s+1]), the ks[s] largest
@@ -417,7 +355,7 @@ int64_t segments_impl(T* x, int64_t nseg, const int64_t* bounds, const int64_t* 
   for (int64_t s = 0; s < nseg; ++s) {
     int64_t b = bounds[s], n = bounds[s + 1] - b, k = std::min(ks[s], n);
     if (k <= 0) { if (nonfinite) nonfinite[s] = 0; continue; }
-    select_impl(x + b, (T*)nullptr, n, k, b, idx + out, val + out, exact, zero_sent,
+    select_impl(x + b, n, k, b, idx + out, val + out, exact, zero_sent,
                 seed + (uint64_t)s, f);
     if (nonfinite) nonfinite[s] = (uint8_t)f[0];
     flags[0] += f[0];
@@ -512,7 +450,7 @@ int64_t hvdtk_scatter_segments_f64(double* const* dest, const int64_t* bounds, i
   return scatter_segments_dispatch(dest, bounds, nseg, idx, index_bytes, val, world, k, row_bytes, div, mul);
 }
 
-int hvdtk_abi_version() { return 3; }
+int hvdtk_abi_version() { return 4; }
 
 // Segmented selection in one call (a fusion bucket's tensors, k each); see segments_impl.
 // Returns the number of pairs written (the sum of min(ks[s], segment size)).
@@ -528,34 +466,20 @@ int64_t hvdtk_select_segments_f64(double* x, int64_t nseg, const int64_t* bounds
   return segments_dispatch(x, nseg, bounds, ks, idx, index_bytes, val, exact, zero_sent, seed, flags, nonfinite);
 }
 
-// Select the k largest |x| (after x += g when g is given; g is then zeroed). Writes k ascending
+// Select the k largest |x| of one tensor. Writes k ascending
 // positions (+ offset, int32 or int64 per index_bytes) to idx and their values to val; with
 // zero_sent, x is then zeroed at those positions (error feedback: what was sent is gone).
 // flags (3 int64): [non-finite seen, passes, entries filled up]. Returns k (clamped to n).
-int64_t hvdtk_select_f32(float* x, float* g, int64_t n, int64_t k, int64_t offset, void* idx,
+int64_t hvdtk_select_f32(float* x, int64_t n, int64_t k, int64_t offset, void* idx,
                          int index_bytes, float* val, int exact, int zero_sent, uint64_t seed,
                          int64_t* flags) {
-  return dispatch_index(x, g, n, k, offset, idx, index_bytes, val, exact, zero_sent, seed, flags);
+  return dispatch_index(x, n, k, offset, idx, index_bytes, val, exact, zero_sent, seed, flags);
 }
 
-int64_t hvdtk_select_f64(double* x, double* g, int64_t n, int64_t k, int64_t offset, void* idx,
+int64_t hvdtk_select_f64(double* x, int64_t n, int64_t k, int64_t offset, void* idx,
                          int index_bytes, double* val, int exact, int zero_sent, uint64_t seed,
                          int64_t* flags) {
-  return dispatch_index(x, g, n, k, offset, idx, index_bytes, val, exact, zero_sent, seed, flags);
-}
-
-// Rank-ordered scatter-add of allgathered pairs with scaling of the touched entries; see
-// scatter_impl.
-void hvdtk_scatter_f32(float* dest, const void* idx, int index_bytes, const void* val,
-                       int64_t world, int64_t k, int64_t row_bytes, int64_t offset, double div,
-                       double mul) {
-  scatter_dispatch(dest, idx, index_bytes, val, world, k, row_bytes, offset, div, mul);
-}
-
-void hvdtk_scatter_f64(double* dest, const void* idx, int index_bytes, const void* val,
-                       int64_t world, int64_t k, int64_t row_bytes, int64_t offset, double div,
-                       double mul) {
-  scatter_dispatch(dest, idx, index_bytes, val, world, k, row_bytes, offset, div, mul);
+  return dispatch_index(x, n, k, offset, idx, index_bytes, val, exact, zero_sent, seed, flags);
 }
 
 }  // extern "C"

@@ -57,6 +57,7 @@ def check_contract(label, steps=4, density=0.05, momentum_correction=0.0, error_
     model, opt = build(density=density, momentum=0.0 if momentum_correction else 0.9, op=op,
                        momentum_correction=momentum_correction, error_feedback=error_feedback,
                        warmup_steps=warmup_steps, min_numel=500, **options)
+    bucket_scope = options.get("selection_scope") == "bucket"
     shadow = copy.deepcopy(model)
     ref = ErrorFeedbackReference(size, momentum=momentum_correction, error_feedback=error_feedback)
     for step in range(steps):
@@ -71,12 +72,18 @@ def check_contract(label, steps=4, density=0.05, momentum_correction=0.0, error_
         F.cross_entropy(model(x, use_head2), y).backward()
         opt.synchronize()
         d = dgc_density(step, density, warmup_steps)
+        grads = {name: gather(raw[name]) for name, _ in model.named_parameters()}
+        big = [name for name, p in model.named_parameters() if p.numel() >= 500]
+        if bucket_scope:  # one top-k over the one bucket holding every big tensor, laid out in
+            # reverse registration order; fc2 and head2 get equal gradients, and equal
+            # magnitudes at the k-th go to the earlier position, in the kernel as in numpy
+            shared = ref.sparse_bucket(big[::-1], grads, d, average=op == hvd.Average)
         for name, p in model.named_parameters():
-            grads = gather(raw[name])
-            if p.numel() >= 500:
-                want = ref.sparse(name, grads, d, average=op == hvd.Average)
+            if name in big:
+                want = shared[name] if bucket_scope else ref.sparse(name, grads[name], d,
+                                                                    average=op == hvd.Average)
             else:
-                want = np.sum(grads, axis=0) / (size if op == hvd.Average else 1)
+                want = np.sum(grads[name], axis=0) / (size if op == hvd.Average else 1)
             np.testing.assert_allclose(p.grad.numpy(), want, rtol=1e-6, atol=1e-7,
                                        err_msg=f"{label}: step {step} {name}")
         step_and_check_same(opt, model, f"{label}: step {step}")
@@ -88,7 +95,10 @@ def check_contract(label, steps=4, density=0.05, momentum_correction=0.0, error_
     stats = opt.compression_stats()
     sizes = [p.numel() for p in model.parameters() if p.numel() >= 500]
     assert stats["steps"] == steps, stats
-    want_selected = sum(k_of(n, dgc_density(s, density, warmup_steps)) for s in range(steps) for n in sizes)
+    if bucket_scope:
+        want_selected = sum(k_of(sum(sizes), dgc_density(s, density, warmup_steps)) for s in range(steps))
+    else:
+        want_selected = sum(k_of(n, dgc_density(s, density, warmup_steps)) for s in range(steps) for n in sizes)
     want_selected += steps * sum(p.numel() for p in model.parameters() if p.numel() < 500)
     assert stats["elements_selected"] == want_selected, (stats, want_selected)
     if options.get("dense_fallback", True):
@@ -261,6 +271,10 @@ CHECKS = [
     contract("groups=2", groups=2),
     contract("no gradient on rank 1", drop_head2_on_rank=1),
     contract("fp32 dense fallback off", dense_fallback=False, density=0.6),
+    contract("bucket scope", selection_scope="bucket"),
+    contract("bucket scope, momentum correction", selection_scope="bucket", momentum_correction=0.9),
+    contract("bucket scope, no gradient on rank 1", selection_scope="bucket", drop_head2_on_rank=1),
+    contract("bucket scope, warm-up, sum", selection_scope="bucket", warmup_steps=3, steps=5, op=hvd.Sum),
     ("cost model goes dense", check_cost_model_goes_dense),
     ("passes equal concatenated batch", check_passes_equal_concatenated_batch),
     ("checkpoint resume", check_checkpoint_resume),
