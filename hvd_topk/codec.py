@@ -103,10 +103,14 @@ class Codec:
 
     @staticmethod
     def decode(gathered, layout, world, dests, bounds, div=1.0, mul=1.0):
-        """Add every rank's pairs, in rank order, into ``dests`` (zeroed flat tensors holding
-        positions ``[bounds[i], bounds[i+1])`` of the buffer), then make every touched entry
-        ``sum / div * mul``. Same bits on every rank. ``mul`` may be a 0-d tensor (a CUDA
-        probe, never read on the host)."""
+        """Overwrite ``dests`` (flat tensors holding positions ``[bounds[i], bounds[i+1])`` of
+        the buffer) with the sum of every rank's pairs, added in rank order, times ``mul / div``
+        where touched and zero elsewhere. Same bits on every rank. ``mul`` may be a 0-d tensor
+        (a CUDA probe, never read on the host).
+
+        Native: one sequential write over the destinations (a merge of the ranks' ascending
+        pairs fills gaps with zeros), no separate zeroing pass. Torch ops: zero, then
+        ``index_add_`` rank after rank."""
         values, indices = layout.unpack(gathered, world)
         if (values.dtype == dests[0].dtype and not torch.is_tensor(mul) and _rows_alike(values, indices)
                 and all(native_ok(d) and d.dtype == values.dtype for d in dests)):
@@ -116,11 +120,13 @@ class Codec:
                          values.data_ptr(), values.shape[0], values.shape[1],
                          values.stride(0) * values.element_size(), float(div), float(mul))
             if outside:
-                raise RuntimeError(f"{outside} received pairs point outside the buffer: ranks disagree "
-                                   "on the tensors being exchanged")
+                raise RuntimeError(f"{outside} received pairs point outside the buffer or out of order: "
+                                   "ranks disagree on the tensors being exchanged")
             return
-        flat = dests[0] if len(dests) == 1 else torch.zeros(int(bounds[-1]), dtype=dests[0].dtype,
-                                                            device=dests[0].device)
+        if len(dests) == 1:
+            flat = dests[0].zero_()
+        else:
+            flat = torch.zeros(int(bounds[-1]), dtype=dests[0].dtype, device=dests[0].device)
         scatter_add_ranks(flat, values, indices, div=div, mul=mul)
         if len(dests) > 1:
             edges = bounds.tolist()

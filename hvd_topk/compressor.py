@@ -160,7 +160,7 @@ class TopK(Compressor):
         gathered = AllgatherPairs.finish(handle)
         if slot is not None:
             self._names.give_back(slot)
-        out = torch.zeros(shape.numel(), dtype=dtype, device=gathered.device)
+        out = torch.empty(shape.numel(), dtype=dtype, device=gathered.device)  # decode overwrites it
         # The probe's first entry is the scale Horovod applied to a sum: 1 means Average.
         # Reading it costs nothing on CPU; on CUDA it stays a tensor (no host sync).
         scale = float(tensor[0]) if tensor.device.type == "cpu" else tensor[0].to(dtype)

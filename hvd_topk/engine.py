@@ -209,17 +209,15 @@ class TopKEngine:
         t0 = time.perf_counter()
         result = strategy.finish(handle)
         if strategy.sparse:
-            dests, copies = [], []
+            dests, copies = [], []  # decode overwrites every element of its destinations
             for m in bucket.members:
                 grad = m.param.grad
                 if grad is None:
-                    grad = m.param.grad = torch.zeros_like(m.param, memory_format=torch.contiguous_format)
-                else:
-                    grad.zero_()
+                    grad = m.param.grad = torch.empty_like(m.param, memory_format=torch.contiguous_format)
                 if grad.is_contiguous():
                     dests.append(grad.view(-1))
                 else:  # e.g. channels_last: decode contiguously, then copy into its layout
-                    dests.append(torch.zeros(m.numel, dtype=grad.dtype, device=grad.device))
+                    dests.append(torch.empty(m.numel, dtype=grad.dtype, device=grad.device))
                     copies.append((grad, dests[-1]))
             div = float(self.world) if self.op == hvd.Average else 1.0
             self.codec.decode(result, plan.layout, self.world, dests, bucket.bounds, div=div)

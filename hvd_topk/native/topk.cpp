@@ -6,8 +6,8 @@
 // 2. Threshold: the sample's r-th largest magnitude, r chosen so that the expected number of
 //    entries at or above it is k plus a few standard deviations (so it is rarely too few).
 // 3. One pass: collect the positions with |x| >= threshold, in ascending order (read only).
-// 4. Keep exactly k: the k-th largest candidate magnitude (radix select on many candidates,
-//    nth_element on few),
+// 4. Keep exactly k: the k-th largest candidate magnitude (a coarse histogram, then
+//    nth_element inside one bin),
 //    then a scan of the candidates in position order. Output indices are ascending.
 // 5. Too few candidates (rare): mode EXACT lowers the threshold and passes again, so the result
 //    is the true top-k; mode SAMPLED does so only below 95% of k, and otherwise fills up with
@@ -29,6 +29,8 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <queue>
+#include <utility>
 #include <type_traits>
 #include <vector>
 #if defined(__x86_64__)
@@ -38,9 +40,11 @@
 namespace {
 
 constexpr int64_t kRun = 32;          // sampled entries per random position (2 cache lines)
-constexpr int64_t kSample = 65536;    // entries sampled (at most a quarter of x)
+constexpr int64_t kSample = 65536;    // most entries sampled (and at most a quarter of x)
 constexpr int64_t kSmall = 16384;     // at or below: every entry is a candidate
 constexpr int64_t kSingles = 1 << 18; // at or below: sample single entries, not runs
+constexpr int64_t kSampleShare = 128;  // sample about 1/128 of x (a model's many tensors each
+constexpr int64_t kMinSample = 4096;   // pay in proportion), at least this many, at most kSample
 
 struct Rng {  // splitmix64: tiny, good enough for picking sample positions
   uint64_t s;
@@ -91,38 +95,41 @@ inline uint32_t key_bits(T v) {  // order-preserving integer key of |v|; NaN abo
   return b;
 }
 
-// The k-th largest of keys (k >= 1) by a two-level radix select: a histogram of the top 16
-// bits finds the bucket holding it, a histogram of the low 16 bits inside that bucket finds
-// it exactly. Two sequential passes over the keys instead of nth_element's random swaps.
-// Few keys (a small tensor's candidates): nth_element on a copy beats clearing two 256 KiB
-// histograms, which would dominate a model's many small tensors.
-constexpr size_t kRadixMin = 1 << 15;
+// The k-th largest of keys (k >= 1): a histogram of the top 12 bits of the keys (sign,
+// exponent and 3 mantissa bits: bins an eighth of an octave wide, 16 KiB to clear, scanned
+// from the largest key's bin down) finds the bin holding it; nth_element on that bin's keys
+// finds it exactly. Few keys: nth_element directly. Both stay cheap when called once per
+// tensor of a model with hundreds of tensors.
+constexpr int kTopBits = 12;
+constexpr size_t kHistogramMin = 4096;
 
 inline uint32_t kth_largest(const std::vector<uint32_t>& keys, int64_t k) {
-  if (keys.size() < kRadixMin) {
-    static thread_local std::vector<uint32_t> copy;
-    copy.assign(keys.begin(), keys.end());
-    std::nth_element(copy.begin(), copy.begin() + (k - 1), copy.end(), std::greater<uint32_t>());
-    return copy[k - 1];
+  static thread_local std::vector<uint32_t> part;
+  if (keys.size() < kHistogramMin) {
+    part.assign(keys.begin(), keys.end());
+    std::nth_element(part.begin(), part.begin() + (k - 1), part.end(), std::greater<uint32_t>());
+    return part[k - 1];
   }
   static thread_local std::vector<uint32_t> hist;
-  hist.assign(1 << 16, 0);
-  for (uint32_t b : keys) ++hist[b >> 16];
+  constexpr int shift = 32 - kTopBits;
+  hist.assign(size_t(1) << kTopBits, 0);
+  uint32_t high = 0;
+  for (uint32_t b : keys) {
+    ++hist[b >> shift];
+    high = std::max(high, b);
+  }
   int64_t above = 0;
-  uint32_t top = 0;
-  for (int64_t h = (1 << 16) - 1; h >= 0; --h) {
-    if (above + hist[h] >= k) { top = (uint32_t)h; break; }
+  uint32_t bin = 0;
+  for (int64_t h = high >> shift; h >= 0; --h) {
+    if (above + hist[h] >= k) { bin = (uint32_t)h; break; }
     above += hist[h];
   }
-  hist.assign(1 << 16, 0);
+  part.clear();
   for (uint32_t b : keys)
-    if ((b >> 16) == top) ++hist[b & 0xffff];
-  int64_t need = k - above;
-  for (int64_t h = (1 << 16) - 1; h >= 0; --h) {
-    if (hist[h] >= need) return (top << 16) | (uint32_t)h;
-    need -= hist[h];
-  }
-  return top << 16;  // not reached
+    if ((b >> shift) == bin) part.push_back(b);
+  int64_t need = k - above;  // 1 <= need <= part.size()
+  std::nth_element(part.begin(), part.begin() + (need - 1), part.end(), std::greater<uint32_t>());
+  return part[need - 1];
 }
 
 // Threshold such that about `want` of the n entries are expected at or above it.
@@ -136,7 +143,8 @@ float sample_threshold(const T* x, int64_t n, double want, uint64_t seed) {
   // values, step after step). Tensors up to kSingles entries sit in cache: sample single entries
   // (independent); larger ones in runs of kRun to keep the number of cache misses small.
   int64_t step = n <= kSingles ? 1 : kRun;
-  int64_t runs = (n <= kSingles ? std::min(kSample / 4, n / 4) : std::min(kSample, n / 4)) / step;
+  int64_t runs = std::min(n <= kSingles ? kSample / 4 : kSample,
+                          std::min(n / 4, std::max(kMinSample, n / kSampleShare))) / step;
   for (int64_t j = 0; j < runs; ++j) {
     int64_t start = (int64_t)(rng.next() % (uint64_t)(n - step + 1));
     for (int64_t i = start; i < start + step; ++i)
@@ -375,50 +383,100 @@ int64_t segments_dispatch(T* x, int64_t nseg, const int64_t* bounds, const int64
   return segments_impl(x, nseg, bounds, ks, (int64_t*)idx, val, exact, zero_sent, seed, flags, nonfinite);
 }
 
-// Rank-ordered scatter-add of a bucket's allgathered pairs into its tensors' own buffers:
-// dest[s] holds positions [bounds[s], bounds[s+1]) of the bucket. For r = 0, 1, ... in order,
-// each pair (i, v) of rank r does dest[s(i)][i - bounds[s(i)]] += v; then every touched entry
-// becomes value / div * mul (read first, written after, so an entry several ranks sent is
-// scaled once). Pairs are usually ascending (a cursor follows them); others are found by
-// binary search. Returns the number of pairs whose index was outside the bucket (skipped):
-// non-zero means the ranks disagree on the message layout.
+// Decode a bucket's allgathered pairs into its tensors' own buffers in one sequential write:
+// dest[s] holds positions [bounds[s], bounds[s+1]) of the bucket and is overwritten entirely.
+// Every rank's pairs are ascending (as the selection writes them), so a merge over the ranks
+// visits positions in order: the gaps are zero-filled, and each touched position gets the sum
+// of what the ranks sent, added in rank order (the same bits as adding rank after rank into
+// zeros), times mul / div. One pass of writes, no read-for-ownership of random cache lines,
+// no separate zeroing. Returns the number of pairs that were out of range or out of order
+// (non-zero means the ranks disagree on the message layout); the result is then unusable.
+template <typename T>
+struct SegmentWriter {
+  T* const* dest;
+  const int64_t* bounds;
+  int64_t nseg, cur = 0, next = 0;  // next: first position not written yet
+  T* at(int64_t i) {
+    while (i >= bounds[cur + 1]) ++cur;
+    return dest[cur] + (i - bounds[cur]);
+  }
+  void zero_until(int64_t end) {  // zero positions [next, end)
+    while (next < end) {
+      while (next >= bounds[cur + 1]) ++cur;
+      int64_t stop = std::min(end, bounds[cur + 1]);
+      std::memset(dest[cur] + (next - bounds[cur]), 0, (stop - next) * sizeof(T));
+      next = stop;
+    }
+  }
+};
+
+// The next position of the merge and the ranks' sum there (in rank order), over `world`
+// ascending rows; `pos` holds each row's cursor. A linear scan of the cursors for a few ranks,
+// a min-heap of (position, rank) beyond: equal positions come out in rank order either way.
+template <typename T, typename I>
+struct RankMerge {
+  const char *idx, *val;
+  int64_t world, k, row_bytes;
+  std::vector<int64_t> pos;
+  using Head = std::pair<int64_t, int64_t>;
+  std::priority_queue<Head, std::vector<Head>, std::greater<Head>> heads;
+  static constexpr int64_t kLinear = 8;
+
+  RankMerge(const char* i, const char* v, int64_t w, int64_t k_, int64_t rb)
+      : idx(i), val(v), world(w), k(k_), row_bytes(rb), pos(w, 0) {
+    if (world > kLinear)
+      for (int64_t r = 0; r < world && k > 0; ++r) heads.push({index(r), r});
+  }
+  int64_t index(int64_t r) const { return (int64_t)((const I*)(idx + r * row_bytes))[pos[r]]; }
+  T value(int64_t r) const { return ((const T*)(val + r * row_bytes))[pos[r]]; }
+
+  bool next(int64_t& i, T& sum) {  // false when every row is used up
+    bool first = true;
+    if (world <= kLinear) {
+      i = INT64_MAX;
+      for (int64_t r = 0; r < world; ++r)
+        if (pos[r] < k) i = std::min(i, index(r));
+      if (i == INT64_MAX) return false;
+      for (int64_t r = 0; r < world; ++r)
+        while (pos[r] < k && index(r) == i) {  // equal positions in one row add up too
+          sum = first ? value(r) : static_cast<T>(sum + value(r));
+          first = false;
+          ++pos[r];
+        }
+      return true;
+    }
+    if (heads.empty()) return false;
+    i = heads.top().first;
+    while (!heads.empty() && heads.top().first == i) {
+      int64_t r = heads.top().second;
+      heads.pop();
+      sum = first ? value(r) : static_cast<T>(sum + value(r));
+      first = false;
+      if (++pos[r] < k) heads.push({index(r), r});
+    }
+    return true;
+  }
+};
+
 template <typename T, typename I>
 int64_t scatter_segments_impl(T* const* dest, const int64_t* bounds, int64_t nseg, const char* idx,
                               const char* val, int64_t world, int64_t k, int64_t row_bytes,
                               double div, double mul) {
   const int64_t total = bounds[nseg];
-  int64_t bad = 0;
-  auto place = [&](int64_t i, int64_t& cur) -> T* {
-    if (i < 0 || i >= total) return nullptr;
-    if (i < bounds[cur] || i >= bounds[cur + 1])
-      cur = (int64_t)(std::upper_bound(bounds, bounds + nseg + 1, i) - bounds) - 1;
-    return dest[cur] + (i - bounds[cur]);
-  };
-  for (int64_t r = 0; r < world; ++r) {
-    const I* ir = (const I*)(idx + r * row_bytes);
-    const T* vr = (const T*)(val + r * row_bytes);
-    int64_t cur = 0;
-    for (int64_t j = 0; j < k; ++j) {
-      T* d = place((int64_t)ir[j], cur);
-      if (d) *d += vr[j]; else ++bad;
-    }
+  SegmentWriter<T> out{dest, bounds, nseg};
+  RankMerge<T, I> merge(idx, val, world, k, row_bytes);
+  const T d = (T)div, m = (T)mul;
+  int64_t bad = 0, last = -1, i;
+  T sum;
+  while (merge.next(i, sum)) {
+    if (i < 0 || i >= total || i <= last) { ++bad; continue; }  // out of range or out of order
+    out.zero_until(i);
+    *out.at(i) = div == 1.0 && mul == 1.0 ? sum : mul == 1.0 ? static_cast<T>(sum / d)
+                                                            : static_cast<T>(sum / d * m);
+    out.next = i + 1;
+    last = i;
   }
-  if (div == 1.0 && mul == 1.0) return bad;
-  static thread_local std::vector<T> scaled;
-  scaled.resize(world * k);
-  const T dv = (T)div, m = (T)mul;
-  for (int pass = 0; pass < 2; ++pass) {
-    for (int64_t r = 0, q = 0; r < world; ++r) {
-      const I* ir = (const I*)(idx + r * row_bytes);
-      int64_t cur = 0;
-      for (int64_t j = 0; j < k; ++j, ++q) {
-        T* d = place((int64_t)ir[j], cur);
-        if (!d) continue;
-        if (pass == 0) scaled[q] = mul == 1.0 ? *d / dv : *d / dv * m;
-        else *d = scaled[q];
-      }
-    }
-  }
+  out.zero_until(total);
   return bad;
 }
 
