@@ -46,9 +46,14 @@ CONFIGS = {
     "ef-0.1%": ("hvd_topk 0.1%, error feedback", ["--optimizer", "topk-ef", "--density", "0.001"]),
     "noef-0.1%": ("hvd_topk 0.1%, no error feedback",
                   ["--optimizer", "topk-ef", "--density", "0.001", "--no-error-feedback"]),
+    "ef-1%-bucket": ("hvd_topk 1%, error feedback, bucket scope",
+                     ["--optimizer", "topk-ef", "--density", "0.01", "--selection-scope", "bucket"]),
+    "ef-0.1%-bucket": ("hvd_topk 0.1%, error feedback, bucket scope",
+                       ["--optimizer", "topk-ef", "--density", "0.001", "--selection-scope", "bucket"]),
 }
 STYLE = {"dense": ("black", "-"), "ef-1%": ("tab:blue", "-"), "noef-1%": ("tab:blue", "--"),
-         "ef-0.1%": ("tab:red", "-"), "noef-0.1%": ("tab:red", "--")}
+         "ef-0.1%": ("tab:red", "-"), "noef-0.1%": ("tab:red", "--"),
+         "ef-1%-bucket": ("tab:green", "-."), "ef-0.1%-bucket": ("tab:orange", "-.")}
 
 
 def parse_args(argv=None):

@@ -31,6 +31,8 @@ def parse_args(argv=None):
     p.add_argument("--optimizer", choices=("horovod", "topk-ef"), default="horovod",
                    help="hvd.DistributedOptimizer (+ --compression) or hvd_topk.DistributedOptimizer")
     p.add_argument("--no-error-feedback", action="store_true", help="topk-ef without error feedback")
+    p.add_argument("--selection-scope", choices=("tensor", "bucket"), default="tensor",
+                   help="topk-ef: k per tensor (default) or one top-k per fusion bucket")
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--lr", type=float, default=0.05, help="per rank; scaled by the number of ranks")
@@ -45,6 +47,8 @@ def parse_args(argv=None):
         p.error("--optimizer topk-ef always compresses with TopK; use --compression topk")
     if args.no_error_feedback and args.optimizer != "topk-ef":
         p.error("--no-error-feedback only applies to --optimizer topk-ef (the drop-in TopK has none)")
+    if args.selection_scope != "tensor" and args.optimizer != "topk-ef":
+        p.error("--selection-scope only applies to --optimizer topk-ef (the drop-in TopK sees one tensor at a time)")
     if args.compression == "topk":
         try:
             hvd_topk.selection.check_density(args.density, "--density")
@@ -92,7 +96,8 @@ def make_optimizer(args, model, compression):
     if args.optimizer == "topk-ef":
         return hvd_topk.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                              compression=compression,
-                                             error_feedback=not args.no_error_feedback)
+                                             error_feedback=not args.no_error_feedback,
+                                             selection_scope=args.selection_scope)
     return hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                     compression=compression)
 
