@@ -1,0 +1,303 @@
+"""What the distributed optimizer adds to a backward pass, against one streaming pass: the
+acceptance measurement of issue 10.
+
+Two ranks on ONE host (``mpirun -np 2`` from hvd_topk.testing.launch; this script launches itself
+as the workers), Horovod's defaults, one torch thread per rank. For each model (ResNet-50's 161
+gradient shapes, 25,557,032 fp32 values; BERT-base's 199, 109,482,240), every rank builds, in ONE
+process, one parameter set per mode and then steps the modes round-robin, one step of each per
+iteration, starting at a different mode each iteration, so allocator state and machine noise hit
+all modes alike. A step is what training does (see benchmarks/exchange.py, grad mode
+``realistic``): ``zero_grad(set_to_none=True)`` and a forward ``loss = sum_p (p * c_p).sum()``
+(fixed random c_p, ``--pool`` sets cycled) outside the timer, then, timed, ``loss.backward()`` --
+autograd allocates a fresh ``p.grad`` for every parameter and hooks fire in backward order -- and,
+for the distributed modes, ``opt.synchronize()``. Modes:
+
+    baseline       the plain backward, no distributed optimizer
+    topk-tensor    hvd_topk.DistributedOptimizer(TopK(density)), selection_scope="tensor"
+                   (an hvd_topk without that option: its default, i.e. per-tensor selection)
+    topk-bucket    the same with selection_scope="bucket" (skipped where the option is rejected)
+    horovod-dense  hvd.DistributedOptimizer, no compression (reference)
+    stream         one streaming pass ``r += g; g.zero_()`` over a flat pair of fp32 tensors with
+                   as many elements as the model, timed with torch ops (one thread)
+
+Ranks are aligned by a scalar allreduce before every timed step; a step's time is the slower
+rank's; the table gives the median over ``--steps`` after ``--warmup`` iterations, the added time
+(mode - baseline) and that as a multiple of the streaming pass.
+
+    .venv/bin/python benchmarks/overhead.py                                  # both models
+    .venv/bin/python benchmarks/overhead.py --models resnet50 --steps 5 --output-name overhead-smoke
+    PYTHONPATH=/work/before .venv/bin/python benchmarks/overhead.py --output-name overhead-before
+                                                       # measure another checkout's hvd_topk
+
+Writes benchmarks/results/<output-name>.{json,md} (command, machine, date, hvd_topk's file).
+"""
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RESULTS = HERE / "results"
+sys.path.insert(0, str(HERE))
+
+import exchange  # noqa: E402  (the realistic step: loss constants, forward, zero_grad)
+from _testing import load  # noqa: E402
+
+MODES = ("baseline", "topk-tensor", "topk-bucket", "horovod-dense", "stream")
+
+
+def label(mode, density, n):
+    return {
+        "baseline": "baseline: plain backward, no distributed optimizer",
+        "topk-tensor": f"hvd_topk.DistributedOptimizer {density * 100:g}%, selection_scope=\"tensor\"",
+        "topk-bucket": f"hvd_topk.DistributedOptimizer {density * 100:g}%, selection_scope=\"bucket\"",
+        "horovod-dense": "Horovod hvd.DistributedOptimizer, dense (reference)",
+        "stream": f"streaming pass r += g; g.zero_() over {n:,} fp32 (unit)",
+    }[mode]
+
+
+# ------------------------------------------------------------------------------------------------
+# worker: every rank, under mpirun
+# ------------------------------------------------------------------------------------------------
+def build_mode(mode, shapes, density, hvd, hvd_topk, torch):
+    """(params, optimizer or None, note) for one mode; None when the mode is not available."""
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    inner = torch.optim.SGD(params, lr=0.0)
+    if mode == "baseline":
+        return params, None, None
+    if mode == "horovod-dense":
+        named = [(f"dense.p{i}", p) for i, p in enumerate(params)]
+        return params, hvd.DistributedOptimizer(inner, named_parameters=named,
+                                                compression=hvd.Compression.none), None
+    scope = mode.split("-")[1]
+    named = [(f"{scope}.p{i}", p) for i, p in enumerate(params)]
+    comp = hvd_topk.TopK(density=density)
+    try:
+        opt = hvd_topk.DistributedOptimizer(inner, named_parameters=named, compression=comp,
+                                            selection_scope=scope)
+        return params, opt, None
+    except TypeError as e:  # an hvd_topk without the option (every rank fails alike)
+        if scope == "bucket":
+            return None, None, f"skipped: selection_scope rejected ({e})"
+        opt = hvd_topk.DistributedOptimizer(inner, named_parameters=named, compression=comp)
+        return params, opt, f"selection_scope rejected ({str(e)[:80]}...): the library's default (per tensor)"
+
+
+def stats_snapshot(opt):
+    return dict(opt.compression_stats()) if hasattr(opt, "compression_stats") else None
+
+
+def run_model(model, args, hvd, hvd_topk, torch, say):
+    shapes = load("shapes").model_shapes(model)
+    n = load("shapes").numel(shapes)
+    rank = hvd.rank()
+    consts = exchange.loss_constants(shapes, args.pool, 1234 + rank, torch)
+    modes, notes = {}, {}
+    for mode in args.modes:
+        if mode == "stream":
+            modes[mode] = (torch.randn(n), torch.randn(n))
+            continue
+        params, opt, note = build_mode(mode, shapes, args.density, hvd, hvd_topk, torch)
+        if note:
+            notes[mode] = note
+            say(f"  [{model}] {mode}: {note}")
+        if params is not None:
+            modes[mode] = (params, opt)
+    names = list(modes)
+    times = {m: [] for m in names}
+    checks, stats0 = {}, {}
+
+    def barrier():
+        hvd.allreduce(torch.zeros(1), name="overhead.barrier", op=hvd.Sum)
+
+    total = args.warmup + args.steps
+    started = time.time()
+    for it in range(total):
+        order = names[it % len(names):] + names[:it % len(names)]
+        if it == args.warmup:
+            stats0 = {m: stats_snapshot(modes[m][1]) for m in names
+                      if m.startswith("topk") and modes[m][1] is not None}
+        for mode in order:
+            if mode == "stream":
+                r, g = modes[mode]
+                barrier()
+                t0 = time.perf_counter()
+                r.add_(g)
+                g.zero_()
+                dt = time.perf_counter() - t0
+            else:
+                params, opt = modes[mode]
+                exchange.zero_grad(opt, params)
+                loss = exchange.forward(params, consts[it % len(consts)])
+                barrier()
+                t0 = time.perf_counter()
+                loss.backward()
+                if opt is not None:
+                    opt.synchronize()
+                dt = time.perf_counter() - t0
+                del loss
+                if it == 0 and opt is not None:
+                    s = torch.tensor([float(sum(p.grad.double().sum() for p in params))], dtype=torch.float64)
+                    every = hvd.allgather(s, name=f"overhead.check.{mode}").tolist()
+                    checks[mode] = len(set(every)) == 1
+            if it >= args.warmup:
+                times[mode].append(dt)
+        say(f"  [{model}] iteration {it + 1}/{total}: "
+            + ("warm-up" if it < args.warmup else
+               ", ".join(f"{m} {1e3 * times[m][-1]:.0f} ms" for m in names)) + " (rank 0)")
+    rows = []
+    for mode in names:
+        every = hvd.allgather(torch.tensor([times[mode]], dtype=torch.float64), name=f"overhead.times.{mode}")
+        slowest = every.max(dim=0).values.tolist()
+        row = {"mode": mode, "label": label(mode, args.density, n), "median_ms": 1e3 * statistics.median(slowest),
+               "min_ms": 1e3 * min(slowest), "max_ms": 1e3 * max(slowest),
+               "step_ms_slower_rank": [1e3 * t for t in slowest],
+               "ranks_agree": checks.get(mode), "note": notes.get(mode)}
+        opt = modes[mode][1] if mode != "stream" else None
+        if mode in stats0 and stats0[mode] is not None:
+            row["compression_stats_timed_steps"] = exchange.stats_difference(stats_snapshot(opt), stats0[mode])
+        rows.append(row)
+    for mode in args.modes:
+        if mode not in modes:
+            rows.append({"mode": mode, "label": label(mode, args.density, n), "median_ms": None,
+                         "note": notes.get(mode)})
+    rows.sort(key=lambda r: MODES.index(r["mode"]))
+    ref = {r["mode"]: r["median_ms"] for r in rows}
+    for r in rows:
+        if r["median_ms"] is not None and r["mode"] not in ("baseline", "stream") and "baseline" in ref:
+            r["added_ms"] = r["median_ms"] - ref["baseline"]
+            if ref.get("stream"):
+                r["added_x_stream"] = r["added_ms"] / ref["stream"]
+    del modes, consts
+    gc.collect()
+    return {"model": model, "tensors": len(shapes), "numel": n, "rows": rows,
+            "wall_s": time.time() - started}
+
+
+def worker(args):
+    import torch
+    import horovod.torch as hvd
+    import hvd_topk
+
+    torch.set_num_threads(1)
+    hvd.init()
+    say = (lambda *a: print(*a, flush=True)) if hvd.rank() == 0 else (lambda *a: None)
+    say(f"hvd_topk from {hvd_topk.__file__}; {hvd.size()} ranks; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} thread(s)/rank; modes {args.modes}")
+    models = [run_model(m, args, hvd, hvd_topk, torch, say) for m in args.models]
+    if hvd.rank() == 0:
+        Path(args.out).write_text(json.dumps({
+            "models": models, "size": hvd.size(),
+            "hvd_topk": {"file": hvd_topk.__file__, "version": getattr(hvd_topk, "__version__", None),
+                         "default_topk": repr(hvd_topk.TopK())},
+            "horovod_env": {k: v for k, v in os.environ.items() if k.startswith("HOROVOD_")}}, indent=1))
+
+
+# ------------------------------------------------------------------------------------------------
+# driver
+# ------------------------------------------------------------------------------------------------
+def markdown(report):
+    s = report["settings"]
+    lines = ["# Overhead of the distributed optimizer on backward, vs one streaming pass", "",
+             f"- command: `{report['command']}`",
+             f"- date: {report['date_utc']}; machine: {load('machine').summary(report['machine'])}",
+             f"- hvd_topk: `{report['hvd_topk']['default_topk']}` from `{report['hvd_topk']['file']}` "
+             f"(git {report['hvd_topk'].get('git') or '?'})",
+             f"- {report['size']} ranks on one host (`{report['mpirun']}`), Horovod defaults"
+             f"{' + ' + str(report['horovod_env']) if report['horovod_env'] else ''}, one torch thread per "
+             f"rank; modes stepped round-robin in one process per rank; {s['warmup']} warm-up + "
+             f"{s['steps']} timed iterations; median of the slower rank's step",
+             "- step: zero_grad(set_to_none=True) + forward `sum_p (p * c_p).sum()` untimed; timed: "
+             "backward (fresh p.grad, hooks fire) + synchronize(); added = mode - baseline; "
+             "x stream = added / the streaming pass's median", ""]
+    for m in report["models"]:
+        lines += [f"## {m['model']}: {m['tensors']} tensors, {m['numel']:,} fp32 values "
+                  f"({m['wall_s']:.0f} s)", "",
+                  "| mode | median ms | min-max ms | added ms | added / streaming pass | ranks agree |",
+                  "|---|---:|---:|---:|---:|---|"]
+        for r in m["rows"]:
+            if r["median_ms"] is None:
+                lines.append(f"| {r['label']} | - | - | - | - | skipped (note below) |")
+                continue
+            added = f"{r['added_ms']:+.1f}" if "added_ms" in r else "-"
+            ratio = f"{r['added_x_stream']:.1f}x" if "added_x_stream" in r else "-"
+            agree = r.get("ranks_agree")
+            lines.append(f"| {r['label']} | {r['median_ms']:.1f} | {r['min_ms']:.0f}-{r['max_ms']:.0f} | "
+                         f"{added} | {ratio} | {'-' if agree is None else ('yes' if agree else 'NO')} |")
+        notes = [f"{r['mode']}: {r['note']}" for r in m["rows"] if r.get("note")]
+        lines += [""] + [f"Note: {x}  " for x in notes] + ([""] if notes else [])
+    return "\n".join(lines)
+
+
+def driver(args, argv):
+    launch, machine = load("launch"), load("machine")
+    stream = load("emulated_hosts").stream
+    info = machine.machine_info(REPO)
+    env_names = ("OMP_NUM_THREADS", "PYTHONPATH") if os.environ.get("PYTHONPATH") else ("OMP_NUM_THREADS",)
+    with tempfile.TemporaryDirectory(prefix="hvd-topk-overhead-") as tmp:
+        out = Path(tmp) / "result.json"
+        worker_argv = [Path(__file__).resolve(), "--worker", "--out", out, "--models", *args.models,
+                       "--modes", *args.modes, "--density", args.density, "--steps", args.steps,
+                       "--warmup", args.warmup, "--pool", args.pool]
+        cmd = launch.mpirun_command(args.np, worker_argv, env_names=env_names)
+        print(f"overhead benchmark: {shlex.join(map(str, cmd))}", flush=True)
+        started = time.time()
+        rc, _ = stream(cmd, timeout=args.timeout, keep=False)
+        if rc != 0 or not out.exists():
+            raise SystemExit(f"mpirun failed (exit {rc})")
+        res = json.loads(out.read_text())
+    res["hvd_topk"]["git"] = machine.git_commit(Path(res["hvd_topk"]["file"]).parent)
+    pythonpath = os.environ.get("PYTHONPATH")
+    report = {"benchmark": "overhead",
+              "command": shlex.join([*([f"PYTHONPATH={pythonpath}"] if pythonpath else []),
+                                     *[f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("HOROVOD_")],
+                                     ".venv/bin/python", "benchmarks/overhead.py", *argv]),
+              "mpirun": f"mpirun -np {args.np} --oversubscribe --bind-to none -x OMP_NUM_THREADS=1 python "
+                        "benchmarks/overhead.py --worker ...",
+              "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": info, "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
+              "wall_s": time.time() - started, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
+              **res}
+    md = markdown(report)
+    print("\n" + md)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{args.output_name}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (RESULTS / f"{args.output_name}.md").write_text(md)
+    print(f"saved {RESULTS / (args.output_name + '.json')} and .md ({report['wall_s']:.0f} s)")
+    return report
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["resnet50", "bert-base"], choices=["resnet50", "bert-base"])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--steps", type=int, default=12, help="timed iterations (each steps every mode once)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--pool", type=int, default=2, help="sets of loss constants cycled")
+    ap.add_argument("--np", type=int, default=2)
+    ap.add_argument("--timeout", type=int, default=1200, help="seconds for the whole mpirun")
+    ap.add_argument("--output-name", default="overhead")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if "baseline" not in args.modes:
+        ap.error("--modes must include baseline (added time is measured against it)")
+    if args.worker:
+        worker(args)
+    else:
+        driver(args, argv)
+
+
+if __name__ == "__main__":
+    main()
