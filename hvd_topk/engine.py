@@ -122,7 +122,7 @@ class TopKEngine:
         self.strategies = exchange.STRATEGIES if options.dense_fallback else (exchange.AllgatherPairs,)
         self._check_ranks_agree(compression)
         self.buckets = plan_buckets(params, names, options.min_numel, options.fusion_bytes, groups)
-        self.place = {p: (b, i) for b in self.buckets for i, m in enumerate(b.members) for p in [m.param]}
+        self.place = {m.param: (b, i) for b in self.buckets for i, m in enumerate(b.members)}
         self.passes = {p: 0 for p in params}
         self.step = 0
         self.stats = CompressionStats()

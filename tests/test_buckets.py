@@ -97,3 +97,21 @@ def test_cheapest_and_break_even_agree():
     for P, k, want in [(8, 99, exchange.AllgatherPairs), (8, 100, exchange.DenseAllreduce),
                        (2, 399, exchange.AllgatherPairs), (64, 13, exchange.DenseAllreduce)]:
         assert exchange.cheapest(exchange.STRATEGIES, P, n, k, 4, 4, 4) is want, (P, k)
+
+
+@pytest.mark.parametrize("kwargs,error,text", [
+    ({"selection_scope": "layer"}, ValueError, "selection_scope"),
+    ({"error_feedback": "yes"}, TypeError, "error_feedback"),
+    ({"dense_fallback": 1}, TypeError, "dense_fallback"),
+    ({"min_numel": 1.5}, TypeError, "min_numel"),
+    ({"fusion_bytes": 0}, ValueError, "fusion_bytes"),
+    ({"momentum_correction": "0.9"}, TypeError, "momentum_correction"),
+    ({"momentum_correction": 0.9, "error_feedback": False}, ValueError, "error_feedback"),
+    ({"warmup_density": 2.0}, ValueError, "warmup_density"),
+])
+def test_options_refuse_bad_values_by_name(kwargs, error, text):
+    from hvd_topk.engine import Options
+
+    with pytest.raises(error, match=text):
+        Options(**kwargs)
+    assert Options().selection_scope == "tensor"
