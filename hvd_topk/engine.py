@@ -281,27 +281,18 @@ class TopKEngine:
                 "residuals": residuals, "momenta": momenta}
 
     def load_state_dict(self, state):
-        if self.pending():
-            raise AssertionError("load_state_dict() was called while gradients were being exchanged")
+        """Restore ``state_dict()``'s output (the caller checked that no exchange is pending)."""
         self.forget_step()
         if state is None:
             return
         self.step = int(state["step"])
-        mine = (state["rank"], state["size"]) == (self.rank, self.world)
-        if mine:
-            saved = (("residuals", "buffer"), ("momenta", "momentum_buffer"))
+        if (state["rank"], state["size"]) == (self.rank, self.world):
+            residuals, momenta = state.get("residuals", {}), state.get("momenta", {})
             for b in self._residual_buckets():
-                for key, make in saved:
-                    table = state.get(key, {})
-                    if not table and getattr(b, "acc" if key == "residuals" else "momentum") is None:
-                        continue
-                    flat = getattr(b, make)()
-                    for m in b.members:
-                        view = b.view(flat, m)
-                        if m.name in table:
-                            view.copy_(table[m.name])
-                        else:
-                            view.zero_()
+                if residuals or b.acc is not None:
+                    _restore(b, b.buffer(), residuals)
+                if momenta or b.momentum is not None:
+                    _restore(b, b.momentum_buffer(), momenta)
             return
         for b in self._residual_buckets():
             for flat in (b.acc, b.momentum):
@@ -346,3 +337,13 @@ class TopKEngine:
             raise RuntimeError("the optimizer's parameters changed after hvd_topk.DistributedOptimizer "
                                "was built (parameters added, removed, replaced or resized); build "
                                "the DistributedOptimizer after the model and its param_groups are final")
+
+
+def _restore(bucket, flat, saved):
+    """Copy each member's saved tensor into its part of ``flat``; zeros where none was saved."""
+    for m in bucket.members:
+        view = bucket.view(flat, m)
+        if m.name in saved:
+            view.copy_(saved[m.name])
+        else:
+            view.zero_()
