@@ -51,6 +51,7 @@ class Bucket:
         self.acc = None        # flat buffer: residual (error feedback) or staging copy
         self.momentum = None   # flat buffer: DGC's u, only with momentum correction
         self.folded = set()    # members folded in this step (by position)
+        self.current = None    # this step's plan (the engine's StepPlan), from the first fold
         self.pending = None    # the exchange in flight, between launch and finish
         self._plans = {}       # (density, scope, value dtype) -> codec.Plan
         self._message = None   # reused send buffer
@@ -98,6 +99,11 @@ class Bucket:
             acc.zero_()
         self.folded.add(position)
 
+    def mark_folded(self, position):
+        """The caller folded this member's gradient into ``acc`` itself (the native fused fold)."""
+        self.buffer()
+        self.folded.add(position)
+
     def complete(self):
         return len(self.folded) == len(self.members)
 
@@ -122,6 +128,7 @@ class Bucket:
     def reset(self):
         """Forget this step's progress (a new step, or a state restore)."""
         self.folded.clear()
+        self.current = None
         self.pending = None
 
 

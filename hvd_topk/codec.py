@@ -6,7 +6,8 @@ flat buffer (a gradient, or a fusion bucket's accumulator) into one message.
 tensors. The native-or-torch-ops choice is made here and nowhere else:
 
 - CPU fp32/fp64: the native kernel selects every segment of the buffer in one call, writing
-  the pairs straight into the message, and scatters the gathered pairs straight into the
+  the pairs straight into the message (or one segment at a time, ``encode_segment``, folding the
+  gradient in during the same pass), and scatters the gathered pairs straight into the
   destination tensors in one call.
 - Elsewhere (CUDA, half precision, no compiler): ``selection.select_segments_torch``, one set
   of kernels per buffer, and rank-ordered ``index_add_``.
@@ -44,7 +45,9 @@ class Plan:
         self.count = sum(self.ks)
         self.density, self.scope = density, scope
         self.layout = Layout(self.count, value_dtype, index_dtype)
-        self.bounds = torch.tensor([0, *itertools.accumulate(self.sizes)], dtype=torch.int64)
+        self.starts = [0, *itertools.accumulate(self.sizes)]  # segment s: [starts[s], starts[s+1])
+        self.slots = [0, *itertools.accumulate(self.ks)]      # its pairs: message slots [slots[s], ...)
+        self.bounds = torch.tensor(self.starts, dtype=torch.int64)
         self.ks_tensor = torch.tensor(self.ks, dtype=torch.int64)
         self.nonfinite = torch.zeros(len(self.sizes), dtype=torch.uint8)
         self._values = None  # scratch for values of another dtype than the message's
@@ -100,6 +103,32 @@ class Codec:
             encoded = Encoded(bad, 0, 0)
         plan.layout.zero_padding(message)
         return encoded
+
+    def encode_segment(self, x, plan, s, message, zero_sent=False, fold=None):
+        """``encode`` for segment ``s`` of a tensor-scope plan alone (CPU fp32/fp64, native):
+        its pairs go to their own slots of ``message``. ``fold`` (the segment's gradient, or
+        None): compensate first, ``x[segment] += fold``, in the same pass over memory that
+        selects. The optimizer calls this as each gradient arrives, instead of folding it in
+        and selecting over the whole buffer once the bucket is complete (two more trips
+        through memory). Returns ``(nonfinite, extra passes, filled)``; ``finish_segments``
+        completes the message.
+        """
+        values, indices = plan.layout.views(message)
+        a, b = plan.slots[s], plan.slots[s + 1]
+        start, end = plan.starts[s], plan.starts[s + 1]
+        out = values if values.dtype == x.dtype else plan.value_scratch(x.dtype)
+        result = selection.select_native(x[start:end], b - a, indices[a:b], out[a:b], self.method,
+                                         offset=start, zero_sent=zero_sent, fold=fold)
+        return result.nonfinite, result.passes - 1, result.filled
+
+    @staticmethod
+    def finish_segments(plan, message, dtype):
+        """After ``encode_segment`` of every segment of a ``dtype`` buffer: values converted to
+        the wire dtype, padding zeroed."""
+        values, _ = plan.layout.views(message)
+        if values.dtype != dtype:
+            values.copy_(plan.value_scratch(dtype))
+        plan.layout.zero_padding(message)
 
     @staticmethod
     def decode(gathered, layout, world, dests, bounds, div=1.0, mul=1.0):

@@ -8,12 +8,15 @@ checkpointable state live here; ``hvd_topk.DistributedOptimizer`` is a thin wrap
 
 One step, per bucket (``hvd_topk.buckets``):
 
-1. each gradient, once its backward passes are done, is folded into the bucket's flat buffer
-   (error feedback: ``acc += grad``); ``p.grad`` keeps this rank's gradient;
-2. when the bucket is complete its exchange starts (overlapping the rest of backward): the
-   cheapest strategy for the bucket's size (``hvd_topk.exchange``); for the allgather the codec
-   selects the top-k of the whole buffer in one call, zeroing what it sent;
-3. ``synchronize`` finishes every exchange and writes the averaged result into ``p.grad``, the
+1. at the bucket's first gradient of the step its plan is fixed (``StepPlan``: density, the
+   cheapest strategy for its size from ``hvd_topk.exchange``, the send buffer);
+2. each gradient, once its backward passes are done, is folded into the bucket's flat buffer
+   (error feedback: ``acc += grad``); ``p.grad`` keeps this rank's gradient. With tensor scope on
+   the native kernel the gradient's top-k is selected right then, in the fold's own pass over
+   memory, into its slots of the message, zeroing what it sent; with bucket scope (or torch ops)
+   the whole buffer is selected in one call once the bucket is complete;
+3. when the bucket is complete its exchange starts (overlapping the rest of backward);
+4. ``synchronize`` finishes every exchange and writes the averaged result into ``p.grad``, the
    same bits on every rank.
 """
 
@@ -27,9 +30,9 @@ import torch
 from hvd_topk import exchange
 from hvd_topk._horovod import hvd
 from hvd_topk.buckets import plan_buckets
-from hvd_topk.codec import Codec
+from hvd_topk.codec import Codec, Encoded
 from hvd_topk.schedule import DensitySchedule
-from hvd_topk.selection import check_density
+from hvd_topk.selection import check_density, native_ok
 from hvd_topk.stats import CompressionStats
 
 STATE_KEY = "hvd_topk"
@@ -86,6 +89,19 @@ class Options:
         check_density(self.warmup_density, "warmup_density")
         if self.selection_scope not in SCOPES:
             raise ValueError(f"selection_scope must be one of {SCOPES}, got {self.selection_scope!r}")
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """One bucket's exchange in the current step, fixed at its first fold."""
+    plan: object          # codec.Plan (None for a dense-only bucket)
+    strategy: type        # exchange strategy
+    message: object       # send buffer (sparse strategies)
+    per_segment: bool     # select each tensor as it is folded in
+    nonfinite: list = dataclasses.field(default_factory=list)  # segments that held inf/nan
+    repasses: int = 0
+    filled: int = 0
+    seconds: float = 0.0  # selection time spent in hooks
 
 
 class TopKEngine:
@@ -145,32 +161,67 @@ class TopKEngine:
                 self._launch(bucket)
 
     def _fold(self, bucket, position, grad):
-        accumulate = bucket.sparse and self.options.error_feedback
-        bucket.fold(position, grad, accumulate, self.options.momentum_correction)
+        current = bucket.current or self._begin(bucket)
+        ef, momentum = bucket.sparse and self.options.error_feedback, self.options.momentum_correction
+        # Error feedback on the native kernel: the fold (acc += grad) is the selection's own pass.
+        fused = (current.per_segment and ef and not momentum and grad is not None
+                 and grad.dtype == bucket.dtype and grad.is_contiguous())
+        if fused:
+            bucket.mark_folded(position)
+        else:
+            bucket.fold(position, grad, ef, momentum)
+        if current.per_segment:
+            t0 = time.perf_counter()
+            bad, repasses, filled = self.codec.encode_segment(
+                bucket.acc, current.plan, position, current.message, zero_sent=ef,
+                fold=grad.view(-1) if fused else None)
+            if bad:
+                current.nonfinite.append(position)
+            current.repasses += repasses
+            current.filled += filled
+            current.seconds += time.perf_counter() - t0
+
+    def _begin(self, bucket):
+        """This step's plan for ``bucket``, made at its first fold: density, strategy, message.
+
+        With tensor scope on the native kernel, each segment is selected as soon as its
+        gradient is folded in (still in cache); otherwise the whole buffer is selected once
+        the bucket is complete."""
+        density = self.schedule.density(self.step)
+        if bucket.sparse:
+            plan = bucket.plan(self.codec, density, self.options.selection_scope)
+            strategy = exchange.cheapest(self.strategies, self.world, bucket.numel, plan.count,
+                                         plan.layout.value_itemsize, plan.layout.index_itemsize,
+                                         bucket.element_size)
+        else:
+            plan, strategy = None, exchange.DenseAllreduce
+        per_segment = strategy.sparse and plan.scope == "tensor" and native_ok(bucket.buffer())
+        message = bucket.message(plan.layout.nbytes) if strategy.sparse else None
+        bucket.current = StepPlan(plan, strategy, message, per_segment)
+        return bucket.current
 
     def _launch(self, bucket):
         for position, m in enumerate(bucket.members):
             if position not in bucket.folded:  # no gradient this step: contributes zeros
                 self._fold(bucket, position, m.param.grad)
-        density = self.schedule.density(self.step)
+        current = bucket.current or self._begin(bucket)
+        plan, strategy = current.plan, current.strategy
         name = f"{self.prefix}.bucket{bucket.index}"
         dense_bytes = bucket.element_size
         self.stats.add(elements_total=bucket.numel, bytes_dense=bucket.numel * dense_bytes)
-        if bucket.sparse:
-            plan = bucket.plan(self.codec, density, self.options.selection_scope)
-            value_bytes = plan.layout.value_itemsize
-            strategy = exchange.cheapest(self.strategies, self.world, bucket.numel, plan.count,
-                                         value_bytes, plan.layout.index_itemsize, dense_bytes)
-        else:
-            plan, strategy = None, exchange.DenseAllreduce
         if strategy.sparse:
             t0 = time.perf_counter()
-            message = bucket.message(plan.layout.nbytes)
+            message = current.message
             ef = self.options.error_feedback
-            encoded = self.codec.encode(bucket.acc, plan, message, zero_sent=ef)
+            if current.per_segment:
+                self.codec.finish_segments(plan, message, bucket.dtype)
+                encoded = Encoded(current.nonfinite, current.repasses, current.filled)
+            else:
+                encoded = self.codec.encode(bucket.acc, plan, message, zero_sent=ef)
             if ef:
                 self._after_encode(bucket, plan, message, encoded)
-            self.stats.add(time_selection_s=time.perf_counter() - t0, tensors_sparse=len(bucket.members),
+            self.stats.add(time_selection_s=time.perf_counter() - t0 + current.seconds,
+                           tensors_sparse=len(bucket.members),
                            elements_selected=plan.count, bytes_sent=plan.layout.nbytes,
                            selection_repasses=encoded.repasses, selection_filled=encoded.filled)
             handle = strategy.start(message, name, self.process_set)

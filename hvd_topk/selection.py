@@ -88,17 +88,22 @@ class NativeResult:
 
 
 def select_native(x, k, out_indices, out_values, method=DEFAULT_METHOD, offset=0, zero_sent=False,
-                  seed=0):
+                  seed=0, fold=None):
     """Native top-k of ``x`` (flat, CPU fp32/fp64) into preallocated outputs, in one call.
 
     ``out_indices`` (int32 or int64, k entries) gets ascending positions plus ``offset``;
     ``out_values`` (x's dtype) their values. ``zero_sent``: zero ``x`` at the selected
-    positions afterwards. Returns a ``NativeResult``. The caller checks ``native_ok`` first.
+    positions afterwards. ``fold`` (a contiguous tensor like ``x``, or None): first
+    ``x += fold`` (error feedback's fold), in the same pass over memory that selects.
+    Returns a ``NativeResult``. The caller checks ``native_ok`` first.
     """
     check_method(method)
+    if fold is not None and (fold.dtype != x.dtype or fold.numel() != x.numel() or not fold.is_contiguous()
+                             or fold.device != x.device):
+        raise ValueError("fold must be a contiguous tensor of x's dtype, size and device")
     result = NativeResult()
     fn = getattr(native.library(), _NATIVE_FUNCS[x.dtype])
-    fn(x.data_ptr(), x.numel(), k, offset,
+    fn(x.data_ptr(), None if fold is None else fold.data_ptr(), x.numel(), k, offset,
        out_indices.data_ptr(), out_indices.element_size(), out_values.data_ptr(),
        int(method == "exact"), int(zero_sent), seed, result.flags)
     return result

@@ -81,6 +81,61 @@ def test_zero_sent_matches_numpy(n):
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", [3000, 100_000, 400_000, 2_000_000])
+def test_fold_then_select_matches_numpy(n, dtype):
+    """``fold=g``: acc += g in the selection's own pass (sizes below, in and beyond the range
+    where the kernel folds first): the numpy sum, its top-k, and the residual after zeroing."""
+    rng = np.random.default_rng(n)
+    acc_np = rng.laplace(size=n).astype(dtype)
+    g_np = rng.standard_normal(n).astype(dtype)
+    total = acc_np + g_np  # one IEEE add per entry, as the kernel does
+    k = selection.k_for(n, 0.01)
+    acc, g = torch.from_numpy(acc_np.copy()), torch.from_numpy(g_np)
+    idx = torch.empty(k, dtype=torch.int32)
+    val = torch.empty(k, dtype=acc.dtype)
+    result = selection.select_native(acc, k, idx, val, "exact", zero_sent=True, fold=g, offset=7)
+    a = np.abs(total)
+    truth = np.sort(np.argpartition(a, n - k)[n - k:])
+    np.testing.assert_array_equal(idx.numpy().astype(np.int64) - 7, truth)
+    np.testing.assert_array_equal(val.numpy(), total[truth])
+    want = total.copy()
+    want[truth] = 0
+    np.testing.assert_array_equal(acc.numpy(), want)
+    assert not result.nonfinite
+
+
+@needs_native
+def test_fold_with_clustered_values_and_nonfinite():
+    """Large values clustered in one block and a NaN arriving with the gradient: still the
+    exact top-k of the sum, NaN sent and reported."""
+    n, k = 1_000_000, 3000
+    acc_np = np.full(n, 1e-3, dtype=np.float32)
+    g_np = np.zeros(n, dtype=np.float32)
+    g_np[-4000:] = np.linspace(1.0, 2.0, 4000, dtype=np.float32)
+    g_np[10] = np.nan
+    total = acc_np + g_np
+    acc = torch.from_numpy(acc_np.copy())
+    idx = torch.empty(k, dtype=torch.int64)
+    val = torch.empty(k)
+    result = selection.select_native(acc, k, idx, val, "exact", zero_sent=True, fold=torch.from_numpy(g_np))
+    assert result.nonfinite
+    key = np.where(np.isnan(total), np.inf, np.abs(total))
+    truth = np.sort(np.argpartition(key, n - k)[n - k:])
+    np.testing.assert_array_equal(idx.numpy(), truth)
+    assert 10 in set(idx.tolist())
+    want = total.copy()
+    want[truth] = 0
+    np.testing.assert_array_equal(acc.numpy(), want)
+
+
+def test_fold_must_match_the_buffer():
+    x = torch.zeros(100)
+    with pytest.raises(ValueError, match="fold"):
+        selection.select_native(x, 1, torch.empty(1, dtype=torch.int64), torch.empty(1), fold=torch.zeros(99))
+
+
+@needs_native
 @pytest.mark.parametrize("method", ["sampled", "exact"])
 def test_nonfinite_is_reported_and_sent(method):
     x = sample("normal", 200_000, seed=4)

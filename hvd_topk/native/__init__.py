@@ -21,7 +21,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("topk.cpp")
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 _lock = threading.Lock()
 _lib = None
@@ -62,7 +62,7 @@ def _declare(lib):
     p, i64, i32, u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint64
     for name in ("hvdtk_select_f32", "hvdtk_select_f64"):
         fn = getattr(lib, name)
-        fn.argtypes = [p, i64, i64, i64, p, i32, p, i32, i32, u64, p]
+        fn.argtypes = [p, p, i64, i64, i64, p, i32, p, i32, i32, u64, p]
         fn.restype = i64
     for name in ("hvdtk_select_segments_f32", "hvdtk_select_segments_f64"):
         fn = getattr(lib, name)

@@ -1,14 +1,17 @@
 // hvd_topk's CPU selection kernel: top-k by magnitude in about one pass over memory.
 //
 // 1. Sample: fresh random positions on every call: single entries in tensors that fit in cache,
-//    runs of 32 (two cache lines of fp32) in larger ones, so sampling costs a few thousand
-//    cache misses, not S.
+//    runs of 32 (two cache lines of fp32) in larger ones, prefetched ahead, so sampling costs a
+//    few thousand overlapping cache misses, not S memory latencies.
 // 2. Threshold: the sample's r-th largest magnitude, r chosen so that the expected number of
 //    entries at or above it is k plus a few standard deviations (so it is rarely too few).
-// 3. One pass: collect the positions with |x| >= threshold, in ascending order (read only).
+// 3. One pass: collect the positions with |x| >= threshold, in ascending order, with their values.
+//    With error feedback's fold (g given: x += g), the fold is this pass: the sample is taken of
+//    the sums x + g, and the pass stores x + g and collects from it (tensors small enough to stay
+//    in cache are folded first instead, then sampled and collected from cache).
 // 4. Keep exactly k: the k-th largest candidate magnitude (a coarse histogram, then
-//    nth_element inside one bin),
-//    then a scan of the candidates in position order. Output indices are ascending.
+//    nth_element inside one bin), then a scan of the candidates in position order, using the
+//    values collected with them (x is out of cache by then). Output indices are ascending.
 // 5. Too few candidates (rare): mode EXACT lowers the threshold and passes again, so the result
 //    is the true top-k; mode SAMPLED does so only below 95% of k, and otherwise fills up with
 //    the lowest positions not collected (real entries, never duplicates): exactly k distinct
@@ -65,27 +68,42 @@ inline float key_of(T v) {  // magnitude as the sort key; NaN sorts above everyt
 template <typename T>
 inline bool finite(T v) { return std::isfinite(static_cast<double>(v)); }
 
-struct Positions {  // growable; entries past `size` may be written while collecting
-  int64_t* p = nullptr;
+template <typename V>
+struct Grow {  // growable array; entries past `size` may be written while collecting
+  V* p = nullptr;
   int64_t size = 0, cap = 0;
   void reserve(int64_t need) {
     if (need <= cap) return;
     int64_t c = std::max(need, 2 * cap);
-    int64_t* q = new int64_t[c];
-    if (size) std::memcpy(q, p, size * sizeof(int64_t));
+    V* q = new V[c];
+    if (size) std::memcpy(q, p, size * sizeof(V));
     delete[] p;
     p = q;
     cap = c;
   }
-  ~Positions() { delete[] p; }
+  ~Grow() { delete[] p; }
 };
 
 struct Scratch {  // reused across calls (one per thread): no allocation in steady state
   std::vector<uint32_t> sample, keys;
-  Positions cand;
+  std::vector<int64_t> starts;  // sample positions
+  Grow<int64_t> cand;           // candidates' positions, ascending
+  Grow<float> cand_f;           // and their values (fp32 input)
+  Grow<double> cand_d;          // (fp64 input)
   uint64_t calls = 0;  // varies the sample positions from call to call
+  template <typename T> Grow<T>& values() {
+    if constexpr (std::is_same<T, float>::value) return cand_f; else return cand_d;
+  }
 };
 thread_local Scratch scratch;
+
+// Where collecting writes: candidates' positions and values side by side, so that trimming to
+// k never goes back to x (out of cache by then).
+template <typename T>
+struct Sink {
+  int64_t* pos;
+  T* val;
+};
 
 template <typename T>
 inline uint32_t key_bits(T v) {  // order-preserving integer key of |v|; NaN above inf
@@ -132,9 +150,10 @@ inline uint32_t kth_largest(const std::vector<uint32_t>& keys, int64_t k) {
   return part[need - 1];
 }
 
-// Threshold such that about `want` of the n entries are expected at or above it.
+// Threshold such that about `want` of the n entries are expected at or above it. With g, the
+// entries are x + g (what a fold is about to write), so the fold's own pass can collect.
 template <typename T>
-float sample_threshold(const T* x, int64_t n, double want, uint64_t seed) {
+float sample_threshold(const T* x, const T* g, int64_t n, double want, uint64_t seed) {
   std::vector<uint32_t>& s = scratch.sample;
   s.clear();
   s.reserve(kSample);
@@ -145,10 +164,29 @@ float sample_threshold(const T* x, int64_t n, double want, uint64_t seed) {
   int64_t step = n <= kSingles ? 1 : kRun;
   int64_t runs = std::min(n <= kSingles ? kSample / 4 : kSample,
                           std::min(n / 4, std::max(kMinSample, n / kSampleShare))) / step;
+  // Positions first, then the reads with prefetches kPrefetch runs ahead: the reads are cache
+  // misses (the tensor is not in cache), and issued one after another they would cost a
+  // memory latency each; prefetched, many are in flight at once.
+  std::vector<int64_t>& at = scratch.starts;
+  at.resize(runs);
+  const uint64_t range = (uint64_t)(n - step + 1);
+  for (int64_t j = 0; j < runs; ++j)
+    at[j] = (int64_t)(((unsigned __int128)rng.next() * range) >> 64);  // uniform in [0, range)
+  constexpr int64_t kPrefetch = 16;
+  for (int64_t j = 0; j < std::min(runs, kPrefetch); ++j) {
+    __builtin_prefetch(x + at[j]);
+    if (g) __builtin_prefetch(g + at[j]);
+  }
+  s.resize(runs * step);
+  uint32_t* o = s.data();
   for (int64_t j = 0; j < runs; ++j) {
-    int64_t start = (int64_t)(rng.next() % (uint64_t)(n - step + 1));
-    for (int64_t i = start; i < start + step; ++i)
-      s.push_back(key_bits(x[i]));
+    if (j + kPrefetch < runs) {
+      __builtin_prefetch(x + at[j + kPrefetch]);
+      if (g) __builtin_prefetch(g + at[j + kPrefetch]);
+    }
+    const int64_t b = at[j];
+    for (int64_t i = b; i < b + step; ++i)
+      *o++ = key_bits(g ? static_cast<T>(x[i] + g[i]) : x[i]);
   }
   int64_t S = (int64_t)s.size();
   double expect = want * (double)S / (double)n;           // sample entries above the k-th
@@ -160,25 +198,32 @@ float sample_threshold(const T* x, int64_t n, double want, uint64_t seed) {
   return t == t ? t : INFINITY;
 }
 
-// Appends to c the positions b + j (j < 16) whose bit is set in `bits`, in order.
-inline int64_t* emit(int64_t* out, uint32_t bits, int64_t b) {
+// Appends the positions b + j (j < 16) whose bit is set in `bits`, and lanes[j], in order.
+// (pos and val are the caller's locals, so the compiler keeps them in registers.)
+inline void emit(int64_t*& pos, float*& val, uint32_t bits, int64_t b, const float* lanes) {
   while (bits) {
-    *out++ = b + __builtin_ctz(bits);
+    int j = __builtin_ctz(bits);
+    *pos++ = b + j;
+    *val++ = lanes[j];
     bits &= bits - 1;
   }
-  return out;
 }
 
-// Generic block: collect key >= t (> t when strict). False if a value is not finite.
+// Generic block: collect key >= t (> t when strict), after x += g when g is given. False if a
+// value is not finite.
 template <typename T>
-bool collect_block(const T* x, int64_t b, int64_t e, float t, bool strict, int64_t*& out) {
+bool collect_block(T* x, const T* g, int64_t b, int64_t e, float t, bool strict, Sink<T>& out) {
   bool ok = true;
   for (int64_t i = b; i < e; ++i) {
     T v = x[i];
+    if (g) x[i] = v = static_cast<T>(v + g[i]);
     ok &= finite(v);
     float a = key_of(v);
-    *out = i;
-    out += strict ? (a > t) : (a >= t);
+    *out.pos = i;
+    *out.val = v;
+    bool take = strict ? (a > t) : (a >= t);
+    out.pos += take;
+    out.val += take;
   }
   return ok;
 }
@@ -190,18 +235,36 @@ bool collect_block(const T* x, int64_t b, int64_t e, float t, bool strict, int64
 // maximum of the bits tells whether anything was not finite. Only the (rare) 16-entry groups
 // holding a candidate are walked.
 //   tb: the threshold's bits; an entry is collected when bits > tb - 1 (>=) or bits > tb (>).
-__attribute__((target("avx2"))) bool collect_f32_avx2(const float* x, int64_t n, int32_t gt,
-                                                      int64_t*& out, int64_t& i) {
+//   With g (a fold), x += g is stored first, in the same pass: the sum is what is compared.
+template <bool kFold>
+__attribute__((target("avx2"))) bool collect_f32_avx2(float* x, const float* g, int64_t n, int32_t gt,
+                                                      Sink<float>& out, int64_t& i) {
   const __m256i mag = _mm256_set1_epi32(0x7fffffff), thr = _mm256_set1_epi32(gt);
   __m256i hi = _mm256_setzero_si256();
+  int64_t* pos = out.pos;
+  float* val = out.val;
   for (; i + 16 <= n; i += 16) {
-    __m256i a0 = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(x + i)), mag);
-    __m256i a1 = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(x + i + 8)), mag);
+    __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+    if (kFold) {
+      v0 = _mm256_add_ps(v0, _mm256_loadu_ps(g + i));
+      v1 = _mm256_add_ps(v1, _mm256_loadu_ps(g + i + 8));
+      _mm256_storeu_ps(x + i, v0);
+      _mm256_storeu_ps(x + i + 8, v1);
+    }
+    __m256i a0 = _mm256_and_si256(_mm256_castps_si256(v0), mag);
+    __m256i a1 = _mm256_and_si256(_mm256_castps_si256(v1), mag);
     hi = _mm256_max_epi32(hi, _mm256_max_epi32(a0, a1));
     uint32_t hit = (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(a0, thr))) |
                    ((uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(a1, thr))) << 8);
-    if (hit) out = emit(out, hit, i);
+    if (hit) {
+      alignas(32) float lanes[16];
+      _mm256_store_ps(lanes, v0);
+      _mm256_store_ps(lanes + 8, v1);
+      emit(pos, val, hit, i, lanes);
+    }
   }
+  out.pos = pos;
+  out.val = val;
   alignas(32) int32_t lanes[8];
   _mm256_store_si256((__m256i*)lanes, hi);
   int32_t m = 0;
@@ -210,23 +273,34 @@ __attribute__((target("avx2"))) bool collect_f32_avx2(const float* x, int64_t n,
 }
 
 // The same with SSE2 (every x86-64 CPU): four lanes, non-finite checked by a compare.
-inline bool collect_f32_sse2(const float* x, int64_t n, int32_t gt, int64_t*& out, int64_t& i) {
+inline bool collect_f32_sse2(float* x, const float* g, int64_t n, int32_t gt, Sink<float>& out, int64_t& i) {
   const __m128i mag = _mm_set1_epi32(0x7fffffff), thr = _mm_set1_epi32(gt);
   const __m128i big = _mm_set1_epi32(0x7f7fffff);
   uint32_t bad = 0;
+  alignas(16) float lanes[16];
+  int64_t* pos = out.pos;
+  float* val = out.val;
   for (; i + 16 <= n; i += 16) {
     uint32_t hit = 0;
     for (int q = 0; q < 4; ++q) {
-      __m128i a = _mm_and_si128(_mm_loadu_si128((const __m128i*)(x + i + 4 * q)), mag);
+      __m128 v = _mm_loadu_ps(x + i + 4 * q);
+      if (g) {
+        v = _mm_add_ps(v, _mm_loadu_ps(g + i + 4 * q));
+        _mm_storeu_ps(x + i + 4 * q, v);
+      }
+      _mm_store_ps(lanes + 4 * q, v);
+      __m128i a = _mm_and_si128(_mm_castps_si128(v), mag);
       hit |= (uint32_t)_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpgt_epi32(a, thr))) << (4 * q);
       bad |= (uint32_t)_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpgt_epi32(a, big)));
     }
-    if (hit) out = emit(out, hit, i);
+    if (hit) emit(pos, val, hit, i, lanes);
   }
+  out.pos = pos;
+  out.val = val;
   return bad == 0;
 }
 
-inline bool collect_f32(const float* x, int64_t n, float t, bool strict, int64_t*& out) {
+inline bool collect_f32(float* x, const float* g, int64_t n, float t, bool strict, Sink<float>& out) {
   // Integer form of "key >= t" (or "> t"); t <= 0 and -inf collect everything (or every non-zero).
   int32_t tb;
   if (!(t > 0.0f)) {
@@ -237,50 +311,56 @@ inline bool collect_f32(const float* x, int64_t n, float t, bool strict, int64_t
   }
   static const bool avx2 = __builtin_cpu_supports("avx2");
   int64_t i = 0;
-  bool ok = avx2 ? collect_f32_avx2(x, n, tb, out, i) : collect_f32_sse2(x, n, tb, out, i);
-  if (i < n) ok &= collect_block(x, i, n, t, strict, out);
+  bool ok = !avx2 ? collect_f32_sse2(x, g, n, tb, out, i)
+            : g ? collect_f32_avx2<true>(x, g, n, tb, out, i) : collect_f32_avx2<false>(x, g, n, tb, out, i);
+  if (i < n) ok &= collect_block(x, g, i, n, t, strict, out);
   return ok;
 }
 #endif
 
-// One pass: collect ascending positions with key >= t (or > t when strict). Returns whether every x was finite.
+// One pass: collect ascending positions with key >= t (or > t when strict), folding x += g first
+// where g is given. Returns whether every x was finite.
 template <typename T>
-bool collect(const T* x, int64_t n, float t, bool strict) {
-  Positions& c = scratch.cand;
-  c.size = 0;
+bool collect(T* x, const T* g, int64_t n, float t, bool strict) {
+  Grow<int64_t>& c = scratch.cand;
+  Grow<T>& v = scratch.values<T>();
+  c.size = v.size = 0;
   bool ok = true;
   constexpr int64_t B = 1 << 16;
   for (int64_t b = 0; b < n; b += B) {
     int64_t e = std::min(n, b + B);
     c.reserve(c.size + (e - b));  // room for every entry of the block
-    int64_t* out = c.p + c.size;
-    int64_t* start = out;
+    v.reserve(v.size + (e - b));
+    Sink<T> out{c.p + c.size, v.p + v.size};
+    int64_t* start = out.pos;
 #if defined(__x86_64__)
     if constexpr (std::is_same<T, float>::value) {
-      ok &= collect_f32(x + b, e - b, t, strict, out);
-      for (int64_t* q = start; q < out; ++q) *q += b;
+      ok &= collect_f32(x + b, g ? g + b : nullptr, e - b, t, strict, out);
+      for (int64_t* q = start; q < out.pos; ++q) *q += b;
     } else
 #endif
     {
-      ok &= collect_block(x, b, e, t, strict, out);
+      ok &= collect_block(x, g, b, e, t, strict, out);
     }
-    c.size += out - start;
+    c.size += out.pos - start;
+    v.size = c.size;
   }
   return ok;
 }
 
 // Keep the k largest candidates, in position order, into (idx, val).
 template <typename T, typename I>
-void keep_k(const T* x, int64_t k, int64_t offset, I* idx, T* val) {
+void keep_k(int64_t k, int64_t offset, I* idx, T* val) {
   const int64_t* c = scratch.cand.p;
+  const T* cv = scratch.values<T>().p;
   int64_t m = scratch.cand.size;
   if (m == k) {
-    for (int64_t j = 0; j < k; ++j) { idx[j] = (I)(c[j] + offset); val[j] = x[c[j]]; }
+    for (int64_t j = 0; j < k; ++j) { idx[j] = (I)(c[j] + offset); val[j] = cv[j]; }
     return;
   }
   std::vector<uint32_t>& keys = scratch.keys;
   keys.resize(m);
-  for (int64_t j = 0; j < m; ++j) keys[j] = key_bits(x[c[j]]);
+  for (int64_t j = 0; j < m; ++j) keys[j] = key_bits(cv[j]);
   uint32_t kth = kth_largest(keys, k);
   int64_t above = 0;
   for (int64_t j = 0; j < m; ++j) above += keys[j] > kth;
@@ -288,7 +368,7 @@ void keep_k(const T* x, int64_t k, int64_t offset, I* idx, T* val) {
   int64_t o = 0;
   for (int64_t j = 0; j < m && o < k; ++j) {
     bool take = keys[j] > kth || (keys[j] == kth && ties-- > 0);
-    if (take) { idx[o] = (I)(c[j] + offset); val[o] = x[c[j]]; ++o; }
+    if (take) { idx[o] = (I)(c[j] + offset); val[o] = cv[j]; ++o; }
   }
 }
 
@@ -304,18 +384,26 @@ void fill_up(const T* x, int64_t n, int64_t k, int64_t offset, I* idx, T* val) {
   }
 }
 
+// g (may be null): fold first, x += g (error feedback: residual + gradient), in the same pass
+// that collects: the sample is taken of the sums, so no pass over x is added to the fold's.
 template <typename T, typename I>
-int64_t select_impl(T* x, int64_t n, int64_t k, int64_t offset, I* idx, T* val,
+int64_t select_impl(T* x, const T* g, int64_t n, int64_t k, int64_t offset, I* idx, T* val,
                     int exact, int zero_sent, uint64_t seed, int64_t* flags) {
   flags[0] = 0;  // non-finite seen
   flags[1] = 0;  // passes over x
   flags[2] = 0;  // entries filled up (SAMPLED shortfall)
+  // Nothing to select, or small enough to stay in cache: fold, then sample and collect from
+  // cache. Larger: sample the sums in runs, then fold and collect in one pass.
+  if (g && (k <= 0 || n <= kSingles)) {
+    for (int64_t i = 0; i < n; ++i) x[i] = static_cast<T>(x[i] + g[i]);
+    g = nullptr;
+  }
   if (k <= 0 || n <= 0) return 0;
   if (k > n) k = n;
-  float t = (n <= kSmall) ? -INFINITY : sample_threshold(x, n, (double)k, seed);
+  float t = (n <= kSmall) ? -INFINITY : sample_threshold(x, g, n, (double)k, seed);
   bool strict = false;
   if (t == 0.0f && !exact) strict = true;  // mostly zeros: collect the non-zeros only
-  bool ok = collect(x, n, t, strict);
+  bool ok = collect(x, g, n, t, strict);
   flags[1] = 1;
   double want = (double)k;
   // Too few collected: EXACT passes again until it has k; SAMPLED only when it has less than
@@ -323,15 +411,15 @@ int64_t select_impl(T* x, int64_t n, int64_t k, int64_t offset, I* idx, T* val,
   int64_t enough = exact ? k : k - k / 20;
   while (scratch.cand.size < enough && !strict) {  // strict: the rest are zeros (ties)
     want *= 4.0;  // too few: lower the threshold and pass again (rare)
-    float t2 = want >= (double)n ? -INFINITY : sample_threshold(x, n, want, seed + 1);
+    float t2 = want >= (double)n ? -INFINITY : sample_threshold(x, (const T*)nullptr, n, want, seed + 1);
     if (!(t2 < t)) t2 = -INFINITY;
     t = t2;
-    collect(x, n, t, false);
+    collect(x, (const T*)nullptr, n, t, false);  // x is folded by now
     flags[1] += 1;
   }
   flags[0] = ok ? 0 : 1;
   if (scratch.cand.size >= k) {
-    keep_k(x, k, offset, idx, val);
+    keep_k(k, offset, idx, val);
   } else {
     flags[2] = k - scratch.cand.size;
     fill_up(x, n, k, offset, idx, val);
@@ -342,12 +430,12 @@ int64_t select_impl(T* x, int64_t n, int64_t k, int64_t offset, I* idx, T* val,
 }
 
 template <typename T>
-int64_t dispatch_index(T* x, int64_t n, int64_t k, int64_t offset, void* idx,
+int64_t dispatch_index(T* x, const T* g, int64_t n, int64_t k, int64_t offset, void* idx,
                        int index_bytes, T* val, int exact, int zero_sent, uint64_t seed,
                        int64_t* flags) {
   if (index_bytes == 4)
-    return select_impl(x, n, k, offset, (int32_t*)idx, val, exact, zero_sent, seed, flags);
-  return select_impl(x, n, k, offset, (int64_t*)idx, val, exact, zero_sent, seed, flags);
+    return select_impl(x, g, n, k, offset, (int32_t*)idx, val, exact, zero_sent, seed, flags);
+  return select_impl(x, g, n, k, offset, (int64_t*)idx, val, exact, zero_sent, seed, flags);
 }
 
 // Segmented selection: for each segment s of x, [bounds[s], bounds[s+1]), the ks[s] largest
@@ -363,7 +451,7 @@ int64_t segments_impl(T* x, int64_t nseg, const int64_t* bounds, const int64_t* 
   for (int64_t s = 0; s < nseg; ++s) {
     int64_t b = bounds[s], n = bounds[s + 1] - b, k = std::min(ks[s], n);
     if (k <= 0) { if (nonfinite) nonfinite[s] = 0; continue; }
-    select_impl(x + b, n, k, b, idx + out, val + out, exact, zero_sent,
+    select_impl(x + b, (const T*)nullptr, n, k, b, idx + out, val + out, exact, zero_sent,
                 seed + (uint64_t)s, f);
     if (nonfinite) nonfinite[s] = (uint8_t)f[0];
     flags[0] += f[0];
@@ -388,27 +476,30 @@ int64_t segments_dispatch(T* x, int64_t nseg, const int64_t* bounds, const int64
 // Every rank's pairs are ascending (as the selection writes them), so a merge over the ranks
 // visits positions in order: the gaps are zero-filled, and each touched position gets the sum
 // of what the ranks sent, added in rank order (the same bits as adding rank after rank into
-// zeros), times mul / div. One pass of writes, no read-for-ownership of random cache lines,
-// no separate zeroing. Returns the number of pairs that were out of range or out of order
+// zeros), times mul / div. One pass of writes: zeroing runs a chunk ahead of the merge, so
+// the sums land in cache, with no separate zeroing pass. Returns the number of pairs that were out of range or out of order
 // (non-zero means the ranks disagree on the message layout); the result is then unusable.
 template <typename T>
 struct SegmentWriter {
   T* const* dest;
   const int64_t* bounds;
-  int64_t nseg, cur = 0, next = 0;  // next: first position not written yet
+  int64_t nseg, cur = 0, zcur = 0, next = 0;  // next: first position not zeroed yet
   T* at(int64_t i) {
     while (i >= bounds[cur + 1]) ++cur;
     return dest[cur] + (i - bounds[cur]);
   }
   void zero_until(int64_t end) {  // zero positions [next, end)
     while (next < end) {
-      while (next >= bounds[cur + 1]) ++cur;
-      int64_t stop = std::min(end, bounds[cur + 1]);
-      std::memset(dest[cur] + (next - bounds[cur]), 0, (stop - next) * sizeof(T));
+      while (next >= bounds[zcur + 1]) ++zcur;
+      int64_t stop = std::min(end, bounds[zcur + 1]);
+      std::memset(dest[zcur] + (next - bounds[zcur]), 0, (stop - next) * sizeof(T));
       next = stop;
     }
   }
 };
+// Zeroing runs ahead of the writes in chunks of this many entries (16 KiB of fp32): one memset
+// per chunk instead of one per gap between sent positions, and the writes then land in cache.
+constexpr int64_t kZeroChunk = 4096;
 
 // The next position of the merge and the ranks' sum there (in rank order), over `world`
 // ascending rows; `pos` holds each row's cursor. A linear scan of the cursors for a few ranks,
@@ -470,10 +561,9 @@ int64_t scatter_segments_impl(T* const* dest, const int64_t* bounds, int64_t nse
   T sum;
   while (merge.next(i, sum)) {
     if (i < 0 || i >= total || i <= last) { ++bad; continue; }  // out of range or out of order
-    out.zero_until(i);
+    if (i >= out.next) out.zero_until(std::min(total, std::max(i + 1, out.next + kZeroChunk)));
     *out.at(i) = div == 1.0 && mul == 1.0 ? sum : mul == 1.0 ? static_cast<T>(sum / d)
                                                             : static_cast<T>(sum / d * m);
-    out.next = i + 1;
     last = i;
   }
   out.zero_until(total);
@@ -508,7 +598,7 @@ int64_t hvdtk_scatter_segments_f64(double* const* dest, const int64_t* bounds, i
   return scatter_segments_dispatch(dest, bounds, nseg, idx, index_bytes, val, world, k, row_bytes, div, mul);
 }
 
-int hvdtk_abi_version() { return 4; }
+int hvdtk_abi_version() { return 5; }
 
 // Segmented selection in one call (a fusion bucket's tensors, k each); see segments_impl.
 // Returns the number of pairs written (the sum of min(ks[s], segment size)).
@@ -524,20 +614,21 @@ int64_t hvdtk_select_segments_f64(double* x, int64_t nseg, const int64_t* bounds
   return segments_dispatch(x, nseg, bounds, ks, idx, index_bytes, val, exact, zero_sent, seed, flags, nonfinite);
 }
 
-// Select the k largest |x| of one tensor. Writes k ascending
-// positions (+ offset, int32 or int64 per index_bytes) to idx and their values to val; with
-// zero_sent, x is then zeroed at those positions (error feedback: what was sent is gone).
+// Select the k largest |x| of one tensor. With g (may be null), first x += g (error feedback's
+// fold), in the same pass over memory that selects. Writes k ascending positions (+ offset,
+// int32 or int64 per index_bytes) to idx and their values to val; with zero_sent, x is then
+// zeroed at those positions (error feedback: what was sent is gone).
 // flags (3 int64): [non-finite seen, passes, entries filled up]. Returns k (clamped to n).
-int64_t hvdtk_select_f32(float* x, int64_t n, int64_t k, int64_t offset, void* idx,
+int64_t hvdtk_select_f32(float* x, const float* g, int64_t n, int64_t k, int64_t offset, void* idx,
                          int index_bytes, float* val, int exact, int zero_sent, uint64_t seed,
                          int64_t* flags) {
-  return dispatch_index(x, n, k, offset, idx, index_bytes, val, exact, zero_sent, seed, flags);
+  return dispatch_index(x, g, n, k, offset, idx, index_bytes, val, exact, zero_sent, seed, flags);
 }
 
-int64_t hvdtk_select_f64(double* x, int64_t n, int64_t k, int64_t offset, void* idx,
+int64_t hvdtk_select_f64(double* x, const double* g, int64_t n, int64_t k, int64_t offset, void* idx,
                          int index_bytes, double* val, int exact, int zero_sent, uint64_t seed,
                          int64_t* flags) {
-  return dispatch_index(x, n, k, offset, idx, index_bytes, val, exact, zero_sent, seed, flags);
+  return dispatch_index(x, g, n, k, offset, idx, index_bytes, val, exact, zero_sent, seed, flags);
 }
 
 }  // extern "C"
