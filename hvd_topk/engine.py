@@ -116,10 +116,11 @@ class TopKEngine:
         op, gradient_predivide_factor, backward_passes_per_step, process_set, groups: as in
             ``hvd.DistributedOptimizer``.
         prefix: names this optimizer's collectives apart from any other's.
+        grad_scaler: the ``torch.amp.GradScaler`` scaling the loss, or None (see ``_begin_step``).
     """
 
     def __init__(self, param_groups, names, compression, options, *, op, gradient_predivide_factor,
-                 backward_passes_per_step, process_set, groups, prefix):
+                 backward_passes_per_step, process_set, groups, prefix, grad_scaler=None):
         self.param_groups = param_groups
         self.param_ids = [id(p) for g in param_groups for p in g["params"]]
         params = [p for g in param_groups for p in g["params"] if p.requires_grad]
@@ -144,6 +145,9 @@ class TopKEngine:
         self.stats = CompressionStats()
         self.synchronized = False
         self.should_synchronize = True
+        self.grad_scaler = grad_scaler
+        self.residual_scale = None  # the loss scale the residuals are expressed in
+        self.step_begun = False
         self.hooks = [p.register_post_accumulate_grad_hook(self.on_grad_ready) for p in params]
 
     # ---- per step --------------------------------------------------------------------------
@@ -160,7 +164,32 @@ class TopKEngine:
             if bucket.complete():
                 self._launch(bucket)
 
+    def _begin_step(self):
+        """Once per step, before the first fold: keep the residuals in the units of this
+        step's gradients.
+
+        With loss scaling (``torch.amp.GradScaler``) every gradient, and so every residual, is
+        multiplied by the scale of the step that produced it. The scaler halves the scale
+        after an overflow and doubles it every ``growth_interval`` steps; a residual carried
+        across such a change would be added back at the wrong scale. So when the scale has
+        changed, the residuals (and DGC's momentum) are multiplied by new / old: exact for the
+        scaler's powers of two, and a pass over memory only on the rare steps that change it.
+        """
+        self.step_begun = True
+        scaler = self.grad_scaler
+        if scaler is None or not scaler.is_enabled():
+            return
+        scale = float(scaler.get_scale())  # on CUDA one host sync per step
+        old, self.residual_scale = self.residual_scale, scale
+        if old is not None and scale != old:
+            for b in self._residual_buckets():
+                for flat in (b.acc, b.momentum):
+                    if flat is not None:
+                        flat.mul_(scale / old)
+
     def _fold(self, bucket, position, grad):
+        if not self.step_begun:
+            self._begin_step()
         current = bucket.current or self._begin(bucket)
         ef, momentum = bucket.sparse and self.options.error_feedback, self.options.momentum_correction
         # Error feedback on the native kernel: the fold (acc += grad) is the selection's own pass.
@@ -301,6 +330,7 @@ class TopKEngine:
         self.step += 1
         self.stats.add(steps=1)
         self.synchronized = True
+        self.step_begun = False
 
     def pending(self):
         return any(b.pending is not None for b in self.buckets)
@@ -313,6 +343,7 @@ class TopKEngine:
         for p in self.passes:
             self.passes[p] = 0
         self.synchronized, self.should_synchronize = False, True
+        self.step_begun = False
 
     # ---- state -----------------------------------------------------------------------------
     def _residual_buckets(self):
@@ -329,7 +360,7 @@ class TopKEngine:
                 if b.momentum is not None:
                     momenta[m.name] = b.view(b.momentum, m).clone()
         return {"format": STATE_FORMAT, "step": self.step, "rank": self.rank, "size": self.world,
-                "residuals": residuals, "momenta": momenta}
+                "residuals": residuals, "momenta": momenta, "residual_scale": self.residual_scale}
 
     def load_state_dict(self, state):
         """Restore ``state_dict()``'s output (the caller checked that no exchange is pending)."""
@@ -337,6 +368,7 @@ class TopKEngine:
         if state is None:
             return
         self.step = int(state["step"])
+        self.residual_scale = state.get("residual_scale")
         if (state["rank"], state["size"]) == (self.rank, self.world):
             residuals, momenta = state.get("residuals", {}), state.get("momenta", {})
             for b in self._residual_buckets():

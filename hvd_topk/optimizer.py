@@ -28,7 +28,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                          process_set=hvd.global_process_set, *, error_feedback=True,
                          momentum_correction=0.0, warmup_steps=0, warmup_density=0.25,
                          min_numel=1024, fusion_bytes=64 * 1024 * 1024, dense_fallback=True,
-                         selection_scope="tensor"):
+                         selection_scope="tensor", grad_scaler=None):
     """Wrap ``optimizer`` so that gradients are exchanged as Top-K pairs with error feedback.
 
     Same signature and behaviour as ``hvd.DistributedOptimizer``: the result is an instance of
@@ -55,6 +55,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
             the allgather (density >= 1/P for fp32 gradients).
         selection_scope ("tensor"): ``"tensor"``, k = density x n for every tensor, or
             ``"bucket"``, one top-k over each fusion bucket (k = density x the bucket's size).
+        grad_scaler (None): with mixed precision, the ``torch.amp.GradScaler`` that scales the
+            loss. Pass it: residuals are kept in the units of the current loss scale, and
+            without it they are added back at a stale scale after every scale change
+            (hvd_topk cannot see the scaler otherwise).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -68,6 +72,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                       fusion_bytes=fusion_bytes, dense_fallback=dense_fallback,
                       selection_scope=selection_scope)
     compression = _resolve_compression(compression)
+    if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+        raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
     _check_horovod_arguments(op, gradient_predivide_factor, backward_passes_per_step)
     if momentum_correction and any(g.get("momentum", 0) for g in optimizer.param_groups):
         warnings.warn("momentum_correction applies momentum before compression; the inner "
@@ -76,7 +82,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
     engine = TopKEngine(optimizer.param_groups, names, compression, options, op=op,
                         gradient_predivide_factor=gradient_predivide_factor,
                         backward_passes_per_step=backward_passes_per_step, process_set=process_set,
-                        groups=groups, prefix=f"hvd_topk.opt{next(_optimizer_ids)}")
+                        groups=groups, prefix=f"hvd_topk.opt{next(_optimizer_ids)}",
+                        grad_scaler=grad_scaler)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     # hvd.broadcast_optimizer_state initialises a fresh optimizer's state by calling the *inner*

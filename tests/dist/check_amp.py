@@ -1,0 +1,122 @@
+"""Mixed precision: error feedback under torch.amp.GradScaler, checked against numpy in true units.
+
+Run: PYTHONPATH=.:tests mpirun -np 2 (or 3) python tests/dist/check_amp.py
+(``--list`` prints the names of its checks).
+
+Horovod's documented pattern: ``scaler.scale(loss).backward(); opt.synchronize();
+scaler.unscale_(opt); with opt.skip_synchronize(): scaler.step(opt); scaler.update()``. The loss
+scale changes between steps (set here with ``scaler.update(new_scale=...)``, as the scaler does
+after an overflow or every growth_interval steps). The reference keeps its residuals in true
+units and never sees a scale; scales are powers of two, so scaled arithmetic is exact and the
+unscaled result must match it as tightly as an unscaled run does.
+"""
+
+import copy
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import horovod.torch as hvd
+import hvd_topk
+from harness import assert_same_on_all_ranks, gather, raises, run
+from reference import ErrorFeedbackReference
+
+SCALES = [2.0 ** 10, 2.0 ** 11, 2.0 ** 8, 2.0 ** 8, 2.0 ** 14, 2.0 ** 3]
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(40, 96)
+        self.fc2 = torch.nn.Linear(96, 10)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def batch(step, rank, n=24):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(n, 40, generator=gen), torch.randint(0, 10, (n,), generator=gen)
+
+
+def build(pass_scaler, momentum_correction=0.0, density=0.05):
+    torch.manual_seed(0)
+    model = Net()
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALES[0])
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0 if momentum_correction else 0.9)
+    opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                        compression=hvd_topk.TopK(density=density), min_numel=500,
+                                        momentum_correction=momentum_correction,
+                                        grad_scaler=scaler if pass_scaler else None)
+    return model, opt, scaler
+
+
+def train_scaled(model, opt, scaler, steps, ref=None):
+    """Horovod's GradScaler pattern; with ``ref``, each step's unscaled p.grad is checked
+    against the numpy reference fed with true-unit gradients. Returns the largest deviation."""
+    rank = hvd.rank()
+    shadow = copy.deepcopy(model)
+    worst = 0.0
+    for step in range(steps):
+        x, y = batch(step, rank)
+        shadow.load_state_dict(model.state_dict())
+        shadow.zero_grad()
+        F.cross_entropy(shadow(x), y).backward()  # true units
+        raw = {n: p.grad.numpy().copy() for n, p in shadow.named_parameters()}
+        opt.zero_grad()
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        for name, p in model.named_parameters():
+            grads = gather(raw[name])
+            if p.numel() >= 500:
+                want = ref.sparse(name, grads, 0.05)
+            else:
+                want = np.sum(grads, axis=0) / hvd.size()
+            worst = max(worst, float(np.max(np.abs(p.grad.numpy() - want))))
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update(new_scale=SCALES[(step + 1) % len(SCALES)])
+        for name, p in model.named_parameters():
+            assert_same_on_all_ranks(p.detach().numpy(), f"amp step {step}: parameter {name}")
+    return worst
+
+
+def check_residuals_follow_scale_changes(momentum_correction=0.0):
+    model, opt, scaler = build(pass_scaler=True, momentum_correction=momentum_correction)
+    ref = ErrorFeedbackReference(hvd.size(), momentum=momentum_correction)
+    worst = train_scaled(model, opt, scaler, len(SCALES), ref)
+    # Powers of two: exact up to summation order; an unscaled run reaches the same bound.
+    assert worst < 1e-6, f"unscaled gradients differ from the true-unit reference by {worst:g}"
+    saved = opt.state_dict()["hvd_topk"]
+    assert saved["residual_scale"] == SCALES[-1], saved["residual_scale"]
+
+
+def check_without_the_scaler_residuals_are_stale():
+    """The failure the option prevents (so the check above is not vacuous): without
+    ``grad_scaler`` the residual is added back at the old scale after the first change."""
+    model, opt, scaler = build(pass_scaler=False)
+    ref = ErrorFeedbackReference(hvd.size())
+    worst = train_scaled(model, opt, scaler, len(SCALES), ref)
+    assert worst > 1e-3, worst
+
+
+def check_rejects_other_objects():
+    model = Net()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with raises(TypeError, "grad_scaler must be a torch.amp.GradScaler"):
+        hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(), grad_scaler=1024.0)
+
+
+CHECKS = [
+    ("residuals follow loss-scale changes", check_residuals_follow_scale_changes),
+    ("residuals follow loss-scale changes, momentum correction",
+     lambda: check_residuals_follow_scale_changes(momentum_correction=0.9)),
+    ("without grad_scaler the residuals are stale", check_without_the_scaler_residuals_are_stale),
+    ("grad_scaler type checked", check_rejects_other_objects),
+]
+
+
+if __name__ == "__main__":
+    run(CHECKS)
