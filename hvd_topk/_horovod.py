@@ -12,6 +12,9 @@ Checked against Horovod 0.28.1 (``CHECKED_VERSION``). Each private detail relied
 2. ``OPTIMIZER_MODULE``: ``hvd.broadcast_optimizer_state`` initialises a fresh optimizer's
    state by calling the *inner* ``step()`` only when the optimizer's class lives in Horovod's
    optimizer module; hvd_topk's wrapper class claims that module so no exchange runs there.
+   ``caller_process_set`` reads, from the same frames, the process set the tensor is reduced
+   over (``self.process_set`` of Horovod's optimizer, or the ``process_set`` argument of
+   ``allreduce(_async)``), so that the drop-in exchanges its pairs among the same ranks.
 3. ``is_horovod_distributed_optimizer``: recognises an optimizer already wrapped by
    ``hvd.DistributedOptimizer`` by its ``_handles`` and ``_compression`` attributes.
 """
@@ -80,6 +83,23 @@ def tensor_name_from_caller(max_depth=6):
                       "right as long as every rank compresses its tensors in the same order "
                       "(name your tensors in hvd.allreduce(..., name=...) to be safe).")
     return None
+
+
+def caller_process_set(max_depth=6):
+    """(1) The process set Horovod reduces the tensor being compressed over (the global one
+    when the calling frames do not say)."""
+    frame = sys._getframe(2)
+    for _ in range(max_depth):
+        if frame is None:
+            break
+        local = frame.f_locals
+        owner = local.get("self")
+        if isinstance(getattr(owner, "_parameter_names", None), dict) and hasattr(owner, "process_set"):
+            return owner.process_set
+        if frame.f_code.co_name in ("allreduce", "allreduce_async") and "process_set" in local:
+            return local["process_set"]
+        frame = frame.f_back
+    return hvd.global_process_set
 
 
 def name_fallbacks():

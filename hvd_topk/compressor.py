@@ -8,9 +8,10 @@ allgather, adds every rank's pairs in rank order and scales the sum the way Horo
 scaled the probe, so op=Average / op=Sum / ``gradient_predivide_factor`` all come out right
 without the compressor being told which one is in use.
 
-The probe holds ``[1, rank, rank**2]``: after the allreduce its first entry is the scale Horovod
-applied (1 for Average, the number of ranks for Sum) and the other two tell whether every rank
-of the job took part (the allgather always runs on the global process set).
+The allgather runs on the process set Horovod reduces the tensor over (read from Horovod's
+calling frames, ``hvd_topk._horovod``). The probe holds ``[1, rank, rank**2]`` (ranks within that
+set): after the allreduce its first entry is the scale Horovod applied (1 for Average, the
+number of ranks for Sum) and the other two tell whether every rank of the set took part.
 """
 
 import functools
@@ -22,7 +23,7 @@ import types
 
 import torch
 
-from hvd_topk._horovod import hvd, tensor_name_from_caller
+from hvd_topk._horovod import caller_process_set, hvd, tensor_name_from_caller
 from hvd_topk.codec import Codec
 from hvd_topk.exchange import AllgatherPairs
 from hvd_topk.selection import DEFAULT_METHOD, check_density, check_method
@@ -84,8 +85,9 @@ class TopK(Compressor):
     entries not sent are carried to the next step, which is what keeps accuracy) use
     ``hvd_topk.DistributedOptimizer``.
 
-    Non-floating and empty tensors pass through to Horovod unchanged. The allgather runs on
-    Horovod's global process set; a ``process_set`` other than the global one is an error here.
+    Non-floating and empty tensors pass through to Horovod unchanged. The pairs are allgathered
+    among the ranks of the process set Horovod reduces the tensor over (``process_set=`` of
+    ``hvd.DistributedOptimizer`` or ``hvd.allreduce``).
 
     Args:
         density: fraction of entries to send, in (0, 1].
@@ -132,15 +134,16 @@ class TopK(Compressor):
         self._codec.encode(tensor.reshape(-1), plan, message)
         t1 = time.perf_counter()
         hint = tensor_name_from_caller()
+        process_set = caller_process_set()
         slot, name = (None, f"{self._names.prefix}.{hint}") if hint else self._names.take()
-        handle = AllgatherPairs.start(message, name, hvd.global_process_set)
-        rank = float(hvd.rank())
+        handle = AllgatherPairs.start(message, name, process_set)
+        rank = float(process_set.rank())
         probe = torch.tensor([1.0, rank, rank * rank], dtype=torch.float32, device=tensor.device)
         self._stats.add(tensors_sparse=1, elements_total=numel, elements_selected=plan.count,
                         bytes_dense=numel * tensor.element_size(),
                         bytes_sent=plan.layout.nbytes + probe.numel() * probe.element_size(),
                         time_selection_s=t1 - t0)
-        return probe, (handle, slot, plan, tensor.shape, tensor.dtype)
+        return probe, (handle, slot, plan, tensor.shape, tensor.dtype, process_set)
 
     def _plan(self, numel, dtype):
         plan = self._plans.get((numel, dtype))
@@ -153,8 +156,8 @@ class TopK(Compressor):
     def decompress(self, tensor, ctx):
         if ctx is None:
             return tensor
-        handle, slot, plan, shape, dtype = ctx
-        size = hvd.size()
+        handle, slot, plan, shape, dtype, process_set = ctx
+        size = process_set.size()
         self._check_probe(tensor, size)
         t0 = time.perf_counter()
         gathered = AllgatherPairs.finish(handle)
@@ -180,9 +183,10 @@ class TopK(Compressor):
               and abs(mean_square - want_square) <= 1e-3 * max(1.0, want_square))
         if not ok:
             raise RuntimeError(
-                "hvd_topk.TopK exchanges over Horovod's global process set, but this tensor was "
-                "reduced over a smaller process set (or ranks disagree on the tensors being "
-                "reduced). Use the global process set, or hvd_topk.DistributedOptimizer.")
+                "hvd_topk.TopK exchanged this tensor's pairs over other ranks than Horovod reduced "
+                "it over (or ranks disagree on the tensors being reduced). Pass the process set "
+                "to hvd.DistributedOptimizer(process_set=...) or hvd.allreduce(process_set=...), "
+                "or use hvd_topk.DistributedOptimizer.")
 
     @_OnDefaultInstance
     def stats(self):

@@ -134,10 +134,14 @@ class TopKEngine:
         self.params = params
         self.names = names
         self.shapes = [p.shape for p in params]
-        self.world, self.rank = process_set.size(), process_set.rank()
+        # As in Horovod: a rank outside the process set exchanges nothing; its gradients stay local.
+        self.member = bool(process_set.included())
+        self.world = process_set.size()
+        self.rank = process_set.rank() if self.member else None
         self.schedule = DensitySchedule(self.density, options.warmup_steps, options.warmup_density)
         self.strategies = exchange.STRATEGIES if options.dense_fallback else (exchange.AllgatherPairs,)
-        self._check_ranks_agree(compression)
+        if self.member:
+            self._check_ranks_agree(compression)
         self.buckets = plan_buckets(params, names, options.min_numel, options.fusion_bytes, groups)
         self.place = {m.param: (b, i) for b in self.buckets for i, m in enumerate(b.members)}
         self.passes = {p: 0 for p in params}
@@ -148,7 +152,8 @@ class TopKEngine:
         self.grad_scaler = grad_scaler
         self.residual_scale = None  # the loss scale the residuals are expressed in
         self.step_begun = False
-        self.hooks = [p.register_post_accumulate_grad_hook(self.on_grad_ready) for p in params]
+        self.hooks = [p.register_post_accumulate_grad_hook(self.on_grad_ready)
+                      for p in params] if self.member else []
 
     # ---- per step --------------------------------------------------------------------------
     def on_grad_ready(self, p):
@@ -319,6 +324,9 @@ class TopKEngine:
 
     def synchronize(self):
         """Finish every exchange of this step; afterwards ``p.grad`` holds the averaged result."""
+        if not self.member:  # outside the process set: gradients stay local, as in Horovod
+            self.synchronized = True
+            return
         self._check_parameters_unchanged()
         for bucket in self.buckets:
             if bucket.pending is None:

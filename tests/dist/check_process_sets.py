@@ -1,0 +1,134 @@
+"""Process sets: Horovod's own pattern (test_optimizer_process_sets), checked against numpy.
+
+Run: PYTHONPATH=.:tests mpirun -np 2 (or 3) python tests/dist/check_process_sets.py
+(``--list`` prints the names of its checks).
+
+Every rank builds its optimizer with the same process set, which leaves out the last rank.
+Members exchange among themselves (checked against the numpy reference fed with the members'
+raw gradients); the rank outside keeps its own gradient, as Horovod's optimizer does.
+"""
+
+import copy
+import os
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"  # read by hvd.init() in harness.run
+
+import horovod.torch as hvd  # noqa: E402
+import hvd_topk  # noqa: E402
+from harness import assert_same_on_all_ranks, gather, run  # noqa: E402
+from reference import ErrorFeedbackReference, sparse_allreduce  # noqa: E402
+
+DENSITY = 0.05
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(40, 96)
+        self.fc2 = torch.nn.Linear(96, 10)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def batch(step, rank, n=24):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(n, 40, generator=gen), torch.randint(0, 10, (n,), generator=gen)
+
+
+def with_process_set(check):
+    """Run ``check(process_set, members)`` with a dynamic set of every rank but the last."""
+    def wrapped():
+        members = list(range(hvd.size() - 1))
+        process_set = hvd.add_process_set(members)
+        check(process_set, members)  # a failure leaves the set: removing it is a collective
+        hvd.remove_process_set(process_set)
+    return wrapped
+
+
+def train_and_check(model, opt, members, expected, steps=3):
+    """Each step: every rank's raw gradient (from a shadow copy), then the optimizer's result:
+    members get ``expected(name, member_grads)``, the rank outside its own raw gradient."""
+    rank = hvd.rank()
+    shadow = copy.deepcopy(model)
+    for step in range(steps):
+        x, y = batch(step, rank)
+        shadow.load_state_dict(model.state_dict())
+        shadow.zero_grad()
+        F.cross_entropy(shadow(x), y).backward()
+        raw = {n: p.grad.numpy().copy() for n, p in shadow.named_parameters()}
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        for name, p in model.named_parameters():
+            every = gather(raw[name])
+            want = expected(name, [every[r] for r in members]) if rank in members else raw[name]
+            np.testing.assert_allclose(p.grad.numpy(), want, rtol=1e-6, atol=1e-7,
+                                       err_msg=f"step {step} {name} on rank {rank}")
+        with opt.skip_synchronize():
+            opt.step()
+    for i, p in enumerate(model.parameters()):
+        # equal among members; the rank outside trained on its own gradients
+        every = gather(p.detach().numpy())
+        for r in members[1:]:
+            np.testing.assert_array_equal(every[r], every[members[0]], err_msg=f"parameter {i}")
+
+
+@with_process_set
+def check_error_feedback_optimizer(process_set, members):
+    torch.manual_seed(0)
+    model = Net()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                        compression=hvd_topk.TopK(density=DENSITY), min_numel=500,
+                                        process_set=process_set)
+    ref = ErrorFeedbackReference(len(members))
+    big = {n for n, p in model.named_parameters() if p.numel() >= 500}
+
+    def expected(name, grads):
+        if name in big and len(grads) > 1:
+            return ref.sparse(name, grads, DENSITY)
+        # dense tensors, and a set of one rank (nothing to exchange: the cost model sends
+        # dense, 0 bytes, so the gradient passes whole)
+        return np.sum(grads, axis=0) / len(grads)
+
+    train_and_check(model, opt, members, expected)
+
+
+@with_process_set
+def check_drop_in_compressor(process_set, members):
+    torch.manual_seed(0)
+    model = Net()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                   compression=hvd_topk.TopK(density=DENSITY), process_set=process_set)
+    train_and_check(model, opt, members,
+                    lambda name, grads: sparse_allreduce(grads, DENSITY).astype(np.float32))
+
+
+def check_global_set_still_whole_job():
+    """After the sets are removed, the default (global) exchange involves every rank."""
+    torch.manual_seed(0)
+    model = Net()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                   compression=hvd_topk.TopK(density=DENSITY))
+    train_and_check(model, opt, list(range(hvd.size())),
+                    lambda name, grads: sparse_allreduce(grads, DENSITY).astype(np.float32), steps=1)
+    for p in model.parameters():
+        assert_same_on_all_ranks(p.detach().numpy(), "global set: parameters")
+
+
+CHECKS = [
+    ("error-feedback optimizer, rank outside the set", check_error_feedback_optimizer),
+    ("drop-in TopK, rank outside the set", check_drop_in_compressor),
+    ("global set after removing it", check_global_set_still_whole_job),
+]
+
+
+if __name__ == "__main__":
+    run(CHECKS)
