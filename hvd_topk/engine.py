@@ -29,7 +29,7 @@ from hvd_topk._horovod import hvd
 from hvd_topk.buckets import plan_buckets
 from hvd_topk.codec import Codec
 from hvd_topk.schedule import DensitySchedule
-from hvd_topk.selection import check_density
+from hvd_topk.selection import check_density, check_flag, check_number
 from hvd_topk.stats import CompressionStats
 
 STATE_KEY = "hvd_topk"
@@ -68,17 +68,14 @@ class Options:
 
     def __post_init__(self):
         for key in ("error_feedback", "dense_fallback"):
-            if not isinstance(getattr(self, key), bool):
-                raise TypeError(f"{key} must be True or False, got {getattr(self, key)!r}")
+            check_flag(getattr(self, key), key)
         for key, low in (("warmup_steps", 0), ("min_numel", 0), ("fusion_bytes", 1)):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{key} must be an integer, got {value!r}")
             if value < low:
                 raise ValueError(f"{key} must be an integer >= {low}, got {value!r}")
-        m = self.momentum_correction
-        if isinstance(m, bool) or not isinstance(m, (int, float)):
-            raise TypeError(f"momentum_correction must be a number, got {m!r}")
+        m = check_number(self.momentum_correction, "momentum_correction")
         if not 0.0 <= m < 1.0:
             raise ValueError(f"momentum_correction must be in [0, 1), got {m!r}")
         if m and not self.error_feedback:

@@ -1,6 +1,7 @@
 """Single-process tests: the contract's pieces against numpy and hand-computed cases."""
 
 import math
+import re
 import subprocess
 import sys
 
@@ -19,15 +20,61 @@ def test_k_for_matches_contract(n, density, want):
     assert selection.k_for(n, density) == want
 
 
-@pytest.mark.parametrize("bad", [0, 0.0, -0.1, 1.5, float("nan"), float("inf"), "abc", None])
+@pytest.mark.parametrize("bad", [0, 0.0, -0.1, 1.5, float("nan"), float("inf")])
 def test_density_out_of_range_is_value_error_naming_it(bad):
-    with pytest.raises(ValueError, match=repr(bad).replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=re.escape(repr(bad))):
         selection.check_density(bad)
+
+
+@pytest.mark.parametrize("bad", ["abc", "0.5", None, True, False, [0.1]])
+def test_density_not_a_number_is_type_error_naming_it(bad):
+    # bools are ints to Python, but density=True must not silently mean 1.0
+    with pytest.raises(TypeError, match=r"^density must be a number, got " + re.escape(repr(bad))):
+        selection.check_density(bad)
+
+
+def test_density_accepts_numpy_and_int_numbers():
+    assert selection.check_density(np.float32(0.25)) == 0.25
+    assert selection.check_density(1) == 1.0
 
 
 def test_bad_method_is_value_error():
     with pytest.raises(ValueError, match="'fastest'"):
         selection.check_method("fastest")
+    with pytest.raises(TypeError, match="method must be a string"):
+        selection.check_method(None)
+
+
+@pytest.mark.parametrize("kwargs, error, text", [
+    ({"density": True}, TypeError, "density must be a number, got True"),
+    ({"density": "0.01"}, TypeError, "density must be a number, got '0.01'"),
+    ({"density": 0.0}, ValueError, "density must be in (0, 1], got 0.0"),
+    ({"density": 2}, ValueError, "density must be in (0, 1], got 2"),
+    ({"method": "Exact"}, ValueError, "method must be one of ('sampled', 'exact'), got 'Exact'"),
+    ({"method": 1}, TypeError, "method must be a string"),
+    ({"fp16_values": "no"}, TypeError, "fp16_values must be True or False, got 'no'"),
+    ({"fp16_values": 1}, TypeError, "fp16_values must be True or False, got 1"),
+    ({"fp16_values": None}, TypeError, "fp16_values must be True or False, got None"),
+])
+def test_topk_options_checked_by_type_and_range(kwargs, error, text):
+    import hvd_topk
+
+    with pytest.raises(error, match=re.escape(text)):
+        hvd_topk.TopK(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, error, text", [
+    ({"warmup_density": True}, TypeError, "warmup_density must be a number, got True"),
+    ({"momentum_correction": True}, TypeError, "momentum_correction must be a number, got True"),
+    ({"momentum_correction": "0.9"}, TypeError, "momentum_correction must be a number"),
+    ({"error_feedback": "yes"}, TypeError, "error_feedback must be True or False, got 'yes'"),
+    ({"dense_fallback": 0}, TypeError, "dense_fallback must be True or False, got 0"),
+])
+def test_engine_options_checked_by_type(kwargs, error, text):
+    from hvd_topk.engine import Options
+
+    with pytest.raises(error, match=re.escape(text)):
+        Options(**kwargs)
 
 
 @pytest.mark.parametrize("n,density", [(1000, 0.01), (4096, 0.1), (333, 1.0), (50_000, 0.001)])
