@@ -24,7 +24,7 @@ _optimizer_ids = itertools.count()
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                          backward_passes_per_step=1, op=hvd.Average,
-                         gradient_predivide_factor=1.0, groups=None,
+                         gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
                          process_set=hvd.global_process_set, *, error_feedback=True,
                          momentum_correction=0.0, warmup_steps=0, warmup_density=0.25,
                          min_numel=1024, fusion_bytes=64 * 1024 * 1024, dense_fallback=True,
@@ -44,6 +44,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
             (op is ``hvd.Average`` or ``hvd.Sum``).
         groups: ``None`` (buckets of ``fusion_bytes``), an int (that many buckets) or a list of
             parameter lists (one bucket each): which tensors share one packed message.
+        sparse_as_dense: as in Horovod: a sparse gradient (``nn.Embedding(sparse=True)``) is
+            made dense, exchanged (and compressed) like any other, and handed to the inner
+            optimizer sparse again. Without it a sparse gradient raises a RuntimeError naming
+            this option at the backward pass.
 
     Keyword-only options (see ``hvd_topk.engine.Options`` for how to tune them):
         error_feedback (True): carry unsent entries to the next step. Turning it off loses them.
@@ -66,7 +70,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
     options = Options(error_feedback=error_feedback, momentum_correction=momentum_correction,
                       warmup_steps=warmup_steps, warmup_density=warmup_density, min_numel=min_numel,
                       fusion_bytes=fusion_bytes, dense_fallback=dense_fallback,
-                      selection_scope=selection_scope)
+                      selection_scope=selection_scope, sparse_as_dense=sparse_as_dense)
     compression = _resolve_compression(compression)
     _check_horovod_arguments(op, gradient_predivide_factor, backward_passes_per_step)
     if momentum_correction and any(g.get("momentum", 0) for g in optimizer.param_groups):
@@ -132,7 +136,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def state_dict(self):
         """The inner optimizer's state plus, under ``"hvd_topk"``, this rank's residuals,
         momentum buffers and step counter. Residuals are per rank: save one file per rank
-        for an exact resume (a rank loading another rank's file starts from zero residuals)."""
+        for an exact resume (a rank loading another rank's file starts from zero residuals).
+
+        The step counter is also a param-group option (``"hvd_topk_step"``), so that
+        ``hvd.broadcast_optimizer_state`` brings every rank to the root's step after a
+        checkpoint was loaded on the root only; the other ranks' residuals then start at zero."""
         state = super(self.__class__, self).state_dict()
         state[STATE_KEY] = getattr(self, ENGINE).state_dict()
         return state
@@ -144,7 +152,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         ours = state_dict.pop(STATE_KEY, None)
         super(self.__class__, self).load_state_dict(state_dict)
-        engine.load_state_dict(ours)
+        engine.load_state_dict(ours, self.param_groups)
 
     def compression_stats(self, reset=False):
         """Totals on this rank since construction or the last ``compression_stats(reset=True)``:

@@ -146,3 +146,43 @@ def test_missing_horovod_gives_install_instructions():
     assert "docker/install.sh" in proc.stderr
     # a short message, not a deep traceback
     assert proc.stderr.count('File "') <= 3, proc.stderr
+
+
+def test_checkpoint_names_map_torch_compile_prefix():
+    from hvd_topk.engine import _match_names
+
+    ours = ["fc.weight", "block.conv.weight"]
+    saved = {"_orig_mod.fc.weight": 1, "block._orig_mod.conv.weight": 2, "gone.weight": 3}
+    matched, dropped = _match_names(saved, ours)
+    assert matched == {"fc.weight": 1, "block.conv.weight": 2} and dropped == ["gone.weight"]
+    # and the reverse: plain names saved, compiled names here; an exact name wins
+    matched, dropped = _match_names({"fc.weight": 1, "_orig_mod.x": 2}, ["_orig_mod.fc.weight", "_orig_mod.x"])
+    assert matched == {"_orig_mod.fc.weight": 1, "_orig_mod.x": 2} and dropped == []
+
+
+def test_dropped_residuals_warn_once_listing_a_few():
+    from hvd_topk.engine import _warn_dropped
+
+    with pytest.warns(UserWarning, match=r"7 saved error-feedback residual\(s\).*a0, a1, a2, a3, a4 and 2 more"):
+        _warn_dropped([f"a{i}" for i in range(7)])
+
+
+def test_compiled_autograd_detected():
+    import torch._dynamo
+
+    from hvd_topk._torch import compiled_autograd_active
+
+    assert not compiled_autograd_active()
+    torch._dynamo.config.compiled_autograd = True
+    try:
+        assert compiled_autograd_active()
+    finally:
+        torch._dynamo.config.compiled_autograd = False
+    assert not compiled_autograd_active()
+
+
+def test_bf16_allreduced_as_float32():
+    from hvd_topk._horovod import allreduce_dtype
+
+    assert allreduce_dtype(torch.bfloat16) == torch.float32
+    assert allreduce_dtype(torch.float16) == torch.float16 and allreduce_dtype(torch.float32) == torch.float32
