@@ -17,11 +17,19 @@ Checked against Horovod 0.28.1 (``CHECKED_VERSION``). Each private detail relied
    ``allreduce(_async)``), so that the drop-in exchanges its pairs among the same ranks.
 3. ``is_horovod_distributed_optimizer``: recognises an optimizer already wrapped by
    ``hvd.DistributedOptimizer`` by its ``_handles`` and ``_compression`` attributes.
+4. ``ALLREDUCE_AS``: dtypes Horovod's torch ``allreduce`` lacks ("Tensor type
+   torch.BFloat16Tensor is not supported." on the CPU build), with the dtype hvd_topk
+   allreduces them in instead (``allreduce_dtype``).
+5. ``hvd.broadcast_optimizer_state`` broadcasts every option of every param group from the
+   root (how the learning rate reaches the other ranks), but nothing at all for an optimizer
+   without state; hvd_topk keeps its step counter there (``hvd_topk.engine.TopKEngine.step``).
 """
 
 import sys
 import threading
 import warnings
+
+import torch
 
 CHECKED_VERSION = "0.28.1"
 
@@ -43,6 +51,16 @@ except ImportError as _exc:  # also covers a Horovod built without PyTorch
 
 # (2) the module whose optimizers hvd.broadcast_optimizer_state steps with the inner step().
 OPTIMIZER_MODULE = hvd.DistributedOptimizer.__module__
+
+
+# (4) dtype -> the dtype its dense allreduce runs in: float32 holds every bfloat16 exactly and
+# sums in more precision than bfloat16 would.
+ALLREDUCE_AS = {torch.bfloat16: torch.float32}
+
+
+def allreduce_dtype(dtype):
+    """The dtype in which Horovod can allreduce a tensor of ``dtype`` (``dtype`` itself if it can)."""
+    return ALLREDUCE_AS.get(dtype, dtype)
 
 
 def is_horovod_distributed_optimizer(optimizer):

@@ -26,13 +26,19 @@ import torch
 from hvd_topk._horovod import caller_process_set, hvd, tensor_name_from_caller
 from hvd_topk.codec import Codec
 from hvd_topk.exchange import AllgatherPairs
-from hvd_topk.selection import DEFAULT_METHOD, check_density, check_method
+from hvd_topk.selection import DEFAULT_METHOD, check_density, check_flag, check_method
 from hvd_topk.stats import CompressionStats
 from hvd_topk.wire import index_dtype_for
 
 from horovod.torch.compression import Compressor  # noqa: E402  (hvd_topk._horovod checked it)
 
 _instance_ids = itertools.count()
+
+ADASUM_ERROR = (
+    "hvd_topk.TopK does not support op=hvd.Adasum: Adasum combines dense parameter deltas, "
+    "which Top-K would truncate. Build hvd.DistributedOptimizer(..., compression=hvd_topk.TopK) "
+    "with op=hvd.Average (the default) or op=hvd.Sum. (This is raised at the first backward "
+    "pass because Horovod does not show a compressor the op when the optimizer is built.)")
 
 
 class _OnDefaultInstance:
@@ -89,6 +95,13 @@ class TopK(Compressor):
     among the ranks of the process set Horovod reduces the tensor over (``process_set=`` of
     ``hvd.DistributedOptimizer`` or ``hvd.allreduce``).
 
+    ``op=hvd.Adasum`` is refused, at the first step rather than when the optimizer is built:
+    ``hvd.DistributedOptimizer`` only stores its compressor and never shows it the ``op``, so
+    the first thing TopK sees is the first ``compress`` call, which under Adasum receives a
+    parameter delta (Horovod's Adasum optimizer compresses ``p``, not ``p.grad``). The error
+    (``ADASUM_ERROR``) then names the fix. ``hvd_topk.DistributedOptimizer`` refuses Adasum
+    when it is built.
+
     Args:
         density: fraction of entries to send, in (0, 1].
         method: ``"sampled"`` (default: threshold from a sample, one pass, exactly k entries,
@@ -102,7 +115,7 @@ class TopK(Compressor):
     def __init__(self, density=DEFAULT_DENSITY, method=DEFAULT_METHOD, fp16_values=False):
         self.density = check_density(density)
         self.method = check_method(method)
-        self.fp16_values = bool(fp16_values)
+        self.fp16_values = check_flag(fp16_values, "fp16_values")
         self._codec = Codec(self.method, self.fp16_values)
         self._plans = {}  # (numel, dtype) -> codec.Plan, the same every step
         self._stats = CompressionStats()
@@ -124,9 +137,7 @@ class TopK(Compressor):
         if not tensor.is_floating_point() or tensor.numel() == 0:
             return tensor, None
         if isinstance(tensor, torch.nn.Parameter):
-            # Horovod's Adasum optimizer compresses parameter deltas, never gradients.
-            raise ValueError("hvd_topk.TopK does not support op=hvd.Adasum: Adasum combines "
-                             "dense deltas; use op=hvd.Average or op=hvd.Sum")
+            raise ValueError(ADASUM_ERROR)
         t0 = time.perf_counter()
         numel = tensor.numel()
         plan = self._plan(numel, tensor.dtype)

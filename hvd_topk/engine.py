@@ -29,15 +29,22 @@ import torch
 
 from hvd_topk import exchange
 from hvd_topk._horovod import hvd
+from hvd_topk._torch import compiled_autograd_active
 from hvd_topk.buckets import plan_buckets
 from hvd_topk.codec import Codec, Encoded
 from hvd_topk.schedule import DensitySchedule
-from hvd_topk.selection import check_density, native_ok
+from hvd_topk.selection import check_density, check_flag, check_number, native_ok
 from hvd_topk.stats import CompressionStats
 
 STATE_KEY = "hvd_topk"
+STEP_KEY = "hvd_topk_step"  # in the optimizer's first param group (see TopKEngine.step)
 STATE_FORMAT = 2
 SCOPES = ("tensor", "bucket")
+COMPILED_AUTOGRAD_ERROR = (
+    "hvd_topk.DistributedOptimizer does not support compiled autograd "
+    "(torch._dynamo.config.compiled_autograd = True): compiled autograd traces the gradient "
+    "hooks that start each exchange, which hvd_topk does not support. Set "
+    "torch._dynamo.config.compiled_autograd = False (torch.compile of the model can stay).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,20 +75,18 @@ class Options:
     fusion_bytes: int = 64 * 1024 * 1024
     dense_fallback: bool = True
     selection_scope: str = "tensor"
+    sparse_as_dense: bool = False
 
     def __post_init__(self):
-        for key in ("error_feedback", "dense_fallback"):
-            if not isinstance(getattr(self, key), bool):
-                raise TypeError(f"{key} must be True or False, got {getattr(self, key)!r}")
+        for key in ("error_feedback", "dense_fallback", "sparse_as_dense"):
+            check_flag(getattr(self, key), key)
         for key, low in (("warmup_steps", 0), ("min_numel", 0), ("fusion_bytes", 1)):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{key} must be an integer, got {value!r}")
             if value < low:
                 raise ValueError(f"{key} must be an integer >= {low}, got {value!r}")
-        m = self.momentum_correction
-        if isinstance(m, bool) or not isinstance(m, (int, float)):
-            raise TypeError(f"momentum_correction must be a number, got {m!r}")
+        m = check_number(self.momentum_correction, "momentum_correction")
         if not 0.0 <= m < 1.0:
             raise ValueError(f"momentum_correction must be in [0, 1), got {m!r}")
         if m and not self.error_feedback:
@@ -132,6 +137,7 @@ class TopKEngine:
         self.process_set = process_set
         self.prefix = prefix
         self.params = params
+        self.frozen = [p for g in param_groups for p in g["params"] if not p.requires_grad]
         self.names = names
         self.shapes = [p.shape for p in params]
         # As in Horovod: a rank outside the process set exchanges nothing; its gradients stay local.
@@ -151,11 +157,34 @@ class TopKEngine:
         self.should_synchronize = True
         self.grad_scaler = grad_scaler
         self.residual_scale = None  # the loss scale the residuals are expressed in
-        self.step_begun = False
-        self.hooks = [p.register_post_accumulate_grad_hook(self.on_grad_ready)
+        self.step_begun = False    # _begin_step ran this step
+        self.densified = []        # parameters whose sparse gradient was densified this step
+        self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                       for p in params] if self.member else []
 
     # ---- per step --------------------------------------------------------------------------
+    def _on_grad(self, p):
+        """The parameters' hook: what the exchange cannot take is refused (or, for a sparse
+        gradient with ``sparse_as_dense``, converted) before ``on_grad_ready`` sees it."""
+        if not self.step_begun:
+            self._begin_step()
+        if p.grad is not None and p.grad.layout != torch.strided:
+            self._densify(p)
+        self.on_grad_ready(p)
+
+    def _densify(self, p):
+        """``sparse_as_dense``: exchange a sparse gradient dense; ``synchronize`` gives it back
+        sparse, as Horovod does (an optimizer such as SparseAdam wants it so)."""
+        if not self.options.sparse_as_dense:
+            raise RuntimeError(f"parameter {self.names[p]!r} has a sparse gradient ({p.grad.layout}, "
+                               "e.g. nn.Embedding(sparse=True)); hvd_topk exchanges dense gradients. "
+                               "Pass sparse_as_dense=True to hvd_topk.DistributedOptimizer (as with "
+                               "Horovod) to densify it and compress it as usual, or use a dense "
+                               "embedding.")
+        if p not in self.densified:
+            self.densified.append(p)
+        p.grad = p.grad.to_dense()
+
     def on_grad_ready(self, p):
         """Hook: after the last backward pass of the step, fold ``p.grad`` into its bucket."""
         if self.passes[p] >= self.passes_per_step:
@@ -170,17 +199,21 @@ class TopKEngine:
                 self._launch(bucket)
 
     def _begin_step(self):
-        """Once per step, before the first fold: keep the residuals in the units of this
-        step's gradients.
+        """Once per step, before anything is folded or exchanged (the first hook, or
+        ``synchronize`` when none fired): refuse what would make ranks silently diverge, then
+        keep the residuals in the units of this step's gradients."""
+        self._check_step_start()
+        self._follow_loss_scale()
+        self.step_begun = True
 
-        With loss scaling (``torch.amp.GradScaler``) every gradient, and so every residual, is
+    def _follow_loss_scale(self):
+        """With loss scaling (``torch.amp.GradScaler``) every gradient, and so every residual, is
         multiplied by the scale of the step that produced it. The scaler halves the scale
         after an overflow and doubles it every ``growth_interval`` steps; a residual carried
         across such a change would be added back at the wrong scale. So when the scale has
         changed, the residuals (and DGC's momentum) are multiplied by new / old: exact for the
         scaler's powers of two, and a pass over memory only on the rare steps that change it.
         """
-        self.step_begun = True
         scaler = self.grad_scaler
         if scaler is None or not scaler.is_enabled():
             return
@@ -193,8 +226,6 @@ class TopKEngine:
                         flat.mul_(scale / old)
 
     def _fold(self, bucket, position, grad):
-        if not self.step_begun:
-            self._begin_step()
         current = bucket.current or self._begin(bucket)
         ef, momentum = bucket.sparse and self.options.error_feedback, self.options.momentum_correction
         # Error feedback on the native kernel: the fold (acc += grad) is the selection's own pass.
@@ -328,6 +359,8 @@ class TopKEngine:
             self.synchronized = True
             return
         self._check_parameters_unchanged()
+        if not self.step_begun:
+            self._begin_step()
         for bucket in self.buckets:
             if bucket.pending is None:
                 self._launch(bucket)
@@ -335,6 +368,7 @@ class TopKEngine:
             self._finish(bucket)
         for p in self.passes:
             self.passes[p] = 0
+        self._resparsify()
         self.step += 1
         self.stats.add(steps=1)
         self.synchronized = True
@@ -342,6 +376,23 @@ class TopKEngine:
 
     def pending(self):
         return any(b.pending is not None for b in self.buckets)
+
+    @property
+    def step(self):
+        """Steps done: drives the warm-up density, so it must agree on every rank.
+
+        It lives in the optimizer's first param group (key ``STEP_KEY``) rather than here,
+        because ``hvd.broadcast_optimizer_state`` broadcasts every param-group option from the
+        root rank (as it does the learning rate): a checkpoint loaded on rank 0 then brings every
+        rank to its step. (Horovod returns before broadcasting anything for an optimizer that
+        has no state, e.g. SGD without momentum; there, as for the learning rate, load the
+        checkpoint on every rank.) Torch saves and loads it with the param groups.
+        """
+        return self.param_groups[0].get(STEP_KEY, 0)
+
+    @step.setter
+    def step(self, value):
+        self.param_groups[0][STEP_KEY] = int(value)
 
     def forget_step(self):
         """Drop this step's progress (folds already in the residual stay: load_state_dict then
@@ -351,7 +402,12 @@ class TopKEngine:
         for p in self.passes:
             self.passes[p] = 0
         self.synchronized, self.should_synchronize = False, True
-        self.step_begun = False
+        self.step_begun, self.densified = False, []
+
+    def _resparsify(self):
+        for p in self.densified:
+            p.grad = p.grad.to_sparse()
+        self.densified = []
 
     # ---- state -----------------------------------------------------------------------------
     def _residual_buckets(self):
@@ -370,15 +426,25 @@ class TopKEngine:
         return {"format": STATE_FORMAT, "step": self.step, "rank": self.rank, "size": self.world,
                 "residuals": residuals, "momenta": momenta, "residual_scale": self.residual_scale}
 
-    def load_state_dict(self, state):
-        """Restore ``state_dict()``'s output (the caller checked that no exchange is pending)."""
+    def load_state_dict(self, state, param_groups=None):
+        """Restore ``state_dict()``'s output (the caller checked that no exchange is pending).
+
+        ``param_groups``: the optimizer's groups after torch's ``load_state_dict`` replaced
+        them (the step counter lives there); with ``state`` None the step is kept.
+        """
         self.forget_step()
+        step = self.step
+        if param_groups is not None:
+            self.param_groups = param_groups
+        self.step = step if state is None else state["step"]
         if state is None:
             return
-        self.step = int(state["step"])
         self.residual_scale = state.get("residual_scale")
         if (state["rank"], state["size"]) == (self.rank, self.world):
-            residuals, momenta = state.get("residuals", {}), state.get("momenta", {})
+            ours = [m.name for b in self._residual_buckets() for m in b.members]
+            residuals, dropped = _match_names(state.get("residuals", {}), ours)
+            momenta, dropped_momenta = _match_names(state.get("momenta", {}), ours)
+            _warn_dropped(dropped + [n for n in dropped_momenta if n not in dropped])
             for b in self._residual_buckets():
                 if residuals or b.acc is not None:
                     _restore(b, b.buffer(), residuals)
@@ -422,6 +488,20 @@ class TopKEngine:
                              f"settings (parameter names, shapes, dtypes, density, options); ranks "
                              f"{differ} differ from rank 0:\n  " + "\n  ".join(lines))
 
+    def _check_step_start(self):
+        """What would make ranks silently diverge (the same on every rank, so every rank raises
+        at the same point)."""
+        if compiled_autograd_active():
+            raise RuntimeError(COMPILED_AUTOGRAD_ERROR)
+        for p in self.frozen:
+            if p.requires_grad:
+                raise RuntimeError(
+                    f"parameter {self.names[p]!r} had requires_grad=False when "
+                    "hvd_topk.DistributedOptimizer was built and is trainable now: its gradient "
+                    "would never be exchanged and ranks would silently diverge. Set requires_grad="
+                    "True on every parameter to be trained before building the "
+                    "DistributedOptimizer, or build a new one after unfreezing.")
+
     def _check_parameters_unchanged(self):
         ids = [id(p) for g in self.param_groups for p in g["params"]]
         if ids != self.param_ids or any(p.shape != s for p, s in zip(self.params, self.shapes)):
@@ -438,3 +518,38 @@ def _restore(bucket, flat, saved):
             view.copy_(saved[m.name])
         else:
             view.zero_()
+
+
+COMPILED_MODULE = "_orig_mod"  # the attribute torch.compile's OptimizedModule keeps the model in
+
+
+def _plain_name(name):
+    """``name`` without ``torch.compile``'s ``_orig_mod`` components: a compiled model's
+    ``_orig_mod.fc.weight`` (or ``block._orig_mod.fc.weight``) is the plain model's ``fc.weight``."""
+    return ".".join(part for part in name.split(".") if part != COMPILED_MODULE)
+
+
+def _match_names(saved, ours):
+    """``saved`` re-keyed by the names in ``ours`` (exact name first, else equal once the
+    ``_orig_mod`` prefixes are removed), and the saved names that matched none."""
+    by_plain = {_plain_name(n): n for n in ours}
+    ours = set(ours)
+    matched, dropped = {}, []
+    for name, tensor in saved.items():
+        target = name if name in ours else by_plain.get(_plain_name(name))
+        if target is None:
+            dropped.append(name)
+        else:
+            matched[target] = tensor
+    return matched, dropped
+
+
+def _warn_dropped(names, shown=5):
+    """One warning per load for saved residuals that belong to no parameter here."""
+    if not names:
+        return
+    listed = ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+    warnings.warn(f"hvd_topk: {len(names)} saved error-feedback residual(s) match no parameter that "
+                  f"this optimizer exchanges with error feedback and were dropped: {listed}. Were "
+                  "they saved from a different model, or with other named_parameters, min_numel or "
+                  "error_feedback? (torch.compile's '_orig_mod.' prefix is mapped automatically.)")

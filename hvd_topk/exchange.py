@@ -19,7 +19,7 @@ Sparse pays while ``density < 2 b_dense / (P (b_v + b_i))``: 50% at P=2, 12.5% a
 P=64 for fp32 values and int32 indices (``sparse_break_even``).
 """
 
-from hvd_topk._horovod import hvd
+from hvd_topk._horovod import allreduce_dtype, hvd
 
 
 class AllgatherPairs:
@@ -43,7 +43,14 @@ class AllgatherPairs:
 
 
 class DenseAllreduce:
-    """In-place ring allreduce of the whole buffer (Horovod's default path)."""
+    """In-place ring allreduce of the whole buffer (Horovod's default path).
+
+    A dtype Horovod cannot allreduce (bfloat16 on Horovod 0.28.1) is allreduced as a float32
+    copy and cast back into the buffer by ``finish``: exact for every bfloat16 input, summed in
+    float32, and one rounding to bfloat16 at the end. (Horovod's own optimizer raises "Tensor
+    type torch.BFloat16Tensor is not supported." there.) The buffer is always contiguous, so
+    channels_last gradients need nothing: the bucket copies them in and out by shape.
+    """
 
     name = "dense"
     sparse = False
@@ -54,14 +61,22 @@ class DenseAllreduce:
 
     @staticmethod
     def start(tensor, name, process_set, op, predivide=1.0):
-        """Horovod's split of Average into pre- and post-scaling, as its optimizer does."""
+        """Horovod's split of Average into pre- and post-scaling, as its optimizer does.
+        Returns a handle for ``finish``."""
         pre, post = (1.0 / predivide, predivide) if op == hvd.Average else (1.0, 1.0)
-        return hvd.allreduce_async_(tensor, name=name, op=op, prescale_factor=pre,
-                                    postscale_factor=post, process_set=process_set)
+        wire = tensor.to(allreduce_dtype(tensor.dtype))  # ``tensor`` itself when supported
+        handle = hvd.allreduce_async_(wire, name=name, op=op, prescale_factor=pre,
+                                      postscale_factor=post, process_set=process_set)
+        return handle, tensor, wire
 
     @staticmethod
     def finish(handle):
-        return hvd.synchronize(handle)
+        """The reduced buffer: the tensor given to ``start``, overwritten with the result."""
+        handle, tensor, wire = handle
+        hvd.synchronize(handle)
+        if wire is not tensor:
+            tensor.copy_(wire)
+        return tensor
 
 
 STRATEGIES = (DenseAllreduce, AllgatherPairs)  # on a tie, dense: it loses nothing

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 import torch
 
 from hvd_topk._horovod import OPTIMIZER_MODULE, hvd, is_horovod_distributed_optimizer
+from hvd_topk._torch import AMP_SCALING_ATTRIBUTE
 from hvd_topk.compressor import TopK
 from hvd_topk.engine import STATE_KEY, Options, TopKEngine
 
@@ -24,7 +25,7 @@ _optimizer_ids = itertools.count()
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                          backward_passes_per_step=1, op=hvd.Average,
-                         gradient_predivide_factor=1.0, groups=None,
+                         gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
                          process_set=hvd.global_process_set, *, error_feedback=True,
                          momentum_correction=0.0, warmup_steps=0, warmup_density=0.25,
                          min_numel=1024, fusion_bytes=64 * 1024 * 1024, dense_fallback=True,
@@ -44,6 +45,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
             (op is ``hvd.Average`` or ``hvd.Sum``).
         groups: ``None`` (buckets of ``fusion_bytes``), an int (that many buckets) or a list of
             parameter lists (one bucket each): which tensors share one packed message.
+        sparse_as_dense: as in Horovod: a sparse gradient (``nn.Embedding(sparse=True)``) is
+            made dense, exchanged (and compressed) like any other, and handed to the inner
+            optimizer sparse again. Without it a sparse gradient raises a RuntimeError naming
+            this option at the backward pass.
 
     Keyword-only options (see ``hvd_topk.engine.Options`` for how to tune them):
         error_feedback (True): carry unsent entries to the next step. Turning it off loses them.
@@ -70,7 +75,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
     options = Options(error_feedback=error_feedback, momentum_correction=momentum_correction,
                       warmup_steps=warmup_steps, warmup_density=warmup_density, min_numel=min_numel,
                       fusion_bytes=fusion_bytes, dense_fallback=dense_fallback,
-                      selection_scope=selection_scope)
+                      selection_scope=selection_scope, sparse_as_dense=sparse_as_dense)
     compression = _resolve_compression(compression)
     if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
         raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
@@ -139,7 +144,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def state_dict(self):
         """The inner optimizer's state plus, under ``"hvd_topk"``, this rank's residuals,
         momentum buffers and step counter. Residuals are per rank: save one file per rank
-        for an exact resume (a rank loading another rank's file starts from zero residuals)."""
+        for an exact resume (a rank loading another rank's file starts from zero residuals).
+
+        The step counter is also a param-group option (``"hvd_topk_step"``), so that
+        ``hvd.broadcast_optimizer_state`` brings every rank to the root's step after a
+        checkpoint was loaded on the root only; the other ranks' residuals then start at zero."""
         state = super(self.__class__, self).state_dict()
         state[STATE_KEY] = getattr(self, ENGINE).state_dict()
         return state
@@ -151,7 +160,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         ours = state_dict.pop(STATE_KEY, None)
         super(self.__class__, self).load_state_dict(state_dict)
-        engine.load_state_dict(ours)
+        engine.load_state_dict(ours, self.param_groups)
+
+    def _amp_scaling_read(self):
+        """``torch.amp.GradScaler.step(opt)`` reads ``_step_supports_amp_scaling`` (see
+        ``hvd_topk._torch``): a scaler steps this optimizer. Without ``grad_scaler=`` the
+        residuals would silently be added back at a stale scale after its next change."""
+        engine = getattr(self, ENGINE)
+        if engine.grad_scaler is None and engine.options.error_feedback:
+            raise RuntimeError(
+                "a torch.amp.GradScaler is stepping this hvd_topk.DistributedOptimizer, which was "
+                "built without it: error-feedback residuals hold scaled gradients and would be "
+                "added back at a stale scale after the scaler changes its scale. Pass it: "
+                "hvd_topk.DistributedOptimizer(optimizer, ..., grad_scaler=scaler).")
+        return self.__dict__.get(AMP_SCALING_ATTRIBUTE, False)
+
+    def _amp_scaling_set(self, value):  # fused optimizers set it in their __init__
+        self.__dict__[AMP_SCALING_ATTRIBUTE] = value
 
     def compression_stats(self, reset=False):
         """Totals on this rank since construction or the last ``compression_stats(reset=True)``:
@@ -162,6 +187,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if reset:
             engine.stats.reset()
         return out
+
+
+setattr(_DistributedOptimizer, AMP_SCALING_ATTRIBUTE,
+        property(_DistributedOptimizer._amp_scaling_read, _DistributedOptimizer._amp_scaling_set))
 
 
 def _resolve_compression(compression):

@@ -21,6 +21,7 @@ Where it runs:
 import ctypes
 import itertools
 import math
+import numbers
 
 import torch
 
@@ -40,21 +41,38 @@ def k_for(numel, density):
     return min(numel, max(1, int(round(density * numel))))
 
 
+def check_number(value, name):
+    """``value`` as a float, or TypeError naming ``name`` when it is not a real number.
+
+    ``True``/``False`` are refused although Python counts them as integers (``density=True``
+    would silently mean 1.0), and so are strings (``"0.01"`` is a typo for a number here).
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
 def check_density(density, name="density"):
-    """Return density as a float, or raise ValueError naming the bad value."""
-    try:
-        value = float(density)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number in (0, 1], got {density!r}") from None
+    """Return density as a float in (0, 1]: TypeError for a non-number, ValueError out of range."""
+    value = check_number(density, name)
     if not 0.0 < value <= 1.0:  # also rejects nan
         raise ValueError(f"{name} must be in (0, 1], got {density!r}")
     return value
 
 
 def check_method(method):
+    if not isinstance(method, str):
+        raise TypeError(f"method must be a string, one of {METHODS}, got {method!r}")
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     return method
+
+
+def check_flag(value, name):
+    """``value`` if it is ``True`` or ``False`` (not merely truthy: ``"no"`` is truthy)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 _NATIVE_FUNCS = {torch.float32: "hvdtk_select_f32", torch.float64: "hvdtk_select_f64"}

@@ -1,6 +1,7 @@
 """Single-process tests: the contract's pieces against numpy and hand-computed cases."""
 
 import math
+import re
 import subprocess
 import sys
 
@@ -19,15 +20,61 @@ def test_k_for_matches_contract(n, density, want):
     assert selection.k_for(n, density) == want
 
 
-@pytest.mark.parametrize("bad", [0, 0.0, -0.1, 1.5, float("nan"), float("inf"), "abc", None])
+@pytest.mark.parametrize("bad", [0, 0.0, -0.1, 1.5, float("nan"), float("inf")])
 def test_density_out_of_range_is_value_error_naming_it(bad):
-    with pytest.raises(ValueError, match=repr(bad).replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=re.escape(repr(bad))):
         selection.check_density(bad)
+
+
+@pytest.mark.parametrize("bad", ["abc", "0.5", None, True, False, [0.1]])
+def test_density_not_a_number_is_type_error_naming_it(bad):
+    # bools are ints to Python, but density=True must not silently mean 1.0
+    with pytest.raises(TypeError, match=r"^density must be a number, got " + re.escape(repr(bad))):
+        selection.check_density(bad)
+
+
+def test_density_accepts_numpy_and_int_numbers():
+    assert selection.check_density(np.float32(0.25)) == 0.25
+    assert selection.check_density(1) == 1.0
 
 
 def test_bad_method_is_value_error():
     with pytest.raises(ValueError, match="'fastest'"):
         selection.check_method("fastest")
+    with pytest.raises(TypeError, match="method must be a string"):
+        selection.check_method(None)
+
+
+@pytest.mark.parametrize("kwargs, error, text", [
+    ({"density": True}, TypeError, "density must be a number, got True"),
+    ({"density": "0.01"}, TypeError, "density must be a number, got '0.01'"),
+    ({"density": 0.0}, ValueError, "density must be in (0, 1], got 0.0"),
+    ({"density": 2}, ValueError, "density must be in (0, 1], got 2"),
+    ({"method": "Exact"}, ValueError, "method must be one of ('sampled', 'exact'), got 'Exact'"),
+    ({"method": 1}, TypeError, "method must be a string"),
+    ({"fp16_values": "no"}, TypeError, "fp16_values must be True or False, got 'no'"),
+    ({"fp16_values": 1}, TypeError, "fp16_values must be True or False, got 1"),
+    ({"fp16_values": None}, TypeError, "fp16_values must be True or False, got None"),
+])
+def test_topk_options_checked_by_type_and_range(kwargs, error, text):
+    import hvd_topk
+
+    with pytest.raises(error, match=re.escape(text)):
+        hvd_topk.TopK(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, error, text", [
+    ({"warmup_density": True}, TypeError, "warmup_density must be a number, got True"),
+    ({"momentum_correction": True}, TypeError, "momentum_correction must be a number, got True"),
+    ({"momentum_correction": "0.9"}, TypeError, "momentum_correction must be a number"),
+    ({"error_feedback": "yes"}, TypeError, "error_feedback must be True or False, got 'yes'"),
+    ({"dense_fallback": 0}, TypeError, "dense_fallback must be True or False, got 0"),
+])
+def test_engine_options_checked_by_type(kwargs, error, text):
+    from hvd_topk.engine import Options
+
+    with pytest.raises(error, match=re.escape(text)):
+        Options(**kwargs)
 
 
 @pytest.mark.parametrize("n,density", [(1000, 0.01), (4096, 0.1), (333, 1.0), (50_000, 0.001)])
@@ -99,3 +146,43 @@ def test_missing_horovod_gives_install_instructions():
     assert "docker/install.sh" in proc.stderr
     # a short message, not a deep traceback
     assert proc.stderr.count('File "') <= 3, proc.stderr
+
+
+def test_checkpoint_names_map_torch_compile_prefix():
+    from hvd_topk.engine import _match_names
+
+    ours = ["fc.weight", "block.conv.weight"]
+    saved = {"_orig_mod.fc.weight": 1, "block._orig_mod.conv.weight": 2, "gone.weight": 3}
+    matched, dropped = _match_names(saved, ours)
+    assert matched == {"fc.weight": 1, "block.conv.weight": 2} and dropped == ["gone.weight"]
+    # and the reverse: plain names saved, compiled names here; an exact name wins
+    matched, dropped = _match_names({"fc.weight": 1, "_orig_mod.x": 2}, ["_orig_mod.fc.weight", "_orig_mod.x"])
+    assert matched == {"_orig_mod.fc.weight": 1, "_orig_mod.x": 2} and dropped == []
+
+
+def test_dropped_residuals_warn_once_listing_a_few():
+    from hvd_topk.engine import _warn_dropped
+
+    with pytest.warns(UserWarning, match=r"7 saved error-feedback residual\(s\).*a0, a1, a2, a3, a4 and 2 more"):
+        _warn_dropped([f"a{i}" for i in range(7)])
+
+
+def test_compiled_autograd_detected():
+    import torch._dynamo
+
+    from hvd_topk._torch import compiled_autograd_active
+
+    assert not compiled_autograd_active()
+    torch._dynamo.config.compiled_autograd = True
+    try:
+        assert compiled_autograd_active()
+    finally:
+        torch._dynamo.config.compiled_autograd = False
+    assert not compiled_autograd_active()
+
+
+def test_bf16_allreduced_as_float32():
+    from hvd_topk._horovod import allreduce_dtype
+
+    assert allreduce_dtype(torch.bfloat16) == torch.float32
+    assert allreduce_dtype(torch.float16) == torch.float16 and allreduce_dtype(torch.float32) == torch.float32

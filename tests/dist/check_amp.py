@@ -52,9 +52,11 @@ def build(pass_scaler, momentum_correction=0.0, density=0.05):
     return model, opt, scaler
 
 
-def train_scaled(model, opt, scaler, steps, ref=None):
+def train_scaled(model, opt, scaler, steps, ref=None, scaler_steps=True):
     """Horovod's GradScaler pattern; with ``ref``, each step's unscaled p.grad is checked
-    against the numpy reference fed with true-unit gradients. Returns the largest deviation."""
+    against the numpy reference fed with true-unit gradients. Returns the largest deviation.
+    ``scaler_steps=False``: ``opt.step()`` directly instead of ``scaler.step(opt)`` (no
+    overflow happens here, so the scaler would not skip a step either)."""
     rank = hvd.rank()
     shadow = copy.deepcopy(model)
     worst = 0.0
@@ -76,7 +78,7 @@ def train_scaled(model, opt, scaler, steps, ref=None):
                 want = np.sum(grads, axis=0) / hvd.size()
             worst = max(worst, float(np.max(np.abs(p.grad.numpy() - want))))
         with opt.skip_synchronize():
-            scaler.step(opt)
+            scaler.step(opt) if scaler_steps else opt.step()
         scaler.update(new_scale=SCALES[(step + 1) % len(SCALES)])
         for name, p in model.named_parameters():
             assert_same_on_all_ranks(p.detach().numpy(), f"amp step {step}: parameter {name}")
@@ -95,11 +97,22 @@ def check_residuals_follow_scale_changes(momentum_correction=0.0):
 
 def check_without_the_scaler_residuals_are_stale():
     """The failure the option prevents (so the check above is not vacuous): without
-    ``grad_scaler`` the residual is added back at the old scale after the first change."""
+    ``grad_scaler`` the residual is added back at the old scale after the first change.
+    (``scaler.step(opt)`` refuses that case, next check; stepping directly bypasses it.)"""
     model, opt, scaler = build(pass_scaler=False)
     ref = ErrorFeedbackReference(hvd.size())
-    worst = train_scaled(model, opt, scaler, len(SCALES), ref)
+    worst = train_scaled(model, opt, scaler, len(SCALES), ref, scaler_steps=False)
     assert worst > 1e-3, worst
+
+
+def check_scaler_step_without_the_option_refused():
+    model, opt, scaler = build(pass_scaler=False)
+    x, y = batch(0, hvd.rank())
+    scaler.scale(F.cross_entropy(model(x), y)).backward()
+    opt.synchronize()
+    scaler.unscale_(opt)
+    with opt.skip_synchronize(), raises(RuntimeError, r"built without it.*grad_scaler=scaler"):
+        scaler.step(opt)
 
 
 def check_rejects_other_objects():
@@ -114,6 +127,7 @@ CHECKS = [
     ("residuals follow loss-scale changes, momentum correction",
      lambda: check_residuals_follow_scale_changes(momentum_correction=0.9)),
     ("without grad_scaler the residuals are stale", check_without_the_scaler_residuals_are_stale),
+    ("GradScaler.step without grad_scaler refused", check_scaler_step_without_the_option_refused),
     ("grad_scaler type checked", check_rejects_other_objects),
 ]
 

@@ -269,6 +269,7 @@ CHECKS = [
     contract("warm-up", warmup_steps=3, steps=5),
     contract("small buckets", fusion_bytes=4096),
     contract("groups=2", groups=2),
+    contract("predivide=2.0", gradient_predivide_factor=2.0),
     contract("no gradient on rank 1", drop_head2_on_rank=1),
     contract("fp32 dense fallback off", dense_fallback=False, density=0.6),
     contract("bucket scope", selection_scope="bucket"),

@@ -1,0 +1,38 @@
+"""Everything hvd_topk needs from PyTorch beyond its documented API, in one place.
+
+Checked against torch 2.13 (``CHECKED_VERSION``). Each private detail relied on:
+
+1. ``compiled_autograd_active``: torch 2.13 has no public way to ask whether compiled autograd
+   is in use. It is switched on by ``torch._dynamo.config.compiled_autograd = True`` (then
+   used for backward passes under ``torch.compile``) or by the context manager behind it, which
+   sets ``torch._dynamo.compiled_autograd.compiled_autograd_enabled`` and, while a captured
+   backward runs, ``in_compiled_autograd_region``. If these names move, the check returns
+   False (as for torch without dynamo) and hvd_topk behaves as before the check existed.
+2. ``AMP_SCALING_ATTRIBUTE``: ``torch.amp.GradScaler.step(optimizer)`` reads this attribute of
+   the optimizer (fused optimizers set it to unscale by themselves); it is the only read of it
+   in torch 2.13 and the only sign an optimizer gets that a scaler steps it. hvd_topk's wrapper
+   answers it with the wrapped optimizer's own value, after checking that the scaler was
+   passed as ``grad_scaler=`` (see ``hvd_topk.optimizer``). If torch stops reading it, that
+   check silently stops firing and the ``grad_scaler`` docs still stand.
+"""
+
+import sys
+
+CHECKED_VERSION = "2.13"
+AMP_SCALING_ATTRIBUTE = "_step_supports_amp_scaling"
+
+
+def compiled_autograd_active():
+    """True when compiled autograd is switched on (see the module docstring).
+
+    Reads only modules already imported: if ``torch._dynamo`` was never imported, compiled
+    autograd cannot be on, and importing it here would cost about a second.
+    """
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        return False
+    if getattr(getattr(dynamo, "config", None), "compiled_autograd", False) is True:
+        return True
+    engine = sys.modules.get("torch._dynamo.compiled_autograd")
+    return engine is not None and (getattr(engine, "compiled_autograd_enabled", False) is True
+                                   or getattr(engine, "in_compiled_autograd_region", False) is True)

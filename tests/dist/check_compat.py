@@ -1,0 +1,416 @@
+"""Horovod features hvd_topk must keep working (issue 13), each checked against an independent
+truth: numpy references fed with every rank's data, an uninterrupted run, or another rank.
+
+Run: PYTHONPATH=.:tests mpirun -np 2 (or 3) python tests/dist/check_compat.py
+(``--list`` prints the names of its checks).
+"""
+
+import copy
+import re
+import warnings
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import horovod.torch as hvd
+import hvd_topk
+from check_optimizer import Net, batch, build, train
+import harness
+from harness import assert_same_on_all_ranks, gather, raises, run, step_and_check_same
+from reference import ErrorFeedbackReference, dgc_density, sparse_allreduce
+
+MIN_NUMEL = 500  # Net's fc1.weight, fc2.weight and head2.weight are sparse, its biases dense
+
+
+# ---- item 12: options --------------------------------------------------------------------------
+def check_options_refused():
+    """Every TopK option is checked by type and range on every rank, before any collective."""
+    for kwargs, error, text in [
+        ({"density": True}, TypeError, "density must be a number, got True"),
+        ({"density": "0.01"}, TypeError, "density must be a number, got '0.01'"),
+        ({"density": 1.5}, ValueError, "density must be in (0, 1], got 1.5"),
+        ({"method": "fast"}, ValueError, "method must be one of"),
+        ({"method": None}, TypeError, "method must be a string"),
+        ({"fp16_values": "no"}, TypeError, "fp16_values must be True or False, got 'no'"),
+    ]:
+        with raises(error, match=re.escape(text), what=f"TopK({kwargs})"):
+            hvd_topk.TopK(**kwargs)
+    model = Net()
+    with raises(ValueError, match="op=hvd.Adasum is not supported", what="EF optimizer, Adasum"):
+        hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum)
+
+
+# ---- item 11: checkpoint names -----------------------------------------------------------------
+def named(model, compiled):
+    """``model``'s parameter names, as a ``torch.compile``d wrapper of it would give them."""
+    return (torch.compile(model) if compiled else model).named_parameters()
+
+
+def build_named(compiled, seed=0):
+    torch.manual_seed(seed)
+    model = Net()
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                        named_parameters=named(model, compiled),
+                                        compression=hvd_topk.TopK(density=0.05), min_numel=MIN_NUMEL)
+    return model, opt
+
+
+def check_names_across_compile(save_compiled):
+    """Save at step 2 with one naming, resume with the other: bitwise equal to an uninterrupted
+    run at step 4 (dropped residuals would change the result), and no warning."""
+    model_a, opt_a = build_named(compiled=False)
+    train(model_a, opt_a, 4)
+    model_b, opt_b = build_named(compiled=save_compiled)
+    train(model_b, opt_b, 2)
+    saved = copy.deepcopy({"model": model_b.state_dict(), "opt": opt_b.state_dict()})
+    assert any(n.startswith("_orig_mod.") for n in saved["opt"]["hvd_topk"]["residuals"]) == save_compiled
+    model_c, opt_c = build_named(compiled=not save_compiled, seed=9)
+    model_c.load_state_dict(saved["model"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt_c.load_state_dict(saved["opt"])
+    assert not [w for w in caught if "hvd_topk" in str(w.message)], [str(w.message) for w in caught]
+    train(model_c, opt_c, 2, start=2)
+    for (name, a), c in zip(model_a.named_parameters(), model_c.parameters()):
+        assert torch.equal(a, c), f"resume across compile: {name} differs (max {float((a - c).abs().max())})"
+
+
+def check_unmatched_residual_warns():
+    """A saved residual that matches no parameter is dropped with one warning naming it."""
+    model, opt = build_named(compiled=False)
+    train(model, opt, 1)
+    saved = copy.deepcopy(opt.state_dict())
+    ghosts = [f"ghost{i}.weight" for i in range(7)]
+    for g in ghosts:
+        saved["hvd_topk"]["residuals"][g] = torch.ones(3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.load_state_dict(saved)
+    ours = [str(w.message) for w in caught if "match no parameter" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in caught]
+    assert "7 saved error-feedback residual(s)" in ours[0] and "ghost0.weight" in ours[0], ours[0]
+    assert "and 2 more" in ours[0], ours[0]  # a few names, not all
+
+
+# ---- item 7: rank-0 checkpoint + broadcast_optimizer_state --------------------------------------
+def check_rank0_checkpoint_broadcast():
+    """All ranks train 3 warm-up steps; rank 0 saves. Fresh objects everywhere, rank 0 loads,
+    then Horovod's broadcasts: every rank continues at step 3 of the warm-up (rank 0 with its
+    residuals, the others from zero), as the numpy reference does, bitwise equal across ranks."""
+    rank, size, warmup, density = hvd.rank(), hvd.size(), 6, 0.05
+    model, opt = build(density=density, min_numel=MIN_NUMEL, warmup_steps=warmup)
+    train(model, opt, 3)
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()}) if rank == 0 else None
+    model, opt = build(density=density, min_numel=MIN_NUMEL, warmup_steps=warmup, seed=5)
+    if rank == 0:
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    steps = [int(s) for s in gather(opt.compression_stats()["step"])]  # every rank fails alike
+    assert steps == [3] * size, f"steps after broadcast_optimizer_state, by rank: {steps}"
+    ref = ErrorFeedbackReference(size)  # rank 0 starts from the residuals it saved, the others from 0
+    ref.residual[0] = harness.COMM.bcast(
+        {n: r.numpy().reshape(-1).copy() for n, r in saved["opt"]["hvd_topk"]["residuals"].items()}
+        if rank == 0 else None, root=0)
+    shadow = copy.deepcopy(model)
+    for step in range(3, 6):
+        x, y = batch(step, rank)
+        shadow.load_state_dict(model.state_dict())
+        shadow.zero_grad()
+        F.cross_entropy(shadow(x), y).backward()
+        raw = {n: p.grad.numpy().copy() for n, p in shadow.named_parameters()}
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        d = dgc_density(step, density, warmup)
+        for name, p in model.named_parameters():
+            grads = gather(raw[name])
+            if p.numel() >= MIN_NUMEL:
+                want = ref.sparse(name, grads, d)
+            else:
+                want = np.sum(grads, axis=0) / size
+            np.testing.assert_allclose(p.grad.numpy(), want, rtol=1e-6, atol=1e-7,
+                                       err_msg=f"after broadcast: step {step} {name}")
+        step_and_check_same(opt, model, f"after broadcast: step {step}")
+
+
+# ---- item 10: a parameter unfrozen after construction -------------------------------------------
+def check_unfrozen_parameter_refused():
+    torch.manual_seed(0)
+    model = Net()
+    model.fc1.weight.requires_grad_(False)
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters(), min_numel=MIN_NUMEL)
+    model.fc1.weight.requires_grad_(True)
+    x, y = batch(0, hvd.rank())
+    with raises(RuntimeError, match=r"parameter 'fc1.weight' had requires_grad=False when "
+                r"hvd_topk.DistributedOptimizer was built.*build a new one after unfreezing",
+                what="unfrozen after construction"):
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def check_horovod_unfrozen_parameter_diverges():
+    """What Horovod does (dense, and the drop-in TopK): the unfrozen parameter is trained on
+    local gradients only, so ranks differ. Backs the README's cells for Horovod."""
+    for compression in (hvd.Compression.none, hvd_topk.TopK):
+        torch.manual_seed(0)
+        model = Net()
+        model.fc1.weight.requires_grad_(False)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), compression=compression)
+        model.fc1.weight.requires_grad_(True)
+        train(model, opt, 1)
+        weights = gather(model.fc1.weight.detach().numpy())
+        assert not all(np.array_equal(w, weights[0]) for w in weights), f"{compression}: ranks agree"
+
+
+# ---- item 5: sparse gradients -----------------------------------------------------------------
+class EmbeddingNet(torch.nn.Module):
+    """An embedding of 200 x 8 (1600 elements: the sparse path) and a small dense head."""
+
+    def __init__(self, sparse=True):
+        super().__init__()
+        self.emb = torch.nn.Embedding(200, 8, sparse=sparse)
+        self.head = torch.nn.Linear(8, 5)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids).mean(dim=1))
+
+
+def embedding_batch(step, rank):
+    gen = torch.Generator().manual_seed(500 + 10 * step + rank)
+    return torch.randint(0, 200, (6, 4), generator=gen), torch.randint(0, 5, (6,), generator=gen)
+
+
+def raw_dense_grads(model, ids, y):
+    model.zero_grad()
+    F.cross_entropy(model(ids), y).backward()
+    return {n: (p.grad.to_dense() if p.grad.is_sparse else p.grad).numpy().copy()
+            for n, p in model.named_parameters()}
+
+
+def check_sparse_as_dense(density=0.05):
+    """sparse_as_dense=True: the embedding's gradient is exchanged as a dense Top-K tensor with
+    error feedback (numpy reference) and handed back sparse to the inner optimizer."""
+    rank, size = hvd.rank(), hvd.size()
+    torch.manual_seed(0)
+    model = EmbeddingNet()
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                        named_parameters=model.named_parameters(),
+                                        compression=hvd_topk.TopK(density=density),
+                                        sparse_as_dense=True, min_numel=MIN_NUMEL)
+    shadow, ref = copy.deepcopy(model), ErrorFeedbackReference(size)
+    for step in range(3):
+        ids, y = embedding_batch(step, rank)
+        shadow.load_state_dict(model.state_dict())
+        raw = raw_dense_grads(shadow, ids, y)
+        opt.zero_grad()
+        F.cross_entropy(model(ids), y).backward()
+        opt.synchronize()
+        assert model.emb.weight.grad.is_sparse, "the inner optimizer should get a sparse gradient back"
+        for name, p in model.named_parameters():
+            grads = gather(raw[name])
+            want = (ref.sparse(name, grads, density) if p.numel() >= MIN_NUMEL
+                    else np.sum(grads, axis=0) / size)
+            np.testing.assert_allclose(p.grad.to_dense().numpy(), want, rtol=1e-6, atol=1e-7,
+                                       err_msg=f"sparse_as_dense: step {step} {name}")
+        step_and_check_same(opt, model, f"sparse_as_dense: step {step}")
+
+
+def check_sparse_without_option_refused():
+    """Refused at the embedding's hook on every rank (the head's dense bucket, whose gradients
+    come first, may already be on its way: the same on every rank)."""
+    torch.manual_seed(0)
+    model = EmbeddingNet()
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                        named_parameters=model.named_parameters())
+    ids, y = embedding_batch(0, hvd.rank())
+    with raises(RuntimeError, match=r"parameter 'emb.weight' has a sparse gradient.*"
+                r"Pass sparse_as_dense=True", what="sparse gradient"):
+        F.cross_entropy(model(ids), y).backward()
+
+
+def check_horovod_sparse_gradients(density=0.05):
+    """Horovod's own optimizer: dense (its sparse allgather, and sparse_as_dense) and the
+    drop-in TopK with sparse_as_dense, against numpy. Backs the README's cells."""
+    rank = hvd.rank()
+    for label, compression, as_dense in [("dense", hvd.Compression.none, False),
+                                         ("dense sparse_as_dense", hvd.Compression.none, True),
+                                         ("TopK sparse_as_dense", hvd_topk.TopK(density=density), True),
+                                         ("TopK sparse", hvd_topk.TopK(density=density), False)]:
+        torch.manual_seed(0)
+        model = EmbeddingNet()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                       named_parameters=model.named_parameters(),
+                                       compression=compression, sparse_as_dense=as_dense)
+        ids, y = embedding_batch(0, rank)
+        raw = raw_dense_grads(copy.deepcopy(model), ids, y)
+        opt.zero_grad()
+        F.cross_entropy(model(ids), y).backward()
+        opt.synchronize()
+        for name, p in model.named_parameters():
+            grads = gather(raw[name])
+            topk = compression is not hvd.Compression.none and (as_dense or not p.grad.is_sparse)
+            want = sparse_allreduce(grads, density) if topk else np.mean(grads, axis=0)
+            np.testing.assert_allclose(p.grad.to_dense().numpy(), want, rtol=1e-5, atol=1e-7,
+                                       err_msg=f"horovod {label}: {name}")
+        step_and_check_same(opt, model, f"horovod {label}")
+
+
+# ---- item 8: bf16 and channels_last -------------------------------------------------------------
+def hand_grads(model, dtype, memory_format=torch.contiguous_format):
+    """Set this rank's gradients by hand (as a hook-less step would) and return them as
+    float64 numpy arrays: for bfloat16 multiples of 1/8 below 8 (exact in bfloat16), otherwise
+    normal (tie-free, for Top-K)."""
+    gen = torch.Generator().manual_seed(77 + hvd.rank())
+    out = {}
+    for name, p in model.named_parameters():
+        if dtype == torch.bfloat16:
+            g = (torch.randint(-63, 64, p.shape, generator=gen).double() / 8).to(dtype)
+        else:
+            g = torch.randn(p.shape, generator=gen, dtype=dtype)
+        p.grad = g.contiguous(memory_format=memory_format) if g.dim() == 4 else g
+        out[name] = g.double().numpy()
+    return out
+
+
+def check_bf16_dense_path():
+    """bfloat16 parameters on the dense path: allreduced as float32, averaged, cast back."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3)).to(torch.bfloat16)
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters())
+    assert opt.compression_stats()["buckets_sparse"] == 0  # everything is small: dense
+    for step in range(2):
+        grads = hand_grads(model, torch.bfloat16)
+        opt.synchronize()
+        for name, p in model.named_parameters():
+            assert p.grad.dtype == torch.bfloat16
+            want = np.mean(gather(grads[name]), axis=0)
+            np.testing.assert_allclose(p.grad.double().numpy(), want, rtol=2 ** -8, atol=0,
+                                       err_msg=f"bf16 step {step} {name}")
+        with opt.skip_synchronize():
+            opt.step()
+        for name, p in model.named_parameters():  # numpy has no bfloat16: compare as float32
+            assert_same_on_all_ranks(p.detach().float().numpy(), f"bf16 step {step}: parameter {name}")
+
+
+def check_channels_last():
+    """channels_last conv weights, small (dense path) and big (Top-K with error feedback)."""
+    size, density = hvd.size(), 0.05
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Conv2d(4, 32, 3))
+    model = model.to(memory_format=torch.channels_last)
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters(),
+                                        compression=hvd_topk.TopK(density=density), min_numel=MIN_NUMEL)
+    ref = ErrorFeedbackReference(size)
+    for step in range(2):
+        grads = hand_grads(model, torch.float32, torch.channels_last)
+        opt.synchronize()
+        for name, p in model.named_parameters():
+            per_rank = [g.astype(np.float32) for g in gather(grads[name])]
+            want = (ref.sparse(name, per_rank, density) if p.numel() >= MIN_NUMEL
+                    else np.sum(per_rank, axis=0) / size)
+            np.testing.assert_allclose(p.grad.numpy(), want, rtol=1e-6, atol=1e-7,
+                                       err_msg=f"channels_last step {step} {name}")
+        step_and_check_same(opt, model, f"channels_last step {step}")
+
+
+def check_horovod_bf16_channels_last():
+    """Horovod's dense optimizer raises its raw errors; the drop-in TopK works (numpy)."""
+    for label, dtype, fmt, error in [("bf16", torch.bfloat16, torch.contiguous_format,
+                                      "Tensor type torch.BFloat16Tensor is not supported."),
+                                     ("channels_last", torch.float32, torch.channels_last,
+                                      "Tensor is required to be contiguous.")]:
+        for compression in (hvd.Compression.none, hvd_topk.TopK(density=1.0)):
+            torch.manual_seed(0)
+            # no bias: Horovod would start the bias's allreduce before failing on the weight
+            model = torch.nn.Conv2d(3, 4, 3, bias=False).to(dtype=dtype, memory_format=fmt)
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           named_parameters=model.named_parameters(),
+                                           compression=compression)
+            grads = hand_grads(model, dtype, fmt)
+            if compression is hvd.Compression.none:
+                with raises(ValueError, match=re.escape(error), what=f"horovod dense {label}"):
+                    opt.synchronize()
+                continue
+            opt.synchronize()
+            for name, p in model.named_parameters():
+                want = np.mean(gather(grads[name]), axis=0)
+                np.testing.assert_allclose(p.grad.double().numpy(), want, rtol=2 ** -8, atol=1e-6,
+                                           err_msg=f"drop-in TopK {label} {name}")
+
+
+# ---- item 9: compiled autograd ------------------------------------------------------------------
+def check_compiled_autograd_refused():
+    """With compiled autograd on, the first gradient hook refuses (eager backward and a
+    torch.compile'd training step), on every rank, before anything is exchanged."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters(), min_numel=MIN_NUMEL)
+    x, y = batch(0, hvd.rank())
+    compiled = torch.compile(lambda: F.cross_entropy(model(x), y).backward(), backend="eager")
+    torch._dynamo.config.compiled_autograd = True
+    try:
+        for label, backward in (("eager backward", lambda: F.cross_entropy(model(x), y).backward()),
+                                ("compiled step", compiled)):
+            with raises(RuntimeError, match=r"does not support compiled autograd.*Set "
+                        r"torch._dynamo.config.compiled_autograd = False", what=label):
+                backward()
+            assert not opt._hvd_topk.pending(), label
+            opt.zero_grad()
+    finally:
+        torch._dynamo.config.compiled_autograd = False
+    train(model, opt, 1)  # switched off again: training goes on
+    assert_same_on_all_ranks(model.fc1.weight.detach().numpy(), "after compiled autograd off")
+
+
+# Run in this order on every rank; add a check with one line.
+# ---- item 6: gradients readable between backward and synchronize ---------------------------
+def check_grads_readable_before_synchronize():
+    """Between ``backward()`` and ``synchronize()`` each ``p.grad`` holds this rank's own
+    gradient (gradient-norm logging, GAN loops read it there), as with Horovod; afterwards
+    the exchanged result, which for the sparse tensors is not the raw gradient."""
+    model, opt = build(min_numel=MIN_NUMEL)
+    shadow = copy.deepcopy(model)
+    x, y = batch(0, hvd.rank())
+    F.cross_entropy(shadow(x), y).backward()
+    raw = {n: p.grad.numpy().copy() for n, p in shadow.named_parameters()}
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    for name, p in model.named_parameters():
+        np.testing.assert_array_equal(p.grad.numpy(), raw[name], err_msg=f"{name} before synchronize")
+    opt.synchronize()
+    changed = [n for n, p in model.named_parameters()
+               if p.numel() >= MIN_NUMEL and not np.array_equal(p.grad.numpy(), raw[n])]
+    assert changed, "synchronize() left every sparse gradient as it was"
+    with opt.skip_synchronize():
+        opt.step()
+
+
+CHECKS = [
+    ("options refused", check_options_refused),
+    ("checkpoint names: compiled to plain", lambda: check_names_across_compile(save_compiled=True)),
+    ("checkpoint names: plain to compiled", lambda: check_names_across_compile(save_compiled=False)),
+    ("checkpoint names: unmatched residual warns", check_unmatched_residual_warns),
+    ("rank-0 checkpoint + broadcast_optimizer_state", check_rank0_checkpoint_broadcast),
+    ("unfrozen parameter refused", check_unfrozen_parameter_refused),
+    ("horovod: unfrozen parameter diverges", check_horovod_unfrozen_parameter_diverges),
+    ("sparse_as_dense", check_sparse_as_dense),
+    ("sparse gradient without sparse_as_dense refused", check_sparse_without_option_refused),
+    ("horovod: sparse gradients", check_horovod_sparse_gradients),
+    ("bf16 dense path", check_bf16_dense_path),
+    ("channels_last", check_channels_last),
+    ("horovod: bf16 and channels_last", check_horovod_bf16_channels_last),
+    ("compiled autograd refused", check_compiled_autograd_refused),
+    ("gradients readable before synchronize", check_grads_readable_before_synchronize),
+]
+
+
+if __name__ == "__main__":
+    run(CHECKS)
