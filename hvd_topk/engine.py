@@ -158,6 +158,8 @@ class TopKEngine:
         self.grad_scaler = grad_scaler
         self.residual_scale = None  # the loss scale the residuals are expressed in
         self.step_begun = False    # _begin_step ran this step
+        self.one = torch.ones(1)   # the join probe's contribution
+        self.join_probe, self.joined = None, False
         self.densified = []        # parameters whose sparse gradient was densified this step
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                       for p in params] if self.member else []
@@ -204,6 +206,8 @@ class TopKEngine:
         keep the residuals in the units of this step's gradients."""
         self._check_step_start()
         self._follow_loss_scale()
+        if self.world > 1:
+            self._start_join_probe()
         self.step_begun = True
 
     def _follow_loss_scale(self):
@@ -274,6 +278,11 @@ class TopKEngine:
         name = f"{self.prefix}.bucket{bucket.index}"
         dense_bytes = bucket.element_size
         self.stats.add(elements_total=bucket.numel, bytes_dense=bucket.numel * dense_bytes)
+        if strategy.sparse and self._someone_joined():
+            # hvd.join(): Horovod's joined ranks answer allreduces (with zeros), not allgathers.
+            if current.per_segment and self.options.error_feedback:
+                self._unsend(bucket, current)
+            strategy, plan, name = exchange.DenseAllreduce, None, name + ".joined"
         if strategy.sparse:
             t0 = time.perf_counter()
             message = current.message
@@ -295,6 +304,29 @@ class TopKEngine:
                            bytes_sent=bucket.numel * dense_bytes)
             handle = strategy.start(bucket.acc, name, self.process_set, self.op, self.predivide)
         bucket.pending = (strategy, handle, plan)
+
+    def _start_join_probe(self):
+        """Every step, an allreduce of 1 from each rank, started before the first fold and read
+        when the first sparse bucket launches (by then it has long arrived): a rank inside
+        ``hvd.join()`` contributes 0, so a sum below the world size means a rank has joined."""
+        self.join_probe = hvd.allreduce_async(self.one, name=f"{self.prefix}.active", op=hvd.Sum,
+                                              process_set=self.process_set)
+        self.joined = None
+
+    def _someone_joined(self):
+        if self.joined is None:
+            self.joined = self.join_probe is not None and int(hvd.synchronize(self.join_probe)) < self.world
+            self.join_probe = None
+        return self.joined
+
+    def _unsend(self, bucket, current):
+        """Put the entries selected into the message back into the residual (they were zeroed
+        there as they were selected): the bucket goes dense instead. Exact: the values are
+        copied back, from the full-precision scratch where the message holds fp16."""
+        values, indices = current.plan.layout.views(current.message)
+        if values.dtype != bucket.dtype:
+            values = current.plan.value_scratch(bucket.dtype)
+        bucket.acc.index_copy_(0, indices.long(), values)
 
     def _after_encode(self, bucket, plan, message, encoded):
         """Error feedback after selection: DGC momentum factor masking, and wiping a residual
@@ -366,6 +398,8 @@ class TopKEngine:
                 self._launch(bucket)
         for bucket in self.buckets:
             self._finish(bucket)
+        if self.join_probe is not None:  # no sparse bucket read it this step
+            self._someone_joined()
         for p in self.passes:
             self.passes[p] = 0
         self._resparsify()
@@ -403,6 +437,7 @@ class TopKEngine:
             self.passes[p] = 0
         self.synchronized, self.should_synchronize = False, True
         self.step_begun, self.densified = False, []
+        self.join_probe, self.joined = None, False  # a reset Horovod forgot it too
 
     def _resparsify(self):
         for p in self.densified:

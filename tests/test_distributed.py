@@ -21,7 +21,7 @@ from mpi import DIST, launch_mpi, script_env
 pytestmark = pytest.mark.distributed
 
 SCRIPTS = ["check_compressor.py", "check_optimizer.py", "check_mismatch.py", "check_compat.py",
-           "check_amp.py", "check_process_sets.py"]
+           "check_amp.py", "check_process_sets.py", "check_join.py"]
 NPS = (2, 3)
 JOB = "(job)"  # the item for the job as a whole
 LIST_TIMEOUT_S = 120

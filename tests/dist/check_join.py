@@ -1,0 +1,107 @@
+"""hvd.join() for uneven data with the error-feedback optimizer, checked against numpy.
+
+Run: PYTHONPATH=.:tests mpirun -np 2 (or 3) python tests/dist/check_join.py
+(``--list`` prints the names of its checks).
+
+Rank r has ``2 + (size - 1 - r)`` batches, then calls ``hvd.join()``: the last rank stops first.
+While every rank is active the exchange is the sparse contract; once one has joined, Horovod's
+joined ranks answer allreduces with zeros (not allgathers), so the active ranks send their
+whole accumulators dense: result = sum over active ranks of (residual + gradient) / size, and
+their residuals restart at zero. A joined rank is blocked in ``hvd.join()``, so the reference
+cannot gather its data: every rank recomputes every rank's gradient from the shared parameters
+and that rank's deterministic batch.
+"""
+
+import copy
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import horovod.torch as hvd
+import hvd_topk
+from check_optimizer import Net, batch
+from harness import run
+from reference import ErrorFeedbackReference
+
+DENSITY = 0.05
+MIN_NUMEL = 500
+
+
+def steps_of(rank):
+    return 2 + (hvd.size() - 1 - rank)
+
+
+def build(selection_scope):
+    torch.manual_seed(0)
+    model = Net()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                        compression=hvd_topk.TopK(density=DENSITY), min_numel=MIN_NUMEL,
+                                        selection_scope=selection_scope)
+    return model, opt
+
+
+def expected(ref, grads, active, big, size):
+    """The numpy result of one step for every parameter; updates ``ref``'s residuals."""
+    if len(active) == size:
+        out = {n: ref.sparse(n, grads[n], DENSITY) for n in big}
+    else:
+        out = {}
+        for n in big:
+            total = np.zeros_like(grads[n][0])
+            for r in active:
+                acc = ref.residual[r].get(n, np.zeros(grads[n][0].size, np.float32)).reshape(total.shape)
+                total += acc + grads[n][r]
+                ref.residual[r][n] = np.zeros(total.size, np.float32)
+            out[n] = total / np.float32(size)
+    for n in grads:
+        if n not in big:
+            out[n] = np.sum([grads[n][r] for r in active], axis=0) / np.float32(size)
+    return out
+
+
+def check_uneven_batches_then_join(selection_scope="tensor"):
+    rank, size = hvd.rank(), hvd.size()
+    model, opt = build(selection_scope)
+    big = [n for n, p in model.named_parameters() if p.numel() >= MIN_NUMEL]
+    ref = ErrorFeedbackReference(size)
+    shadow = copy.deepcopy(model)
+    for step in range(steps_of(rank)):
+        active = [r for r in range(size) if steps_of(r) > step]
+        shadow.load_state_dict(model.state_dict())
+        grads = {n: [None] * size for n, _ in model.named_parameters()}
+        for r in active:
+            shadow.zero_grad()
+            x, y = batch(step, r)
+            F.cross_entropy(shadow(x), y).backward()
+            for n, p in shadow.named_parameters():
+                grads[n][r] = p.grad.numpy().copy()
+        if selection_scope == "bucket" and len(active) == size:
+            want = ref.sparse_bucket(big[::-1], grads, DENSITY)  # backward order, as bucketed
+            want.update({n: np.sum([grads[n][r] for r in active], axis=0) / np.float32(size)
+                         for n in grads if n not in big})
+        else:
+            want = expected(ref, grads, active, big, size)
+        opt.zero_grad()
+        x, y = batch(step, rank)
+        F.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        for n, p in model.named_parameters():
+            np.testing.assert_allclose(p.grad.numpy(), want[n], rtol=1e-6, atol=1e-7,
+                                       err_msg=f"step {step} ({len(active)} of {size} active) {n}")
+        with opt.skip_synchronize():
+            opt.step()
+    last = hvd.join()
+    assert last == 0, f"hvd.join() says rank {last} joined last; rank 0 has the most batches"
+    assert opt.compression_stats()["steps"] == steps_of(rank)
+
+
+CHECKS = [
+    ("uneven batches then join", check_uneven_batches_then_join),
+    ("uneven batches then join, bucket scope", lambda: check_uneven_batches_then_join("bucket")),
+]
+
+
+if __name__ == "__main__":
+    run(CHECKS)
