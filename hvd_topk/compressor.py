@@ -23,7 +23,7 @@ import types
 
 import torch
 
-from hvd_topk._horovod import caller_process_set, hvd, tensor_name_from_caller
+from hvd_topk._horovod import caller_process_set, tensor_name_from_caller
 from hvd_topk.codec import Codec
 from hvd_topk.exchange import AllgatherPairs
 from hvd_topk.selection import DEFAULT_METHOD, check_density, check_flag, check_method

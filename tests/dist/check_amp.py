@@ -19,25 +19,11 @@ import torch.nn.functional as F
 
 import horovod.torch as hvd
 import hvd_topk
-from harness import assert_same_on_all_ranks, gather, raises, run
+from check_optimizer import Net, batch
+from harness import assert_same_on_all_ranks, gather, raises, raw_gradients, run
 from reference import ErrorFeedbackReference
 
 SCALES = [2.0 ** 10, 2.0 ** 11, 2.0 ** 8, 2.0 ** 8, 2.0 ** 14, 2.0 ** 3]
-
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(40, 96)
-        self.fc2 = torch.nn.Linear(96, 10)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
-
-
-def batch(step, rank, n=24):
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(n, 40, generator=gen), torch.randint(0, 10, (n,), generator=gen)
 
 
 def build(pass_scaler, momentum_correction=0.0, density=0.05):
@@ -62,10 +48,7 @@ def train_scaled(model, opt, scaler, steps, ref=None, scaler_steps=True):
     worst = 0.0
     for step in range(steps):
         x, y = batch(step, rank)
-        shadow.load_state_dict(model.state_dict())
-        shadow.zero_grad()
-        F.cross_entropy(shadow(x), y).backward()  # true units
-        raw = {n: p.grad.numpy().copy() for n, p in shadow.named_parameters()}
+        raw = raw_gradients(shadow, model, x, y)  # true units
         opt.zero_grad()
         scaler.scale(F.cross_entropy(model(x), y)).backward()
         opt.synchronize()

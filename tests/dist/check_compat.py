@@ -17,7 +17,7 @@ import horovod.torch as hvd
 import hvd_topk
 from check_optimizer import Net, batch, build, train
 import harness
-from harness import assert_same_on_all_ranks, gather, raises, run, step_and_check_same
+from harness import assert_same_on_all_ranks, gather, raises, raw_gradients, run, step_and_check_same
 from reference import ErrorFeedbackReference, dgc_density, sparse_allreduce
 
 MIN_NUMEL = 500  # Net's fc1.weight, fc2.weight and head2.weight are sparse, its biases dense
@@ -117,10 +117,7 @@ def check_rank0_checkpoint_broadcast():
     shadow = copy.deepcopy(model)
     for step in range(3, 6):
         x, y = batch(step, rank)
-        shadow.load_state_dict(model.state_dict())
-        shadow.zero_grad()
-        F.cross_entropy(shadow(x), y).backward()
-        raw = {n: p.grad.numpy().copy() for n, p in shadow.named_parameters()}
+        raw = raw_gradients(shadow, model, x, y)
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.synchronize()

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import horovod.torch as hvd
 import hvd_topk
 from check_optimizer import Net, batch
-from harness import run
+from harness import raw_gradients, run
 from reference import ErrorFeedbackReference
 
 DENSITY = 0.05
@@ -69,14 +69,10 @@ def check_uneven_batches_then_join(selection_scope="tensor"):
     shadow = copy.deepcopy(model)
     for step in range(steps_of(rank)):
         active = [r for r in range(size) if steps_of(r) > step]
-        shadow.load_state_dict(model.state_dict())
         grads = {n: [None] * size for n, _ in model.named_parameters()}
         for r in active:
-            shadow.zero_grad()
-            x, y = batch(step, r)
-            F.cross_entropy(shadow(x), y).backward()
-            for n, p in shadow.named_parameters():
-                grads[n][r] = p.grad.numpy().copy()
+            for n, g in raw_gradients(shadow, model, *batch(step, r)).items():
+                grads[n][r] = g
         if selection_scope == "bucket" and len(active) == size:
             want = ref.sparse_bucket(big[::-1], grads, DENSITY)  # backward order, as bucketed
             want.update({n: np.sum([grads[n][r] for r in active], axis=0) / np.float32(size)

@@ -19,25 +19,11 @@ os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"  # read by hvd.init() in harnes
 
 import horovod.torch as hvd  # noqa: E402
 import hvd_topk  # noqa: E402
-from harness import assert_same_on_all_ranks, gather, run  # noqa: E402
+from check_optimizer import Net, batch  # noqa: E402
+from harness import assert_same_on_all_ranks, gather, raw_gradients, run  # noqa: E402
 from reference import ErrorFeedbackReference, sparse_allreduce  # noqa: E402
 
 DENSITY = 0.05
-
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(40, 96)
-        self.fc2 = torch.nn.Linear(96, 10)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
-
-
-def batch(step, rank, n=24):
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(n, 40, generator=gen), torch.randint(0, 10, (n,), generator=gen)
 
 
 def with_process_set(check):
@@ -57,10 +43,7 @@ def train_and_check(model, opt, members, expected, steps=3):
     shadow = copy.deepcopy(model)
     for step in range(steps):
         x, y = batch(step, rank)
-        shadow.load_state_dict(model.state_dict())
-        shadow.zero_grad()
-        F.cross_entropy(shadow(x), y).backward()
-        raw = {n: p.grad.numpy().copy() for n, p in shadow.named_parameters()}
+        raw = raw_gradients(shadow, model, x, y)
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.synchronize()

@@ -147,3 +147,13 @@ def step_and_check_same(opt, model, label):
         opt.step()
     for name, p in model.named_parameters():
         assert_same_on_all_ranks(p.detach().numpy(), f"{label}: parameter {name}")
+
+
+def raw_gradients(shadow, model, x, y):
+    """Plain cross-entropy gradients at ``model``'s current parameters, computed on ``shadow``
+    (a deep copy with no optimizer attached): what the numpy references are fed."""
+    import torch.nn.functional as F
+    shadow.load_state_dict(model.state_dict())
+    shadow.zero_grad()
+    F.cross_entropy(shadow(x), y).backward()
+    return {n: p.grad.numpy().copy() for n, p in shadow.named_parameters()}
