@@ -23,8 +23,11 @@ Checked against Horovod 0.28.1 (``CHECKED_VERSION``). Each private detail relied
 5. ``hvd.broadcast_optimizer_state`` broadcasts every option of every param group from the
    root (how the learning rate reaches the other ranks), but nothing at all for an optimizer
    without state; hvd_topk keeps its step counter there (``hvd_topk.engine.TopKEngine.step``).
+6. ``elastic_mode``: ``horovodrun`` sets ``HOROVOD_ELASTIC=1`` in elastic workers (Horovod's own
+   optimizer reads it the same way to decide on its hooks).
 """
 
+import os
 import sys
 import threading
 import warnings
@@ -61,6 +64,11 @@ ALLREDUCE_AS = {torch.bfloat16: torch.float32}
 def allreduce_dtype(dtype):
     """The dtype in which Horovod can allreduce a tensor of ``dtype`` (``dtype`` itself if it can)."""
     return ALLREDUCE_AS.get(dtype, dtype)
+
+
+def elastic_mode():
+    """(6) True in a worker of an elastic job (``horovodrun --min-np/--max-np/--host-discovery-script``)."""
+    return os.environ.get("HOROVOD_ELASTIC") == "1"
 
 
 def is_horovod_distributed_optimizer(optimizer):

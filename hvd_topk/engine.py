@@ -28,7 +28,7 @@ import warnings
 import torch
 
 from hvd_topk import exchange
-from hvd_topk._horovod import hvd
+from hvd_topk._horovod import elastic_mode, hvd
 from hvd_topk._torch import compiled_autograd_active
 from hvd_topk.buckets import plan_buckets
 from hvd_topk.codec import Codec, Encoded
@@ -146,7 +146,8 @@ class TopKEngine:
         self.rank = process_set.rank() if self.member else None
         self.schedule = DensitySchedule(self.density, options.warmup_steps, options.warmup_density)
         self.strategies = exchange.STRATEGIES if options.dense_fallback else (exchange.AllgatherPairs,)
-        if self.member:
+        # In an elastic job workers join later and run this constructor alone: no collective here.
+        if self.member and not elastic_mode():
             self._check_ranks_agree(compression)
         self.buckets = plan_buckets(params, names, options.min_numel, options.fusion_bytes, groups)
         self.place = {m.param: (b, i) for b in self.buckets for i, m in enumerate(b.members)}
@@ -205,10 +206,18 @@ class TopKEngine:
         ``synchronize`` when none fired): refuse what would make ranks silently diverge, then
         keep the residuals in the units of this step's gradients."""
         self._check_step_start()
+        self._follow_world()
         self._follow_loss_scale()
         if self.world > 1:
             self._start_join_probe()
         self.step_begun = True
+
+    def _follow_world(self):
+        """Horovod elastic re-forms the job (workers lost or added) between steps: the size
+        decides the averaging and the sparse-or-dense choice, so it is read again each step."""
+        world = self.process_set.size()
+        if world != self.world:
+            self.world, self.rank = world, self.process_set.rank()
 
     def _follow_loss_scale(self):
         """With loss scaling (``torch.amp.GradScaler``) every gradient, and so every residual, is
@@ -503,6 +512,7 @@ class TopKEngine:
         out["buckets_sparse"] = sum(b.sparse for b in self.buckets)
         out["buckets_dense"] = sum(not b.sparse for b in self.buckets)
         out["selection_scope"] = self.options.selection_scope
+        out["world_size"] = self.world
         return out
 
     # ---- checks ----------------------------------------------------------------------------

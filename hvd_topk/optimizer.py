@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import torch
 
-from hvd_topk._horovod import OPTIMIZER_MODULE, hvd, is_horovod_distributed_optimizer
+from hvd_topk._horovod import OPTIMIZER_MODULE, elastic_mode, hvd, is_horovod_distributed_optimizer
 from hvd_topk._torch import AMP_SCALING_ATTRIBUTE
 from hvd_topk.compressor import TopK
 from hvd_topk.engine import STATE_KEY, Options, TopKEngine
@@ -155,7 +155,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         engine = getattr(self, ENGINE)
-        if engine.pending():
+        # Horovod elastic restores the committed state after a failure, typically with buckets
+        # still in flight: they died with the old job and are dropped. Elsewhere it is a misuse.
+        if engine.pending() and not elastic_mode():
             raise AssertionError("load_state_dict() was called while gradients were being exchanged")
         state_dict = dict(state_dict)
         ours = state_dict.pop(STATE_KEY, None)

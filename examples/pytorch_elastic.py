@@ -1,0 +1,108 @@
+#!/usr/bin/env python
+"""Elastic training (Horovod elastic) with hvd_topk's error-feedback optimizer, on one machine.
+
+Two emulated hosts that are both this machine ("localhost" and "127.0.0.1", one slot each); the
+discovery script says which are up:
+
+    printf '#!/bin/sh\\necho localhost:1\\necho 127.0.0.1:1\\n' > /tmp/hosts.sh; chmod +x /tmp/hosts.sh
+    horovodrun -np 2 --min-np 1 --max-np 2 --host-discovery-script /tmp/hosts.sh \\
+        python examples/pytorch_elastic.py --epochs 4
+
+Workers can fail (``--fail-rank R --fail-epoch E``: that rank exits in the middle of a step, after
+its backward pass, once: ``--fail-marker`` records it) or come and go (change the discovery script's output while it
+runs); training goes on with the workers left, from the last ``state.commit()``.
+
+What hvd_topk does on a reset: buckets still in flight when a worker died are dropped when
+``TorchState`` restores the committed state; the world size (averaging, sparse-or-dense choice)
+is read again at the next step; residuals are the committed ones of this worker (error feedback
+is per worker), and a newly added worker's start at zero. The constructor does not run its
+rank-agreement collective in an elastic job (a new worker builds its optimizer alone).
+
+``--epoch-log FILE`` appends one JSON line per finished epoch (rank 0): epoch, size, loss, and the
+optimizer's world size; the last line rank 0 prints is ``final loss: X.XXXX``.
+"""
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import horovod.torch as hvd
+import hvd_topk
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--batches-per-epoch", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=32, help="per worker")
+    p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--fail-rank", type=int, default=None, help="this rank exits once, mid-step")
+    p.add_argument("--fail-epoch", type=int, default=1)
+    p.add_argument("--fail-marker", default="/tmp/hvd_topk_elastic_failed",
+                   help="file recording that the failure happened (so it happens once)")
+    p.add_argument("--epoch-log", default=None, help="append one JSON line per epoch (rank 0)")
+    p.add_argument("--epoch-wait", type=float, default=0.0,
+                   help="seconds to wait before each commit (lets host changes be discovered)")
+    p.add_argument("--seed", type=int, default=42)
+    return p.parse_args(argv)
+
+
+def digits():
+    from sklearn.datasets import load_digits
+    data = load_digits()
+    x = torch.tensor(data.data / 16.0, dtype=torch.float32)
+    return x, torch.tensor(data.target, dtype=torch.long)
+
+
+def main(args):
+    hvd.init()
+    torch.manual_seed(args.seed)
+    x_all, y_all = digits()
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                        compression=hvd_topk.TopK(density=args.density), min_numel=1000)
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, epoch=0, batch=0)
+
+    @hvd.elastic.run
+    def train(state):
+        loss = torch.zeros(())
+        while state.epoch < args.epochs:
+            gen = np.random.default_rng(1000 * state.epoch + hvd.rank())
+            for state.batch in range(state.batch, args.batches_per_epoch):
+                rows = torch.from_numpy(gen.integers(0, len(x_all), args.batch_size))
+                opt.zero_grad()
+                loss = F.cross_entropy(model(x_all[rows]), y_all[rows])
+                loss.backward()
+                if (hvd.rank() == args.fail_rank and state.epoch == args.fail_epoch
+                        and not os.path.exists(args.fail_marker)):
+                    open(args.fail_marker, "w").close()
+                    print(f"rank {hvd.rank()}: failing on purpose in epoch {state.epoch}", flush=True)
+                    os._exit(1)  # mid-step: the other workers' buckets are in flight
+                opt.step()
+            if hvd.rank() == 0:
+                line = {"epoch": state.epoch, "size": hvd.size(), "loss": loss.item(),
+                        "optimizer_world": opt.compression_stats()["world_size"]}
+                print(json.dumps(line), flush=True)
+                if args.epoch_log:
+                    with open(args.epoch_log, "a") as f:
+                        f.write(json.dumps(line) + "\n")
+            state.epoch += 1
+            state.batch = 0
+            time.sleep(args.epoch_wait)
+            state.commit()  # also where Horovod applies host changes
+        return loss.item()
+
+    final = train(state)
+    if hvd.rank() == 0:
+        print(f"final loss: {final:.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main(parse_args())

@@ -1,0 +1,79 @@
+"""Horovod elastic with the error-feedback optimizer: examples/pytorch_elastic.py under
+``horovodrun --min-np/--max-np --host-discovery-script``, two hosts that are both this machine
+("localhost" and "127.0.0.1", one slot each, Gloo over ``lo``).
+
+Each scenario reads the example's per-epoch log (rank 0): the job's size after each epoch, and
+the size the optimizer averages over (``compression_stats()["world_size"]``), which must follow
+it. Every run is bounded by a timeout, so a hang fails the test instead of CI.
+"""
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "pytorch_elastic.py"
+TIMEOUT_S = 240
+
+
+def discovery_script(tmp_path, log, before, after):
+    """Hosts ``before`` until the epoch log has a line, ``after`` from then on."""
+    script = tmp_path / "hosts.sh"
+    echo = lambda hosts: "; ".join(f"echo {h}" for h in hosts)
+    script.write_text("#!/bin/sh\n"
+                      f"if [ -f {log} ] && [ \"$(wc -l < {log})\" -ge 1 ]; then {echo(after)}; "
+                      f"else {echo(before)}; fi\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script
+
+
+def run_elastic(tmp_path, np_, before, after, *example_args):
+    log = tmp_path / "epochs.jsonl"
+    script = discovery_script(tmp_path, log, before, after)
+    horovodrun = Path(sys.executable).with_name("horovodrun")
+    cmd = [str(horovodrun), "-np", str(np_), "--min-np", "1", "--max-np", "2",
+           "--network-interface", "lo", "--host-discovery-script", str(script),
+           sys.executable, str(EXAMPLE), "--epochs", "4", "--epoch-wait", "2",
+           "--epoch-log", str(log), *example_args]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"hung: no end after {TIMEOUT_S} s: {' '.join(cmd)}\n{(e.stdout or '')[-3000:]}")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"exit {proc.returncode}: {' '.join(cmd)}\n{output[-4000:]}"
+    assert "final loss:" in output, output[-3000:]
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [line["epoch"] for line in lines] == [0, 1, 2, 3], lines
+    for line in lines:
+        assert line["optimizer_world"] == line["size"], f"optimizer averages over a stale size: {lines}"
+    return lines
+
+
+def test_worker_failure_restores_and_goes_on(tmp_path):
+    """Rank 1 exits mid-step in epoch 1 (rank 0's buckets in flight): rank 0 restores the last
+    commit (pending buckets dropped) and finishes alone."""
+    both = ["localhost:1", "127.0.0.1:1"]
+    lines = run_elastic(tmp_path, 2, both, both, "--fail-rank", "1", "--fail-epoch", "1",
+                        "--fail-marker", str(tmp_path / "failed"))
+    assert (tmp_path / "failed").exists()
+    assert lines[0]["size"] == 2 and lines[-1]["size"] == 1, lines
+
+
+def test_worker_added(tmp_path):
+    """1 -> 2: the new worker builds its optimizer alone (no constructor collective) and joins."""
+    lines = run_elastic(tmp_path, 1, ["localhost:1"], ["localhost:1", "127.0.0.1:1"])
+    assert lines[0]["size"] == 1 and lines[-1]["size"] == 2, lines
+
+
+def test_worker_removed(tmp_path):
+    """2 -> 1: the host of rank 1 leaves; the optimizer averages over 1 from then on."""
+    lines = run_elastic(tmp_path, 2, ["localhost:1", "127.0.0.1:1"], ["localhost:1"])
+    assert lines[0]["size"] == 2 and lines[-1]["size"] == 1, lines
