@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # trains for ~20 s per scenario
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "pytorch_elastic.py"
