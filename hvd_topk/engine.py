@@ -239,7 +239,7 @@ class TopKEngine:
                         flat.mul_(scale / old)
 
     def _fold(self, bucket, position, grad):
-        current = bucket.current or self._begin(bucket)
+        current = bucket.current or self._begin_bucket(bucket)
         ef, momentum = bucket.sparse and self.options.error_feedback, self.options.momentum_correction
         # Error feedback on the native kernel: the fold (acc += grad) is the selection's own pass.
         fused = (current.per_segment and ef and not momentum and grad is not None
@@ -259,11 +259,11 @@ class TopKEngine:
             current.filled += filled
             current.seconds += time.perf_counter() - t0
 
-    def _begin(self, bucket):
+    def _begin_bucket(self, bucket):
         """This step's plan for ``bucket``, made at its first fold: density, strategy, message.
 
         With tensor scope on the native kernel, each segment is selected as soon as its
-        gradient is folded in (still in cache); otherwise the whole buffer is selected once
+        gradient arrives, in the fold's own pass; otherwise the whole buffer is selected once
         the bucket is complete."""
         density = self.schedule.density(self.step)
         if bucket.sparse:
@@ -282,7 +282,7 @@ class TopKEngine:
         for position, m in enumerate(bucket.members):
             if position not in bucket.folded:  # no gradient this step: contributes zeros
                 self._fold(bucket, position, m.param.grad)
-        current = bucket.current or self._begin(bucket)
+        current = bucket.current or self._begin_bucket(bucket)
         plan, strategy = current.plan, current.strategy
         name = f"{self.prefix}.bucket{bucket.index}"
         dense_bytes = bucket.element_size
