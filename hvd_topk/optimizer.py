@@ -61,9 +61,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
         selection_scope ("tensor"): ``"tensor"``, k = density x n for every tensor, or
             ``"bucket"``, one top-k over each fusion bucket (k = density x the bucket's size).
         grad_scaler (None): with mixed precision, the ``torch.amp.GradScaler`` that scales the
-            loss. Pass it: residuals are kept in the units of the current loss scale, and
-            without it they are added back at a stale scale after every scale change
-            (hvd_topk cannot see the scaler otherwise).
+            loss. Pass it: residuals are rescaled when the loss scale changes. Without it they
+            would be added back at a stale scale, so ``scaler.step(opt)`` raises a RuntimeError
+            naming this option.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")

@@ -19,22 +19,18 @@ import torch.nn.functional as F
 
 import horovod.torch as hvd
 import hvd_topk
-from check_optimizer import Net, batch
+from check_optimizer import Net, batch, build
 from harness import assert_same_on_all_ranks, gather, raises, raw_gradients, run
 from reference import ErrorFeedbackReference
 
 SCALES = [2.0 ** 10, 2.0 ** 11, 2.0 ** 8, 2.0 ** 8, 2.0 ** 14, 2.0 ** 3]
 
 
-def build(pass_scaler, momentum_correction=0.0, density=0.05):
-    torch.manual_seed(0)
-    model = Net()
+def build_scaled(pass_scaler, momentum_correction=0.0):
     scaler = torch.amp.GradScaler("cpu", init_scale=SCALES[0])
-    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0 if momentum_correction else 0.9)
-    opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
-                                        compression=hvd_topk.TopK(density=density), min_numel=500,
-                                        momentum_correction=momentum_correction,
-                                        grad_scaler=scaler if pass_scaler else None)
+    model, opt = build(momentum=0.0 if momentum_correction else 0.9, min_numel=500,
+                       momentum_correction=momentum_correction,
+                       grad_scaler=scaler if pass_scaler else None)
     return model, opt, scaler
 
 
@@ -69,7 +65,7 @@ def train_scaled(model, opt, scaler, steps, ref=None, scaler_steps=True):
 
 
 def check_residuals_follow_scale_changes(momentum_correction=0.0):
-    model, opt, scaler = build(pass_scaler=True, momentum_correction=momentum_correction)
+    model, opt, scaler = build_scaled(pass_scaler=True, momentum_correction=momentum_correction)
     ref = ErrorFeedbackReference(hvd.size(), momentum=momentum_correction)
     worst = train_scaled(model, opt, scaler, len(SCALES), ref)
     # Powers of two: exact up to summation order; an unscaled run reaches the same bound.
@@ -82,14 +78,14 @@ def check_without_the_scaler_residuals_are_stale():
     """The failure the option prevents (so the check above is not vacuous): without
     ``grad_scaler`` the residual is added back at the old scale after the first change.
     (``scaler.step(opt)`` refuses that case, next check; stepping directly bypasses it.)"""
-    model, opt, scaler = build(pass_scaler=False)
+    model, opt, scaler = build_scaled(pass_scaler=False)
     ref = ErrorFeedbackReference(hvd.size())
     worst = train_scaled(model, opt, scaler, len(SCALES), ref, scaler_steps=False)
     assert worst > 1e-3, worst
 
 
 def check_scaler_step_without_the_option_refused():
-    model, opt, scaler = build(pass_scaler=False)
+    model, opt, scaler = build_scaled(pass_scaler=False)
     x, y = batch(0, hvd.rank())
     scaler.scale(F.cross_entropy(model(x), y)).backward()
     opt.synchronize()

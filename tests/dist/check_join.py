@@ -15,12 +15,10 @@ and that rank's deterministic batch.
 import copy
 
 import numpy as np
-import torch
 import torch.nn.functional as F
 
 import horovod.torch as hvd
-import hvd_topk
-from check_optimizer import Net, batch
+from check_optimizer import batch, build
 from harness import raw_gradients, run
 from reference import ErrorFeedbackReference
 
@@ -30,16 +28,6 @@ MIN_NUMEL = 500
 
 def steps_of(rank):
     return 2 + (hvd.size() - 1 - rank)
-
-
-def build(selection_scope):
-    torch.manual_seed(0)
-    model = Net()
-    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
-                                        compression=hvd_topk.TopK(density=DENSITY), min_numel=MIN_NUMEL,
-                                        selection_scope=selection_scope)
-    return model, opt
 
 
 def expected(ref, grads, active, big, size):
@@ -63,7 +51,7 @@ def expected(ref, grads, active, big, size):
 
 def check_uneven_batches_then_join(selection_scope="tensor"):
     rank, size = hvd.rank(), hvd.size()
-    model, opt = build(selection_scope)
+    model, opt = build(density=DENSITY, min_numel=MIN_NUMEL, selection_scope=selection_scope)
     big = [n for n, p in model.named_parameters() if p.numel() >= MIN_NUMEL]
     ref = ErrorFeedbackReference(size)
     shadow = copy.deepcopy(model)

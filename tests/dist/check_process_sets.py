@@ -19,7 +19,7 @@ os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"  # read by hvd.init() in harnes
 
 import horovod.torch as hvd  # noqa: E402
 import hvd_topk  # noqa: E402
-from check_optimizer import Net, batch  # noqa: E402
+from check_optimizer import Net, batch, build  # noqa: E402
 from harness import assert_same_on_all_ranks, gather, raw_gradients, run  # noqa: E402
 from reference import ErrorFeedbackReference, sparse_allreduce  # noqa: E402
 
@@ -63,12 +63,7 @@ def train_and_check(model, opt, members, expected, steps=3):
 
 @with_process_set
 def check_error_feedback_optimizer(process_set, members):
-    torch.manual_seed(0)
-    model = Net()
-    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
-                                        compression=hvd_topk.TopK(density=DENSITY), min_numel=500,
-                                        process_set=process_set)
+    model, opt = build(density=DENSITY, min_numel=500, process_set=process_set)
     ref = ErrorFeedbackReference(len(members))
     big = {n for n, p in model.named_parameters() if p.numel() >= 500}
 
