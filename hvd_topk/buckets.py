@@ -55,6 +55,7 @@ class Bucket:
         self.pending = None    # the exchange in flight, between launch and finish
         self._plans = {}       # (density, scope, value dtype) -> codec.Plan
         self._message = None   # reused send buffer
+        self._scratch = {}     # purpose -> reused buffer (scratch)
 
     # ---- buffers ---------------------------------------------------------------------------
     def buffer(self):
@@ -124,6 +125,14 @@ class Bucket:
         if self._message is None or self._message.numel() != nbytes:
             self._message = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self._message
+
+    def scratch(self, purpose, numel, dtype):
+        """A reusable buffer for ``purpose`` (e.g. the float16 copy a dense fp16 allreduce
+        sends), reallocated only when its size or dtype changes."""
+        buf = self._scratch.get(purpose)
+        if buf is None or buf.numel() != numel or buf.dtype != dtype:
+            buf = self._scratch[purpose] = torch.empty(numel, dtype=dtype, device=self.device)
+        return buf
 
     def reset(self):
         """Forget this step's progress (a new step, or a state restore)."""

@@ -122,6 +122,17 @@ class Codec:
         return result.nonfinite, result.passes - 1, result.filled
 
     @staticmethod
+    def fold(x, grad):
+        """Error feedback's fold alone, ``x += grad`` (flat ``x``, ``grad`` of its size), for a
+        rank that does not select this step. Returns whether ``x`` now holds inf/nan, from the
+        same native pass; None where torch ops folded and nothing was checked."""
+        grad = grad.reshape(-1)
+        if native_ok(x) and native_ok(grad) and grad.dtype == x.dtype:
+            return selection.fold_native(x, grad)
+        x.add_(grad)
+        return None
+
+    @staticmethod
     def finish_segments(plan, message, dtype):
         """After ``encode_segment`` of every segment of a ``dtype`` buffer: values converted to
         the wire dtype, padding zeroed."""

@@ -9,12 +9,14 @@ checkpointable state live here; ``hvd_topk.DistributedOptimizer`` is a thin wrap
 One step, per bucket (``hvd_topk.buckets``):
 
 1. at the bucket's first gradient of the step its plan is fixed (``StepPlan``: density, the
-   cheapest strategy for its size from ``hvd_topk.exchange``, the send buffer);
+   exchange strategy from ``hvd_topk.exchange`` — the one ``exchange=`` names, or under
+   ``"auto"`` the one ``hvd_topk.auto``'s trial measured fastest — and the send buffer);
 2. each gradient, once its backward passes are done, is folded into the bucket's flat buffer
    (error feedback: ``acc += grad``); ``p.grad`` keeps this rank's gradient. With tensor scope on
    the native kernel the gradient's top-k is selected right then, in the fold's own pass over
    memory, into its slots of the message, zeroing what it sent; with bucket scope (or torch ops)
-   the whole buffer is selected in one call once the bucket is complete;
+   the whole buffer is selected in one call once the bucket is complete. (With the sparse
+   allreduce only this step's leader selects; the other ranks only fold.)
 3. when the bucket is complete its exchange starts (overlapping the rest of backward);
 4. ``synchronize`` finishes every exchange and writes the averaged result into ``p.grad``, the
    same bits on every rank.
@@ -27,8 +29,8 @@ import warnings
 
 import torch
 
-from hvd_topk import exchange
-from hvd_topk._horovod import elastic_mode, hvd
+from hvd_topk import auto, exchange
+from hvd_topk._horovod import allreduce_dtype, elastic_mode, hvd
 from hvd_topk._torch import compiled_autograd_active
 from hvd_topk.buckets import plan_buckets
 from hvd_topk.codec import Codec, Encoded
@@ -63,8 +65,16 @@ class Options:
       bucket's size) instead of k per tensor: a layer with large gradients gets more of the
       budget, often better per byte. ``"tensor"`` (default) is the per-tensor contract.
     - Keep ``min_numel`` so that biases and norms stay dense: they are cheap and sensitive.
+    - ``exchange`` picks how buckets travel (``hvd_topk.exchange``). ``"auto"`` (default) runs
+      ``exchange_trial_steps`` real steps with each strategy the cost model proposes (dense
+      fp32, dense fp16, allgather, sparse allreduce) and keeps the fastest: on a fast network
+      that may be dense, which is the point (never slower than not compressing). Force one with
+      ``"allgather"`` (every rank's pairs; bytes grow with P), ``"sparse_allreduce"`` (a rotating
+      leader's positions, values allreduced; bytes independent of P: the one for many ranks),
+      ``"dense"`` or ``"dense_fp16"``. ``exchange_recheck_steps`` re-runs the trial that often
+      (0: only when the world size changes).
     - ``dense_fallback`` sends a bucket dense when a ring allreduce would move fewer bytes than
-      the allgather (density >= 1/P for fp32): leave it on.
+      the sparse strategy (the allgather at density >= 1/P for fp32): leave it on.
     """
 
     error_feedback: bool = True
@@ -76,11 +86,15 @@ class Options:
     dense_fallback: bool = True
     selection_scope: str = "tensor"
     sparse_as_dense: bool = False
+    exchange: str = "auto"
+    exchange_trial_steps: int = 3
+    exchange_recheck_steps: int = 0
 
     def __post_init__(self):
         for key in ("error_feedback", "dense_fallback", "sparse_as_dense"):
             check_flag(getattr(self, key), key)
-        for key, low in (("warmup_steps", 0), ("min_numel", 0), ("fusion_bytes", 1)):
+        for key, low in (("warmup_steps", 0), ("min_numel", 0), ("fusion_bytes", 1),
+                         ("exchange_trial_steps", 1), ("exchange_recheck_steps", 0)):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{key} must be an integer, got {value!r}")
@@ -94,6 +108,8 @@ class Options:
         check_density(self.warmup_density, "warmup_density")
         if self.selection_scope not in SCOPES:
             raise ValueError(f"selection_scope must be one of {SCOPES}, got {self.selection_scope!r}")
+        if self.exchange not in exchange.CHOICES:
+            raise ValueError(f"exchange must be one of {exchange.CHOICES}, got {self.exchange!r}")
 
 
 @dataclasses.dataclass
@@ -103,7 +119,10 @@ class StepPlan:
     strategy: type        # exchange strategy
     message: object       # send buffer (sparse strategies)
     per_segment: bool     # select each tensor as it is folded in
+    selects: bool = True  # this rank selects (all do, but the sparse allreduce's leader alone)
+    leader: int = None    # the sparse allreduce's leader (index in the process set)
     nonfinite: list = dataclasses.field(default_factory=list)  # segments that held inf/nan
+    unchecked: bool = False  # a fold that did not check for inf/nan (sparse allreduce, non-leader)
     repasses: int = 0
     filled: int = 0
     seconds: float = 0.0  # selection time spent in hooks
@@ -145,7 +164,6 @@ class TopKEngine:
         self.world = process_set.size()
         self.rank = process_set.rank() if self.member else None
         self.schedule = DensitySchedule(self.density, options.warmup_steps, options.warmup_density)
-        self.strategies = exchange.STRATEGIES if options.dense_fallback else (exchange.AllgatherPairs,)
         # In an elastic job workers join later and run this constructor alone: no collective here.
         if self.member and not elastic_mode():
             self._check_ranks_agree(compression)
@@ -162,6 +180,9 @@ class TopKEngine:
         self.one = torch.ones(1)   # the join probe's contribution
         self.join_probe, self.joined = None, False
         self.densified = []        # parameters whose sparse gradient was densified this step
+        self.family = None         # this step's exchange family (exchange= or auto's choice)
+        self.trial, self.trial_world = None, None  # exchange="auto": the trial of this world size
+        self.used = {}             # bucket index -> strategy name of its last exchange
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                       for p in params] if self.member else []
 
@@ -208,9 +229,67 @@ class TopKEngine:
         self._check_step_start()
         self._follow_world()
         self._follow_loss_scale()
+        self.family = self._family()
         if self.world > 1:
             self._start_join_probe()
         self.step_begun = True
+
+    def _family(self):
+        """This step's strategy family: ``exchange=`` itself, or under ``"auto"`` the trial's.
+
+        Everything here depends only on the step counter, the world size and the options, so
+        every rank makes the same choice without talking."""
+        mode = self.options.exchange
+        if mode != "auto":
+            return mode
+        if self.world <= 1:
+            return "dense"
+        density = self.schedule.density(self.step)
+        if density != self.density:  # density warm-up: no trial yet; the fewest bytes
+            return min(auto.FAMILIES, key=lambda f: self._modelled_bytes(f, density))
+        recheck = self.options.exchange_recheck_steps
+        if (self.trial is None or self.trial_world != self.world
+                or (recheck and self.trial.decided_at is not None
+                    and self.step - self.trial.decided_at >= recheck)):
+            self._start_trial(density)
+        return self.trial.family()
+
+    def _start_trial(self, density):
+        assignments = {f: tuple(s.name for s in self._assign(f, density)) for f in auto.FAMILIES}
+        byte_counts = {f: self._modelled_bytes(f, density) for f in auto.FAMILIES}
+        candidates = auto.propose(assignments, byte_counts)
+        self.trial = auto.Trial(candidates, self.options.exchange_trial_steps, self.process_set,
+                                f"{self.prefix}.exchange_trial")
+        self.trial_world = self.world
+        if self.trial.choice is not None:
+            auto.announce(f"exchange={self.trial.choice} for {self.world} ranks ({self.trial.reason()})")
+
+    def _strategy(self, family, bucket, plan):
+        """The strategy ``bucket`` uses under ``family``: a sparse one falls back to the dense
+        allreduce where that moves fewer bytes (``dense_fallback``)."""
+        if not bucket.sparse:
+            return exchange.DenseAllreduce
+        chosen = exchange.BY_NAME[family]
+        if not chosen.sparse or not self.options.dense_fallback:
+            return chosen
+        return exchange.cheapest((exchange.DenseAllreduce, chosen), self.world, bucket.numel, plan.count,
+                                 plan.layout.value_itemsize, plan.layout.index_itemsize,
+                                 bucket.element_size)
+
+    def _assign(self, family, density):
+        """The strategy of every sparse bucket under ``family`` at ``density``."""
+        scope = self.options.selection_scope
+        return [self._strategy(family, b, b.plan(self.codec, density, scope))
+                for b in self.buckets if b.sparse]
+
+    def _modelled_bytes(self, family, density):
+        """Bytes into one rank per step for the sparse buckets under ``family`` (the cost model)."""
+        total = 0.0
+        for b, strategy in zip([b for b in self.buckets if b.sparse], self._assign(family, density)):
+            plan = b.plan(self.codec, density, self.options.selection_scope)
+            total += strategy.wire_bytes(self.world, b.numel, plan.count, plan.layout.value_itemsize,
+                                         plan.layout.index_itemsize, b.element_size)
+        return total
 
     def _follow_world(self):
         """Horovod elastic re-forms the job (workers lost or added) between steps: the size
@@ -246,8 +325,17 @@ class TopKEngine:
                  and grad.dtype == bucket.dtype and grad.is_contiguous())
         if fused:
             bucket.mark_folded(position)
+        elif not current.selects and ef and not momentum and grad is not None:
+            # sparse allreduce, not the leader: fold only, noting inf/nan on the way
+            bad = self.codec.fold(bucket.segment(bucket.buffer(), position), grad)
+            bucket.mark_folded(position)
+            if bad is None:
+                current.unchecked = True
+            elif bad:
+                current.nonfinite.append(position)
         else:
             bucket.fold(position, grad, ef, momentum)
+            current.unchecked |= not current.selects
         if current.per_segment:
             t0 = time.perf_counter()
             bad, repasses, filled = self.codec.encode_segment(
@@ -266,25 +354,25 @@ class TopKEngine:
         gradient arrives, in the fold's own pass; otherwise the whole buffer is selected once
         the bucket is complete."""
         density = self.schedule.density(self.step)
-        if bucket.sparse:
-            plan = bucket.plan(self.codec, density, self.options.selection_scope)
-            strategy = exchange.cheapest(self.strategies, self.world, bucket.numel, plan.count,
-                                         plan.layout.value_itemsize, plan.layout.index_itemsize,
-                                         bucket.element_size)
-        else:
-            plan, strategy = None, exchange.DenseAllreduce
-        per_segment = strategy.sparse and plan.scope == "tensor" and native_ok(bucket.buffer())
+        plan = bucket.plan(self.codec, density, self.options.selection_scope) if bucket.sparse else None
+        strategy = self._strategy(self.family or self._family(), bucket, plan)
+        leader = None
+        if strategy is exchange.SparseAllreduce:
+            leader = strategy.leader(self.step, bucket.index, self.world)
+        selects = strategy.sparse and leader in (None, self.rank)
+        per_segment = selects and plan.scope == "tensor" and native_ok(bucket.buffer())
         message = bucket.message(plan.layout.nbytes) if strategy.sparse else None
-        bucket.current = StepPlan(plan, strategy, message, per_segment)
+        bucket.current = StepPlan(plan, strategy, message, per_segment, selects, leader)
         return bucket.current
 
     def _launch(self, bucket):
+        self._progress()
         for position, m in enumerate(bucket.members):
             if position not in bucket.folded:  # no gradient this step: contributes zeros
                 self._fold(bucket, position, m.param.grad)
         current = bucket.current or self._begin_bucket(bucket)
         plan, strategy = current.plan, current.strategy
-        name = f"{self.prefix}.bucket{bucket.index}"
+        name = f"{self.prefix}.bucket{bucket.index}.{strategy.name}"
         dense_bytes = bucket.element_size
         self.stats.add(elements_total=bucket.numel, bytes_dense=bucket.numel * dense_bytes)
         if strategy.sparse and self._someone_joined():
@@ -292,27 +380,102 @@ class TopKEngine:
             if current.per_segment and self.options.error_feedback:
                 self._unsend(bucket, current)
             strategy, plan, name = exchange.DenseAllreduce, None, name + ".joined"
+        self.used[bucket.index] = strategy.name
         if strategy.sparse:
             t0 = time.perf_counter()
             message = current.message
             ef = self.options.error_feedback
+            encoded = Encoded([], 0, 0)
             if current.per_segment:
                 self.codec.finish_segments(plan, message, bucket.dtype)
                 encoded = Encoded(current.nonfinite, current.repasses, current.filled)
-            else:
+            elif current.selects:
                 encoded = self.codec.encode(bucket.acc, plan, message, zero_sent=ef)
-            if ef:
-                self._after_encode(bucket, plan, message, encoded)
+            if current.selects:
+                current.nonfinite = encoded.nonfinite
+                if ef:
+                    self._after_encode(bucket, plan, message, encoded)
+            layout = plan.layout
+            sent = layout.nbytes
+            if strategy is exchange.SparseAllreduce:  # indices (all ranks) + values and the flag
+                sent = layout.count * layout.index_itemsize + (layout.count + 1) * layout.value_itemsize
             self.stats.add(time_selection_s=time.perf_counter() - t0 + current.seconds,
                            tensors_sparse=len(bucket.members),
-                           elements_selected=plan.count, bytes_sent=plan.layout.nbytes,
+                           elements_selected=plan.count, bytes_sent=sent,
                            selection_repasses=encoded.repasses, selection_filled=encoded.filled)
-            handle = strategy.start(message, name, self.process_set)
+            if strategy is exchange.SparseAllreduce:
+                _, indices = layout.views(message)
+                handle = ("indices", strategy.start_indices(indices, current.leader, name, self.process_set))
+            else:
+                handle = strategy.start(message, name, self.process_set)
         else:
             self.stats.add(tensors_dense=len(bucket.members), elements_selected=bucket.numel,
-                           bytes_sent=bucket.numel * dense_bytes)
-            handle = strategy.start(bucket.acc, name, self.process_set, self.op, self.predivide)
+                           bytes_sent=bucket.numel * strategy.wire_dtype(bucket.dtype).itemsize)
+            wire = None
+            if strategy.wire_dtype(bucket.dtype) != bucket.dtype:
+                wire = bucket.scratch("wire", bucket.numel, strategy.wire_dtype(bucket.dtype))
+            handle = strategy.start(bucket.acc, name, self.process_set, self.op, self.predivide, wire=wire)
         bucket.pending = (strategy, handle, plan)
+
+    def _progress(self, wait=False):
+        """Start the value allreduce of every sparse-allreduce bucket whose leader's indices
+        have arrived (all of them, waiting, with ``wait``): called whenever a bucket launches,
+        so the second collective overlaps backward too."""
+        for bucket in self.buckets:
+            if bucket.pending is None or bucket.pending[0] is not exchange.SparseAllreduce:
+                continue
+            strategy, (phase, handle), plan = bucket.pending
+            if phase == "indices" and (wait or hvd.poll(handle)):
+                strategy.finish(handle)
+                values = self._gather_values(bucket, bucket.current, plan)
+                name = f"{self.prefix}.bucket{bucket.index}.{strategy.name}"
+                bucket.pending = (strategy, ("values", strategy.start_values(values, name, self.process_set)),
+                                  plan)
+
+    def _gather_values(self, bucket, current, plan):
+        """The sparse allreduce's second half on this rank: its values at the leader's indices
+        (the leader's are in its message already), zeroed in the residual (error feedback), and
+        a last slot that is NaN when this rank's accumulator held inf/nan, 0 otherwise."""
+        layout = plan.layout
+        sent, indices = layout.views(current.message)
+        k = layout.count
+        values = bucket.scratch("values", k + 1, allreduce_dtype(layout.value_dtype))
+        flat = bucket.acc
+        if current.selects:
+            values[:k].copy_(sent)
+            bad = bool(current.nonfinite) if isinstance(current.nonfinite, list) else current.nonfinite.any()
+        else:
+            bad = bool(current.nonfinite)
+            if current.unchecked:
+                bad = ~torch.isfinite(flat).all() | bad  # a device tensor: no host sync
+            where = indices.long()
+            values[:k].copy_(flat.index_select(0, where))
+            if self.options.error_feedback:
+                flat.index_fill_(0, where, 0)
+                if bucket.momentum is not None:
+                    bucket.momentum.index_fill_(0, where, 0)
+                self._wipe_nonfinite(bucket, current, bad)
+        if torch.is_tensor(bad):
+            values[k:].copy_(torch.where(bad, float("nan"), 0.0))
+        else:
+            values[k] = float("nan") if bad else 0.0
+        return values
+
+    def _wipe_nonfinite(self, bucket, current, bad):
+        """A non-leader's residual that held inf/nan starts again from zero: the segments seen
+        by the checking fold, or the whole bucket when only a device flag knows."""
+        if current.unchecked:
+            for flat in (bucket.acc, bucket.momentum):
+                if flat is not None:
+                    flat.masked_fill_(bad, 0)
+            self.stats.add_tensor("nonfinite_resets", bad.to(torch.int64) * len(bucket.members))
+            return
+        for s in current.nonfinite:
+            for flat in (bucket.acc, bucket.momentum):
+                if flat is not None:
+                    bucket.segment(flat, s).zero_()
+        if current.nonfinite:
+            self.stats.add(nonfinite_resets=len(current.nonfinite))
 
     def _start_join_probe(self):
         """Every step, an allreduce of 1 from each rank, started before the first fold and read
@@ -362,9 +525,15 @@ class TopKEngine:
             self.stats.add_tensor("nonfinite_resets", bad.sum())
 
     def _finish(self, bucket):
+        if bucket.pending[0] is exchange.SparseAllreduce:
+            self._progress(wait=True)
         strategy, handle, plan = bucket.pending
         t0 = time.perf_counter()
-        result = strategy.finish(handle)
+        if strategy is exchange.SparseAllreduce:
+            result = self._sparse_allreduce_result(bucket, handle[1], plan)
+            world = 1  # one row of pairs: the leader's indices with the summed values
+        else:
+            result, world = strategy.finish(handle), self.world
         if strategy.sparse:
             dests, copies = [], []  # decode overwrites every element of its destinations
             for m in bucket.members:
@@ -377,7 +546,7 @@ class TopKEngine:
                     dests.append(torch.empty(m.numel, dtype=grad.dtype, device=grad.device))
                     copies.append((grad, dests[-1]))
             div = float(self.world) if self.op == hvd.Average else 1.0
-            self.codec.decode(result, plan.layout, self.world, dests, bucket.bounds, div=div)
+            self.codec.decode(result, plan.layout, world, dests, bucket.bounds, div=div)
             for grad, flat in copies:
                 grad.copy_(flat.view(grad.shape))
         else:
@@ -393,6 +562,18 @@ class TopKEngine:
                     bucket.momentum.zero_()
         bucket.reset()
         self.stats.add(time_exchange_s=time.perf_counter() - t0)
+
+    def _sparse_allreduce_result(self, bucket, handle, plan):
+        """The summed values, written back into the message beside the leader's indices (a
+        one-row message for ``decode``); every value is NaN when a rank flagged inf/nan."""
+        exchange.SparseAllreduce.finish(handle)
+        k = plan.layout.count
+        values = bucket.scratch("values", k + 1, allreduce_dtype(plan.layout.value_dtype))
+        values[:k].add_(values[k:] * 0)  # 0 when every rank was finite, NaN otherwise
+        message = bucket.current.message
+        sent, _ = plan.layout.views(message)
+        sent.copy_(values[:k])
+        return message
 
     def synchronize(self):
         """Finish every exchange of this step; afterwards ``p.grad`` holds the averaged result."""
@@ -412,6 +593,10 @@ class TopKEngine:
         for p in self.passes:
             self.passes[p] = 0
         self._resparsify()
+        if self.trial is not None and self.options.exchange == "auto" and self.trial_world == self.world \
+                and self.schedule.density(self.step) == self.density:
+            if self.trial.step_done(self.step):
+                auto.announce(f"exchange={self.trial.choice} for {self.world} ranks ({self.trial.reason()})")
         self.step += 1
         self.stats.add(steps=1)
         self.synchronized = True
@@ -513,6 +698,16 @@ class TopKEngine:
         out["buckets_dense"] = sum(not b.sparse for b in self.buckets)
         out["selection_scope"] = self.options.selection_scope
         out["world_size"] = self.world
+        out["exchange"] = self.options.exchange
+        out["exchange_family"] = self.family
+        if self.options.exchange == "auto":
+            out["exchange_reason"] = self.trial.reason() if self.trial is not None else (
+                "one rank: nothing to exchange" if self.world <= 1 else "density warm-up: fewest bytes")
+            if self.trial is not None:
+                out["exchange_candidates"] = list(self.trial.candidates)
+                out["exchange_choice"] = self.trial.choice
+                out["exchange_median_step_s"] = dict(self.trial.medians or {})
+        out["bucket_strategies"] = dict(self.used)
         return out
 
     # ---- checks ----------------------------------------------------------------------------

@@ -1,25 +1,100 @@
 """Exchange strategies: how one bucket's payload moves between ranks, and what it costs.
 
-Every strategy answers two questions the same way for the optimizer, the benchmarks'
-scaling model and the tests:
+Every strategy answers the cost question the same way for the optimizer, the benchmarks'
+scaling model and the tests: ``wire_bytes(world, numel, count, value_bytes, index_bytes,
+dense_bytes)`` is the bytes into one rank per exchange of a buffer of ``numel`` elements of
+which ``count`` pairs are selected (ring algorithms, the model Horovod's collectives follow).
+The collectives themselves are started and finished by the engine (``hvd_topk.engine``)
+through the strategies' ``start``/``finish`` helpers.
 
-- ``wire_bytes(world, numel, count, value_bytes, index_bytes, dense_bytes)``: bytes into one
-  rank per exchange of a buffer of ``numel`` elements of which ``count`` pairs are sent
-  (ring algorithms, the model Horovod's collectives follow);
-- ``start(...)`` / ``finish(handle)``: launch the collective asynchronously, wait for it.
+======================  ======================================================  ==============================
+strategy                what moves                                              bytes into one rank
+======================  ======================================================  ==============================
+``DenseAllreduce``      ring allreduce of the whole buffer                      ``2 (P-1)/P n b_dense``
+``DenseAllreduceFp16``  the same in float16 (Horovod's ``Compression.fp16``)    ``2 (P-1)/P n 2``
+``AllgatherPairs``      every rank receives every other rank's k pairs          ``(P-1) k (b_v + b_i)``
+``SparseAllreduce``     one leader's k indices broadcast, then an allreduce     ``k b_i + 2 (P-1)/P (k+1) b_v``
+                        of every rank's values at those indices
+======================  ======================================================  ==============================
 
-Strategies today:
+``SparseAllreduce`` is ScaleCom's cyclic local top-k (CLT-k, Chen et al., NeurIPS 2020): the
+leader (rank ``(step + bucket) mod P``, so it rotates and the buckets of one step spread the
+selection work over the ranks) selects the top-k of its own error-feedback accumulator; every
+rank sends its accumulator's values at those positions; the sum is exact for those positions.
+Its bytes per rank stay below ``k (b_i + 2 b_v)`` whatever P is (the allgather's grow as P-1),
+at the price of a second, dependent collective and of using one rank's choice of positions
+for all (error feedback keeps what each rank did not send; on correlated gradients the
+leader's top-k is close to everyone's).
 
-====================  ===========================================  ==========================
-``AllgatherPairs``    every rank receives every other rank's pairs  ``(P-1) k (b_v + b_i)``
-``DenseAllreduce``    ring allreduce of the whole buffer            ``2 (P-1)/P n b_dense``
-====================  ===========================================  ==========================
-
-Sparse pays while ``density < 2 b_dense / (P (b_v + b_i))``: 50% at P=2, 12.5% at P=8, 1.6% at
-P=64 for fp32 values and int32 indices (``sparse_break_even``).
+Sparse pays while ``density < 2 b_dense / (P (b_v + b_i))`` for the allgather (50% at P=2,
+12.5% at P=8, 1.6% at P=64 for fp32 values and int32 indices; ``sparse_break_even``), and up
+to about ``b_dense / (b_i / 2 + b_v)`` = 67% for the sparse allreduce at any P.
 """
 
-from hvd_topk._horovod import allreduce_dtype, hvd
+import torch
+
+from hvd_topk._horovod import allreduce_dtype, broadcast_root, hvd
+
+
+class DenseAllreduce:
+    """In-place ring allreduce of the whole buffer (Horovod's default path).
+
+    A dtype Horovod cannot allreduce (bfloat16 on Horovod 0.28.1) is allreduced as a float32
+    copy and cast back into the buffer by ``finish``: exact for every bfloat16 input, summed in
+    float32, and one rounding to bfloat16 at the end. (Horovod's own optimizer raises "Tensor
+    type torch.BFloat16Tensor is not supported." there.) The buffer is always contiguous, so
+    channels_last gradients need nothing: the bucket copies them in and out by shape.
+    """
+
+    name = "dense"
+    sparse = False
+
+    @staticmethod
+    def wire_dtype(dtype):
+        return allreduce_dtype(dtype)
+
+    @classmethod
+    def wire_bytes(cls, world, numel, count, value_bytes, index_bytes, dense_bytes):
+        return 2.0 * (world - 1) / world * numel * dense_bytes if world > 1 else 0.0
+
+    @classmethod
+    def start(cls, tensor, name, process_set, op, predivide=1.0, wire=None):
+        """Horovod's split of Average into pre- and post-scaling, as its optimizer does.
+        ``wire``: a reusable buffer of ``wire_dtype`` when that differs from the tensor's.
+        Returns a handle for ``finish``."""
+        pre, post = (1.0 / predivide, predivide) if op == hvd.Average else (1.0, 1.0)
+        if cls.wire_dtype(tensor.dtype) == tensor.dtype:
+            wire = tensor
+        else:
+            wire = (wire if wire is not None else torch.empty(
+                tensor.numel(), dtype=cls.wire_dtype(tensor.dtype), device=tensor.device)).copy_(tensor)
+        handle = hvd.allreduce_async_(wire, name=name, op=op, prescale_factor=pre,
+                                      postscale_factor=post, process_set=process_set)
+        return handle, tensor, wire
+
+    @staticmethod
+    def finish(handle):
+        """The reduced buffer: the tensor given to ``start``, overwritten with the result."""
+        handle, tensor, wire = handle
+        hvd.synchronize(handle)
+        if wire is not tensor:
+            tensor.copy_(wire)
+        return tensor
+
+
+class DenseAllreduceFp16(DenseAllreduce):
+    """``DenseAllreduce`` in float16, as Horovod's ``Compression.fp16`` does: half the bytes,
+    values rounded to float16 (and summed in it); what the rounding loses is not kept."""
+
+    name = "dense_fp16"
+
+    @staticmethod
+    def wire_dtype(dtype):
+        return torch.float16
+
+    @classmethod
+    def wire_bytes(cls, world, numel, count, value_bytes, index_bytes, dense_bytes):
+        return DenseAllreduce.wire_bytes(world, numel, count, value_bytes, index_bytes, 2)
 
 
 class AllgatherPairs:
@@ -42,44 +117,51 @@ class AllgatherPairs:
         return hvd.synchronize(handle)
 
 
-class DenseAllreduce:
-    """In-place ring allreduce of the whole buffer (Horovod's default path).
+class SparseAllreduce:
+    """ScaleCom's cyclic local top-k: the leader's indices, then an allreduce of values there.
 
-    A dtype Horovod cannot allreduce (bfloat16 on Horovod 0.28.1) is allreduced as a float32
-    copy and cast back into the buffer by ``finish``: exact for every bfloat16 input, summed in
-    float32, and one rounding to bfloat16 at the end. (Horovod's own optimizer raises "Tensor
-    type torch.BFloat16Tensor is not supported." there.) The buffer is always contiguous, so
-    channels_last gradients need nothing: the bucket copies them in and out by shape.
+    Two dependent collectives per bucket: ``start_indices`` broadcasts the leader's k indices
+    (fixed size: no host synchronisation on CUDA); once they have arrived every rank gathers
+    its accumulator's values there and ``start_values`` allreduces them (summed; the engine
+    divides when it decodes, as for the allgather). One extra value slot carries a non-finite
+    flag, so an inf/nan on any rank reaches every rank's result (GradScaler then skips the step
+    everywhere) even where it lies outside the leader's positions.
     """
 
-    name = "dense"
-    sparse = False
+    name = "sparse_allreduce"
+    sparse = True
+
+    @staticmethod
+    def leader(step, bucket_index, world):
+        """The selecting rank (index in the process set): rotates with the step, and the
+        buckets of one step start from different ranks so the selection work is spread."""
+        return (step + bucket_index) % world
 
     @staticmethod
     def wire_bytes(world, numel, count, value_bytes, index_bytes, dense_bytes):
-        return 2.0 * (world - 1) / world * numel * dense_bytes if world > 1 else 0.0
+        if world <= 1:
+            return 0.0
+        return count * index_bytes + 2.0 * (world - 1) / world * (count + 1) * value_bytes
 
     @staticmethod
-    def start(tensor, name, process_set, op, predivide=1.0):
-        """Horovod's split of Average into pre- and post-scaling, as its optimizer does.
-        Returns a handle for ``finish``."""
-        pre, post = (1.0 / predivide, predivide) if op == hvd.Average else (1.0, 1.0)
-        wire = tensor.to(allreduce_dtype(tensor.dtype))  # ``tensor`` itself when supported
-        handle = hvd.allreduce_async_(wire, name=name, op=op, prescale_factor=pre,
-                                      postscale_factor=post, process_set=process_set)
-        return handle, tensor, wire
+    def start_indices(indices, leader, name, process_set):
+        """Broadcast the leader's indices into ``indices`` on every rank (in place)."""
+        return hvd.broadcast_async_(indices, root_rank=broadcast_root(process_set, leader),
+                                    name=name + ".indices", process_set=process_set)
+
+    @staticmethod
+    def start_values(values, name, process_set):
+        """Sum every rank's values (in place) into ``values``."""
+        return hvd.allreduce_async_(values, name=name + ".values", op=hvd.Sum, process_set=process_set)
 
     @staticmethod
     def finish(handle):
-        """The reduced buffer: the tensor given to ``start``, overwritten with the result."""
-        handle, tensor, wire = handle
         hvd.synchronize(handle)
-        if wire is not tensor:
-            tensor.copy_(wire)
-        return tensor
 
 
 STRATEGIES = (DenseAllreduce, AllgatherPairs)  # on a tie, dense: it loses nothing
+BY_NAME = {s.name: s for s in (DenseAllreduce, DenseAllreduceFp16, AllgatherPairs, SparseAllreduce)}
+CHOICES = ("auto", *BY_NAME)
 
 
 def cheapest(strategies, world, numel, count, value_bytes, index_bytes, dense_bytes):
@@ -88,11 +170,13 @@ def cheapest(strategies, world, numel, count, value_bytes, index_bytes, dense_by
                                                       dense_bytes))
 
 
-def sparse_break_even(world_size, dense_bytes=4, value_bytes=4, index_bytes=4):
-    """The density at which the allgather moves as many bytes as a dense allreduce (derived
+def sparse_break_even(world_size, dense_bytes=4, value_bytes=4, index_bytes=4, strategy=AllgatherPairs):
+    """The density at which ``strategy`` moves as many bytes as a dense allreduce (derived
     from the two strategies' ``wire_bytes``); 0 for one rank (sparse would only drop data)."""
     if world_size <= 1:
         return 0.0
     per_element_dense = DenseAllreduce.wire_bytes(world_size, 1, 0, value_bytes, index_bytes, dense_bytes)
-    per_pair = AllgatherPairs.wire_bytes(world_size, 0, 1, value_bytes, index_bytes, dense_bytes)
+    # wire_bytes is affine in the count: its slope is the cost of one pair
+    per_pair = (strategy.wire_bytes(world_size, 0, 2, value_bytes, index_bytes, dense_bytes)
+                - strategy.wire_bytes(world_size, 0, 1, value_bytes, index_bytes, dense_bytes))
     return per_element_dense / per_pair

@@ -29,7 +29,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                          process_set=hvd.global_process_set, *, error_feedback=True,
                          momentum_correction=0.0, warmup_steps=0, warmup_density=0.25,
                          min_numel=1024, fusion_bytes=64 * 1024 * 1024, dense_fallback=True,
-                         selection_scope="tensor", grad_scaler=None):
+                         selection_scope="tensor", grad_scaler=None, exchange="auto",
+                         exchange_trial_steps=3, exchange_recheck_steps=0):
     """Wrap ``optimizer`` so that gradients are exchanged as Top-K pairs with error feedback.
 
     Same signature and behaviour as ``hvd.DistributedOptimizer``: the result is an instance of
@@ -57,7 +58,15 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
         min_numel (1024): tensors with fewer elements go through a dense allreduce.
         fusion_bytes (64 MiB): dense-equivalent size of a sparse bucket.
         dense_fallback (True): send a bucket dense when a ring allreduce moves fewer bytes than
-            the allgather (density >= 1/P for fp32 gradients).
+            the sparse exchange (the allgather at density >= 1/P for fp32 gradients).
+        exchange ("auto"): how buckets travel. ``"auto"`` times each strategy the cost model
+            proposes for ``exchange_trial_steps`` (3) real steps each and keeps the fastest
+            (logged once on rank 0; ``compression_stats()["exchange_reason"]``); it may be dense
+            where the network is fast. ``"allgather"``: every rank's pairs (bytes grow with the
+            ranks). ``"sparse_allreduce"``: a rotating leader's top-k positions, every rank's
+            values there allreduced (bytes independent of the ranks). ``"dense"``,
+            ``"dense_fp16"``: Horovod's allreduce, fp32 or fp16. ``exchange_recheck_steps`` (0):
+            re-run the trial that often (it always re-runs when the world size changes).
         selection_scope ("tensor"): ``"tensor"``, k = density x n for every tensor, or
             ``"bucket"``, one top-k over each fusion bucket (k = density x the bucket's size).
         grad_scaler (None): with mixed precision, the ``torch.amp.GradScaler`` that scales the
@@ -75,7 +84,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
     options = Options(error_feedback=error_feedback, momentum_correction=momentum_correction,
                       warmup_steps=warmup_steps, warmup_density=warmup_density, min_numel=min_numel,
                       fusion_bytes=fusion_bytes, dense_fallback=dense_fallback,
-                      selection_scope=selection_scope, sparse_as_dense=sparse_as_dense)
+                      selection_scope=selection_scope, sparse_as_dense=sparse_as_dense,
+                      exchange=exchange, exchange_trial_steps=exchange_trial_steps,
+                      exchange_recheck_steps=exchange_recheck_steps)
     compression = _resolve_compression(compression)
     if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
         raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")

@@ -127,6 +127,17 @@ def select_native(x, k, out_indices, out_values, method=DEFAULT_METHOD, offset=0
     return result
 
 
+_FOLD_FUNCS = {torch.float32: "hvdtk_fold_f32", torch.float64: "hvdtk_fold_f64"}
+
+
+def fold_native(x, g):
+    """``x += g`` (flat, CPU fp32/fp64, same dtype and size, contiguous) in one native pass;
+    returns whether the result holds inf/nan. The caller checks ``native_ok`` for both."""
+    if g.dtype != x.dtype or g.numel() != x.numel() or not g.is_contiguous():
+        raise ValueError("g must be a contiguous tensor of x's dtype and size")
+    return bool(getattr(native.library(), _FOLD_FUNCS[x.dtype])(x.data_ptr(), g.data_ptr(), x.numel()))
+
+
 _SEGMENT_FUNCS = {torch.float32: "hvdtk_select_segments_f32", torch.float64: "hvdtk_select_segments_f64"}
 
 

@@ -33,6 +33,9 @@ class ErrorFeedbackReference:
 
     acc = residual + grad (DGC: u = m*u + grad; v = v + u); send top-k of acc; residual = acc
     with the sent entries zeroed (and u's too); result = sum of sent pairs over ranks / ranks.
+
+    With ``leader`` (the sparse allreduce, ScaleCom's CLT-k) every rank sends its own acc at
+    the positions of the *leader's* top-k instead of at its own.
     """
 
     def __init__(self, ranks, momentum=0.0, error_feedback=True):
@@ -40,11 +43,11 @@ class ErrorFeedbackReference:
         self.residual = [dict() for _ in range(ranks)]
         self.u = [dict() for _ in range(ranks)]
 
-    def sparse(self, name, per_rank_grads, density, average=True):
+    def sparse(self, name, per_rank_grads, density, average=True, leader=None):
         """One tensor's exchanged result (k = density x its size: selection_scope="tensor")."""
-        return self.sparse_bucket([name], {name: per_rank_grads}, density, average)[name]
+        return self.sparse_bucket([name], {name: per_rank_grads}, density, average, leader)[name]
 
-    def sparse_bucket(self, names, grads, density, average=True):
+    def sparse_bucket(self, names, grads, density, average=True, leader=None):
         """The exchanged results of tensors that share one top-k (selection_scope="bucket"):
         k = density x their total size, taken over their accumulators laid end to end.
         ``grads[name]`` is every rank's raw gradient; returns ``{name: result}``."""
@@ -52,10 +55,12 @@ class ErrorFeedbackReference:
         sizes = [grads[n][0].size for n in names]
         edges = np.cumsum([0] + sizes)
         total = np.zeros(edges[-1], dtype=np.float32)
+        accs, us = [], []
         for r in range(self.ranks):
             g = np.concatenate([grads[n][r].reshape(-1).astype(np.float32) for n in names])
             old = lambda table: np.concatenate([table[r].get(n, np.zeros(s, np.float32))
                                                 for n, s in zip(names, sizes)])
+            u = None
             if not self.error_feedback:
                 acc = g.copy()
             elif self.momentum:
@@ -63,8 +68,13 @@ class ErrorFeedbackReference:
                 acc = old(self.residual) + u
             else:
                 acc = old(self.residual) + g
-            k = k_of(acc.size, density)
-            keep = np.argsort(-np.abs(acc), kind="stable")[:k]
+            accs.append(acc)
+            us.append(u)
+        k = k_of(edges[-1], density)
+        keeps = [np.argsort(-np.abs(acc), kind="stable")[:k] for acc in accs]
+        for r in range(self.ranks):
+            acc, u = accs[r], us[r]
+            keep = keeps[r if leader is None else leader]
             sent = np.zeros_like(acc)
             sent[keep] = acc[keep]
             total += sent  # rank order, float32, like the optimizer

@@ -85,6 +85,30 @@ def test_strategy_costs_by_hand(P):
     assert exchange.AllgatherPairs.wire_bytes(P, n, k, 4, 4, 4) == (P - 1) * k * 8
     assert exchange.AllgatherPairs.wire_bytes(P, n, k, 2, 4, 4) == (P - 1) * k * 6
     assert exchange.DenseAllreduce.wire_bytes(1, n, k, 4, 4, 4) == 0
+    assert exchange.DenseAllreduceFp16.wire_bytes(P, n, k, 4, 4, 4) == pytest.approx(2 * (P - 1) / P * n * 2)
+    # the leader's k int32 indices reach every rank once; the k values plus one flag slot are
+    # ring-allreduced
+    assert exchange.SparseAllreduce.wire_bytes(P, n, k, 4, 4, 4) == pytest.approx(
+        k * 4 + 2 * (P - 1) / P * (k + 1) * 4)
+    assert exchange.SparseAllreduce.wire_bytes(1, n, k, 4, 4, 4) == 0
+
+
+def test_sparse_allreduce_bytes_hardly_grow_with_ranks():
+    """The issue's bar: P=8 moves at most 1.3x the bytes of P=2 with fp16 values (1.375x with
+    fp32 values: 4 + 7 against 4 + 4 bytes per pair); the allgather moves 7x."""
+    n, k = 25_557_032, 255_570
+    cost = exchange.SparseAllreduce.wire_bytes
+    assert cost(8, n, k, 2, 4, 4) / cost(2, n, k, 2, 4, 4) == pytest.approx((4 + 3.5) / (4 + 2), rel=1e-4)
+    assert cost(8, n, k, 4, 4, 4) / cost(2, n, k, 4, 4, 4) == pytest.approx(11 / 8, rel=1e-4)
+    assert cost(256, n, k, 4, 4, 4) < k * 12
+    ag = exchange.AllgatherPairs.wire_bytes
+    assert ag(8, n, k, 4, 4, 4) / ag(2, n, k, 4, 4, 4) == 7
+
+
+def test_leader_rotates_over_steps_and_buckets():
+    leader = exchange.SparseAllreduce.leader
+    assert [leader(s, 0, 3) for s in range(4)] == [0, 1, 2, 0]
+    assert [leader(5, b, 4) for b in range(4)] == [1, 2, 3, 0]
 
 
 def test_cheapest_and_break_even_agree():
@@ -93,6 +117,9 @@ def test_cheapest_and_break_even_agree():
     assert exchange.sparse_break_even(8) == 0.125
     assert exchange.sparse_break_even(64) == pytest.approx(1 / 64)
     assert exchange.sparse_break_even(1) == 0.0
+    # sparse allreduce, per pair 4 + 2 (P-1)/P 4 against 2 (P-1)/P 4 per element
+    assert exchange.sparse_break_even(2, strategy=exchange.SparseAllreduce) == pytest.approx(4 / 8)
+    assert exchange.sparse_break_even(8, strategy=exchange.SparseAllreduce) == pytest.approx(7 / 11)
     n = 800
     for P, k, want in [(8, 99, exchange.AllgatherPairs), (8, 100, exchange.DenseAllreduce),
                        (2, 399, exchange.AllgatherPairs), (64, 13, exchange.DenseAllreduce)]:
@@ -108,6 +135,9 @@ def test_cheapest_and_break_even_agree():
     ({"momentum_correction": "0.9"}, TypeError, "momentum_correction"),
     ({"momentum_correction": 0.9, "error_feedback": False}, ValueError, "error_feedback"),
     ({"warmup_density": 2.0}, ValueError, "warmup_density"),
+    ({"exchange": "ring"}, ValueError, "exchange must be one of .*sparse_allreduce"),
+    ({"exchange_trial_steps": 0}, ValueError, "exchange_trial_steps"),
+    ({"exchange_recheck_steps": -1}, ValueError, "exchange_recheck_steps"),
 ])
 def test_options_refuse_bad_values_by_name(kwargs, error, text):
     from hvd_topk.engine import Options
@@ -115,3 +145,17 @@ def test_options_refuse_bad_values_by_name(kwargs, error, text):
     with pytest.raises(error, match=text):
         Options(**kwargs)
     assert Options().selection_scope == "tensor"
+
+
+def test_auto_proposes_what_can_win():
+    """Families assigning what an earlier one does add nothing; a sparse family moving at
+    least as many bytes as dense fp16 cannot be faster (selection comes on top)."""
+    from hvd_topk.auto import propose
+
+    every = {"dense": ("dense",), "dense_fp16": ("dense_fp16",), "allgather": ("allgather",),
+             "sparse_allreduce": ("sparse_allreduce",)}
+    cheap = {"dense": 100.0, "dense_fp16": 50.0, "allgather": 10.0, "sparse_allreduce": 5.0}
+    assert propose(every, cheap) == ["dense", "dense_fp16", "allgather", "sparse_allreduce"]
+    assert propose(every, dict(cheap, allgather=50.0)) == ["dense", "dense_fp16", "sparse_allreduce"]
+    # the allgather fell back to dense in every bucket: the same as "dense"
+    assert propose(dict(every, allgather=("dense",)), cheap) == ["dense", "dense_fp16", "sparse_allreduce"]

@@ -1,4 +1,5 @@
-"""Scripts under tests/dist run as real Horovod jobs: mpirun -np 2 and -np 3 (odd sizes catch bugs).
+"""Scripts under tests/dist run as real Horovod jobs: mpirun -np 2 and -np 3 (odd sizes catch bugs;
+the sparse allreduce's also -np 4).
 
 Each script checks every rank against an independent reference (numpy, fed with every rank's
 raw data through mpi4py), as a list of named checks (tests/dist/harness.py). Each check is one
@@ -21,8 +22,9 @@ from mpi import DIST, launch_mpi, script_env
 pytestmark = pytest.mark.distributed
 
 SCRIPTS = ["check_compressor.py", "check_optimizer.py", "check_mismatch.py", "check_compat.py",
-           "check_amp.py", "check_process_sets.py", "check_join.py"]
+           "check_amp.py", "check_process_sets.py", "check_join.py", "check_sparse_allreduce.py"]
 NPS = (2, 3)
+MORE_NPS = {"check_sparse_allreduce.py": (4,)}  # the leader rotates over more ranks
 JOB = "(job)"  # the item for the job as a whole
 LIST_TIMEOUT_S = 120
 
@@ -50,7 +52,7 @@ with ThreadPoolExecutor(len(SCRIPTS)) as _pool:
 def _cases():
     for script in SCRIPTS:
         names, _ = LISTED[script]
-        for np_ in NPS:
+        for np_ in NPS + MORE_NPS.get(script, ()):
             for name in [*(names or []), JOB]:
                 yield pytest.param(script, np_, name, id=item_id(script, np_, name))
 

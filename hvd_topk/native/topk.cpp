@@ -581,9 +581,33 @@ int64_t scatter_segments_dispatch(T* const* dest, const int64_t* bounds, int64_t
                                            world, k, row_bytes, div, mul);
 }
 
+// x += g over n entries; true when a sum is inf or nan. The test reads the exponent bits (all
+// ones: inf/nan), an integer OR that vectorises, so the fold stays one streaming pass.
+template <typename T, typename U>
+int64_t fold_impl(T* x, const T* g, int64_t n) {
+  static_assert(sizeof(T) == sizeof(U), "bit pattern of T");
+  const U exponent = std::is_same<T, float>::value ? U(0x7f800000u) : U(0x7ff0000000000000ull);
+  U bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    T v = x[i] + g[i];
+    x[i] = v;
+    U bits;
+    std::memcpy(&bits, &v, sizeof(T));
+    bad |= U((bits & exponent) == exponent);
+  }
+  return bad != 0;
+}
+
 }  // namespace
 
 extern "C" {
+
+// Error feedback's fold for a rank that does not select this step (sparse allreduce): x += g,
+// returning 1 when the result holds inf/nan (the caller then flags the exchange and wipes x).
+int64_t hvdtk_fold_f32(float* x, const float* g, int64_t n) { return fold_impl<float, uint32_t>(x, g, n); }
+
+int64_t hvdtk_fold_f64(double* x, const double* g, int64_t n) { return fold_impl<double, uint64_t>(x, g, n); }
+
 
 // Scatter a bucket's allgathered pairs into its tensors; see scatter_segments_impl.
 int64_t hvdtk_scatter_segments_f32(float* const* dest, const int64_t* bounds, int64_t nseg,
@@ -598,7 +622,7 @@ int64_t hvdtk_scatter_segments_f64(double* const* dest, const int64_t* bounds, i
   return scatter_segments_dispatch(dest, bounds, nseg, idx, index_bytes, val, world, k, row_bytes, div, mul);
 }
 
-int hvdtk_abi_version() { return 5; }
+int hvdtk_abi_version() { return 6; }
 
 // Segmented selection in one call (a fusion bucket's tensors, k each); see segments_impl.
 // Returns the number of pairs written (the sum of min(ks[s], segment size)).

@@ -52,7 +52,8 @@ def build_named(compiled, seed=0):
     model = Net()
     opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                         named_parameters=named(model, compiled),
-                                        compression=hvd_topk.TopK(density=0.05), min_numel=MIN_NUMEL)
+                                        compression=hvd_topk.TopK(density=0.05), min_numel=MIN_NUMEL,
+                                        exchange="allgather")  # auto's trial restarts on resume
     return model, opt
 
 
@@ -198,7 +199,7 @@ def check_sparse_as_dense(density=0.05):
     opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
                                         named_parameters=model.named_parameters(),
                                         compression=hvd_topk.TopK(density=density),
-                                        sparse_as_dense=True, min_numel=MIN_NUMEL)
+                                        sparse_as_dense=True, min_numel=MIN_NUMEL, exchange="allgather")
     shadow, ref = copy.deepcopy(model), ErrorFeedbackReference(size)
     for step in range(3):
         ids, y = embedding_batch(step, rank)
@@ -295,25 +296,28 @@ def check_bf16_dense_path():
             assert_same_on_all_ranks(p.detach().float().numpy(), f"bf16 step {step}: parameter {name}")
 
 
-def check_channels_last():
-    """channels_last conv weights, small (dense path) and big (Top-K with error feedback)."""
+def check_channels_last(exchange="allgather"):
+    """channels_last conv weights, small (dense path) and big (Top-K with error feedback); with
+    the sparse allreduce the one sparse bucket's leader is rank (step mod size)."""
     size, density = hvd.size(), 0.05
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Conv2d(4, 32, 3))
     model = model.to(memory_format=torch.channels_last)
     opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                         named_parameters=model.named_parameters(),
-                                        compression=hvd_topk.TopK(density=density), min_numel=MIN_NUMEL)
+                                        compression=hvd_topk.TopK(density=density), min_numel=MIN_NUMEL,
+                                        exchange=exchange)
     ref = ErrorFeedbackReference(size)
-    for step in range(2):
+    for step in range(3):
+        leader = step % size if exchange == "sparse_allreduce" else None
         grads = hand_grads(model, torch.float32, torch.channels_last)
         opt.synchronize()
         for name, p in model.named_parameters():
             per_rank = [g.astype(np.float32) for g in gather(grads[name])]
-            want = (ref.sparse(name, per_rank, density) if p.numel() >= MIN_NUMEL
+            want = (ref.sparse(name, per_rank, density, leader=leader) if p.numel() >= MIN_NUMEL
                     else np.sum(per_rank, axis=0) / size)
             np.testing.assert_allclose(p.grad.numpy(), want, rtol=1e-6, atol=1e-7,
-                                       err_msg=f"channels_last step {step} {name}")
+                                       err_msg=f"channels_last {exchange} step {step} {name}")
         step_and_check_same(opt, model, f"channels_last step {step}")
 
 
@@ -403,6 +407,7 @@ CHECKS = [
     ("horovod: sparse gradients", check_horovod_sparse_gradients),
     ("bf16 dense path", check_bf16_dense_path),
     ("channels_last", check_channels_last),
+    ("channels_last, sparse allreduce", lambda: check_channels_last("sparse_allreduce")),
     ("horovod: bf16 and channels_last", check_horovod_bf16_channels_last),
     ("compiled autograd refused", check_compiled_autograd_refused),
     ("gradients readable before synchronize", check_grads_readable_before_synchronize),

@@ -43,6 +43,9 @@ def batch(step, rank, n=24, part=None):
 
 
 def build(density=0.05, lr=0.1, momentum=0.9, seed=0, **options):
+    """The test model and its optimizer; the allgather exchange unless ``exchange`` says
+    otherwise (the default, "auto", would try several strategies in the first steps)."""
+    options.setdefault("exchange", "allgather")
     torch.manual_seed(seed)
     model = Net()
     inner = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
@@ -51,13 +54,23 @@ def build(density=0.05, lr=0.1, momentum=0.9, seed=0, **options):
     return model, opt
 
 
+# The sparse buckets' numbers (reverse registration order, split where fusion_bytes say), written
+# out by hand: the sparse allreduce's leader of a bucket is rank (step + bucket number) mod size.
+ONE_BUCKET = {"head2.weight": 0, "fc2.weight": 0, "fc1.weight": 0}
+BUCKET_PER_TENSOR = {"head2.weight": 0, "fc2.weight": 1, "fc1.weight": 2}  # each > 4096 bytes
+
+
 def check_contract(label, steps=4, density=0.05, momentum_correction=0.0, error_feedback=True,
-                   warmup_steps=0, op=hvd.Average, drop_head2_on_rank=None, **options):
+                   warmup_steps=0, op=hvd.Average, drop_head2_on_rank=None, buckets=ONE_BUCKET,
+                   **options):
     rank, size = hvd.rank(), hvd.size()
+    sparse_allreduce = options.get("exchange") == "sparse_allreduce"
     model, opt = build(density=density, momentum=0.0 if momentum_correction else 0.9, op=op,
                        momentum_correction=momentum_correction, error_feedback=error_feedback,
                        warmup_steps=warmup_steps, min_numel=500, **options)
-    bucket_scope = options.get("selection_scope") == "bucket"
+    # one top-k over several tensors only where they share a bucket (with a bucket per tensor,
+    # bucket scope selects exactly what tensor scope does)
+    bucket_scope = options.get("selection_scope") == "bucket" and len(set(buckets.values())) == 1
     shadow = copy.deepcopy(model)
     ref = ErrorFeedbackReference(size, momentum=momentum_correction, error_feedback=error_feedback)
     for step in range(steps):
@@ -77,11 +90,14 @@ def check_contract(label, steps=4, density=0.05, momentum_correction=0.0, error_
         if bucket_scope:  # one top-k over the one bucket holding every big tensor, laid out in
             # reverse registration order; fc2 and head2 get equal gradients, and equal
             # magnitudes at the k-th go to the earlier position, in the kernel as in numpy
-            shared = ref.sparse_bucket(big[::-1], grads, d, average=op == hvd.Average)
+            leader = (step + buckets[big[-1]]) % size if sparse_allreduce else None
+            shared = ref.sparse_bucket(big[::-1], grads, d, average=op == hvd.Average, leader=leader)
         for name, p in model.named_parameters():
             if name in big:
+                leader = (step + buckets[name]) % size if sparse_allreduce else None
                 want = shared[name] if bucket_scope else ref.sparse(name, grads[name], d,
-                                                                    average=op == hvd.Average)
+                                                                    average=op == hvd.Average,
+                                                                    leader=leader)
             else:
                 want = np.sum(grads[name], axis=0) / (size if op == hvd.Average else 1)
             np.testing.assert_allclose(p.grad.numpy(), want, rtol=1e-6, atol=1e-7,
@@ -104,6 +120,72 @@ def check_contract(label, steps=4, density=0.05, momentum_correction=0.0, error_
     if options.get("dense_fallback", True):
         assert stats["bytes_sent"] < stats["bytes_dense"], stats
     return model
+
+
+def check_dense_exchange(exchange):
+    """exchange="dense" / "dense_fp16": every tensor is the plain average (fp16: within its
+    rounding), and nothing stays in the residuals."""
+    size = hvd.size()
+    model, opt = build(min_numel=500, exchange=exchange)
+    shadow = copy.deepcopy(model)
+    tol = dict(rtol=1e-6, atol=1e-7) if exchange == "dense" else dict(rtol=2e-3, atol=2e-4)
+    for step in range(3):
+        x, y = batch(step, hvd.rank())
+        shadow.load_state_dict(model.state_dict())
+        shadow.zero_grad()
+        F.cross_entropy(shadow(x), y).backward()
+        raw = {n: p.grad.numpy().copy() for n, p in shadow.named_parameters()}
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        for name, p in model.named_parameters():
+            want = np.sum(gather(raw[name]), axis=0) / size
+            np.testing.assert_allclose(p.grad.numpy(), want, err_msg=f"{exchange}: step {step} {name}", **tol)
+        step_and_check_same(opt, model, f"{exchange}: step {step}")
+    for name, r in opt.state_dict()["hvd_topk"]["residuals"].items():
+        assert float(r.abs().sum()) == 0, f"{exchange}: residual {name} kept something"
+    stats = opt.compression_stats()
+    big = sum(p.numel() for p in model.parameters() if p.numel() >= 500)
+    small = sum(p.numel() for p in model.parameters() if p.numel() < 500)
+    wire = 4 if exchange == "dense" else 2
+    assert stats["bytes_sent"] == 3 * (big * wire + small * 4), stats
+    assert stats["bucket_strategies"] == {0: exchange, 1: "dense"}, stats  # small tensors: fp32
+
+
+def check_auto():
+    """exchange="auto": every proposed family runs (one settling step, then the measured ones)
+    in the documented order on every rank, all ranks take the same family each step and end
+    with the same parameters, and the choice is the fastest of the agreed medians."""
+    model, opt = build(min_numel=500, exchange="auto", exchange_trial_steps=1)
+    seen = []
+    for step in range(10):
+        train(model, opt, 1, start=step)
+        stats = opt.compression_stats()
+        seen.append(stats["exchange_family"])
+        families = [str(f) for f in gather(stats["exchange_family"])]
+        assert len(set(families)) == 1, f"auto: family at step {step} by rank: {families}"
+        for p in model.parameters():
+            assert_same_on_all_ranks(p.detach().numpy(), f"auto: parameters at step {step}")
+    # density 5% at any P <= 3: no family is dominated, each runs 2 steps
+    candidates = ["dense", "dense_fp16", "allgather", "sparse_allreduce"]
+    assert stats["exchange_candidates"] == candidates, stats
+    assert seen[:8] == [c for c in candidates for _ in range(2)], seen
+    medians = stats["exchange_median_step_s"]
+    assert sorted(medians) == sorted(candidates) and all(t > 0 for t in medians.values()), stats
+    assert stats["exchange_choice"] == min(candidates, key=medians.get), stats
+    assert seen[8:] == [stats["exchange_choice"]] * 2, seen
+    assert "measured" in stats["exchange_reason"], stats
+
+
+def check_auto_one_candidate():
+    """A sparse family moving at least as many bytes as dense fp16 is not tried. At density
+    0.35, per element: the allgather moves (P-1) x 0.35 x 8 B, the sparse allreduce
+    0.35 x (4 + 2 (P-1)/P x 4), dense fp16 2 (P-1)/P x 2: at P=2 2.8 and 2.8 against 2.0,
+    at P=3 5.6 and 3.27 against 2.67, at P=4 8.4 and 3.5 against 3.0."""
+    model, opt = build(min_numel=500, exchange="auto", density=0.35)
+    train(model, opt, 1)
+    stats = opt.compression_stats()
+    assert stats["exchange_candidates"] == ["dense", "dense_fp16"], stats
 
 
 def check_cost_model_goes_dense():
@@ -199,14 +281,16 @@ def check_broadcast_optimizer_state():
     assert isinstance(opt, torch.optim.SGD)
 
 
-def check_nonfinite():
-    """An inf in rank 0's gradient reaches the average on every rank, never the residual."""
+def check_nonfinite(exchange="allgather", culprit=0):
+    """An inf in one rank's gradient reaches the average on every rank, never the residual.
+    (With the sparse allreduce at step 0, rank 0 leads: culprit 0 selects the inf itself,
+    culprit 1 only flags it.)"""
     rank = hvd.rank()
-    model, opt = build(min_numel=500)
+    model, opt = build(min_numel=500, exchange=exchange)
     inject = {"on": True}
 
     def poison(grad):
-        if inject["on"] and rank == 0:
+        if inject["on"] and rank == culprit:
             grad = grad.clone()
             grad.view(-1)[7] = float("inf")  # almost surely not among the top-k
         return grad
@@ -219,7 +303,7 @@ def check_nonfinite():
     assert not torch.isfinite(model.fc1.weight.grad).all(), "non-finite gradient was lost"
     residuals = opt.state_dict()["hvd_topk"]["residuals"]
     assert all(torch.isfinite(r).all() for r in residuals.values())
-    if rank == 0:
+    if rank == culprit:
         assert float(residuals["fc1.weight"].abs().sum()) == 0
         assert opt.compression_stats()["nonfinite_resets"] >= 1
     inject["on"] = False
@@ -276,6 +360,10 @@ CHECKS = [
     contract("bucket scope, momentum correction", selection_scope="bucket", momentum_correction=0.9),
     contract("bucket scope, no gradient on rank 1", selection_scope="bucket", drop_head2_on_rank=1),
     contract("bucket scope, warm-up, sum", selection_scope="bucket", warmup_steps=3, steps=5, op=hvd.Sum),
+    ("dense exchange", lambda: check_dense_exchange("dense")),
+    ("dense fp16 exchange", lambda: check_dense_exchange("dense_fp16")),
+    ("auto: trial, agreement, choice", check_auto),
+    ("auto: dominated strategies not tried", check_auto_one_candidate),
     ("cost model goes dense", check_cost_model_goes_dense),
     ("passes equal concatenated batch", check_passes_equal_concatenated_batch),
     ("checkpoint resume", check_checkpoint_resume),

@@ -1,0 +1,117 @@
+"""``exchange="auto"``: the cost model proposes strategies, a short measured trial picks one.
+
+Bytes alone do not decide which exchange is fastest: the sparse strategies spend CPU (or GPU)
+time selecting and decoding that a fast network would not, and a dense fp16 allreduce spends
+time casting. So, per job:
+
+1. **Proposal** (``propose``): for each strategy family (dense fp32, dense fp16, allgather,
+   sparse allreduce) the engine works out what each bucket would use (a sparse family still
+   sends a bucket dense where that moves fewer bytes, as ``dense_fallback`` does) and the
+   bytes per step (``hvd_topk.exchange`` cost functions). Families that would do the same as
+   another, and sparse families moving at least as many bytes as dense fp16, are dropped:
+   they cannot be faster.
+2. **Trial** (``Trial``): each remaining family runs ``trial_steps`` real training steps (plus
+   one to settle after each switch); the time from one ``synchronize()`` to the next is the
+   measure, i.e. the whole step the user runs. The median per family is averaged over the
+   ranks with one allreduce, so every rank takes the same, fastest, family.
+3. The choice holds until the world size changes (Horovod elastic) or, with
+   ``recheck_steps``, that many steps have passed; then the trial runs again.
+
+Every trial step is a correct training step under the family it uses; only the speed differs.
+"""
+
+import statistics
+import sys
+import time
+
+import torch
+
+from hvd_topk._horovod import hvd
+
+FAMILIES = ("dense", "dense_fp16", "allgather", "sparse_allreduce")
+
+
+class Trial:
+    """The measured trial of one job shape: which family each step uses, and the decision.
+
+    Args:
+        candidates: family names to try, in a fixed order (the same on every rank).
+        trial_steps: measured steps per candidate (after one settling step each).
+        process_set, name: where and under which name the one decision allreduce runs.
+    """
+
+    def __init__(self, candidates, trial_steps, process_set, name):
+        self.candidates = list(candidates)
+        self.trial_steps = trial_steps
+        self.process_set, self.name = process_set, name
+        self.times = {c: [] for c in self.candidates}
+        self.position = 0          # steps run since the trial started
+        self.last_end = None       # perf_counter at the previous synchronize's end
+        self.choice = self.candidates[0] if len(self.candidates) == 1 else None
+        self.medians = None        # {family: seconds}, once decided
+        self.decided_at = None     # step counter at the decision
+
+    @property
+    def per_candidate(self):
+        return self.trial_steps + 1
+
+    def family(self):
+        """The family the current step uses."""
+        if self.choice is not None:
+            return self.choice
+        return self.candidates[min(self.position // self.per_candidate, len(self.candidates) - 1)]
+
+    def step_done(self, step):
+        """Call at the end of every ``synchronize()``; returns True when this call decided."""
+        now = time.perf_counter()
+        last, self.last_end = self.last_end, now
+        if self.choice is not None:
+            return False
+        slot, offset = divmod(self.position, self.per_candidate)
+        self.position += 1
+        if offset > 0 and last is not None:  # offset 0 settles after a switch
+            self.times[self.candidates[slot]].append(now - last)
+        if self.position < self.per_candidate * len(self.candidates):
+            return False
+        mine = [statistics.median(self.times[c]) if self.times[c] else float("inf")
+                for c in self.candidates]
+        agreed = hvd.allreduce(torch.tensor(mine, dtype=torch.float64), name=self.name,
+                               op=hvd.Average, process_set=self.process_set)
+        self.medians = dict(zip(self.candidates, agreed.tolist()))
+        self.choice = min(self.candidates, key=lambda c: (self.medians[c], self.candidates.index(c)))
+        self.decided_at = step
+        return True
+
+    def reason(self):
+        if self.medians is None:
+            if self.choice is not None:
+                return "the only candidate the cost model left"
+            return f"trial in progress ({self.position} of {self.per_candidate * len(self.candidates)} steps)"
+        listed = ", ".join(f"{c} {1e3 * t:.1f}" for c, t in self.medians.items())
+        return f"fastest in the measured trial (median step ms, mean over ranks: {listed})"
+
+
+def propose(assignments, byte_counts):
+    """The families worth a trial, in ``FAMILIES`` order.
+
+    ``assignments``: family -> tuple of the strategy names its buckets would use;
+    ``byte_counts``: family -> modelled bytes into one rank per step. A family that assigns
+    exactly what an earlier one does is dropped, and so is a sparse family moving at least as
+    many bytes as dense fp16 (more bytes and a selection on top cannot be faster).
+    """
+    chosen, seen = [], set()
+    for family in FAMILIES:
+        if family not in assignments or assignments[family] in seen:
+            continue
+        if family in ("allgather", "sparse_allreduce") and "dense_fp16" in byte_counts \
+                and byte_counts[family] >= byte_counts["dense_fp16"]:
+            continue
+        seen.add(assignments[family])
+        chosen.append(family)
+    return chosen
+
+
+def announce(text):
+    """One line on rank 0's stderr (the choice is made once per job shape)."""
+    if hvd.rank() == 0:
+        print(f"hvd_topk: {text}", file=sys.stderr, flush=True)
