@@ -38,22 +38,26 @@ EXAMPLE = ROOT / "examples" / "pytorch_digits.py"
 DEFAULT_PREFIX = ROOT / "benchmarks" / "results" / "convergence"
 
 # name -> (label, extra arguments of the example)
+EF = ["--optimizer", "topk-ef", "--exchange", "allgather"]  # the exchange pinned: auto may go dense
 CONFIGS = {
     "dense": ("Horovod dense fp32", ["--compression", "none"]),
-    "ef-1%": ("hvd_topk 1%, error feedback", ["--optimizer", "topk-ef", "--density", "0.01"]),
-    "noef-1%": ("hvd_topk 1%, no error feedback",
-                ["--optimizer", "topk-ef", "--density", "0.01", "--no-error-feedback"]),
-    "ef-0.1%": ("hvd_topk 0.1%, error feedback", ["--optimizer", "topk-ef", "--density", "0.001"]),
-    "noef-0.1%": ("hvd_topk 0.1%, no error feedback",
-                  ["--optimizer", "topk-ef", "--density", "0.001", "--no-error-feedback"]),
+    "ef-1%": ("hvd_topk 1%, error feedback", [*EF, "--density", "0.01"]),
+    "noef-1%": ("hvd_topk 1%, no error feedback", [*EF, "--density", "0.01", "--no-error-feedback"]),
+    "ef-0.1%": ("hvd_topk 0.1%, error feedback", [*EF, "--density", "0.001"]),
+    "noef-0.1%": ("hvd_topk 0.1%, no error feedback", [*EF, "--density", "0.001", "--no-error-feedback"]),
     "ef-1%-bucket": ("hvd_topk 1%, error feedback, bucket scope",
-                     ["--optimizer", "topk-ef", "--density", "0.01", "--selection-scope", "bucket"]),
+                     [*EF, "--density", "0.01", "--selection-scope", "bucket"]),
     "ef-0.1%-bucket": ("hvd_topk 0.1%, error feedback, bucket scope",
-                       ["--optimizer", "topk-ef", "--density", "0.001", "--selection-scope", "bucket"]),
+                       [*EF, "--density", "0.001", "--selection-scope", "bucket"]),
+    "ef-1%-sar": ("hvd_topk 1%, error feedback, sparse allreduce",
+                  ["--optimizer", "topk-ef", "--exchange", "sparse_allreduce", "--density", "0.01"]),
+    "ef-0.1%-sar": ("hvd_topk 0.1%, error feedback, sparse allreduce",
+                    ["--optimizer", "topk-ef", "--exchange", "sparse_allreduce", "--density", "0.001"]),
 }
 STYLE = {"dense": ("black", "-"), "ef-1%": ("tab:blue", "-"), "noef-1%": ("tab:blue", "--"),
          "ef-0.1%": ("tab:red", "-"), "noef-0.1%": ("tab:red", "--"),
-         "ef-1%-bucket": ("tab:green", "-."), "ef-0.1%-bucket": ("tab:orange", "-.")}
+         "ef-1%-bucket": ("tab:green", "-."), "ef-0.1%-bucket": ("tab:orange", "-."),
+         "ef-1%-sar": ("tab:purple", ":"), "ef-0.1%-sar": ("tab:brown", ":")}
 
 
 def parse_args(argv=None):

@@ -6,12 +6,15 @@ by one ``mpirun -H host0:1,...`` from a launcher namespace over ssh, MPI over TC
 (``--mca btl tcp,self``, interfaces restricted to the emulated subnet). Gradients have the shapes
 of ResNet-50's 161 parameter tensors (25,557,032 fp32 values).
 
-Methods (``--methods``; ``topk`` and ``topk-ef`` run at every ``--densities`` value):
+Methods (``--methods``; the ``topk`` ones run at every ``--densities`` value):
     none     no exchange: only the gradient deposit (the baseline included in every other row)
     dense    hvd.DistributedOptimizer(opt, compression=hvd.Compression.none)
     fp16     hvd.DistributedOptimizer(opt, compression=hvd.Compression.fp16)
     topk     hvd.DistributedOptimizer(opt, compression=hvd_topk.TopK(density=d))   (drop-in, no EF)
-    topk-ef  hvd_topk.DistributedOptimizer(opt, compression=hvd_topk.TopK(density=d))
+    topk-ef  hvd_topk.DistributedOptimizer(opt, compression=hvd_topk.TopK(density=d), exchange="allgather")
+    topk-sar   the same with exchange="sparse_allreduce" (bytes per rank flat in P)
+    topk-auto  the same with exchange="auto" (its default): the trial's steps (up to 4 x 4) are
+               added to the warm-up, so the timed steps run the strategy it chose
 
 One timed step (``--grad-mode realistic``, the default, what a training loop does):
 ``opt.zero_grad(set_to_none=True)``, then, outside the timer, a forward pass
@@ -107,10 +110,14 @@ def zero_grad(opt, params):
         p.grad = None
 
 
+TOPK_METHODS = {"topk": None, "topk-ef": "allgather", "topk-sar": "sparse_allreduce", "topk-auto": "auto"}
+AUTO_TRIAL_STEPS = 4 * (3 + 1)  # families x (settling + exchange_trial_steps), the most auto runs
+
+
 def method_list(methods, densities):
     out = []
     for m in methods:
-        if m in ("topk", "topk-ef"):
+        if m in TOPK_METHODS:
             out += [f"{m}@{d:g}" for d in densities]
         else:
             out.append(m)
@@ -133,11 +140,13 @@ def _read_counters():
         return None
 
 
-def make_optimizer(method, params, topk_method, hvd, hvd_topk, torch):
+def make_optimizer(method, params, topk_method, hvd, hvd_topk, torch, fp16_values=False):
     name, _, d = method.partition("@")
     inner = torch.optim.SGD(params, lr=0.0)
     named = [(f"p{i}", p) for i, p in enumerate(params)]
     kw = {} if topk_method is None else {"method": topk_method}
+    if fp16_values:
+        kw["fp16_values"] = True
     if name == "none":
         return None, None
     if name == "dense":
@@ -147,9 +156,10 @@ def make_optimizer(method, params, topk_method, hvd, hvd_topk, torch):
     if name == "topk":
         comp = hvd_topk.TopK(density=float(d), **kw)
         return hvd.DistributedOptimizer(inner, named_parameters=named, compression=comp), comp
-    if name == "topk-ef":
+    if name in TOPK_METHODS:
         comp = hvd_topk.TopK(density=float(d), **kw)
-        return hvd_topk.DistributedOptimizer(inner, named_parameters=named, compression=comp), comp
+        return hvd_topk.DistributedOptimizer(inner, named_parameters=named, compression=comp,
+                                             exchange=TOPK_METHODS[name]), comp
     raise ValueError(f"unknown method {method}")
 
 
@@ -194,12 +204,14 @@ def worker(args):
     for method in method_list(args.methods, args.densities):
         gc.collect()
         params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
-        opt, comp = make_optimizer(method, params, args.topk_method, hvd, hvd_topk, torch)
+        opt, comp = make_optimizer(method, params, args.topk_method, hvd, hvd_topk, torch,
+                                   fp16_values=getattr(args, "fp16_values", False))
         if args.grad_mode != "realistic":
             for p in params:
                 p.grad = torch.zeros_like(p)
         times, check = [], None
-        total = args.warmup + args.steps
+        warmup = args.warmup + (AUTO_TRIAL_STEPS if method.startswith("topk-auto") else 0)
+        total = warmup + args.steps
         c0 = None
         t_method = time.time()
         for step in range(total):
@@ -215,7 +227,7 @@ def worker(args):
                 zero_grad(opt, params)
                 loss = forward(params, grads)
             barrier()
-            if step == args.warmup:
+            if step == warmup:
                 c0 = _read_counters()
                 if comp is not None:
                     comp.reset_stats()
@@ -229,7 +241,7 @@ def worker(args):
             if opt is not None:
                 opt.synchronize()
             dt = time.perf_counter() - t0
-            if step >= args.warmup:
+            if step >= warmup:
                 times.append(dt)
             if step == 0 and opt is not None:
                 # sanity: every rank holds the same exchanged gradient, and it is finite
@@ -239,7 +251,7 @@ def worker(args):
                          "finite": all(map(np.isfinite, every))}
                 if not check["identical_across_ranks"] or not check["finite"]:
                     say(f"  WARNING {method}: exchanged gradients differ across ranks: {every}")
-            say(f"  [{method}] step {step + 1}/{total} {'(warm-up) ' if step < args.warmup else ''}"
+            say(f"  [{method}] step {step + 1}/{total} {'(warm-up) ' if step < warmup else ''}"
                 f"{dt * 1e3:.0f} ms (rank 0)")
         barrier()
         c1 = _read_counters()
@@ -265,7 +277,7 @@ def worker(args):
             row["payload_bytes_per_step_rank"] = 2 * n
         elif name == "none":
             row["payload_bytes_per_step_rank"] = 0
-        if name == "topk-ef":
+        if name in TOPK_METHODS and name != "topk":
             st = stats_difference(opt.compression_stats(), stats0)
             row["compression_stats"] = st
             row["payload_bytes_per_step_rank"] = st["bytes_sent"] / max(1, st.get("steps") or args.steps)
@@ -357,6 +369,8 @@ def exchange_worker_args(args):
            "--threads", str(args.threads), "--grad-mode", args.grad_mode]
     if args.topk_method:
         out += ["--topk-method", args.topk_method]
+    if args.fp16_values:
+        out += ["--fp16-values"]
     return out
 
 
@@ -376,7 +390,8 @@ def markdown(report):
              f"- one emulated host per rank (network namespace, tbf-shaped veth), mpirun over ssh, "
              f"MPI over TCP only; grad mode `{s['grad_mode']}`, {s['warmup']} warm-up + {s['steps']} "
              f"timed steps, median of the slowest rank's step time; selection method "
-             f"`{s.get('topk_method') or 'TopK default'}`; {s['threads']} torch thread(s) per rank",
+             f"`{s.get('topk_method') or 'TopK default'}`{', fp16 values' if s.get('fp16_values') else ''}; "
+             f"{s['threads']} torch thread(s) per rank",
              f"- hvd_topk: `{(report['runs'][0].get('hvd_topk') or {}).get('default_topk') if report['runs'] else '?'}` "
              f"(TopK() defaults) from {(report['runs'][0].get('hvd_topk') or {}).get('file') if report['runs'] else '?'}",
              "- time = backward (gradient deposit) + exchange (selection, allgather/allreduce, "
@@ -386,15 +401,18 @@ def markdown(report):
         rows = run["rows"]
         ref = {r["method"]: r["median_ms"] for r in rows}
         lines += [f"## P={run['P']}, {run['rate']} per host ({run['wall_s']:.0f} s wall)", "",
-                  "| method | median ms | min-max ms | vs dense | vs fp16 | wire MB/step/rank | payload MB/step/rank | ranks agree |",
-                  "|---|---:|---:|---:|---:|---:|---:|---|"]
+                  "| method | median ms | min-max ms | vs dense | vs fp16 | wire tx MB/step/rank | wire rx MB/step/rank | payload MB/step/rank | ranks agree |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in rows:
             vd = f"{ref['dense'] / r['median_ms']:.2f}x" if "dense" in ref and r["method"] != "none" else "-"
             vf = f"{ref['fp16'] / r['median_ms']:.2f}x" if "fp16" in ref and r["method"] != "none" else "-"
             pay = r.get("payload_bytes_per_step_rank")
             agree = "-" if r["check"] is None else ("yes" if r["check"]["identical_across_ranks"] else "NO")
-            lines.append(f"| {r['label']} | {r['median_ms']:.1f} | {r['min_ms']:.0f}-{r['max_ms']:.0f} | "
+            chose = (r.get("compression_stats") or {}).get("exchange_family")
+            shown = f"{r['label']} (chose {chose})" if r["method"].startswith("topk-auto") else r["label"]
+            lines.append(f"| {shown} | {r['median_ms']:.1f} | {r['min_ms']:.0f}-{r['max_ms']:.0f} | "
                          f"{vd} | {vf} | {r['wire_tx_bytes_per_step_rank'] / 1e6:.2f} | "
+                         f"{r.get('wire_rx_bytes_per_step_rank', float('nan')) / 1e6:.2f} | "
                          f"{'' if pay is None else f'{pay / 1e6:.2f}'} | {agree} |")
         lines.append("")
     return "\n".join(lines)
@@ -405,9 +423,10 @@ def common_arguments(ap, densities, pool, output_name):
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"], help="tbf rate per host link, or none")
     ap.add_argument("--methods", nargs="+", default=["none", "dense", "fp16", "topk", "topk-ef"],
-                    choices=["none", "dense", "fp16", "topk", "topk-ef"])
+                    choices=["none", "dense", "fp16", *TOPK_METHODS])
     ap.add_argument("--densities", type=float, nargs="+", default=densities)
     ap.add_argument("--topk-method", default=None, help="TopK(method=...); default: TopK's default")
+    ap.add_argument("--fp16-values", action="store_true", help="TopK(fp16_values=True) for the topk methods")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per method")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--pool", type=int, default=pool, help="pre-generated inputs cycled through")

@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """A MODEL, not a measurement: predicted step time and scaling efficiency of data-parallel
-training with Horovod dense allreduce (fp32, fp16) and hvd_topk (1%, 0.1%, error feedback), for
-P = 1, 2, 4, ..., 256 workers at 1/10/25/100 Gbit/s, for ResNet-50 and a BERT-base-sized model.
+training with Horovod dense allreduce (fp32, fp16) and hvd_topk's exchanges (allgather, sparse
+allreduce, and auto = the fastest of all four, as its measured trial picks; 1% and 0.1%, error
+feedback), for P = 1, 2, 4, ..., 256 workers at 1/10/25/100 Gbit/s, for ResNet-50 and a
+BERT-base-sized model.
 
     .venv/bin/python benchmarks/scaling.py                 # table + plot under benchmarks/results/
     .venv/bin/python benchmarks/scaling.py --overlap 0.5   # let wire time hide behind half of compute
@@ -11,16 +13,26 @@ depend on P):
 
 - dense ring allreduce of n elements of b bytes (b = 4 fp32, 2 fp16), in m fusion messages:
       t = 2 (P-1)/P * n b / B  +  2 (P-1) * alpha * m
-- hvd_topk, sparse: k = density * n (value, index) pairs of b_v + b_i bytes (4 + 4), ring allgather:
+- hvd_topk allgather: k = density * n (value, index) pairs of b_v + b_i bytes (4 + 4):
       t_wire = (P-1) * k (b_v + b_i) / B  +  (P-1) * alpha * m
       t_cpu  = n * c_sel                       (selection, calibrated, see below)
              + ef_passes * n * c_pass          (error feedback: acc = residual + grad)
              + P k * c_scatter + n * c_pass    (decompression: P k scattered adds + one pass over n)
-- the byte counts are hvd_topk's own cost functions (``hvd_topk.exchange``: ``DenseAllreduce``
-  and ``AllgatherPairs``.wire_bytes), and hvd_topk goes dense (fp32 allreduce) exactly where
-  ``hvd_topk.exchange.cheapest`` makes hvd_topk.DistributedOptimizer do so: where the sparse
-  allgather moves at least as many bytes, density >= 1/P for fp32 with int32 indices. That rule counts bytes only, so it can
-  still pick sparse where selection makes sparse slower (flagged in the table).
+- hvd_topk sparse allreduce (ScaleCom's CLT-k): the leader's k indices broadcast (tree), then an
+  allreduce of k + 1 values:
+      t_wire = (k b_i + 2 (P-1)/P (k+1) b_v) / B  +  (log2 P + 2 (P-1)) * alpha * m
+      t_cpu  = as the allgather's, with k scattered adds (one row) instead of P k
+- with ``--exchange-json`` (default benchmarks/results/exchange-strategies.json, measured on
+  emulated hosts by benchmarks/exchange.py) t_cpu per element is instead calibrated per
+  strategy from the measurement at P=2 and the fastest link there: the measured step minus the
+  backward-only step minus the modelled wire time, divided by n.
+- auto (``exchange="auto"``) = the fastest of the four predictions (its trial measures them).
+- the byte counts are hvd_topk's own cost functions (``hvd_topk.exchange``: ``DenseAllreduce``,
+  ``AllgatherPairs`` and ``SparseAllreduce``.wire_bytes), and a forced sparse strategy goes dense
+  (fp32 allreduce) exactly where ``hvd_topk.exchange.cheapest`` makes hvd_topk.DistributedOptimizer
+  do so (``dense_fallback``): for the allgather at density >= 1/P (fp32, int32 indices), for the
+  sparse allreduce at about 67%. That rule counts bytes only, so it can still pick sparse where
+  selection makes sparse slower (flagged in the table).
 - step = compute + t_cpu + max(0, t_wire - overlap * compute); by default overlap = 0 (no
   overlap of communication with backward: the pessimistic bound). Efficiency = compute / step.
   At P = 1 nothing is exchanged: step = compute.
@@ -46,6 +58,7 @@ import os
 import platform
 import shlex
 import sys
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,13 +66,15 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 
-from hvd_topk.exchange import STRATEGIES, AllgatherPairs, DenseAllreduce, cheapest  # noqa: E402  (the optimizer's own)
+from hvd_topk.exchange import AllgatherPairs, DenseAllreduce, SparseAllreduce, cheapest  # noqa: E402  (the optimizer's own)
 
 GBIT = 1e9 / 8  # bytes per second in 1 Gbit/s
+RESNET50_MEASURED = 25_557_032  # the elements benchmarks/exchange.py exchanges (ResNet-50's 161 tensors)
 DEFAULT_SELECTION_NS = 1.0
 DEFAULT_PASS_NS = 0.2
-METHODS = ("dense fp32", "dense fp16", "hvd_topk 1%", "hvd_topk 0.1%")
-DENSITY = {"hvd_topk 1%": 0.01, "hvd_topk 0.1%": 0.001}
+SPARSE = {"allgather": AllgatherPairs, "sparse_allreduce": SparseAllreduce}
+METHODS = ("dense fp32", "dense fp16", "allgather 1%", "sparse_allreduce 1%", "auto 1%", "auto 0.1%")
+DENSITY = {"1%": 0.01, "0.1%": 0.001}
 
 
 @dataclass
@@ -74,6 +89,7 @@ class Costs:
     overlap: float = 0.0            # fraction of compute that wire time may hide behind
     value_bytes: int = 4
     index_bytes: int = 4
+    local_s_per_elem: dict = None   # {strategy name: all local work per element}, measured
 
     def selection_cost(self, density):
         c = self.selection_s_per_elem
@@ -94,44 +110,57 @@ def dense_allreduce_s(P, n, elem_bytes, gbps, costs):
     return wire / (gbps * GBIT) + 2 * (P - 1) * costs.alpha_s * m
 
 
-def sparse_bytes_in(P, n, density, costs):
-    """Bytes into each rank for the ring allgather of every rank's k pairs."""
+def sparse_bytes_in(P, n, density, costs, strategy=AllgatherPairs):
+    """Bytes into each rank per step for ``strategy`` (the optimizer's own cost function)."""
     k = max(1, round(density * n))
-    return AllgatherPairs.wire_bytes(P, n, k, costs.value_bytes, costs.index_bytes, 4)
+    return strategy.wire_bytes(P, n, k, costs.value_bytes, costs.index_bytes, 4)
 
 
-def sparse_times(P, n, density, gbps, costs):
+def sparse_times(P, n, density, gbps, costs, strategy=AllgatherPairs):
     """(wire seconds, local seconds) of one hvd_topk sparse exchange (P > 1)."""
     k = max(1, round(density * n))
     m = messages(n, 4, costs.fusion_bytes)  # buckets are fusion_bytes of the fp32 gradient
-    wire = sparse_bytes_in(P, n, density, costs) / (gbps * GBIT) + (P - 1) * costs.alpha_s * m
+    if strategy is SparseAllreduce:  # a tree broadcast, then a ring allreduce, per bucket
+        hops, rows = math.log2(P) + 2 * (P - 1), 1
+    else:
+        hops, rows = P - 1, P
+    wire = sparse_bytes_in(P, n, density, costs, strategy) / (gbps * GBIT) + hops * costs.alpha_s * m
+    if costs.local_s_per_elem and strategy.name in costs.local_s_per_elem:
+        return wire, n * costs.local_s_per_elem[strategy.name]
     selection = n * costs.selection_cost(density)
     ef = costs.ef_passes * n * costs.pass_s_per_elem
-    decompress = P * k * costs.scatter_s_per_elem + n * costs.pass_s_per_elem
+    decompress = rows * k * costs.scatter_s_per_elem + n * costs.pass_s_per_elem
     return wire, selection + ef + decompress
 
 
-def goes_sparse(P, density, costs, n=2**24):
+def goes_sparse(P, density, costs, n=2**24, strategy=AllgatherPairs):
     """hvd_topk.DistributedOptimizer's choice (dense_fallback=True) for a bucket of n fp32
-    elements: its own ``cheapest`` over its own strategies (one rank: dense, a no-op)."""
+    elements: its own ``cheapest`` over dense and ``strategy`` (one rank: dense, a no-op)."""
     if P <= 1:
         return False
     k = max(1, round(density * n))
-    return cheapest(STRATEGIES, P, n, k, costs.value_bytes, costs.index_bytes, 4).sparse
+    return cheapest((DenseAllreduce, strategy), P, n, k, costs.value_bytes, costs.index_bytes, 4).sparse
 
 
 def step(method, P, n, compute_s, gbps, costs):
-    """One prediction: dict with step_s, efficiency, and the parts."""
-    wire, local, mode = 0.0, 0.0, "dense"
+    """One prediction: dict with step_s, efficiency, and the parts. ``method``: "dense fp32",
+    "dense fp16", or "<allgather|sparse_allreduce|auto> <density>" ("1%", "0.1%")."""
+    if method.startswith("auto "):
+        density = method.split()[1]
+        options = [step(m, P, n, compute_s, gbps, costs)
+                   for m in ("dense fp32", "dense fp16", f"allgather {density}", f"sparse_allreduce {density}")]
+        return dict(min(options, key=lambda r: r["step_s"]))
+    wire, local, mode = 0.0, 0.0, "dense fp32"
     if method == "dense fp32":
         wire = dense_allreduce_s(P, n, 4, gbps, costs)
     elif method == "dense fp16":
-        wire = dense_allreduce_s(P, n, 2, gbps, costs)
+        wire, mode = dense_allreduce_s(P, n, 2, gbps, costs), "dense fp16"
     else:
-        density = DENSITY[method]
-        if goes_sparse(P, density, costs, n):
-            mode = "sparse"
-            wire, local = sparse_times(P, n, density, gbps, costs)
+        name, density = method.split()
+        strategy = SPARSE[name]
+        if goes_sparse(P, DENSITY[density], costs, n, strategy):
+            mode = name
+            wire, local = sparse_times(P, n, DENSITY[density], gbps, costs, strategy)
         else:
             wire = dense_allreduce_s(P, n, 4, gbps, costs)
     if P <= 1:
@@ -139,6 +168,38 @@ def step(method, P, n, compute_s, gbps, costs):
     step_s = compute_s + local + max(0.0, wire - costs.overlap * compute_s)
     return {"step_s": step_s, "efficiency": compute_s / step_s, "wire_s": wire, "local_s": local,
             "mode": mode}
+
+
+def calibrate_local(path, n_measured, costs):
+    """{strategy: local seconds per element} from a benchmarks/exchange.py JSON: at P=2 and the
+    fastest link measured, (method's median step - the backward-only step - the modelled wire
+    time) / n. Returns ({}, note) when the file or the rows are missing."""
+    path = Path(path)
+    if not path.exists():
+        return {}, f"{path.name} not found: local work from the selection calibration"
+    runs = [r for r in json.loads(path.read_text()).get("runs", []) if r.get("P") == 2 and r.get("rows")]
+    if not runs:
+        return {}, f"no P=2 run in {path.name}: local work from the selection calibration"
+    gbps_of = lambda run: float(str(run["rate"]).lower().replace("gbit", ""))
+    run = max(runs, key=gbps_of)
+    gbps = gbps_of(run)
+    rows = {r["method"].partition("@")[0]: r for r in run["rows"]}
+    if "none" not in rows:
+        return {}, f"no backward-only row at P=2 in {path.name}"
+    out, notes = {}, []
+    for method, name in (("topk-ef", "allgather"), ("topk-sar", "sparse_allreduce")):
+        r = rows.get(method)
+        if r is None:
+            continue
+        density = float(r["method"].partition("@")[2])
+        wire, _ = sparse_times(2, n_measured, density, gbps, dataclasses.replace(costs, local_s_per_elem=None),
+                               SPARSE[name])
+        local = max(0.0, (r["median_ms"] - rows["none"]["median_ms"]) / 1e3 - wire)
+        out[name] = local / n_measured
+        notes.append(f"{name} {1e3 * local:.1f} ms for {n_measured / 1e6:.1f}M "
+                     f"({out[name] * 1e9:.2f} ns/element)")
+    return out, (f"local work per step measured in {path.name} (P=2, {run['rate']}, this machine's CPU, two ranks "
+                 f"sharing its 2 cores): " + ", ".join(notes))
 
 
 def calibrate(path, method="sampled", threads=1, density=0.01):
@@ -213,6 +274,9 @@ def parse_args(argv=None):
     a("--ef-passes", type=float, default=1.0, help="streaming passes for error feedback (1)")
     a("--overlap", type=float, default=0.0,
       help="fraction of compute that wire time can hide behind (0: no overlap; 1: all of it)")
+    a("--exchange-json", type=Path, default=RESULTS / "exchange-strategies.json",
+      help="measured exchanges on emulated hosts (benchmarks/exchange.py) calibrating hvd_topk's local work per "
+           "strategy; a missing file falls back to the selection calibration")
     a("--out-prefix", type=Path, default=RESULTS / "scaling", help="PREFIX.json/.md/.png (benchmarks/results/scaling)")
     a("--no-plot", action="store_true")
     args = p.parse_args(argv)
@@ -233,11 +297,16 @@ def simulate(models, gbps_list, Ps, costs):
     return rows
 
 
+SHORT = {"dense fp32": "fp32", "dense fp16": "fp16", "allgather": "ag", "sparse_allreduce": "sar"}
+
+
 def fmt_cell(r, method):
     c = r[method]
     cell = f"{100 * c['efficiency']:.0f}% ({1000 * c['step_s']:.0f})"
-    if method.startswith("hvd_topk") and r["P"] > 1:
-        if c["mode"] == "dense":
+    if method.startswith("auto") and r["P"] > 1:
+        cell += f" {SHORT[c['mode']]}"
+    elif not method.startswith("dense") and r["P"] > 1:
+        if c["mode"] == "dense fp32":
             cell += " D"
         elif c["step_s"] > min(r["dense fp32"]["step_s"], r["dense fp16"]["step_s"]):
             cell += " !"
@@ -255,10 +324,11 @@ def markdown(meta, rows):
         f"Calibration: {meta['calibration']}",
         "",
         "Cells: scaling efficiency = compute / step time, and (step time in ms). "
-        "`D`: hvd_topk's cost model chose dense fp32 allreduce at this P (density >= 1/P). "
-        "`!`: hvd_topk sparse but predicted slower than the faster of Horovod dense fp32 / fp16 "
-        "(selection and decompression cost, or fp16 halving the dense bytes: the byte-only fp32 rule sees "
-        "neither).",
+        "`D`: the forced strategy fell back to dense fp32 at this P (``dense_fallback``: it would move "
+        "more bytes). `!`: sparse but predicted slower than the faster of Horovod dense fp32 / fp16 "
+        "(selection and decompression cost, or fp16 halving the dense bytes: the byte-only rule sees "
+        "neither). auto cells name what the trial would pick (fp32, fp16, ag = allgather, "
+        "sar = sparse allreduce).",
     ]
     for model in meta["models"]:
         mrows = [r for r in rows if r["model"] == model]
@@ -281,11 +351,11 @@ def summary_lines(meta, rows):
                 r = next((r for r in rows if r["model"] == model and r["gbps"] == gbps and r["P"] == P), None)
                 if r:
                     parts.append(f"P={P}: " + ", ".join(
-                        f"{m.replace('hvd_topk ', 'topk ').replace('dense ', '')} {100 * r[m]['efficiency']:.0f}%"
-                        + ("(D)" if m.startswith("hvd") and r[m]["mode"] == "dense" else "") for m in METHODS))
+                        f"{m.replace('dense ', '')} {100 * r[m]['efficiency']:.0f}%"
+                        + (f"({SHORT[r[m]['mode']]})" if m.startswith("auto") else "") for m in METHODS))
             out.append(f"{model} @ {gbps:g} Gbit/s  " + " | ".join(parts))
     for model in meta["models"]:
-        for m in DENSITY:
+        for m in METHODS[2:]:
             slow = []
             for gbps in meta["gbps"]:
                 mine = [r for r in rows if r["model"] == model and r["gbps"] == gbps and r["P"] > 1]
@@ -308,8 +378,8 @@ def plot(meta, rows, path):
 
     colors = dict(zip(meta["gbps"], ["tab:red", "tab:orange", "tab:green", "tab:blue", "tab:purple",
                                      "tab:brown"]))
-    styles = {"dense fp32": ("-", "o"), "dense fp16": ("--", "s"), "hvd_topk 1%": (":", "^"),
-              "hvd_topk 0.1%": ("-.", "v")}
+    styles = {"dense fp32": ("-", "o"), "dense fp16": ("--", "s"), "allgather 1%": (":", "^"),
+              "sparse_allreduce 1%": ("-.", "v"), "auto 1%": ((0, (1, 1)), "*"), "auto 0.1%": ((0, (3, 1, 1, 1)), "x")}
     models = list(meta["models"])
     fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 5.6), squeeze=False)
     for ax, model in zip(axes[0], models):
@@ -334,10 +404,9 @@ def plot(meta, rows, path):
     handles += [Line2D([], [], color="black", ls=styles[m][0], marker=styles[m][1], label=m) for m in METHODS]
     fig.legend(handles=handles, fontsize=9, loc="lower center", ncol=len(handles), frameon=False)
     ov = "no overlap" if meta["overlap"] == 0 else f"overlap {meta['overlap']:g} of compute"
-    fig.suptitle(f"MODEL, NOT A MEASUREMENT. Predicted scaling efficiency (cost model, {ov}; hvd_topk goes dense where its cost "
-                 f"model says so; selection "
-                 + ", ".join(f"{v:.3g}" for v in meta["selection_ns"].values()) + " ns/element at "
-                 + ", ".join(f"{float(d):.1%}" for d in meta["selection_ns"]) + ")", fontsize=10)
+    fig.suptitle(f"MODEL, NOT A MEASUREMENT. Predicted scaling efficiency (cost model, {ov}; forced strategies go "
+                 f"dense where their byte rule says so; auto = the fastest prediction)\n{meta['calibration'][:160]}",
+                 fontsize=9)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -364,6 +433,12 @@ def main(argv=None):
     costs = Costs(alpha_s=args.alpha_us * 1e-6, fusion_bytes=args.fusion_mb * 2**20, selection_s_per_elem=sel,
                   pass_s_per_elem=pas, scatter_s_per_elem=args.scatter_ns * 1e-9, ef_passes=args.ef_passes,
                   overlap=args.overlap)
+    local, local_note = calibrate_local(args.exchange_json, RESNET50_MEASURED, costs)
+    if local:
+        costs = dataclasses.replace(costs, local_s_per_elem=local)
+        note = local_note + "; otherwise " + note
+    else:
+        note = note + "; " + local_note
     models = {"ResNet-50": (args.resnet_params, args.resnet_compute_s),
               "BERT-base": (args.bert_params, args.bert_compute_s)}
     Ps = [2**i for i in range(int(math.log2(args.max_p)) + 1)]
@@ -389,9 +464,11 @@ def main(argv=None):
                         f"(P-1)·α per message; α = {args.alpha_us:g} µs, fusion/bucket {args.fusion_mb:g} MiB; "
                         f"compute per step fixed (weak scaling, batch per worker fixed): ResNet-50 "
                         f"{1000 * args.resnet_compute_s:.0f} ms, BERT-base {1000 * args.bert_compute_s:.0f} ms "
-                        f"(V100-class GPU, batch 32); hvd_topk: fp32 values + int32 indices, error feedback "
+                        f"(V100-class GPU, batch 32); sparse allreduce: tree broadcast of the leader's indices "
+                        f"(log2 P hops) + ring allreduce of the values; "
+                        f"hvd_topk: fp32 values + int32 indices, error feedback "
                         f"({args.ef_passes:g} pass), decompression P·k scattered adds at {args.scatter_ns:g} ns + "
-                        f"one pass over n; dense where hvd_topk.exchange.cheapest says so (density >= 1/P); "
+                        f"one pass over n; forced strategies dense where hvd_topk.exchange.cheapest says so; "
                         + ("no overlap of communication with compute" if args.overlap == 0 else
                            f"wire time overlaps up to {args.overlap:g} of compute; selection and "
                            f"decompression never overlap")),

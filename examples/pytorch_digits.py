@@ -33,6 +33,9 @@ def parse_args(argv=None):
     p.add_argument("--no-error-feedback", action="store_true", help="topk-ef without error feedback")
     p.add_argument("--selection-scope", choices=("tensor", "bucket"), default="tensor",
                    help="topk-ef: k per tensor (default) or one top-k per fusion bucket")
+    p.add_argument("--exchange", choices=hvd_topk.exchange.CHOICES, default="auto",
+                   help="topk-ef: how buckets travel (default auto: a measured trial picks the "
+                        "fastest of dense, dense_fp16, allgather and sparse_allreduce)")
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--lr", type=float, default=0.05, help="per rank; scaled by the number of ranks")
@@ -49,6 +52,8 @@ def parse_args(argv=None):
         p.error("--no-error-feedback only applies to --optimizer topk-ef (the drop-in TopK has none)")
     if args.selection_scope != "tensor" and args.optimizer != "topk-ef":
         p.error("--selection-scope only applies to --optimizer topk-ef (the drop-in TopK sees one tensor at a time)")
+    if args.exchange != "auto" and args.optimizer != "topk-ef":
+        p.error("--exchange only applies to --optimizer topk-ef (the drop-in TopK is an allgather)")
     if args.compression == "topk":
         try:
             hvd_topk.selection.check_density(args.density, "--density")
@@ -97,7 +102,8 @@ def make_optimizer(args, model, compression):
         return hvd_topk.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                              compression=compression,
                                              error_feedback=not args.no_error_feedback,
-                                             selection_scope=args.selection_scope)
+                                             selection_scope=args.selection_scope,
+                                             exchange=args.exchange)
     return hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                     compression=compression)
 
@@ -179,7 +185,8 @@ def main(argv=None):
             print(f"compression_stats: steps {st['steps']}, achieved density {st['density']:.4f}, "
                   f"sparse/dense tensors {st['tensors_sparse']}/{st['tensors_dense']}, "
                   f"selection {st['time_selection_s']:.2f}s, exchange wait {st['time_exchange_s']:.2f}s, "
-                  f"non-finite resets {st['nonfinite_resets']}")
+                  f"non-finite resets {st['nonfinite_resets']}, exchange {st['exchange']} -> "
+                  f"{st['exchange_family']}" + (f" ({st['exchange_reason']})" if "exchange_reason" in st else ""))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)

@@ -662,6 +662,9 @@ class TopKEngine:
         them (the step counter lives there); with ``state`` None the step is kept.
         """
         self.forget_step()
+        # exchange="auto": measure again from here. Every rank restoring (and an elastic job's new
+        # worker, whose trial has not started) then starts its trial at the same step.
+        self.trial, self.trial_world = None, None
         step = self.step
         if param_groups is not None:
             self.param_groups = param_groups

@@ -54,9 +54,11 @@ def test_break_even_switches_hvd_topk_to_dense():
     assert not sim.goes_sparse(128, 0.01, c)  # 1% >= 1/128
     assert not sim.goes_sparse(1, 0.01, c)    # nothing to exchange: dense (a no-op)
     dense = sim.step("dense fp32", 128, N, 0.1, 1, c)
-    topk = sim.step("hvd_topk 1%", 128, N, 0.1, 1, c)
-    assert topk["mode"] == "dense" and topk["step_s"] == dense["step_s"]
-    assert sim.step("hvd_topk 0.1%", 128, N, 0.1, 1, c)["mode"] == "sparse"
+    topk = sim.step("allgather 1%", 128, N, 0.1, 1, c)
+    assert topk["mode"] == "dense fp32" and topk["step_s"] == dense["step_s"]
+    assert sim.step("allgather 0.1%", 128, N, 0.1, 1, c)["mode"] == "allgather"
+    # the sparse allreduce stays sparse at any P at 1%: its bytes do not grow with P
+    assert sim.step("sparse_allreduce 1%", 256, N, 0.1, 1, c)["mode"] == "sparse_allreduce"
     # same numbers as the module the optimizer uses
     from hvd_topk.exchange import sparse_break_even
     assert sparse_break_even(8) == 0.125
@@ -69,7 +71,7 @@ def test_step_time_and_efficiency():
     r = sim.step("dense fp32", 2, N, 0.1, 1, c)
     assert r["step_s"] == pytest.approx(0.1 + 0.8192)
     assert r["efficiency"] == pytest.approx(0.1 / 0.9192)
-    one = sim.step("hvd_topk 1%", 1, N, 0.1, 1, c)
+    one = sim.step("allgather 1%", 1, N, 0.1, 1, c)
     assert one["step_s"] == 0.1 and one["efficiency"] == 1.0
     # overlap: wire hides behind up to overlap * compute; local work never does
     c_ov = no_latency(overlap=1.0)
@@ -102,3 +104,50 @@ def test_simulate_covers_the_grid():
     rows = sim.simulate({"m": (N, 0.1)}, [1, 10], [1, 2, 4], sim.Costs())
     assert len(rows) == 6
     assert all(set(sim.METHODS) <= set(r) for r in rows)
+
+
+def test_sparse_allreduce_bytes_and_time_by_hand():
+    # P=8, 1%: k = 256,000: the leader's int32 indices (1,024,000 B) + 2*7/8 * (k+1) fp32 values
+    want = 256_000 * 4 + 2 * 7 / 8 * 256_001 * 4
+    from hvd_topk.exchange import SparseAllreduce
+    assert sim.sparse_bytes_in(8, N, 0.01, no_latency(), SparseAllreduce) == pytest.approx(want)
+    zero_local = no_latency(selection_s_per_elem=0.0, pass_s_per_elem=0.0, scatter_s_per_elem=0.0)
+    wire, local = sim.sparse_times(8, N, 0.01, 10, zero_local, SparseAllreduce)
+    assert wire == pytest.approx(want / 1.25e9) and local == 0.0
+    # latency: log2(8) broadcast hops + 2 * 7 allreduce hops, per bucket (two 64 MiB buckets)
+    wire_lat, _ = sim.sparse_times(8, N, 0.01, 10, sim.Costs(alpha_s=1e-3, selection_s_per_elem=0.0,
+                                                              pass_s_per_elem=0.0), SparseAllreduce)
+    assert wire_lat - wire == pytest.approx((3 + 14) * 1e-3 * 2)
+    # decompression scatters one row of k (not P rows)
+    c = no_latency(selection_s_per_elem=0.0, pass_s_per_elem=0.0, scatter_s_per_elem=1e-9)
+    assert sim.sparse_times(8, N, 0.01, 10, c, SparseAllreduce)[1] == pytest.approx(256_000 * 1e-9)
+    assert sim.sparse_times(8, N, 0.01, 10, c)[1] == pytest.approx(8 * 256_000 * 1e-9)
+
+
+def test_auto_is_the_fastest_prediction():
+    c = no_latency()
+    for P, gbps in [(2, 100), (64, 10), (8, 1)]:
+        options = [sim.step(m, P, N, 0.1, gbps, c) for m in
+                   ("dense fp32", "dense fp16", "allgather 1%", "sparse_allreduce 1%")]
+        auto = sim.step("auto 1%", P, N, 0.1, gbps, c)
+        assert auto["step_s"] == min(o["step_s"] for o in options)
+
+
+def test_local_work_calibrated_from_a_measurement(tmp_path):
+    """(method - backward-only - modelled wire) / n at P=2 on the fastest link measured."""
+    rows = [{"method": "none", "median_ms": 50.0}, {"method": "topk-ef@0.01", "median_ms": 110.0},
+            {"method": "topk-sar@0.01", "median_ms": 120.0}]
+    path = tmp_path / "exchange.json"
+    path.write_text(json.dumps({"runs": [{"P": 2, "rate": "10gbit", "rows": rows},
+                                         {"P": 2, "rate": "1gbit", "rows": []}]}))
+    c = no_latency()
+    n = 25_557_032
+    local, note = sim.calibrate_local(path, n, c)
+    from hvd_topk.exchange import AllgatherPairs, SparseAllreduce
+    k = round(0.01 * n)
+    ag_wire = AllgatherPairs.wire_bytes(2, n, k, 4, 4, 4) / 1.25e9
+    sar_wire = SparseAllreduce.wire_bytes(2, n, k, 4, 4, 4) / 1.25e9
+    assert local["allgather"] == pytest.approx((0.060 - ag_wire) / n)
+    assert local["sparse_allreduce"] == pytest.approx((0.070 - sar_wire) / n)
+    assert "10gbit" in note
+    assert sim.calibrate_local(tmp_path / "missing.json", n, c)[0] == {}
