@@ -5,12 +5,15 @@
 - ``hvd_topk.DistributedOptimizer``: same signature as ``hvd.DistributedOptimizer``, with error
   feedback, fused packed exchange, a dense path where sparse does not pay, checkpointable state
   and ``compression_stats()``.
+- ``hvd_topk.init()``: ``hvd.init()`` plus the host and cross-host process sets that the
+  hierarchical exchange needs (``hierarchical=`` of the optimizer).
 """
 
 import hvd_topk._horovod  # noqa: F401  a clear ImportError with install steps when Horovod is missing
 
 from hvd_topk.compressor import TopK  # noqa: E402
+from hvd_topk.hierarchy import init  # noqa: E402
 from hvd_topk.optimizer import DistributedOptimizer  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["TopK", "DistributedOptimizer", "__version__"]
+__all__ = ["TopK", "DistributedOptimizer", "init", "__version__"]

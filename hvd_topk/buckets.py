@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from hvd_topk.hierarchy import segments_in
 from hvd_topk.wire import index_dtype_for
 
 
@@ -50,6 +51,7 @@ class Bucket:
         self.bounds = torch.tensor([m.offset for m in self.members] + [self.numel], dtype=torch.int64)
         self.acc = None        # flat buffer: residual (error feedback) or staging copy
         self.momentum = None   # flat buffer: DGC's u, only with momentum correction
+        self.shard = None      # hierarchical: this rank's residual on its shard of the host sum
         self.folded = set()    # members folded in this step (by position)
         self.current = None    # this step's plan (the engine's StepPlan), from the first fold
         self.pending = None    # the exchange in flight, between launch and finish
@@ -62,6 +64,12 @@ class Bucket:
         if self.acc is None:
             self.acc = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         return self.acc
+
+    def shard_residual(self, numel):
+        """Hierarchical exchange: the residual of this rank's shard (``numel`` elements)."""
+        if self.shard is None or self.shard.numel() != numel:
+            self.shard = torch.zeros(numel, dtype=self.dtype, device=self.device)
+        return self.shard
 
     def momentum_buffer(self):
         if self.momentum is None:
@@ -108,15 +116,19 @@ class Bucket:
     def complete(self):
         return len(self.folded) == len(self.members)
 
-    def plan(self, codec, density, scope):
-        """The codec's plan for this bucket at ``density`` (cached: it changes only in warm-up)."""
-        key = (density, scope, codec.value_dtype(self.dtype))
+    def plan(self, codec, density, scope, shard=None):
+        """The codec's plan for this bucket at ``density`` (cached: it changes only in warm-up).
+        ``shard``: ``(lo, hi)``, a plan over that part of the buffer alone (hierarchical), its
+        tensors cut at the shard's edges, its indices counted from ``lo``."""
+        key = (density, scope, codec.value_dtype(self.dtype), shard)
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) > 64:  # a long warm-up: keep memory bounded
                 self._plans.clear()
-            plan = self._plans[key] = codec.plan([m.numel for m in self.members], density, scope,
-                                                 self.dtype, self.index_dtype)
+            sizes = [m.numel for m in self.members]
+            if shard is not None:
+                sizes = segments_in(self.bounds.tolist(), *shard) or [0]
+            plan = self._plans[key] = codec.plan(sizes, density, scope, self.dtype, self.index_dtype)
         return plan
 
     def message(self, nbytes):

@@ -39,7 +39,7 @@ class Plan:
     """
 
     def __init__(self, sizes, density, scope, value_dtype, index_dtype):
-        numel = sum(sizes)
+        numel = self.numel = sum(sizes)
         self.sizes = [numel] if scope == "bucket" else list(sizes)
         self.ks = [k_for(n, density) for n in self.sizes]
         self.count = sum(self.ks)

@@ -29,7 +29,7 @@ import warnings
 
 import torch
 
-from hvd_topk import auto, exchange
+from hvd_topk import auto, exchange, hierarchy
 from hvd_topk._horovod import allreduce_dtype, elastic_mode, hvd
 from hvd_topk._torch import compiled_autograd_active
 from hvd_topk.buckets import plan_buckets
@@ -75,6 +75,10 @@ class Options:
       (0: only when the world size changes).
     - ``dense_fallback`` sends a bucket dense when a ring allreduce would move fewer bytes than
       the sparse strategy (the allgather at density >= 1/P for fp32): leave it on.
+    - ``hierarchical`` (``hvd_topk.hierarchy``): a dense reduce-scatter inside each host, Top-K
+      and error feedback on this rank's shard of the host's sum, the sparse exchange only
+      across hosts. ``"auto"``: on when ``hvd_topk.init()`` made the process sets and the job has
+      several hosts with several ranks each.
     """
 
     error_feedback: bool = True
@@ -89,6 +93,7 @@ class Options:
     exchange: str = "auto"
     exchange_trial_steps: int = 3
     exchange_recheck_steps: int = 0
+    hierarchical: object = "auto"
 
     def __post_init__(self):
         for key in ("error_feedback", "dense_fallback", "sparse_as_dense"):
@@ -110,6 +115,9 @@ class Options:
             raise ValueError(f"selection_scope must be one of {SCOPES}, got {self.selection_scope!r}")
         if self.exchange not in exchange.CHOICES:
             raise ValueError(f"exchange must be one of {exchange.CHOICES}, got {self.exchange!r}")
+        if self.hierarchical not in ("auto", True, False) or isinstance(self.hierarchical, int) \
+                and not isinstance(self.hierarchical, bool):
+            raise ValueError(f"hierarchical must be 'auto', True or False, got {self.hierarchical!r}")
 
 
 @dataclasses.dataclass
@@ -168,6 +176,10 @@ class TopKEngine:
         if self.member and not elastic_mode():
             self._check_ranks_agree(compression)
         self.buckets = plan_buckets(params, names, options.min_numel, options.fusion_bytes, groups)
+        self.topology = hierarchy.resolve(options.hierarchical, process_set, elastic_mode()) if self.member else None
+        if self.topology is not None and options.momentum_correction:
+            raise ValueError("momentum_correction is not supported with the hierarchical exchange; pass "
+                             "hierarchical=False, or momentum_correction=0.0 with the inner optimizer's momentum")
         self.place = {m.param: (b, i) for b in self.buckets for i, m in enumerate(b.members)}
         self.passes = {p: 0 for p in params}
         self.step = 0
@@ -272,23 +284,45 @@ class TopKEngine:
         chosen = exchange.BY_NAME[family]
         if not chosen.sparse or not self.options.dense_fallback:
             return chosen
+        if self.topology is not None:  # the sparse part runs across hosts, on one shard
+            sparse = chosen.wire_bytes(self.topology.cross_size, plan.numel, plan.count,
+                                       plan.layout.value_itemsize, plan.layout.index_itemsize,
+                                       bucket.element_size)
+            dense = exchange.DenseAllreduce.wire_bytes(self.world, bucket.numel, 0, 0, 0, bucket.element_size)
+            return chosen if sparse < dense else exchange.DenseAllreduce
         return exchange.cheapest((exchange.DenseAllreduce, chosen), self.world, bucket.numel, plan.count,
                                  plan.layout.value_itemsize, plan.layout.index_itemsize,
                                  bucket.element_size)
 
     def _assign(self, family, density):
         """The strategy of every sparse bucket under ``family`` at ``density``."""
+        return [self._strategy(family, b, self._plan(b, density)) for b in self.buckets if b.sparse]
+
+    def _plan(self, bucket, density):
+        """The codec plan of a sparse bucket: over the bucket, or over this rank's shard of it
+        (hierarchical)."""
         scope = self.options.selection_scope
-        return [self._strategy(family, b, b.plan(self.codec, density, scope))
-                for b in self.buckets if b.sparse]
+        if self.topology is None:
+            return bucket.plan(self.codec, density, scope)
+        lo, hi = self._shard(bucket)
+        return bucket.plan(self.codec, density, scope, shard=(lo, hi))
+
+    def _shard(self, bucket):
+        edges = hierarchy.shard_bounds(bucket.numel, self.topology.local_size)
+        return edges[self.topology.local_rank], edges[self.topology.local_rank + 1]
 
     def _modelled_bytes(self, family, density):
         """Bytes into one rank per step for the sparse buckets under ``family`` (the cost model)."""
         total = 0.0
         for b, strategy in zip([b for b in self.buckets if b.sparse], self._assign(family, density)):
-            plan = b.plan(self.codec, density, self.options.selection_scope)
-            total += strategy.wire_bytes(self.world, b.numel, plan.count, plan.layout.value_itemsize,
-                                         plan.layout.index_itemsize, b.element_size)
+            plan = self._plan(b, density)
+            if self.topology is not None and strategy.sparse:
+                total += strategy.wire_bytes(self.topology.cross_size, plan.numel, plan.count,
+                                             plan.layout.value_itemsize, plan.layout.index_itemsize,
+                                             b.element_size)
+            else:
+                total += strategy.wire_bytes(self.world, b.numel, plan.count, plan.layout.value_itemsize,
+                                             plan.layout.index_itemsize, b.element_size)
         return total
 
     def _follow_world(self):
@@ -313,13 +347,15 @@ class TopKEngine:
         old, self.residual_scale = self.residual_scale, scale
         if old is not None and scale != old:
             for b in self._residual_buckets():
-                for flat in (b.acc, b.momentum):
+                for flat in (b.acc, b.momentum, b.shard):
                     if flat is not None:
                         flat.mul_(scale / old)
 
     def _fold(self, bucket, position, grad):
         current = bucket.current or self._begin_bucket(bucket)
         ef, momentum = bucket.sparse and self.options.error_feedback, self.options.momentum_correction
+        if self.topology is not None and current.strategy.sparse:
+            ef = False  # the buffer stages this step's gradients; the residual is the shard's
         # Error feedback on the native kernel: the fold (acc += grad) is the selection's own pass.
         fused = (current.per_segment and ef and not momentum and grad is not None
                  and grad.dtype == bucket.dtype and grad.is_contiguous())
@@ -354,13 +390,14 @@ class TopKEngine:
         gradient arrives, in the fold's own pass; otherwise the whole buffer is selected once
         the bucket is complete."""
         density = self.schedule.density(self.step)
-        plan = bucket.plan(self.codec, density, self.options.selection_scope) if bucket.sparse else None
+        plan = self._plan(bucket, density) if bucket.sparse else None
         strategy = self._strategy(self.family or self._family(), bucket, plan)
         leader = None
-        if strategy is exchange.SparseAllreduce:
+        if strategy is exchange.SparseAllreduce and self.topology is None:
             leader = strategy.leader(self.step, bucket.index, self.world)
         selects = strategy.sparse and leader in (None, self.rank)
-        per_segment = selects and plan.scope == "tensor" and native_ok(bucket.buffer())
+        per_segment = (selects and plan.scope == "tensor" and native_ok(bucket.buffer())
+                       and self.topology is None)
         message = bucket.message(plan.layout.nbytes) if strategy.sparse else None
         bucket.current = StepPlan(plan, strategy, message, per_segment, selects, leader)
         return bucket.current
@@ -381,6 +418,9 @@ class TopKEngine:
                 self._unsend(bucket, current)
             strategy, plan, name = exchange.DenseAllreduce, None, name + ".joined"
         self.used[bucket.index] = strategy.name
+        if strategy.sparse and self.topology is not None:
+            self._launch_hierarchical(bucket, strategy, plan, name)
+            return
         if strategy.sparse:
             t0 = time.perf_counter()
             message = current.message
@@ -416,6 +456,108 @@ class TopKEngine:
                 wire = bucket.scratch("wire", bucket.numel, strategy.wire_dtype(bucket.dtype))
             handle = strategy.start(bucket.acc, name, self.process_set, self.op, self.predivide, wire=wire)
         bucket.pending = (strategy, handle, plan)
+
+    # ---- hierarchical (hvd_topk.hierarchy) ------------------------------------------------
+    def _launch_hierarchical(self, bucket, strategy, plan, name):
+        """Start the host's reduce-scatter of this step's gradients; the rest runs in
+        ``_finish_hierarchical``."""
+        wire_dtype = allreduce_dtype(bucket.dtype)
+        staged = bucket.acc
+        if wire_dtype != bucket.dtype:
+            staged = bucket.scratch("wire", bucket.numel, wire_dtype).copy_(bucket.acc)
+        handle = hierarchy.reduce_scatter(staged, self.topology.local, name + ".host")
+        layout = plan.layout
+        sent = layout.nbytes
+        if strategy is exchange.SparseAllreduce:
+            sent = layout.count * layout.index_itemsize + (layout.count + 1) * layout.value_itemsize
+        self.stats.add(tensors_sparse=len(bucket.members), elements_selected=plan.count, bytes_sent=sent)
+        bucket.pending = ("hierarchical", (handle, strategy, name), plan)
+
+    def _finish_hierarchical(self, bucket):
+        """Host sum of this rank's shard -> error feedback and Top-K on it -> the sparse
+        exchange among the ranks with this local rank -> every shard to every rank of the host."""
+        _, (handle, strategy, name), plan = bucket.pending
+        topo, ef = self.topology, self.options.error_feedback
+        t0 = time.perf_counter()
+        shard = hvd.synchronize(handle)
+        lo, hi = self._shard(bucket)
+        residual = bucket.shard_residual(hi - lo)
+        if ef:
+            residual.add_(shard)
+        else:
+            residual.copy_(shard)
+        message = bucket.message(plan.layout.nbytes)
+        out = bucket.scratch("shard_result", hi - lo, bucket.dtype)
+        div = float(self.world) if self.op == hvd.Average else 1.0
+        whole = torch.tensor([0, hi - lo], dtype=torch.int64)
+        t1 = time.perf_counter()
+        if strategy is exchange.SparseAllreduce:
+            leader = strategy.leader(self.step, bucket.index, topo.cross_size)
+            current = StepPlan(plan, strategy, message, False, topo.cross_rank == leader, leader)
+            if current.selects:
+                encoded = self.codec.encode(residual, plan, message, zero_sent=ef)
+                current.nonfinite = encoded.nonfinite
+                self._wipe_shard(residual, plan, encoded.nonfinite, ef)
+            _, indices = plan.layout.views(message)
+            strategy.finish(strategy.start_indices(indices, leader, name + ".cross", topo.cross))
+            values = self._shard_values(bucket, residual, current, plan, ef)
+            strategy.finish(strategy.start_values(values, name + ".cross", topo.cross))
+            k = plan.layout.count
+            values[:k].add_(values[k:] * 0)
+            plan.layout.views(message)[0].copy_(values[:k])
+            self.codec.decode(message, plan.layout, 1, [out], whole, div=div)
+        else:
+            encoded = self.codec.encode(residual, plan, message, zero_sent=ef)
+            self._wipe_shard(residual, plan, encoded.nonfinite, ef)
+            gathered = hvd.allgather(message, name=name + ".cross", process_set=topo.cross)
+            self.codec.decode(gathered, plan.layout, topo.cross_size, [out], whole, div=div)
+        selection = time.perf_counter() - t1
+        full = hierarchy.gather_shards(out, topo.local, name + ".gather")
+        for m in bucket.members:
+            summed = bucket.view(full, m)
+            if m.param.grad is None:
+                m.param.grad = summed.clone()
+            else:
+                m.param.grad.copy_(summed)
+        bucket.reset()
+        self.stats.add(time_exchange_s=time.perf_counter() - t0 - selection, time_selection_s=selection)
+
+    def _shard_values(self, bucket, residual, current, plan, ef):
+        """The sparse allreduce's values on a shard (see ``_gather_values``)."""
+        layout = plan.layout
+        sent, indices = layout.views(current.message)
+        k = layout.count
+        values = bucket.scratch("values", k + 1, allreduce_dtype(layout.value_dtype))
+        if current.selects:
+            values[:k].copy_(sent)
+            bad = current.nonfinite if isinstance(current.nonfinite, list) else current.nonfinite.any()
+            bad = bool(bad) if isinstance(bad, list) else bad
+        else:
+            bad = ~torch.isfinite(residual).all()
+            where = indices.long()
+            values[:k].copy_(residual.index_select(0, where))
+            if ef:
+                residual.index_fill_(0, where, 0)
+                residual.masked_fill_(bad, 0)
+        if torch.is_tensor(bad):
+            values[k:].copy_(torch.where(bad, float("nan"), 0.0))
+        else:
+            values[k] = float("nan") if bad else 0.0
+        return values
+
+    def _wipe_shard(self, residual, plan, nonfinite, ef):
+        """A shard segment that held inf/nan (it was sent) starts again from zero."""
+        if not ef:
+            return
+        if isinstance(nonfinite, list):
+            for s in nonfinite:
+                residual[plan.starts[s]:plan.starts[s + 1]].zero_()
+            if nonfinite:
+                self.stats.add(nonfinite_resets=len(nonfinite))
+        else:
+            per_element = nonfinite.repeat_interleave(torch.tensor(plan.sizes, device=nonfinite.device),
+                                                      output_size=residual.numel())
+            residual.masked_fill_(per_element, 0)
 
     def _progress(self, wait=False):
         """Start the value allreduce of every sparse-allreduce bucket whose leader's indices
@@ -525,6 +667,9 @@ class TopKEngine:
             self.stats.add_tensor("nonfinite_resets", bad.sum())
 
     def _finish(self, bucket):
+        if bucket.pending[0] == "hierarchical":
+            self._finish_hierarchical(bucket)
+            return
         if bucket.pending[0] is exchange.SparseAllreduce:
             self._progress(wait=True)
         strategy, handle, plan = bucket.pending
@@ -646,6 +791,11 @@ class TopKEngine:
         """This rank's residuals and momentum buffers (per parameter name), the step counter,
         and the rank/world size they belong to."""
         residuals, momenta = {}, {}
+        if self.topology is not None:  # per bucket: this rank's shard (hvd_topk.hierarchy)
+            shards = {str(b.index): b.shard.clone() for b in self._residual_buckets() if b.shard is not None}
+            return {"format": STATE_FORMAT, "step": self.step, "rank": self.rank, "size": self.world,
+                    "residuals": {}, "momenta": {}, "residual_scale": self.residual_scale,
+                    "shards": shards, "hierarchy": self._hierarchy_key()}
         for b in self._residual_buckets():
             for m in b.members:
                 if b.acc is not None:
@@ -654,6 +804,11 @@ class TopKEngine:
                     momenta[m.name] = b.view(b.momentum, m).clone()
         return {"format": STATE_FORMAT, "step": self.step, "rank": self.rank, "size": self.world,
                 "residuals": residuals, "momenta": momenta, "residual_scale": self.residual_scale}
+
+    def _hierarchy_key(self):
+        t = self.topology
+        return None if t is None else [t.local_rank, t.local_size, t.cross_rank, t.cross_size,
+                                       [b.numel for b in self.buckets]]
 
     def load_state_dict(self, state, param_groups=None):
         """Restore ``state_dict()``'s output (the caller checked that no exchange is pending).
@@ -672,7 +827,11 @@ class TopKEngine:
         if state is None:
             return
         self.residual_scale = state.get("residual_scale")
-        if (state["rank"], state["size"]) == (self.rank, self.world):
+        same_rank = (state["rank"], state["size"]) == (self.rank, self.world)
+        if self.topology is not None or state.get("hierarchy") is not None:
+            self._load_shards(state, same_rank)
+            return
+        if same_rank:
             ours = [m.name for b in self._residual_buckets() for m in b.members]
             residuals, dropped = _match_names(state.get("residuals", {}), ours)
             momenta, dropped_momenta = _match_names(state.get("momenta", {}), ours)
@@ -692,6 +851,25 @@ class TopKEngine:
                           f"and is loaded on rank {self.rank} of {self.world}: error-feedback "
                           "residuals start from zero. Save and load one state per rank to resume exactly.")
 
+    def _load_shards(self, state, same_rank):
+        """Hierarchical residuals come back only into the same place of the same job shape
+        (rank, hosts, ranks per host, buckets); anywhere else they start from zero."""
+        exact = same_rank and state.get("hierarchy") == self._hierarchy_key()
+        shards = state.get("shards", {}) if exact else {}
+        for b in self._residual_buckets():
+            saved = shards.get(str(b.index))
+            if saved is not None:
+                b.shard_residual(saved.numel()).copy_(saved)
+            elif b.shard is not None:
+                b.shard.zero_()
+            if b.acc is not None:
+                b.acc.zero_()
+        if not exact and self.options.error_feedback:
+            warnings.warn("hvd_topk: this state was saved at another place in the job or with another "
+                          f"exchange layout (rank {state['rank']} of {state['size']}, hierarchy "
+                          f"{state.get('hierarchy')}; here rank {self.rank} of {self.world}, hierarchy "
+                          f"{self._hierarchy_key()}): error-feedback residuals start from zero.")
+
     # ---- statistics ------------------------------------------------------------------------
     def compression_stats(self):
         out = self.stats.as_dict()
@@ -701,6 +879,7 @@ class TopKEngine:
         out["buckets_dense"] = sum(not b.sparse for b in self.buckets)
         out["selection_scope"] = self.options.selection_scope
         out["world_size"] = self.world
+        out["hierarchical"] = self.topology is not None
         out["exchange"] = self.options.exchange
         out["exchange_family"] = self.family
         if self.options.exchange == "auto":

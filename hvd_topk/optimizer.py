@@ -30,7 +30,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                          momentum_correction=0.0, warmup_steps=0, warmup_density=0.25,
                          min_numel=1024, fusion_bytes=64 * 1024 * 1024, dense_fallback=True,
                          selection_scope="tensor", grad_scaler=None, exchange="auto",
-                         exchange_trial_steps=3, exchange_recheck_steps=0):
+                         exchange_trial_steps=3, exchange_recheck_steps=0, hierarchical="auto"):
     """Wrap ``optimizer`` so that gradients are exchanged as Top-K pairs with error feedback.
 
     Same signature and behaviour as ``hvd.DistributedOptimizer``: the result is an instance of
@@ -67,6 +67,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
             values there allreduced (bytes independent of the ranks). ``"dense"``,
             ``"dense_fp16"``: Horovod's allreduce, fp32 or fp16. ``exchange_recheck_steps`` (0):
             re-run the trial that often (it always re-runs when the world size changes).
+        hierarchical ("auto"): dense reduce-scatter inside each host, Top-K with error feedback on
+            this rank's shard of the host's sum, the sparse exchange across hosts only, then an
+            allgather inside the host. Needs ``hvd_topk.init()`` in place of ``hvd.init()``;
+            "auto" turns it on for jobs with several hosts of several ranks each.
         selection_scope ("tensor"): ``"tensor"``, k = density x n for every tensor, or
             ``"bucket"``, one top-k over each fusion bucket (k = density x the bucket's size).
         grad_scaler (None): with mixed precision, the ``torch.amp.GradScaler`` that scales the
@@ -86,7 +90,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                       fusion_bytes=fusion_bytes, dense_fallback=dense_fallback,
                       selection_scope=selection_scope, sparse_as_dense=sparse_as_dense,
                       exchange=exchange, exchange_trial_steps=exchange_trial_steps,
-                      exchange_recheck_steps=exchange_recheck_steps)
+                      exchange_recheck_steps=exchange_recheck_steps, hierarchical=hierarchical)
     compression = _resolve_compression(compression)
     if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
         raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")

@@ -159,3 +159,34 @@ def test_auto_proposes_what_can_win():
     assert propose(every, dict(cheap, allgather=50.0)) == ["dense", "dense_fp16", "sparse_allreduce"]
     # the allgather fell back to dense in every bucket: the same as "dense"
     assert propose(dict(every, allgather=("dense",)), cheap) == ["dense", "dense_fp16", "sparse_allreduce"]
+
+
+def test_hierarchy_shards_split_as_horovods_reducescatter():
+    """Horovod 0.28.1 split 10 elements over 3 ranks as 4, 3, 3 (checked under mpirun)."""
+    from hvd_topk.hierarchy import segments_in, shard_bounds
+
+    assert shard_bounds(10, 3) == [0, 4, 7, 10]
+    assert shard_bounds(5760, 2) == [0, 2880, 5760]
+    assert shard_bounds(2, 3) == [0, 1, 2, 2]
+    # members at [0, 960), [960, 1920), [1920, 5760): the second shard holds one piece
+    bounds = [0, 960, 1920, 5760]
+    assert segments_in(bounds, 0, 2880) == [960, 960, 960]
+    assert segments_in(bounds, 2880, 5760) == [2880]
+    assert segments_in(bounds, 900, 1000) == [60, 40]
+
+
+def test_hierarchical_true_without_init_says_what_to_do(monkeypatch):
+    from hvd_topk import hierarchy
+
+    monkeypatch.setattr(hierarchy, "_topology", None)
+    with pytest.raises(ValueError, match=r"hvd_topk.init\(\)"):
+        hierarchy.resolve(True, hierarchy.hvd.global_process_set, elastic=False)
+    assert hierarchy.resolve(False, hierarchy.hvd.global_process_set, elastic=False) is None
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_hierarchical_option_refuses_other_values(value):
+    from hvd_topk.engine import Options
+
+    with pytest.raises(ValueError, match="hierarchical must be"):
+        Options(hierarchical=value)

@@ -344,18 +344,20 @@ class EmulatedHosts:
         return ",".join(f"{h.hostname}:{slots}" for h in self.hosts[:count or self.n])
 
     def mpirun_command(self, argv, *, np=None, python=None, pythonpath=None, wdir=None,
-                       env_names=("OMP_NUM_THREADS",), mpirun="mpirun"):
-        """``mpirun -np NP -H host0:1,... [mpirun_args] ... PYTHON ARGV...``: one rank per emulated
-        host (the first ``np``, default all), started over ssh from the launcher namespace.
+                       env_names=("OMP_NUM_THREADS",), mpirun="mpirun", slots=1):
+        """``mpirun -np NP -H host0:S,... [mpirun_args] ... PYTHON ARGV...``: ``slots`` ranks per
+        emulated host (the first ``np``, default all of every host), started over ssh from the
+        launcher namespace; ranks of one host talk over that host's loopback.
 
         Every rank gets ``PATH`` with ``python``'s directory first, ``PYTHONPATH`` (when given),
         ``OMP_NUM_THREADS`` (1 unless set here) and every ``HOROVOD_*`` variable set here (a
         user's Horovod tuning reaches all ranks); ``wdir`` is the ranks' working directory."""
-        np = self.n if np is None else np
-        if isinstance(np, bool) or not isinstance(np, int) or not 1 <= np <= self.n:
-            raise ValueError(f"np must be an integer in 1..{self.n}, got {np!r}")
+        np = self.n * slots if np is None else np
+        if isinstance(np, bool) or not isinstance(np, int) or not 1 <= np <= self.n * slots:
+            raise ValueError(f"np must be an integer in 1..{self.n * slots}, got {np!r}")
         python = python or sys.executable
-        cmd = [mpirun, "-np", str(np), "-H", self.hostlist(count=np), *self.mpirun_args(),
+        hosts = -(-np // slots)
+        cmd = [mpirun, "-np", str(np), "-H", self.hostlist(slots=slots, count=hosts), *self.mpirun_args(),
                "--mca", "plm_rsh_no_tree_spawn", "1",
                "-x", f"PATH={Path(python).parent}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"]
         if pythonpath:

@@ -37,8 +37,9 @@ def _say(text, stream=None):
     stream.flush()
 
 
-def run(checks, argv=None):
-    """Run every ``(name, function)`` in ``checks`` on every rank (see the module docstring)."""
+def run(checks, argv=None, init=None):
+    """Run every ``(name, function)`` in ``checks`` on every rank (see the module docstring).
+    ``init``: what starts Horovod (``hvd.init``; e.g. ``hvd_topk.init``)."""
     checks = list(checks)
     names = validate_names(name for name, _ in checks)
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -54,7 +55,7 @@ def run(checks, argv=None):
 
     COMM = MPI.COMM_WORLD
     control = COMM.Dup()  # the harness's messages never pair with a check's own mpi4py calls
-    hvd.init()
+    (init or hvd.init)()
     rank, size = hvd.rank(), hvd.size()
     failed = []
     for name, check in checks:

@@ -1,0 +1,142 @@
+"""Hierarchical exchange: dense inside a host, sparse only across hosts.
+
+GPU hosts join their 4-8 GPUs by links tens of times faster than the network between hosts;
+compressing traffic that stays inside a host only costs selection time. With L ranks per host
+and N hosts, per sparse bucket and step (``hierarchical=True``):
+
+1. a dense reduce-scatter among the L ranks of a host: local rank l then holds shard l of the
+   bucket (Horovod's split: the first ``n mod L`` shards one element longer), summed over its host;
+2. error feedback and Top-K on that shard: ``residual += host sum of shard``, select, zero what
+   was sent. **The residual is per rank and covers only its shard of the host's sum**;
+3. the sparse exchange (allgather or sparse allreduce) of shard l among the N ranks with local
+   rank l, one per host, each carrying 1/L of the bucket;
+4. an allgather inside the host of the L averaged shards, so every rank holds the whole result.
+
+Horovod needs the host and cross-host groups as process sets, registered on every rank in the
+same order: ``hvd_topk.init()`` (instead of ``hvd.init()``, same arguments) does that, with
+Horovod's dynamic process sets. Horovod's own ``hvd.local_rank()`` / ``hvd.cross_rank()`` say
+which rank is on which host (the launcher's view: one ``orted``/``horovodrun`` host per node).
+"""
+
+import os
+import warnings
+from typing import NamedTuple
+
+import torch
+
+from hvd_topk._horovod import hvd
+
+
+class Topology(NamedTuple):
+    """This rank's place: its host's process set and its cross-host one."""
+    local: object        # hvd.ProcessSet: the ranks of this host
+    cross: object        # hvd.ProcessSet: the ranks with this local rank, one per host
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+
+
+_topology = None
+
+
+def init(*args, **kwargs):
+    """``hvd.init(*args, **kwargs)``, then the process sets ``hierarchical=`` needs.
+
+    Call it on every rank instead of ``hvd.init()``. It turns on Horovod's dynamic process sets
+    (``HOROVOD_DYNAMIC_PROCESS_SETS=1``, read by ``hvd.init``) and adds one set per host and
+    one per local rank, in the same order everywhere (a collective). Returns the ``Topology``.
+    """
+    global _topology
+    os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
+    hvd.init(*args, **kwargs)
+    places = hvd.allgather_object((hvd.cross_rank(), hvd.local_rank()), name="hvd_topk.topology")
+    hosts = sorted({c for c, _ in places})
+    locals_ = sorted({lr for _, lr in places})
+    mine = places[hvd.rank()]
+    local_sets, cross_sets = {}, {}
+    for c in hosts:  # every rank adds every set, in this order
+        local_sets[c] = _add([r for r, (cr, _) in enumerate(places) if cr == c])
+    for lr in locals_:
+        cross_sets[lr] = _add([r for r, (_, l) in enumerate(places) if l == lr])
+    local, cross = local_sets[mine[0]], cross_sets[mine[1]]
+    _topology = Topology(local, cross, local.rank(), local.size(), cross.rank(), cross.size())
+    return _topology
+
+
+def _add(ranks):
+    if len(ranks) == hvd.size():
+        return hvd.global_process_set
+    return hvd.add_process_set(ranks)
+
+
+def topology():
+    """The ``Topology`` made by ``init()``, or None."""
+    return _topology
+
+
+def resolve(setting, process_set, elastic):
+    """The topology to use for ``hierarchical=setting`` ("auto", True or False), or None.
+
+    "auto": on when ``init()`` made the sets, the job has more than one host and more than one
+    rank per host, exchanges run over the global set and the job is not elastic. True: on
+    wherever it can be, and a ValueError saying why where it cannot."""
+    if setting is False:
+        return None
+    topo = _topology
+    why = None
+    if topo is None:
+        why = ("hvd_topk.init() was not called: it creates the host and cross-host process sets "
+               "(call it instead of hvd.init(), same arguments)")
+    elif process_set is not hvd.global_process_set and process_set.size() != hvd.size():
+        why = "the optimizer exchanges over a process set; hierarchical needs the whole job"
+    elif elastic:
+        why = "Horovod elastic re-forms the job, and these process sets with it"
+    if setting is True:
+        if why:
+            raise ValueError(f"hierarchical=True: {why}")
+        return topo
+    if why is None and topo.local_size > 1 and topo.cross_size > 1:
+        return topo
+    if why is not None and topo is None and _multi_host_guess():
+        warnings.warn(f"hvd_topk: hierarchical exchange is off: {why}.")
+    return None
+
+
+def _multi_host_guess():
+    return 1 < hvd.local_size() < hvd.size()
+
+
+def shard_bounds(n, parts):
+    """Offsets of Horovod's reduce-scatter split of ``n`` elements into ``parts`` (the first
+    ``n mod parts`` shards one longer): ``[0, ..., n]``, ``parts + 1`` entries."""
+    base, extra = divmod(n, parts)
+    out = [0]
+    for p in range(parts):
+        out.append(out[-1] + base + (1 if p < extra else 0))
+    return out
+
+
+def segments_in(bounds, lo, hi):
+    """The members' element counts inside the shard ``[lo, hi)`` of a bucket whose members
+    occupy ``[bounds[i], bounds[i+1])`` (members outside it count 0 and are left out)."""
+    sizes = []
+    for a, b in zip(bounds, bounds[1:]):
+        overlap = min(b, hi) - max(a, lo)
+        if overlap > 0:
+            sizes.append(overlap)
+    return sizes
+
+
+def reduce_scatter(tensor, process_set, name):
+    """Start the host's sum of ``tensor`` split into its shards (Horovod's reducescatter)."""
+    return hvd.reducescatter_async(tensor, name=name, op=hvd.Sum, process_set=process_set)
+
+
+def gather_shards(shard, process_set, name):
+    """Every local rank's shard, concatenated in local-rank order (one flat tensor)."""
+    return hvd.allgather(shard.view(-1), name=name, process_set=process_set)
+
+
+def empty_like_shard(n, dtype, device):
+    return torch.zeros(n, dtype=dtype, device=device)

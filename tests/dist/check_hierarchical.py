@@ -1,0 +1,190 @@
+"""hierarchical=True checked step by step against a numpy reference, on every rank.
+
+Per sparse bucket: the host's sum of the gradients, split as Horovod's reduce-scatter splits it
+(the first n mod L shards one longer); on each rank residual += its shard of the host sum,
+Top-K per tensor piece inside the shard (or one over the shard), sent entries zeroed; the
+shards of one local rank are exchanged across hosts (allgather: all pairs summed; sparse
+allreduce: every host's values at the leader's positions); the average is assembled from every
+local rank's shard. Which rank is on which host comes from Horovod (hvd.local_rank(),
+hvd.cross_rank()), so on emulated hosts (one network namespace per host) the boundary is real.
+
+Run: PYTHONPATH=.:tests mpirun -np 4 -H host0:2,host1:2 python tests/dist/check_hierarchical.py
+(also -np 3 on one host: 1 x 3, or on three hosts: 3 x 1).
+"""
+
+import copy
+import os
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import horovod.torch as hvd
+import hvd_topk
+from check_optimizer import Net, batch
+from harness import assert_same_on_all_ranks, gather, run, step_and_check_same
+from reference import k_of
+
+MIN_NUMEL = 500
+DENSITY = 0.05
+
+
+def places():
+    """Every rank's (host, local rank), in rank order."""
+    return [tuple(p) for p in gather(np.array([hvd.cross_rank(), hvd.local_rank()]))]
+
+
+def split(n, parts):
+    base, extra = divmod(n, parts)
+    edges = [0]
+    for p in range(parts):
+        edges.append(edges[-1] + base + (1 if p < extra else 0))
+    return edges
+
+
+class HierarchicalReference:
+    """The hierarchical contract for one bucket laid out as ``names`` (reverse registration)."""
+
+    def __init__(self, where, sizes, scope, exchange):
+        self.where, self.sizes, self.scope, self.exchange = where, sizes, scope, exchange
+        self.hosts = sorted({c for c, _ in where})
+        self.L = len({lr for _, lr in where})
+        self.n = sum(sizes)
+        self.edges = split(self.n, self.L)
+        self.residual = {r: None for r in range(len(where))}
+        bounds = np.cumsum([0] + sizes)
+        self.bounds = bounds
+
+    def pieces(self, lo, hi):
+        """Segments of the shard [lo, hi) (relative offsets), one per tensor piece."""
+        if self.scope == "bucket":
+            return [(0, hi - lo)]
+        out = []
+        for a, b in zip(self.bounds, self.bounds[1:]):
+            a2, b2 = max(a, lo), min(b, hi)
+            if b2 > a2:
+                out.append((a2 - lo, b2 - lo))
+        return out
+
+    def step(self, step, flat_grads, average=True):
+        """``flat_grads[r]``: rank r's bucket gradient; returns the averaged result (n,)."""
+        P = len(self.where)
+        host_sum = {c: np.sum([flat_grads[r] for r in range(P) if self.where[r][0] == c], axis=0,
+                              dtype=np.float64).astype(np.float32) for c in self.hosts}
+        acc, keep = {}, {}
+        for r, (c, lr) in enumerate(self.where):
+            lo, hi = self.edges[lr], self.edges[lr + 1]
+            old = self.residual[r] if self.residual[r] is not None else np.zeros(hi - lo, np.float32)
+            acc[r] = old + host_sum[c][lo:hi]
+            keep[r] = np.concatenate([a + np.argsort(-np.abs(acc[r][a:b]), kind="stable")[:k_of(b - a, DENSITY)]
+                                      for a, b in self.pieces(lo, hi)])
+        result = np.zeros(self.n, np.float64)
+        for lr in range(self.L):
+            group = sorted(r for r in range(P) if self.where[r][1] == lr)  # cross set, rank order
+            lo = self.edges[lr]
+            leader = group[(step + 0) % len(group)] if self.exchange == "sparse_allreduce" else None
+            for r in group:
+                positions = keep[r if leader is None else leader]
+                result[lo + positions] += acc[r][positions]
+                acc[r][positions] = 0
+                self.residual[r] = acc[r]
+        return (result / P if average else result).astype(np.float32)
+
+
+def check_contract(exchange="allgather", scope="tensor", steps=4):
+    rank, size = hvd.rank(), hvd.size()
+    where = places()
+    torch.manual_seed(0)
+    model = Net()
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                        named_parameters=model.named_parameters(),
+                                        compression=hvd_topk.TopK(density=DENSITY), min_numel=MIN_NUMEL,
+                                        exchange=exchange, selection_scope=scope, hierarchical=True)
+    shadow = copy.deepcopy(model)
+    big = [n for n, p in model.named_parameters() if p.numel() >= MIN_NUMEL][::-1]  # bucket order
+    sizes = [dict(model.named_parameters())[n].numel() for n in big]
+    ref = HierarchicalReference(where, sizes, scope, exchange)
+    for step in range(steps):
+        x, y = batch(step, rank)
+        shadow.load_state_dict(model.state_dict())
+        shadow.zero_grad()
+        F.cross_entropy(shadow(x), y).backward()
+        raw = {n: p.grad.numpy().copy() for n, p in shadow.named_parameters()}
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        grads = {n: gather(raw[n]) for n in raw}
+        want = ref.step(step, [np.concatenate([grads[n][r].reshape(-1) for n in big]) for r in range(size)])
+        offset = 0
+        for name in big:
+            p = dict(model.named_parameters())[name]
+            np.testing.assert_allclose(p.grad.numpy().reshape(-1), want[offset:offset + p.numel()],
+                                       rtol=1e-5, atol=1e-6, err_msg=f"{exchange}/{scope}: step {step} {name}")
+            offset += p.numel()
+        for name, p in model.named_parameters():
+            if name not in big:
+                np.testing.assert_allclose(p.grad.numpy(), np.mean(grads[name], axis=0), rtol=1e-5, atol=1e-7)
+        step_and_check_same(opt, model, f"{exchange}/{scope}: step {step}")
+    state = opt.state_dict()["hvd_topk"]
+    np.testing.assert_allclose(state["shards"]["0"].numpy(), ref.residual[rank], rtol=1e-5, atol=1e-6,
+                               err_msg=f"{exchange}/{scope}: residual shard")
+    stats = opt.compression_stats()
+    assert stats["hierarchical"] and stats["bucket_strategies"][0] == exchange, stats
+    return model, opt
+
+
+def check_resume():
+    """Save after 2 steps, restore into fresh objects: bitwise equal to an unbroken run at step 4."""
+    def build(seed=0):
+        torch.manual_seed(seed)
+        model = Net()
+        opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                            named_parameters=model.named_parameters(),
+                                            compression=hvd_topk.TopK(density=DENSITY), min_numel=MIN_NUMEL,
+                                            exchange="allgather", hierarchical=True)
+        return model, opt
+
+    def train(model, opt, start, steps):
+        for step in range(start, start + steps):
+            x, y = batch(step, hvd.rank())
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+
+    model_a, opt_a = build()
+    train(model_a, opt_a, 0, 4)
+    model_b, opt_b = build()
+    train(model_b, opt_b, 0, 2)
+    saved = copy.deepcopy({"model": model_b.state_dict(), "opt": opt_b.state_dict()})
+    model_c, opt_c = build(seed=7)
+    model_c.load_state_dict(saved["model"])
+    opt_c.load_state_dict(saved["opt"])
+    train(model_c, opt_c, 2, 2)
+    for (name, a), c in zip(model_a.named_parameters(), model_c.parameters()):
+        assert torch.equal(a, c), f"hierarchical resume: {name} differs"
+    assert_same_on_all_ranks(model_c.fc1.weight.detach().numpy(), "hierarchical resume")
+
+
+def check_topology():
+    """The job has the shape it was launched with (HVD_TOPK_EXPECT_TOPOLOGY="HOSTSxRANKS"), so
+    the checks above ran across that many hosts."""
+    expected = os.environ.get("HVD_TOPK_EXPECT_TOPOLOGY")
+    if expected is None:
+        return
+    hosts, per_host = map(int, expected.split("x"))
+    assert (hvd.cross_size(), hvd.local_size()) == (hosts, per_host), (
+        f"launched as {expected}, Horovod sees {hvd.cross_size()} hosts x {hvd.local_size()} ranks")
+    assert len({c for c, _ in places()}) == hosts
+
+
+CHECKS = [
+    ("topology as launched", check_topology),
+    ("allgather across hosts", lambda: check_contract("allgather")),
+    ("sparse allreduce across hosts", lambda: check_contract("sparse_allreduce")),
+    ("allgather across hosts, bucket scope", lambda: check_contract("allgather", scope="bucket")),
+    ("checkpoint resume", check_resume),
+]
+
+
+if __name__ == "__main__":
+    run(CHECKS, init=hvd_topk.init)
