@@ -15,6 +15,13 @@ Methods (``--methods``; the ``topk`` ones run at every ``--densities`` value):
     topk-sar   the same with exchange="sparse_allreduce" (bytes per rank flat in P)
     topk-auto  the same with exchange="auto" (its default): the trial's steps (up to 4 x 4) are
                added to the warm-up, so the timed steps run the strategy it chose
+    topk-ef-hier, topk-sar-hier  allgather / sparse allreduce with hierarchical=True (dense
+               reduce-scatter inside a host, sparse across hosts; needs --ranks-per-host > 1 to
+               mean anything); the other topk methods run with hierarchical=False
+
+``--ranks-per-host L`` puts L ranks on each emulated host (P/L hosts; the ranks start with
+``hvd_topk.init()``); wire bytes are then the host link's (eth0 of the host namespace, which
+its L ranks share and all read), i.e. only what crosses between hosts.
 
 One timed step (``--grad-mode realistic``, the default, what a training loop does):
 ``opt.zero_grad(set_to_none=True)``, then, outside the timer, a forward pass
@@ -110,7 +117,8 @@ def zero_grad(opt, params):
         p.grad = None
 
 
-TOPK_METHODS = {"topk": None, "topk-ef": "allgather", "topk-sar": "sparse_allreduce", "topk-auto": "auto"}
+TOPK_METHODS = {"topk": None, "topk-ef": "allgather", "topk-sar": "sparse_allreduce", "topk-auto": "auto",
+                "topk-ef-hier": "allgather", "topk-sar-hier": "sparse_allreduce"}
 AUTO_TRIAL_STEPS = 4 * (3 + 1)  # families x (settling + exchange_trial_steps), the most auto runs
 
 
@@ -159,7 +167,8 @@ def make_optimizer(method, params, topk_method, hvd, hvd_topk, torch, fp16_value
     if name in TOPK_METHODS:
         comp = hvd_topk.TopK(density=float(d), **kw)
         return hvd_topk.DistributedOptimizer(inner, named_parameters=named, compression=comp,
-                                             exchange=TOPK_METHODS[name]), comp
+                                             exchange=TOPK_METHODS[name],
+                                             hierarchical=name.endswith("-hier")), comp
     raise ValueError(f"unknown method {method}")
 
 
@@ -186,7 +195,10 @@ def worker(args):
     import hvd_topk
 
     torch.set_num_threads(args.threads)
-    hvd.init()
+    if getattr(args, "ranks_per_host", 1) > 1:
+        hvd_topk.init()  # the host and cross-host process sets of the hierarchical methods
+    else:
+        hvd.init()
     rank, size = hvd.rank(), hvd.size()
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     shapes = resnet50_shapes()
@@ -315,8 +327,11 @@ def driver(args, argv, worker_args=None, script=None, benchmark="exchange", rend
     print(f"{benchmark} benchmark: ranks {args.ranks}, rates {args.rates}, methods "
           f"{[label(m) for m in method_list(args.methods, args.densities)]}, {args.warmup} warm-up + "
           f"{args.steps} timed steps", flush=True)
+    per_host = getattr(args, "ranks_per_host", 1)
     for P in args.ranks:
-        with eh_mod.EmulatedHosts(P, rate=args.rates[0], sshd=True, ssh_port=args.ssh_port) as eh:
+        if P % per_host:
+            raise SystemExit(f"P={P} is not a multiple of --ranks-per-host {per_host}")
+        with eh_mod.EmulatedHosts(P // per_host, rate=args.rates[0], sshd=True, ssh_port=args.ssh_port) as eh:
             for rate in args.rates:
                 eh.set_rate(rate)
                 out = eh.tmpdir / f"result-{P}-{rate}.json"
@@ -325,7 +340,7 @@ def driver(args, argv, worker_args=None, script=None, benchmark="exchange", rend
                 os.environ["OMP_NUM_THREADS"] = str(args.threads)
                 # Horovod tuning set by the user (e.g. HOROVOD_CYCLE_TIME) reaches every rank
                 cmd = eh.mpirun_command([script, "--worker", *worker_args(args), "--out", out],
-                                        pythonpath=pythonpath, wdir=REPO)
+                                        pythonpath=pythonpath, wdir=REPO, np=P, slots=per_host)
                 print(f"\n== P={P}, rate {rate}: {shlex.join(cmd)}", flush=True)
                 t0 = time.time()
                 rc, output = eh_mod.stream(eh.launcher_cmd(cmd), timeout=args.timeout)
@@ -334,7 +349,7 @@ def driver(args, argv, worker_args=None, script=None, benchmark="exchange", rend
                 res = json.loads(out.read_text())
                 for row in res["rows"]:
                     row["rate"] = rate
-                runs.append({"P": P, "rate": rate, "hosts": res["hosts"], "rows": res["rows"],
+                runs.append({"P": P, "rate": rate, "ranks_per_host": per_host, "hosts": res["hosts"], "rows": res["rows"],
                              "wall_s": time.time() - t0, "mpirun": shlex.join(cmd),
                              **{k: v for k, v in res.items() if k not in ("rows", "hosts")}})
                 save(partial=True)  # keep what is done if a later configuration fails
@@ -371,6 +386,8 @@ def exchange_worker_args(args):
         out += ["--topk-method", args.topk_method]
     if args.fp16_values:
         out += ["--fp16-values"]
+    if args.ranks_per_host > 1:
+        out += ["--ranks-per-host", str(args.ranks_per_host)]
     return out
 
 
@@ -400,7 +417,9 @@ def markdown(report):
     for run in report["runs"]:
         rows = run["rows"]
         ref = {r["method"]: r["median_ms"] for r in rows}
-        lines += [f"## P={run['P']}, {run['rate']} per host ({run['wall_s']:.0f} s wall)", "",
+        per_host = run.get("ranks_per_host", 1)
+        shape = f" ({run['P'] // per_host} hosts x {per_host} ranks; wire = the host's link)" if per_host > 1 else ""
+        lines += [f"## P={run['P']}{shape}, {run['rate']} per host ({run['wall_s']:.0f} s wall)", "",
                   "| method | median ms | min-max ms | vs dense | vs fp16 | wire tx MB/step/rank | wire rx MB/step/rank | payload MB/step/rank | ranks agree |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in rows:
@@ -427,6 +446,8 @@ def common_arguments(ap, densities, pool, output_name):
     ap.add_argument("--densities", type=float, nargs="+", default=densities)
     ap.add_argument("--topk-method", default=None, help="TopK(method=...); default: TopK's default")
     ap.add_argument("--fp16-values", action="store_true", help="TopK(fp16_values=True) for the topk methods")
+    ap.add_argument("--ranks-per-host", type=int, default=1,
+                    help="ranks per emulated host (P/L hosts); wire bytes are then per host link")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per method")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--pool", type=int, default=pool, help="pre-generated inputs cycled through")

@@ -26,7 +26,15 @@ depend on P):
   emulated hosts by benchmarks/exchange.py) t_cpu per element is instead calibrated per
   strategy from the measurement at P=2 and the fastest link there: the measured step minus the
   backward-only step minus the modelled wire time, divided by n.
-- auto (``exchange="auto"``) = the fastest of the four predictions (its trial measures them).
+- auto (``exchange="auto"``) = the fastest of the four predictions (its trial measures them;
+  with hosts of several ranks, also of the two hierarchical ones).
+- ``--ranks-per-host L`` (default 1: every rank its own host): P = N hosts x L ranks. A ring's
+  slowest edge is then a host's network link (B = the link rate, shared by the host's L ranks);
+  inside one host (P <= L) every collective runs at ``--host-gbps`` (NVLink class). The
+  hierarchical exchange (``hierarchical=True``, ``hvd_topk.hierarchy``) per bucket: a dense
+  reduce-scatter inside the host, (L-1)/L n 4 B at host speed; L concurrent sparse exchanges of
+  one shard each (n/L elements, k/L pairs) among the N hosts, all through the host's link; an
+  allgather of the compressed results inside the host; selection over n/L per rank.
 - the byte counts are hvd_topk's own cost functions (``hvd_topk.exchange``: ``DenseAllreduce``,
   ``AllgatherPairs`` and ``SparseAllreduce``.wire_bytes), and a forced sparse strategy goes dense
   (fp32 allreduce) exactly where ``hvd_topk.exchange.cheapest`` makes hvd_topk.DistributedOptimizer
@@ -90,6 +98,12 @@ class Costs:
     value_bytes: int = 4
     index_bytes: int = 4
     local_s_per_elem: dict = None   # {strategy name: all local work per element}, measured
+    ranks_per_host: int = 1         # L: P = N hosts x L ranks
+    host_gbps: float = 1000.0       # bandwidth between the ranks of one host (NVLink class)
+
+    def link_gbps(self, P, gbps):
+        """The bandwidth of a ring's slowest edge: the host's network link, or inside one host."""
+        return self.host_gbps if 1 < self.ranks_per_host and P <= self.ranks_per_host else gbps
 
     def selection_cost(self, density):
         c = self.selection_s_per_elem
@@ -107,7 +121,7 @@ def dense_allreduce_s(P, n, elem_bytes, gbps, costs):
         return 0.0
     m = messages(n, elem_bytes, costs.fusion_bytes)
     wire = DenseAllreduce.wire_bytes(P, n, 0, costs.value_bytes, costs.index_bytes, elem_bytes)
-    return wire / (gbps * GBIT) + 2 * (P - 1) * costs.alpha_s * m
+    return wire / (costs.link_gbps(P, gbps) * GBIT) + 2 * (P - 1) * costs.alpha_s * m
 
 
 def sparse_bytes_in(P, n, density, costs, strategy=AllgatherPairs):
@@ -124,7 +138,8 @@ def sparse_times(P, n, density, gbps, costs, strategy=AllgatherPairs):
         hops, rows = math.log2(P) + 2 * (P - 1), 1
     else:
         hops, rows = P - 1, P
-    wire = sparse_bytes_in(P, n, density, costs, strategy) / (gbps * GBIT) + hops * costs.alpha_s * m
+    wire = (sparse_bytes_in(P, n, density, costs, strategy) / (costs.link_gbps(P, gbps) * GBIT)
+            + hops * costs.alpha_s * m)
     selection = n * costs.selection_cost(density)
     ef = costs.ef_passes * n * costs.pass_s_per_elem
     decompress = rows * k * costs.scatter_s_per_elem + n * costs.pass_s_per_elem
@@ -143,14 +158,43 @@ def goes_sparse(P, density, costs, n=2**24, strategy=AllgatherPairs):
     return cheapest((DenseAllreduce, strategy), P, n, k, costs.value_bytes, costs.index_bytes, 4).sparse
 
 
+def hierarchical_times(P, n, density, gbps, costs, strategy):
+    """(wire seconds, local seconds) of the hierarchical exchange with L = costs.ranks_per_host."""
+    L = costs.ranks_per_host
+    N = max(1, P // L)
+    k = max(1, round(density * n))
+    m = messages(n, 4, costs.fusion_bytes)
+    host = costs.host_gbps * GBIT
+    reduce_scatter = (L - 1) / L * n * 4 / host + (L - 1) * costs.alpha_s * m
+    across = dataclasses.replace(costs, ranks_per_host=1)  # one rank per host in the cross exchange
+    cross, cross_local = sparse_times(N, n / L, density, gbps, across, strategy) if N > 1 else (0.0, None)
+    cross *= L if N > 1 else 0  # the L shards' exchanges share the host's link
+    pairs = N if strategy is AllgatherPairs else 1
+    gather = (L - 1) * pairs * (k / L) * (costs.value_bytes + costs.index_bytes) / host + (L - 1) * costs.alpha_s * m
+    if cross_local is None:  # one host: the shard is only selected and decoded
+        cross_local = (n / L) * (costs.selection_cost(density) + costs.pass_s_per_elem)
+    local = cross_local + n * costs.pass_s_per_elem  # + the full decode of every shard
+    return reduce_scatter + cross + gather, local
+
+
 def step(method, P, n, compute_s, gbps, costs):
     """One prediction: dict with step_s, efficiency, and the parts. ``method``: "dense fp32",
     "dense fp16", or "<allgather|sparse_allreduce|auto> <density>" ("1%", "0.1%")."""
     if method.startswith("auto "):
         density = method.split()[1]
-        options = [step(m, P, n, compute_s, gbps, costs)
-                   for m in ("dense fp32", "dense fp16", f"allgather {density}", f"sparse_allreduce {density}")]
+        names = ["dense fp32", "dense fp16", f"allgather {density}", f"sparse_allreduce {density}"]
+        if costs.ranks_per_host > 1 and P > costs.ranks_per_host:
+            names += [f"hier allgather {density}", f"hier sparse_allreduce {density}"]
+        options = [step(m, P, n, compute_s, gbps, costs) for m in names]
         return dict(min(options, key=lambda r: r["step_s"]))
+    if method.startswith("hier "):
+        _, name, density = method.split()
+        wire, local = hierarchical_times(P, n, DENSITY[density], gbps, costs, SPARSE[name])
+        if P <= 1:
+            wire, local = 0.0, 0.0
+        step_s = compute_s + local + max(0.0, wire - costs.overlap * compute_s)
+        return {"step_s": step_s, "efficiency": compute_s / step_s, "wire_s": wire, "local_s": local,
+                "mode": f"hier {name}"}
     wire, local, mode = 0.0, 0.0, "dense fp32"
     if method == "dense fp32":
         wire = dense_allreduce_s(P, n, 4, gbps, costs)
@@ -273,6 +317,10 @@ def parse_args(argv=None):
       help=f"override: one streaming pass per element, ns (default: from the JSON, else {DEFAULT_PASS_NS})")
     a("--scatter-ns", type=float, default=2.0, help="one scattered add during decompression, ns (2)")
     a("--ef-passes", type=float, default=1.0, help="streaming passes for error feedback (1)")
+    a("--ranks-per-host", type=int, default=1,
+      help="ranks (GPUs) per host; P = hosts x this (1: every rank its own host)")
+    a("--host-gbps", type=float, default=1000.0,
+      help="bandwidth between the ranks of one host, Gbit/s (1000: NVLink class)")
     a("--overlap", type=float, default=0.0,
       help="fraction of compute that wire time can hide behind (0: no overlap; 1: all of it)")
     a("--exchange-json", type=Path, default=RESULTS / "exchange-strategies.json",
@@ -286,19 +334,27 @@ def parse_args(argv=None):
     return args
 
 
+def methods_for(costs):
+    """The table's columns: with hosts of several ranks, the hierarchical exchanges too."""
+    if costs.ranks_per_host > 1:
+        return METHODS[:4] + ("hier allgather 1%", "hier sparse_allreduce 1%") + METHODS[4:]
+    return METHODS
+
+
 def simulate(models, gbps_list, Ps, costs):
     rows = []
     for model, (n, compute_s) in models.items():
         for gbps in gbps_list:
             for P in Ps:
                 row = {"model": model, "params": n, "compute_s": compute_s, "gbps": gbps, "P": P}
-                for method in METHODS:
+                for method in methods_for(costs):
                     row[method] = step(method, P, n, compute_s, gbps, costs)
                 rows.append(row)
     return rows
 
 
-SHORT = {"dense fp32": "fp32", "dense fp16": "fp16", "allgather": "ag", "sparse_allreduce": "sar"}
+SHORT = {"dense fp32": "fp32", "dense fp16": "fp16", "allgather": "ag", "sparse_allreduce": "sar",
+         "hier allgather": "h-ag", "hier sparse_allreduce": "h-sar"}
 
 
 def fmt_cell(r, method):
@@ -331,13 +387,14 @@ def markdown(meta, rows):
         "neither). auto cells name what the trial would pick (fp32, fp16, ag = allgather, "
         "sar = sparse allreduce).",
     ]
+    methods = meta["methods"]
     for model in meta["models"]:
         mrows = [r for r in rows if r["model"] == model]
         n, comp = meta["models"][model]
         lines += ["", f"## {model}: {n / 1e6:.1f}M parameters, compute {1000 * comp:.0f} ms per step", "",
-                  "| Gbit/s | P | " + " | ".join(METHODS) + " |", "|---|---|" + "---|" * len(METHODS)]
+                  "| Gbit/s | P | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
         for r in mrows:
-            lines.append(f"| {r['gbps']:g} | {r['P']} | " + " | ".join(fmt_cell(r, m) for m in METHODS) + " |")
+            lines.append(f"| {r['gbps']:g} | {r['P']} | " + " | ".join(fmt_cell(r, m) for m in methods) + " |")
     lines.append("")
     return "\n".join(lines)
 
@@ -353,10 +410,10 @@ def summary_lines(meta, rows):
                 if r:
                     parts.append(f"P={P}: " + ", ".join(
                         f"{m.replace('dense ', '')} {100 * r[m]['efficiency']:.0f}%"
-                        + (f"({SHORT[r[m]['mode']]})" if m.startswith("auto") else "") for m in METHODS))
+                        + (f"({SHORT[r[m]['mode']]})" if m.startswith("auto") else "") for m in meta["methods"]))
             out.append(f"{model} @ {gbps:g} Gbit/s  " + " | ".join(parts))
     for model in meta["models"]:
-        for m in METHODS[2:]:
+        for m in meta["methods"][2:]:
             slow = []
             for gbps in meta["gbps"]:
                 mine = [r for r in rows if r["model"] == model and r["gbps"] == gbps and r["P"] > 1]
@@ -380,14 +437,15 @@ def plot(meta, rows, path):
     colors = dict(zip(meta["gbps"], ["tab:red", "tab:orange", "tab:green", "tab:blue", "tab:purple",
                                      "tab:brown"]))
     styles = {"dense fp32": ("-", "o"), "dense fp16": ("--", "s"), "allgather 1%": (":", "^"),
-              "sparse_allreduce 1%": ("-.", "v"), "auto 1%": ((0, (1, 1)), "*"), "auto 0.1%": ((0, (3, 1, 1, 1)), "x")}
+              "sparse_allreduce 1%": ("-.", "v"), "auto 1%": ((0, (1, 1)), "*"), "auto 0.1%": ((0, (3, 1, 1, 1)), "x"),
+              "hier allgather 1%": ((0, (5, 2)), "<"), "hier sparse_allreduce 1%": ((0, (2, 2)), ">")}
     models = list(meta["models"])
     fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 5.6), squeeze=False)
     for ax, model in zip(axes[0], models):
         for gbps in meta["gbps"]:
             sel = [r for r in rows if r["model"] == model and r["gbps"] == gbps]
             Ps = [r["P"] for r in sel]
-            for m in METHODS:
+            for m in meta["methods"]:
                 ls, mk = styles[m]
                 ax.plot(Ps, [100 * r[m]["efficiency"] for r in sel], ls=ls, marker=mk, ms=3.5,
                         color=colors.get(gbps), lw=1.3)
@@ -402,7 +460,7 @@ def plot(meta, rows, path):
         ax.text(0.5, 0.45, "MODEL, not a measurement", transform=ax.transAxes, fontsize=26, color="gray",
                 alpha=0.18, weight="bold", ha="center", va="center", rotation=15, zorder=0)
     handles = [Line2D([], [], color=colors[g], lw=2, label=f"{g:g} Gbit/s") for g in meta["gbps"]]
-    handles += [Line2D([], [], color="black", ls=styles[m][0], marker=styles[m][1], label=m) for m in METHODS]
+    handles += [Line2D([], [], color="black", ls=styles[m][0], marker=styles[m][1], label=m) for m in meta["methods"]]
     fig.legend(handles=handles, fontsize=9, loc="lower center", ncol=len(handles), frameon=False)
     ov = "no overlap" if meta["overlap"] == 0 else f"overlap {meta['overlap']:g} of compute"
     fig.suptitle(f"MODEL, NOT A MEASUREMENT. Predicted scaling efficiency (cost model, {ov}; forced strategies go "
@@ -433,7 +491,7 @@ def main(argv=None):
     note = "; ".join(notes)
     costs = Costs(alpha_s=args.alpha_us * 1e-6, fusion_bytes=args.fusion_mb * 2**20, selection_s_per_elem=sel,
                   pass_s_per_elem=pas, scatter_s_per_elem=args.scatter_ns * 1e-9, ef_passes=args.ef_passes,
-                  overlap=args.overlap)
+                  overlap=args.overlap, ranks_per_host=args.ranks_per_host, host_gbps=args.host_gbps)
     local, local_note = calibrate_local(args.exchange_json, RESNET50_MEASURED, costs)
     if local:
         costs = dataclasses.replace(costs, local_s_per_elem=local)
@@ -459,9 +517,14 @@ def main(argv=None):
         "machine": f"{cpu}, {os.cpu_count()} cores (only the calibration's selection numbers come from a machine)",
         "command": shlex.join(["python", "benchmarks/scaling.py", *(sys.argv[1:] if argv is None else argv)]),
         "models": models, "gbps": args.gbps, "P": Ps, "overlap": args.overlap,
+        "methods": list(methods_for(costs)), "ranks_per_host": args.ranks_per_host, "host_gbps": args.host_gbps,
         "selection_ns": {str(d): c * 1e9 for d, c in sel.items()}, "pass_ns": pas * 1e9, "calibration": note,
         "costs": vars(costs),
-        "assumptions": (f"ring allreduce 2(P-1)/P·n·b/B + 2(P-1)·α per message, ring allgather (P-1)·k·8/B + "
+        "assumptions": ((f"{args.ranks_per_host} ranks per host: a ring's slowest edge is the host's link (B), "
+                         f"inside one host {args.host_gbps:g} Gbit/s; hierarchical = reduce-scatter inside the host, "
+                         f"the L shard exchanges across hosts sharing the host's link, compressed allgather inside; "
+                         if args.ranks_per_host > 1 else "one rank per host; ") +
+                        f"ring allreduce 2(P-1)/P·n·b/B + 2(P-1)·α per message, ring allgather (P-1)·k·8/B + "
                         f"(P-1)·α per message; α = {args.alpha_us:g} µs, fusion/bucket {args.fusion_mb:g} MiB; "
                         f"compute per step fixed (weak scaling, batch per worker fixed): ResNet-50 "
                         f"{1000 * args.resnet_compute_s:.0f} ms, BERT-base {1000 * args.bert_compute_s:.0f} ms "

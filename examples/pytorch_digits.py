@@ -36,6 +36,9 @@ def parse_args(argv=None):
     p.add_argument("--exchange", choices=hvd_topk.exchange.CHOICES, default="auto",
                    help="topk-ef: how buckets travel (default auto: a measured trial picks the "
                         "fastest of dense, dense_fp16, allgather and sparse_allreduce)")
+    p.add_argument("--hierarchical", action="store_true",
+                   help="topk-ef: dense inside each host, sparse across hosts (starts Horovod with "
+                        "hvd_topk.init(), which adds the host process sets)")
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--lr", type=float, default=0.05, help="per rank; scaled by the number of ranks")
@@ -52,6 +55,8 @@ def parse_args(argv=None):
         p.error("--no-error-feedback only applies to --optimizer topk-ef (the drop-in TopK has none)")
     if args.selection_scope != "tensor" and args.optimizer != "topk-ef":
         p.error("--selection-scope only applies to --optimizer topk-ef (the drop-in TopK sees one tensor at a time)")
+    if args.hierarchical and args.optimizer != "topk-ef":
+        p.error("--hierarchical only applies to --optimizer topk-ef")
     if args.exchange != "auto" and args.optimizer != "topk-ef":
         p.error("--exchange only applies to --optimizer topk-ef (the drop-in TopK is an allgather)")
     if args.compression == "topk":
@@ -103,7 +108,8 @@ def make_optimizer(args, model, compression):
                                              compression=compression,
                                              error_feedback=not args.no_error_feedback,
                                              selection_scope=args.selection_scope,
-                                             exchange=args.exchange)
+                                             exchange=args.exchange,
+                                             hierarchical=True if args.hierarchical else "auto")
     return hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                     compression=compression)
 
@@ -131,7 +137,10 @@ def bytes_per_step(model, args, compression, opt):
 
 def main(argv=None):
     args = parse_args(argv)
-    hvd.init()
+    if args.hierarchical:
+        hvd_topk.init()  # hvd.init() plus the host and cross-host process sets
+    else:
+        hvd.init()
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     rank, size = hvd.rank(), hvd.size()

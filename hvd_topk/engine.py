@@ -487,9 +487,7 @@ class TopKEngine:
         else:
             residual.copy_(shard)
         message = bucket.message(plan.layout.nbytes)
-        out = bucket.scratch("shard_result", hi - lo, bucket.dtype)
         div = float(self.world) if self.op == hvd.Average else 1.0
-        whole = torch.tensor([0, hi - lo], dtype=torch.int64)
         t1 = time.perf_counter()
         if strategy is exchange.SparseAllreduce:
             leader = strategy.leader(self.step, bucket.index, topo.cross_size)
@@ -505,14 +503,23 @@ class TopKEngine:
             k = plan.layout.count
             values[:k].add_(values[k:] * 0)
             plan.layout.views(message)[0].copy_(values[:k])
-            self.codec.decode(message, plan.layout, 1, [out], whole, div=div)
+            result, rows = message, 1  # the leader's positions with the summed values
         else:
             encoded = self.codec.encode(residual, plan, message, zero_sent=ef)
             self._wipe_shard(residual, plan, encoded.nonfinite, ef)
-            gathered = hvd.allgather(message, name=name + ".cross", process_set=topo.cross)
-            self.codec.decode(gathered, plan.layout, topo.cross_size, [out], whole, div=div)
+            result = hvd.allgather(message, name=name + ".cross", process_set=topo.cross)
+            rows = topo.cross_size
         selection = time.perf_counter() - t1
-        full = hierarchy.gather_shards(out, topo.local, name + ".gather")
+        # Inside the host the shards' results travel still compressed, and every rank decodes all.
+        every = hvd.allgather(result, name=name + ".gather", process_set=topo.local)
+        full = bucket.scratch("hierarchical_result", bucket.numel, bucket.dtype)
+        edges, offset = hierarchy.shard_bounds(bucket.numel, topo.local_size), 0
+        for a, b in zip(edges, edges[1:]):
+            part = bucket.plan(self.codec, plan.density, self.options.selection_scope, shard=(a, b))
+            size = rows * part.layout.nbytes
+            self.codec.decode(every[offset:offset + size], part.layout, rows, [full[a:b]],
+                              torch.tensor([0, b - a], dtype=torch.int64), div=div)
+            offset += size
         for m in bucket.members:
             summed = bucket.view(full, m)
             if m.param.grad is None:

@@ -10,7 +10,8 @@ and N hosts, per sparse bucket and step (``hierarchical=True``):
    was sent. **The residual is per rank and covers only its shard of the host's sum**;
 3. the sparse exchange (allgather or sparse allreduce) of shard l among the N ranks with local
    rank l, one per host, each carrying 1/L of the bucket;
-4. an allgather inside the host of the L averaged shards, so every rank holds the whole result.
+4. an allgather inside the host of the L shards' exchanged pairs (still compressed), which
+   every rank decodes, so every rank holds the whole averaged result.
 
 Horovod needs the host and cross-host groups as process sets, registered on every rank in the
 same order: ``hvd_topk.init()`` (instead of ``hvd.init()``, same arguments) does that, with
@@ -21,8 +22,6 @@ which rank is on which host (the launcher's view: one ``orted``/``horovodrun`` h
 import os
 import warnings
 from typing import NamedTuple
-
-import torch
 
 from hvd_topk._horovod import hvd
 
@@ -132,11 +131,3 @@ def reduce_scatter(tensor, process_set, name):
     """Start the host's sum of ``tensor`` split into its shards (Horovod's reducescatter)."""
     return hvd.reducescatter_async(tensor, name=name, op=hvd.Sum, process_set=process_set)
 
-
-def gather_shards(shard, process_set, name):
-    """Every local rank's shard, concatenated in local-rank order (one flat tensor)."""
-    return hvd.allgather(shard.view(-1), name=name, process_set=process_set)
-
-
-def empty_like_shard(n, dtype, device):
-    return torch.zeros(n, dtype=dtype, device=device)

@@ -160,3 +160,22 @@ def test_local_work_calibrated_from_a_measurement(tmp_path):
     _, got = sim.sparse_times(8, N, 0.01, 10, measured, SparseAllreduce)
     _, modelled = sim.sparse_times(8, N, 0.01, 10, sim.Costs(alpha_s=0.0), SparseAllreduce)
     assert got == pytest.approx(max(modelled, N * local["sparse_allreduce"]))
+
+
+def test_hierarchical_by_hand():
+    """2 hosts x 4 ranks, 1%, no latency, host link 10 Gbit, inside the host 1000 Gbit."""
+    from hvd_topk.exchange import AllgatherPairs
+    c = no_latency(selection_s_per_elem=0.0, pass_s_per_elem=0.0, scatter_s_per_elem=0.0,
+                   ranks_per_host=4, host_gbps=1000.0)
+    k = 256_000
+    wire, local = sim.hierarchical_times(8, N, 0.01, 10, c, AllgatherPairs)
+    reduce_scatter = 3 / 4 * N * 4 / 125e9
+    cross = 4 * (2 - 1) * (k / 4) * 8 / 1.25e9   # 4 shards' allgathers through one host link
+    gather = 3 * 2 * (k / 4) * 8 / 125e9            # 2 hosts' pairs per shard, to 3 other local ranks
+    assert wire == pytest.approx(reduce_scatter + cross + gather)
+    assert local == 0.0
+    # flat, the same 8 ranks: the ring's host-crossing edge carries (P-1) k 8 at 10 Gbit
+    flat_wire, _ = sim.sparse_times(8, N, 0.01, 10, c, AllgatherPairs)
+    assert flat_wire == pytest.approx(7 * k * 8 / 1.25e9)
+    # inside one host everything runs at the host's speed
+    assert sim.dense_allreduce_s(4, N, 4, 10, c) == pytest.approx(2 * 3 / 4 * N * 4 / 125e9)
