@@ -5,7 +5,8 @@ time selecting and decoding that a fast network would not, and a dense fp16 allr
 time casting. So, per job:
 
 1. **Proposal** (``propose``): for each strategy family (dense fp32, dense fp16, allgather,
-   sparse allreduce) the engine works out what each bucket would use (a sparse family still
+   sparse allreduce, and with ``hvd_topk.init()``'s host sets the two sparse ones run
+   hierarchically: ``hier_allgather``, ``hier_sparse_allreduce``) the engine works out what each bucket would use (a sparse family still
    sends a bucket dense where that moves fewer bytes, as ``dense_fallback`` does) and the
    bytes per step (``hvd_topk.exchange`` cost functions). Families that would do the same as
    another, and sparse families moving at least as many bytes as dense fp16, are dropped:
@@ -29,6 +30,19 @@ import torch
 from hvd_topk._horovod import hvd
 
 FAMILIES = ("dense", "dense_fp16", "allgather", "sparse_allreduce")
+HIER = "hier_"  # prefix of the hierarchical families (hvd_topk.hierarchy)
+SPARSE = ("allgather", "sparse_allreduce")
+
+
+def families(hierarchical_available, hierarchical_only):
+    """The families a job may use: the four, plus the sparse ones run hierarchically where the
+    host sets exist; only those (and dense) with ``hierarchical=True``."""
+    if not hierarchical_available:
+        return FAMILIES
+    hier = tuple(HIER + f for f in SPARSE)
+    if hierarchical_only:
+        return ("dense", "dense_fp16") + hier
+    return FAMILIES + hier
 
 
 class Trial:
@@ -92,7 +106,7 @@ class Trial:
 
 
 def propose(assignments, byte_counts):
-    """The families worth a trial, in ``FAMILIES`` order.
+    """The families worth a trial, in the order of ``assignments``.
 
     ``assignments``: family -> tuple of the strategy names its buckets would use;
     ``byte_counts``: family -> modelled bytes into one rank per step. A family that assigns
@@ -100,10 +114,10 @@ def propose(assignments, byte_counts):
     many bytes as dense fp16 (more bytes and a selection on top cannot be faster).
     """
     chosen, seen = [], set()
-    for family in FAMILIES:
-        if family not in assignments or assignments[family] in seen:
+    for family in assignments:
+        if assignments[family] in seen:
             continue
-        if family in ("allgather", "sparse_allreduce") and "dense_fp16" in byte_counts \
+        if family.removeprefix(HIER) in SPARSE and "dense_fp16" in byte_counts \
                 and byte_counts[family] >= byte_counts["dense_fp16"]:
             continue
         seen.add(assignments[family])

@@ -52,6 +52,7 @@ class Bucket:
         self.acc = None        # flat buffer: residual (error feedback) or staging copy
         self.momentum = None   # flat buffer: DGC's u, only with momentum correction
         self.shard = None      # hierarchical: this rank's residual on its shard of the host sum
+        self.mode = None       # "flat" or "hier": how the residual was kept at the last step
         self.folded = set()    # members folded in this step (by position)
         self.current = None    # this step's plan (the engine's StepPlan), from the first fold
         self.pending = None    # the exchange in flight, between launch and finish

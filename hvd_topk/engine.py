@@ -131,6 +131,7 @@ class StepPlan:
     leader: int = None    # the sparse allreduce's leader (index in the process set)
     nonfinite: list = dataclasses.field(default_factory=list)  # segments that held inf/nan
     unchecked: bool = False  # a fold that did not check for inf/nan (sparse allreduce, non-leader)
+    carry: bool = False      # hierarchical: the full buffer still holds a flat residual
     repasses: int = 0
     filled: int = 0
     seconds: float = 0.0  # selection time spent in hooks
@@ -176,8 +177,12 @@ class TopKEngine:
         if self.member and not elastic_mode():
             self._check_ranks_agree(compression)
         self.buckets = plan_buckets(params, names, options.min_numel, options.fusion_bytes, groups)
-        self.topology = hierarchy.resolve(options.hierarchical, process_set, elastic_mode()) if self.member else None
-        if self.topology is not None and options.momentum_correction:
+        # the host / cross-host process sets when the hierarchical exchange may be used, and the
+        # families (exchange strategies, "hier_" ones hierarchical) this job may use
+        self.hier = hierarchy.resolve(options.hierarchical, process_set, elastic_mode()) if self.member else None
+        self.families = auto.families(self.hier is not None, options.hierarchical is True)
+        self.topology = None  # self.hier while this step's family is hierarchical
+        if self.hier is not None and options.momentum_correction:
             raise ValueError("momentum_correction is not supported with the hierarchical exchange; pass "
                              "hierarchical=False, or momentum_correction=0.0 with the inner optimizer's momentum")
         self.place = {m.param: (b, i) for b in self.buckets for i, m in enumerate(b.members)}
@@ -242,6 +247,7 @@ class TopKEngine:
         self._follow_world()
         self._follow_loss_scale()
         self.family = self._family()
+        self.topology = self.hier if self.family.startswith(auto.HIER) else None
         if self.world > 1:
             self._start_join_probe()
         self.step_begun = True
@@ -253,12 +259,12 @@ class TopKEngine:
         every rank makes the same choice without talking."""
         mode = self.options.exchange
         if mode != "auto":
-            return mode
+            return auto.HIER + mode if auto.HIER + mode in self.families else mode
         if self.world <= 1:
             return "dense"
         density = self.schedule.density(self.step)
         if density != self.density:  # density warm-up: no trial yet; the fewest bytes
-            return min(auto.FAMILIES, key=lambda f: self._modelled_bytes(f, density))
+            return min(self.families, key=lambda f: self._modelled_bytes(f, density))
         recheck = self.options.exchange_recheck_steps
         if (self.trial is None or self.trial_world != self.world
                 or (recheck and self.trial.decided_at is not None
@@ -267,8 +273,12 @@ class TopKEngine:
         return self.trial.family()
 
     def _start_trial(self, density):
-        assignments = {f: tuple(s.name for s in self._assign(f, density)) for f in auto.FAMILIES}
-        byte_counts = {f: self._modelled_bytes(f, density) for f in auto.FAMILIES}
+        assignments = {}
+        for f in self.families:
+            strategies = self._assign(f, density)
+            hierarchical = f.startswith(auto.HIER) and any(s.sparse for s in strategies)
+            assignments[f] = (hierarchical, tuple(s.name for s in strategies))
+        byte_counts = {f: self._modelled_bytes(f, density) for f in self.families}
         candidates = auto.propose(assignments, byte_counts)
         self.trial = auto.Trial(candidates, self.options.exchange_trial_steps, self.process_set,
                                 f"{self.prefix}.exchange_trial")
@@ -281,11 +291,11 @@ class TopKEngine:
         allreduce where that moves fewer bytes (``dense_fallback``)."""
         if not bucket.sparse:
             return exchange.DenseAllreduce
-        chosen = exchange.BY_NAME[family]
+        chosen = exchange.BY_NAME[family.removeprefix(auto.HIER)]
         if not chosen.sparse or not self.options.dense_fallback:
             return chosen
-        if self.topology is not None:  # the sparse part runs across hosts, on one shard
-            sparse = chosen.wire_bytes(self.topology.cross_size, plan.numel, plan.count,
+        if family.startswith(auto.HIER):  # the sparse part runs across hosts, on one shard
+            sparse = chosen.wire_bytes(self.hier.cross_size, plan.numel, plan.count,
                                        plan.layout.value_itemsize, plan.layout.index_itemsize,
                                        bucket.element_size)
             dense = exchange.DenseAllreduce.wire_bytes(self.world, bucket.numel, 0, 0, 0, bucket.element_size)
@@ -296,28 +306,27 @@ class TopKEngine:
 
     def _assign(self, family, density):
         """The strategy of every sparse bucket under ``family`` at ``density``."""
-        return [self._strategy(family, b, self._plan(b, density)) for b in self.buckets if b.sparse]
+        return [self._strategy(family, b, self._plan(b, density, family)) for b in self.buckets if b.sparse]
 
-    def _plan(self, bucket, density):
+    def _plan(self, bucket, density, family):
         """The codec plan of a sparse bucket: over the bucket, or over this rank's shard of it
-        (hierarchical)."""
+        (a hierarchical family)."""
         scope = self.options.selection_scope
-        if self.topology is None:
+        if not family.startswith(auto.HIER):
             return bucket.plan(self.codec, density, scope)
-        lo, hi = self._shard(bucket)
-        return bucket.plan(self.codec, density, scope, shard=(lo, hi))
+        return bucket.plan(self.codec, density, scope, shard=self._shard(bucket))
 
     def _shard(self, bucket):
-        edges = hierarchy.shard_bounds(bucket.numel, self.topology.local_size)
-        return edges[self.topology.local_rank], edges[self.topology.local_rank + 1]
+        edges = hierarchy.shard_bounds(bucket.numel, self.hier.local_size)
+        return edges[self.hier.local_rank], edges[self.hier.local_rank + 1]
 
     def _modelled_bytes(self, family, density):
         """Bytes into one rank per step for the sparse buckets under ``family`` (the cost model)."""
         total = 0.0
         for b, strategy in zip([b for b in self.buckets if b.sparse], self._assign(family, density)):
-            plan = self._plan(b, density)
-            if self.topology is not None and strategy.sparse:
-                total += strategy.wire_bytes(self.topology.cross_size, plan.numel, plan.count,
+            plan = self._plan(b, density, family)
+            if family.startswith(auto.HIER) and strategy.sparse:
+                total += strategy.wire_bytes(self.hier.cross_size, plan.numel, plan.count,
                                              plan.layout.value_itemsize, plan.layout.index_itemsize,
                                              b.element_size)
             else:
@@ -355,7 +364,9 @@ class TopKEngine:
         current = bucket.current or self._begin_bucket(bucket)
         ef, momentum = bucket.sparse and self.options.error_feedback, self.options.momentum_correction
         if self.topology is not None and current.strategy.sparse:
-            ef = False  # the buffer stages this step's gradients; the residual is the shard's
+            # the buffer stages this step's gradients (the residual is the shard's), but on the
+            # first hierarchical step after flat ones it still holds the flat residual: add to it
+            ef = ef and current.carry
         # Error feedback on the native kernel: the fold (acc += grad) is the selection's own pass.
         fused = (current.per_segment and ef and not momentum and grad is not None
                  and grad.dtype == bucket.dtype and grad.is_contiguous())
@@ -390,8 +401,9 @@ class TopKEngine:
         gradient arrives, in the fold's own pass; otherwise the whole buffer is selected once
         the bucket is complete."""
         density = self.schedule.density(self.step)
-        plan = self._plan(bucket, density) if bucket.sparse else None
-        strategy = self._strategy(self.family or self._family(), bucket, plan)
+        family = self.family or self._family()
+        plan = self._plan(bucket, density, family) if bucket.sparse else None
+        strategy = self._strategy(family, bucket, plan)
         leader = None
         if strategy is exchange.SparseAllreduce and self.topology is None:
             leader = strategy.leader(self.step, bucket.index, self.world)
@@ -400,7 +412,25 @@ class TopKEngine:
                        and self.topology is None)
         message = bucket.message(plan.layout.nbytes) if strategy.sparse else None
         bucket.current = StepPlan(plan, strategy, message, per_segment, selects, leader)
+        if bucket.sparse and self.options.error_feedback:
+            self._hand_over_residual(bucket, "hier" if self.topology is not None and strategy.sparse else "flat")
         return bucket.current
+
+    def _hand_over_residual(self, bucket, mode):
+        """Between flat and hierarchical steps (exchange="auto"'s trial) the residual moves
+        between the full buffer and the shard, so nothing unsent is lost: flat -> hierarchical,
+        this step's gradients are added to the flat residual, which the host's reduce-scatter
+        then carries into the shards; hierarchical -> flat, this rank's shard residual goes back
+        into its part of the (staging, so zeroed) full buffer."""
+        before, bucket.mode = bucket.mode, mode
+        if mode == "hier":
+            bucket.current.carry = before == "flat" and bucket.acc is not None
+        elif before == "hier":
+            bucket.buffer().zero_()
+            if bucket.shard is not None:
+                lo, hi = self._shard(bucket)
+                bucket.acc[lo:hi].add_(bucket.shard)
+                bucket.shard.zero_()
 
     def _launch(self, bucket):
         self._progress()
@@ -798,11 +828,14 @@ class TopKEngine:
         """This rank's residuals and momentum buffers (per parameter name), the step counter,
         and the rank/world size they belong to."""
         residuals, momenta = {}, {}
-        if self.topology is not None:  # per bucket: this rank's shard (hvd_topk.hierarchy)
-            shards = {str(b.index): b.shard.clone() for b in self._residual_buckets() if b.shard is not None}
+        if self.hier is not None:  # per bucket: this rank's shard, or its full buffer after flat steps
+            shards = {str(b.index): b.shard.clone() for b in self._residual_buckets()
+                      if b.mode == "hier" and b.shard is not None}
+            flat = {str(b.index): b.acc.clone() for b in self._residual_buckets()
+                    if b.mode == "flat" and b.acc is not None}
             return {"format": STATE_FORMAT, "step": self.step, "rank": self.rank, "size": self.world,
                     "residuals": {}, "momenta": {}, "residual_scale": self.residual_scale,
-                    "shards": shards, "hierarchy": self._hierarchy_key()}
+                    "shards": shards, "flat_buffers": flat, "hierarchy": self._hierarchy_key()}
         for b in self._residual_buckets():
             for m in b.members:
                 if b.acc is not None:
@@ -813,7 +846,7 @@ class TopKEngine:
                 "residuals": residuals, "momenta": momenta, "residual_scale": self.residual_scale}
 
     def _hierarchy_key(self):
-        t = self.topology
+        t = self.hier
         return None if t is None else [t.local_rank, t.local_size, t.cross_rank, t.cross_size,
                                        [b.numel for b in self.buckets]]
 
@@ -835,7 +868,7 @@ class TopKEngine:
             return
         self.residual_scale = state.get("residual_scale")
         same_rank = (state["rank"], state["size"]) == (self.rank, self.world)
-        if self.topology is not None or state.get("hierarchy") is not None:
+        if self.hier is not None or state.get("hierarchy") is not None:
             self._load_shards(state, same_rank)
             return
         if same_rank:
@@ -863,14 +896,19 @@ class TopKEngine:
         (rank, hosts, ranks per host, buckets); anywhere else they start from zero."""
         exact = same_rank and state.get("hierarchy") == self._hierarchy_key()
         shards = state.get("shards", {}) if exact else {}
+        flat = state.get("flat_buffers", {}) if exact else {}
         for b in self._residual_buckets():
-            saved = shards.get(str(b.index))
-            if saved is not None:
-                b.shard_residual(saved.numel()).copy_(saved)
-            elif b.shard is not None:
-                b.shard.zero_()
-            if b.acc is not None:
-                b.acc.zero_()
+            key = str(b.index)
+            for buf in (b.shard, b.acc):
+                if buf is not None:
+                    buf.zero_()
+            b.mode = None
+            if key in shards:
+                b.shard_residual(shards[key].numel()).copy_(shards[key])
+                b.mode = "hier"
+            elif key in flat:
+                b.buffer().copy_(flat[key])
+                b.mode = "flat"
         if not exact and self.options.error_feedback:
             warnings.warn("hvd_topk: this state was saved at another place in the job or with another "
                           f"exchange layout (rank {state['rank']} of {state['size']}, hierarchy "

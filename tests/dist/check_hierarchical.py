@@ -165,6 +165,60 @@ def check_resume():
     assert_same_on_all_ranks(model_c.fc1.weight.detach().numpy(), "hierarchical resume")
 
 
+def check_auto_with_hierarchical_families():
+    """exchange="auto" with the host sets: the trial also runs the hierarchical allgather and
+    sparse allreduce (where there are several hosts), every rank takes the same family each
+    step, and nothing unsent is lost when the residual moves between the full buffer (flat
+    steps) and the shards (hierarchical steps): summed over ranks, residuals = all gradients
+    - P x all results, element by element (up to dense fp16's rounding)."""
+    rank, size = hvd.rank(), hvd.size()
+    torch.manual_seed(0)
+    model = Net()
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                        named_parameters=model.named_parameters(),
+                                        compression=hvd_topk.TopK(density=DENSITY), min_numel=MIN_NUMEL,
+                                        exchange="auto", exchange_trial_steps=1)
+    shadow = copy.deepcopy(model)
+    big = [n for n, p in model.named_parameters() if p.numel() >= MIN_NUMEL][::-1]
+    params = dict(model.named_parameters())
+    balance = np.zeros(sum(params[n].numel() for n in big), np.float64)  # sum g - P x result
+    scale = 0.0
+    seen = []
+    for step in range(14):
+        x, y = batch(step, rank)
+        shadow.load_state_dict(model.state_dict())
+        shadow.zero_grad()
+        F.cross_entropy(shadow(x), y).backward()
+        raw = np.concatenate([dict(shadow.named_parameters())[n].grad.numpy().reshape(-1) for n in big])
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        got = np.concatenate([params[n].grad.numpy().reshape(-1) for n in big])
+        balance += np.sum(gather(raw), axis=0) - size * got.astype(np.float64)
+        scale = max(scale, float(np.abs(raw).max()))
+        family = opt.compression_stats()["exchange_family"]
+        families = [str(f) for f in gather(family)]
+        assert len(set(families)) == 1, f"step {step}: families by rank {families}"
+        seen.append(family)
+        step_and_check_same(opt, model, f"auto, step {step}")
+    stats = opt.compression_stats()
+    if hvd.cross_size() > 1:
+        assert {"hier_allgather", "hier_sparse_allreduce"} & set(stats["exchange_candidates"]), stats
+    assert set(stats["exchange_candidates"]) <= set(seen), (seen, stats["exchange_candidates"])
+    state = opt.state_dict()["hvd_topk"]
+    mine = np.zeros_like(balance)
+    if "flat_buffers" not in state:  # one host: no hierarchical family, residuals per parameter
+        mine += np.concatenate([state["residuals"][n].numpy().reshape(-1) for n in big])
+    for key, buf in state.get("flat_buffers", {}).items():
+        mine += buf.numpy()
+    edges = split(len(balance), hvd.local_size())
+    for key, buf in state.get("shards", {}).items():
+        mine[edges[hvd.local_rank()]:edges[hvd.local_rank() + 1]] += buf.numpy()
+    total = np.sum(gather(mine), axis=0)
+    np.testing.assert_allclose(total, balance, atol=2e-3 * scale * size * 14,
+                               err_msg=f"residuals lost something over {seen}")
+
+
 def check_topology():
     """The job has the shape it was launched with (HVD_TOPK_EXPECT_TOPOLOGY="HOSTSxRANKS"), so
     the checks above ran across that many hosts."""
@@ -183,6 +237,7 @@ CHECKS = [
     ("sparse allreduce across hosts", lambda: check_contract("sparse_allreduce")),
     ("allgather across hosts, bucket scope", lambda: check_contract("allgather", scope="bucket")),
     ("checkpoint resume", check_resume),
+    ("auto with hierarchical families", check_auto_with_hierarchical_families),
 ]
 
 
