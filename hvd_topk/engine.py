@@ -550,12 +550,7 @@ class TopKEngine:
             self.codec.decode(every[offset:offset + size], part.layout, rows, [full[a:b]],
                               torch.tensor([0, b - a], dtype=torch.int64), div=div)
             offset += size
-        for m in bucket.members:
-            summed = bucket.view(full, m)
-            if m.param.grad is None:
-                m.param.grad = summed.clone()
-            else:
-                m.param.grad.copy_(summed)
+        self._write_grads(bucket, full)
         bucket.reset()
         self.stats.add(time_exchange_s=time.perf_counter() - t0 - selection, time_selection_s=selection)
 
@@ -732,18 +727,23 @@ class TopKEngine:
             for grad, flat in copies:
                 grad.copy_(flat.view(grad.shape))
         else:
-            for m in bucket.members:
-                summed = bucket.view(result, m)
-                if m.param.grad is None:
-                    m.param.grad = summed.clone()
-                else:
-                    m.param.grad.copy_(summed)
+            self._write_grads(bucket, result)
             if bucket.sparse and self.options.error_feedback:
                 bucket.acc.zero_()  # everything was sent: the residual starts again from zero
                 if bucket.momentum is not None:
                     bucket.momentum.zero_()
         bucket.reset()
         self.stats.add(time_exchange_s=time.perf_counter() - t0)
+
+    @staticmethod
+    def _write_grads(bucket, flat):
+        """Each member's part of the exchanged ``flat`` result into its ``p.grad``."""
+        for m in bucket.members:
+            summed = bucket.view(flat, m)
+            if m.param.grad is None:
+                m.param.grad = summed.clone()
+            else:
+                m.param.grad.copy_(summed)
 
     def _sparse_allreduce_result(self, bucket, handle, plan):
         """The summed values, written back into the message beside the leader's indices (a

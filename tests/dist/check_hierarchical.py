@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import horovod.torch as hvd
 import hvd_topk
 from check_optimizer import Net, batch
-from harness import assert_same_on_all_ranks, gather, run, step_and_check_same
+from harness import assert_same_on_all_ranks, gather, raw_gradients, raw_then_synchronize, run, step_and_check_same
 from reference import k_of
 
 MIN_NUMEL = 500
@@ -106,13 +106,7 @@ def check_contract(exchange="allgather", scope="tensor", steps=4):
     ref = HierarchicalReference(where, sizes, scope, exchange)
     for step in range(steps):
         x, y = batch(step, rank)
-        shadow.load_state_dict(model.state_dict())
-        shadow.zero_grad()
-        F.cross_entropy(shadow(x), y).backward()
-        raw = {n: p.grad.numpy().copy() for n, p in shadow.named_parameters()}
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.synchronize()
+        raw = raw_then_synchronize(shadow, model, opt, x, y)
         grads = {n: gather(raw[n]) for n in raw}
         want = ref.step(step, [np.concatenate([grads[n][r].reshape(-1) for n in big]) for r in range(size)])
         offset = 0
@@ -186,10 +180,8 @@ def check_auto_with_hierarchical_families():
     seen = []
     for step in range(14):
         x, y = batch(step, rank)
-        shadow.load_state_dict(model.state_dict())
-        shadow.zero_grad()
-        F.cross_entropy(shadow(x), y).backward()
-        raw = np.concatenate([dict(shadow.named_parameters())[n].grad.numpy().reshape(-1) for n in big])
+        every = raw_gradients(shadow, model, x, y)
+        raw = np.concatenate([every[n].reshape(-1) for n in big])
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.synchronize()

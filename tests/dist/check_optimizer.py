@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import horovod.torch as hvd
 import hvd_topk
-from harness import assert_same_on_all_ranks, gather, raises, run, step_and_check_same
+from harness import assert_same_on_all_ranks, gather, raises, raw_then_synchronize, run, step_and_check_same
 from reference import ErrorFeedbackReference, dgc_density, k_of
 
 
@@ -131,13 +131,7 @@ def check_dense_exchange(exchange):
     tol = dict(rtol=1e-6, atol=1e-7) if exchange == "dense" else dict(rtol=2e-3, atol=2e-4)
     for step in range(3):
         x, y = batch(step, hvd.rank())
-        shadow.load_state_dict(model.state_dict())
-        shadow.zero_grad()
-        F.cross_entropy(shadow(x), y).backward()
-        raw = {n: p.grad.numpy().copy() for n, p in shadow.named_parameters()}
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.synchronize()
+        raw = raw_then_synchronize(shadow, model, opt, x, y)
         for name, p in model.named_parameters():
             want = np.sum(gather(raw[name]), axis=0) / size
             np.testing.assert_allclose(p.grad.numpy(), want, err_msg=f"{exchange}: step {step} {name}", **tol)

@@ -13,14 +13,13 @@ import os
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"  # read by hvd.init() in harness.run
 
 import horovod.torch as hvd  # noqa: E402
 import hvd_topk  # noqa: E402
 from check_optimizer import Net, batch, build  # noqa: E402
-from harness import assert_same_on_all_ranks, gather, raw_gradients, run  # noqa: E402
+from harness import assert_same_on_all_ranks, gather, raw_then_synchronize, run  # noqa: E402
 from reference import ErrorFeedbackReference, sparse_allreduce  # noqa: E402
 
 DENSITY = 0.05
@@ -43,10 +42,7 @@ def train_and_check(model, opt, members, expected, steps=3):
     shadow = copy.deepcopy(model)
     for step in range(steps):
         x, y = batch(step, rank)
-        raw = raw_gradients(shadow, model, x, y)
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.synchronize()
+        raw = raw_then_synchronize(shadow, model, opt, x, y)
         for name, p in model.named_parameters():
             every = gather(raw[name])
             want = expected(name, [every[r] for r in members]) if rank in members else raw[name]

@@ -158,3 +158,14 @@ def raw_gradients(shadow, model, x, y):
     shadow.zero_grad()
     F.cross_entropy(shadow(x), y).backward()
     return {n: p.grad.numpy().copy() for n, p in shadow.named_parameters()}
+
+
+def raw_then_synchronize(shadow, model, opt, x, y):
+    """One step's plain gradients (``raw_gradients``), then the same batch through ``model``
+    and ``opt`` up to ``synchronize()``: the raw gradients, for a reference to compare with."""
+    import torch.nn.functional as F
+    raw = raw_gradients(shadow, model, x, y)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.synchronize()
+    return raw
