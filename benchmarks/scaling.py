@@ -33,7 +33,7 @@ depend on P):
   inside one host (P <= L) every collective runs at ``--host-gbps`` (NVLink class). The
   hierarchical exchange (``hierarchical=True``, ``hvd_topk.hierarchy``) per bucket: a dense
   reduce-scatter inside the host, (L-1)/L n 4 B at host speed; L concurrent sparse exchanges of
-  one shard each (n/L elements, k/L pairs) among the N hosts, all through the host's link; an
+  one shard each (n/L elements, k pairs: L x density) among the N hosts, all through the host's link; an
   allgather of the compressed results inside the host; selection over n/L per rank.
 - the byte counts are hvd_topk's own cost functions (``hvd_topk.exchange``: ``DenseAllreduce``,
   ``AllgatherPairs`` and ``SparseAllreduce``.wire_bytes), and a forced sparse strategy goes dense
@@ -106,8 +106,11 @@ class Costs:
         return self.host_gbps if 1 < self.ranks_per_host and P <= self.ranks_per_host else gbps
 
     def selection_cost(self, density):
+        """Per element, at the calibrated density nearest ``density`` (on a log scale)."""
         c = self.selection_s_per_elem
-        return c[density] if isinstance(c, dict) else c
+        if not isinstance(c, dict):
+            return c
+        return c[min(c, key=lambda d: abs(math.log(float(d) / density)))]
 
 
 def messages(n, elem_bytes, fusion_bytes):
@@ -167,12 +170,13 @@ def hierarchical_times(P, n, density, gbps, costs, strategy):
     host = costs.host_gbps * GBIT
     reduce_scatter = (L - 1) / L * n * 4 / host + (L - 1) * costs.alpha_s * m
     across = dataclasses.replace(costs, ranks_per_host=1)  # one rank per host in the cross exchange
-    cross, cross_local = sparse_times(N, n / L, density, gbps, across, strategy) if N > 1 else (0.0, None)
+    shard_density = min(1.0, density * L)  # each rank still sends k = density x n pairs
+    cross, cross_local = sparse_times(N, n / L, shard_density, gbps, across, strategy) if N > 1 else (0.0, None)
     cross *= L if N > 1 else 0  # the L shards' exchanges share the host's link
     pairs = N if strategy is AllgatherPairs else 1
-    gather = (L - 1) * pairs * (k / L) * (costs.value_bytes + costs.index_bytes) / host + (L - 1) * costs.alpha_s * m
+    gather = (L - 1) * pairs * k * (costs.value_bytes + costs.index_bytes) / host + (L - 1) * costs.alpha_s * m
     if cross_local is None:  # one host: the shard is only selected and decoded
-        cross_local = (n / L) * (costs.selection_cost(density) + costs.pass_s_per_elem)
+        cross_local = (n / L) * (costs.selection_cost(shard_density) + costs.pass_s_per_elem)
     local = cross_local + n * costs.pass_s_per_elem  # + the full decode of every shard
     return reduce_scatter + cross + gather, local
 

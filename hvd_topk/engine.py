@@ -310,11 +310,14 @@ class TopKEngine:
 
     def _plan(self, bucket, density, family):
         """The codec plan of a sparse bucket: over the bucket, or over this rank's shard of it
-        (a hierarchical family)."""
+        (a hierarchical family). On its 1/L shard a rank selects at L x density, so that it
+        still sends density x n pairs per step, as it would flat: a host then sends as many
+        pairs as its L ranks would, taken from the host's sum."""
         scope = self.options.selection_scope
         if not family.startswith(auto.HIER):
             return bucket.plan(self.codec, density, scope)
-        return bucket.plan(self.codec, density, scope, shard=self._shard(bucket))
+        return bucket.plan(self.codec, min(1.0, density * self.hier.local_size), scope,
+                           shard=self._shard(bucket))
 
     def _shard(self, bucket):
         edges = hierarchy.shard_bounds(bucket.numel, self.hier.local_size)

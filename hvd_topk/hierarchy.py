@@ -6,8 +6,10 @@ and N hosts, per sparse bucket and step (``hierarchical=True``):
 
 1. a dense reduce-scatter among the L ranks of a host: local rank l then holds shard l of the
    bucket (Horovod's split: the first ``n mod L`` shards one element longer), summed over its host;
-2. error feedback and Top-K on that shard: ``residual += host sum of shard``, select, zero what
-   was sent. **The residual is per rank and covers only its shard of the host's sum**;
+2. error feedback and Top-K on that shard: ``residual += host sum of shard``, select at
+   ``L x density`` (so each rank still sends density x n pairs, as flat, and a host as many as
+   its L ranks would), zero what was sent. **The residual is per rank and covers only its
+   shard of the host's sum**;
 3. the sparse exchange (allgather or sparse allreduce) of shard l among the N ranks with local
    rank l, one per host, each carrying 1/L of the bucket;
 4. an allgather inside the host of the L shards' exchanged pairs (still compressed), which

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from check_results import job_message
+from check_results import failure_message, job_message
 from test_two_hosts import _missing
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,5 +41,9 @@ def test_hierarchical_matches_numpy_across_emulated_hosts(hosts, per_host, monke
             proc = subprocess.run(eh.launcher_cmd(cmd), capture_output=True, text=True, timeout=300)
         except subprocess.TimeoutExpired as exc:
             pytest.fail(f"{hosts}x{per_host}: timed out\n{(exc.stdout or '')[-4000:]}")
-    message = job_message(_names(), proc.stdout, proc.returncode, None, (proc.stdout + proc.stderr)[-6000:])
-    assert not message, message
+    names, tail = _names(), (proc.stdout + proc.stderr)[-6000:]
+    assert names, "check_hierarchical.py --list printed no checks"
+    # every check passed on every rank, and the job's exit status agrees
+    problems = [m for m in (failure_message(name, proc.stdout, None, tail) for name in names) if m]
+    problems += [m for m in [job_message(names, proc.stdout, proc.returncode, None, tail)] if m]
+    assert not problems, "\n\n".join(problems)

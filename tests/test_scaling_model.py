@@ -170,8 +170,8 @@ def test_hierarchical_by_hand():
     k = 256_000
     wire, local = sim.hierarchical_times(8, N, 0.01, 10, c, AllgatherPairs)
     reduce_scatter = 3 / 4 * N * 4 / 125e9
-    cross = 4 * (2 - 1) * (k / 4) * 8 / 1.25e9   # 4 shards' allgathers through one host link
-    gather = 3 * 2 * (k / 4) * 8 / 125e9            # 2 hosts' pairs per shard, to 3 other local ranks
+    cross = 4 * (2 - 1) * k * 8 / 1.25e9   # 4 shards' allgathers (k pairs each: 4 x 1%) through one host link
+    gather = 3 * 2 * k * 8 / 125e9          # 2 hosts' pairs per shard, to 3 other local ranks
     assert wire == pytest.approx(reduce_scatter + cross + gather)
     assert local == 0.0
     # flat, the same 8 ranks: the ring's host-crossing edge carries (P-1) k 8 at 10 Gbit
