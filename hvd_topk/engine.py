@@ -469,12 +469,9 @@ class TopKEngine:
                 if ef:
                     self._after_encode(bucket, plan, message, encoded)
             layout = plan.layout
-            sent = layout.nbytes
-            if strategy is exchange.SparseAllreduce:  # indices (all ranks) + values and the flag
-                sent = layout.count * layout.index_itemsize + (layout.count + 1) * layout.value_itemsize
             self.stats.add(time_selection_s=time.perf_counter() - t0 + current.seconds,
                            tensors_sparse=len(bucket.members),
-                           elements_selected=plan.count, bytes_sent=sent,
+                           elements_selected=plan.count, bytes_sent=_payload_bytes(strategy, layout),
                            selection_repasses=encoded.repasses, selection_filled=encoded.filled)
             if strategy is exchange.SparseAllreduce:
                 _, indices = layout.views(message)
@@ -499,11 +496,8 @@ class TopKEngine:
         if wire_dtype != bucket.dtype:
             staged = bucket.scratch("wire", bucket.numel, wire_dtype).copy_(bucket.acc)
         handle = hierarchy.reduce_scatter(staged, self.topology.local, name + ".host")
-        layout = plan.layout
-        sent = layout.nbytes
-        if strategy is exchange.SparseAllreduce:
-            sent = layout.count * layout.index_itemsize + (layout.count + 1) * layout.value_itemsize
-        self.stats.add(tensors_sparse=len(bucket.members), elements_selected=plan.count, bytes_sent=sent)
+        self.stats.add(tensors_sparse=len(bucket.members), elements_selected=plan.count,
+                       bytes_sent=_payload_bytes(strategy, plan.layout))
         bucket.pending = ("hierarchical", (handle, strategy, name), plan)
 
     def _finish_hierarchical(self, bucket):
@@ -524,19 +518,18 @@ class TopKEngine:
         t1 = time.perf_counter()
         if strategy is exchange.SparseAllreduce:
             leader = strategy.leader(self.step, bucket.index, topo.cross_size)
-            current = StepPlan(plan, strategy, message, False, topo.cross_rank == leader, leader)
+            # a non-leader's shard was summed by the reduce-scatter: nothing checked it for inf/nan
+            current = StepPlan(plan, strategy, message, False, topo.cross_rank == leader, leader,
+                               unchecked=True)
             if current.selects:
                 encoded = self.codec.encode(residual, plan, message, zero_sent=ef)
                 current.nonfinite = encoded.nonfinite
                 self._wipe_shard(residual, plan, encoded.nonfinite, ef)
             _, indices = plan.layout.views(message)
             strategy.finish(strategy.start_indices(indices, leader, name + ".cross", topo.cross))
-            values = self._shard_values(bucket, residual, current, plan, ef)
-            strategy.finish(strategy.start_values(values, name + ".cross", topo.cross))
-            k = plan.layout.count
-            values[:k].add_(values[k:] * 0)
-            plan.layout.views(message)[0].copy_(values[:k])
-            result, rows = message, 1  # the leader's positions with the summed values
+            values = self._gather_values(bucket, current, plan, residual)
+            handle = strategy.start_values(values, name + ".cross", topo.cross)
+            result, rows = self._sparse_allreduce_result(bucket, handle, plan, message), 1
         else:
             encoded = self.codec.encode(residual, plan, message, zero_sent=ef)
             self._wipe_shard(residual, plan, encoded.nonfinite, ef)
@@ -556,29 +549,6 @@ class TopKEngine:
         self._write_grads(bucket, full)
         bucket.reset()
         self.stats.add(time_exchange_s=time.perf_counter() - t0 - selection, time_selection_s=selection)
-
-    def _shard_values(self, bucket, residual, current, plan, ef):
-        """The sparse allreduce's values on a shard (see ``_gather_values``)."""
-        layout = plan.layout
-        sent, indices = layout.views(current.message)
-        k = layout.count
-        values = bucket.scratch("values", k + 1, allreduce_dtype(layout.value_dtype))
-        if current.selects:
-            values[:k].copy_(sent)
-            bad = current.nonfinite if isinstance(current.nonfinite, list) else current.nonfinite.any()
-            bad = bool(bad) if isinstance(bad, list) else bad
-        else:
-            bad = ~torch.isfinite(residual).all()
-            where = indices.long()
-            values[:k].copy_(residual.index_select(0, where))
-            if ef:
-                residual.index_fill_(0, where, 0)
-                residual.masked_fill_(bad, 0)
-        if torch.is_tensor(bad):
-            values[k:].copy_(torch.where(bad, float("nan"), 0.0))
-        else:
-            values[k] = float("nan") if bad else 0.0
-        return values
 
     def _wipe_shard(self, residual, plan, nonfinite, ef):
         """A shard segment that held inf/nan (it was sent) starts again from zero."""
@@ -609,15 +579,16 @@ class TopKEngine:
                 bucket.pending = (strategy, ("values", strategy.start_values(values, name, self.process_set)),
                                   plan)
 
-    def _gather_values(self, bucket, current, plan):
+    def _gather_values(self, bucket, current, plan, flat=None):
         """The sparse allreduce's second half on this rank: its values at the leader's indices
-        (the leader's are in its message already), zeroed in the residual (error feedback), and
-        a last slot that is NaN when this rank's accumulator held inf/nan, 0 otherwise."""
+        (the leader's are in its message already), zeroed in the residual ``flat`` (the bucket's
+        buffer, or a hierarchical shard) with error feedback, and a last slot that is NaN when
+        this rank's accumulator held inf/nan, 0 otherwise."""
         layout = plan.layout
         sent, indices = layout.views(current.message)
         k = layout.count
         values = bucket.scratch("values", k + 1, allreduce_dtype(layout.value_dtype))
-        flat = bucket.acc
+        flat = bucket.acc if flat is None else flat
         if current.selects:
             values[:k].copy_(sent)
             bad = bool(current.nonfinite) if isinstance(current.nonfinite, list) else current.nonfinite.any()
@@ -631,18 +602,18 @@ class TopKEngine:
                 flat.index_fill_(0, where, 0)
                 if bucket.momentum is not None:
                     bucket.momentum.index_fill_(0, where, 0)
-                self._wipe_nonfinite(bucket, current, bad)
+                self._wipe_nonfinite(bucket, current, bad, flat)
         if torch.is_tensor(bad):
             values[k:].copy_(torch.where(bad, float("nan"), 0.0))
         else:
             values[k] = float("nan") if bad else 0.0
         return values
 
-    def _wipe_nonfinite(self, bucket, current, bad):
+    def _wipe_nonfinite(self, bucket, current, bad, residual):
         """A non-leader's residual that held inf/nan starts again from zero: the segments seen
-        by the checking fold, or the whole bucket when only a device flag knows."""
+        by the checking fold, or all of it when only a device flag knows."""
         if current.unchecked:
-            for flat in (bucket.acc, bucket.momentum):
+            for flat in (residual, bucket.momentum):
                 if flat is not None:
                     flat.masked_fill_(bad, 0)
             self.stats.add_tensor("nonfinite_resets", bad.to(torch.int64) * len(bucket.members))
@@ -710,7 +681,7 @@ class TopKEngine:
         strategy, handle, plan = bucket.pending
         t0 = time.perf_counter()
         if strategy is exchange.SparseAllreduce:
-            result = self._sparse_allreduce_result(bucket, handle[1], plan)
+            result = self._sparse_allreduce_result(bucket, handle[1], plan, bucket.current.message)
             world = 1  # one row of pairs: the leader's indices with the summed values
         else:
             result, world = strategy.finish(handle), self.world
@@ -748,14 +719,13 @@ class TopKEngine:
             else:
                 m.param.grad.copy_(summed)
 
-    def _sparse_allreduce_result(self, bucket, handle, plan):
-        """The summed values, written back into the message beside the leader's indices (a
+    def _sparse_allreduce_result(self, bucket, handle, plan, message):
+        """The summed values, written back into ``message`` beside the leader's indices (a
         one-row message for ``decode``); every value is NaN when a rank flagged inf/nan."""
         exchange.SparseAllreduce.finish(handle)
         k = plan.layout.count
         values = bucket.scratch("values", k + 1, allreduce_dtype(plan.layout.value_dtype))
         values[:k].add_(values[k:] * 0)  # 0 when every rank was finite, NaN otherwise
-        message = bucket.current.message
         sent, _ = plan.layout.views(message)
         sent.copy_(values[:k])
         return message
@@ -978,6 +948,14 @@ class TopKEngine:
             raise RuntimeError("the optimizer's parameters changed after hvd_topk.DistributedOptimizer "
                                "was built (parameters added, removed, replaced or resized); build "
                                "the DistributedOptimizer after the model and its param_groups are final")
+
+
+def _payload_bytes(strategy, layout):
+    """What one rank hands to the network for a sparse bucket: its packed message, or for the
+    sparse allreduce the indices plus the values and the flag slot."""
+    if strategy is exchange.SparseAllreduce:
+        return layout.count * layout.index_itemsize + (layout.count + 1) * layout.value_itemsize
+    return layout.nbytes
 
 
 def _restore(bucket, flat, saved):
