@@ -5,13 +5,17 @@ VENV ?= .venv
 NP ?= 2
 BIN := $(abspath $(VENV))/bin
 
-.PHONY: setup demo test test-unit test-distributed image-test two-hosts clean
+.PHONY: setup demo demo-gpt test test-unit test-distributed image-test two-hosts clean
 
 setup:
 	VENV=$(abspath $(VENV)) bash docker/install.sh
 
 demo: setup
 	PATH=$(BIN):$$PATH horovodrun -np $(NP) --gloo python examples/pytorch_digits.py --compression topk --density 0.01
+
+# A small byte-level GPT with AdamW on the standard library's sources, error feedback at 1% (~1-2 min).
+demo-gpt: setup
+	PATH=$(BIN):$$PATH horovodrun -np $(NP) --gloo python examples/pytorch_gpt.py --optimizer topk-ef --exchange allgather --density 0.01
 
 test: setup
 	$(BIN)/python -m pytest -v tests

@@ -1,0 +1,294 @@
+#!/usr/bin/env python
+"""A small byte-level GPT trained data-parallel with AdamW, Horovod and hvd_topk.
+
+    horovodrun -np 2 --gloo python examples/pytorch_gpt.py --optimizer topk-ef --density 0.01
+    mpirun -np 2 python examples/pytorch_gpt.py --compression none          # dense baseline
+
+The corpus is this Python's own standard library (the ``.py`` files under
+``sysconfig.get_paths()["stdlib"]``, sorted by path, concatenated and cut to ``--corpus-mb``), so it
+is on every machine without a download; its size and SHA-256 are printed so runs can be compared.
+Every tenth of 100 equal runs of it is held out for validation. The model: token and position embeddings, pre-norm
+transformer blocks (causal self-attention + MLP), a final LayerNorm and a linear head. Training:
+AdamW (weight decay on matrices only), linear warm-up then cosine decay, gradient clipping
+between ``opt.synchronize()`` and ``opt.step()`` under ``opt.skip_synchronize()`` (Horovod's
+pattern), optional autocast (``--amp bf16`` on CPU, ``--amp fp16`` on CUDA with a GradScaler).
+
+The one line that matters is the optimizer wrapping in ``make_optimizer``. Rank 0 prints
+progress and validation loss, then bytes sent against a dense fp32 allreduce and, for topk-ef,
+the optimizer's statistics; its last line is ``final validation loss: X.XXXX``.
+"""
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import horovod.torch as hvd
+import hvd_topk
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--compression", choices=("none", "fp16", "topk"), default="topk")
+    p.add_argument("--density", type=float, default=0.01, help="fraction sent by topk (default 0.01)")
+    p.add_argument("--optimizer", choices=("horovod", "topk-ef"), default="horovod",
+                   help="hvd.DistributedOptimizer (+ --compression) or hvd_topk.DistributedOptimizer")
+    p.add_argument("--no-error-feedback", action="store_true", help="topk-ef without error feedback")
+    p.add_argument("--selection-scope", choices=("tensor", "bucket"), default="tensor")
+    p.add_argument("--exchange", choices=hvd_topk.exchange.CHOICES, default="auto",
+                   help="topk-ef: how buckets travel (default auto: a measured trial picks)")
+    p.add_argument("--warmup-steps", type=int, default=0,
+                   help="topk-ef: density warm-up steps (DGC's exponential schedule from --warmup-density)")
+    p.add_argument("--warmup-density", type=float, default=0.25)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr-warmup", type=float, default=0.1, help="fraction of --steps for the LR warm-up")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping (0: off)")
+    p.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none",
+                   help="autocast: bf16 (CPU) or fp16 (CUDA, with torch.amp.GradScaler)")
+    p.add_argument("--corpus-mb", type=float, default=4.0, help="bytes of the corpus used, MB")
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-batches", type=int, default=16)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--json", metavar="PATH", help="write the final metrics here (rank 0)")
+    p.add_argument("--quiet", action="store_true", help="only the final summary")
+    args = p.parse_args(argv)
+    for name in ("steps", "batch_size", "context", "width", "layers", "heads", "eval_every", "eval_batches"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be a positive integer")
+    if args.width % args.heads:
+        p.error("--width must be a multiple of --heads")
+    if args.lr <= 0 or not 0 <= args.lr_warmup < 1 or args.corpus_mb <= 0:
+        p.error("--lr and --corpus-mb must be positive, --lr-warmup in [0, 1)")
+    if args.optimizer == "topk-ef" and args.compression != "topk":
+        p.error("--optimizer topk-ef always compresses with TopK; use --compression topk")
+    topk_ef_only = {"no_error_feedback": False, "selection_scope": "tensor", "exchange": "auto", "warmup_steps": 0}
+    for name, default in topk_ef_only.items():
+        if getattr(args, name) != default and args.optimizer != "topk-ef":
+            p.error(f"--{name.replace('_', '-')} only applies to --optimizer topk-ef")
+    if args.amp == "fp16" and not torch.cuda.is_available():
+        p.error("--amp fp16 needs CUDA (GradScaler); on CPU use --amp bf16")
+    if args.compression == "topk":
+        try:
+            hvd_topk.selection.check_density(args.density, "--density")
+        except ValueError as exc:
+            p.error(str(exc))
+    return args
+
+
+def load_corpus(limit_bytes):
+    """The standard library's .py files, sorted by relative path, concatenated, cut to the limit."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for path in sorted(root.rglob("*.py"), key=lambda q: q.relative_to(root).as_posix()):
+        if "site-packages" in path.parts:
+            continue
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        chunks.append(data)
+        total += len(data)
+        if total >= limit_bytes:
+            break
+    text = b"".join(chunks)[:int(limit_bytes)]
+    if len(text) < 100_000:
+        raise SystemExit(f"only {len(text)} bytes of Python sources under {root}: no corpus")
+    return torch.frombuffer(bytearray(text), dtype=torch.uint8).long(), hashlib.sha256(text).hexdigest()
+
+
+class Block(nn.Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x, mask):
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    """Byte-level decoder: 256 tokens in, next-byte logits out."""
+
+    def __init__(self, context, width, layers, heads):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(256, width), nn.Embedding(context, width)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, 256)
+        self.register_buffer("mask", torch.triu(torch.ones(context, context, dtype=torch.bool), 1),
+                             persistent=False)
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        for block in self.blocks:
+            x = block(x, self.mask[:t, :t])
+        return self.head(self.norm(x))
+
+
+def split(data, pieces=100):
+    """(train, validation): the corpus cut into ``pieces`` equal runs, every tenth held out, so
+    both halves draw from every part of the library, not the last files alone."""
+    runs = torch.tensor_split(data, pieces)
+    return torch.cat([r for i, r in enumerate(runs) if i % 10 != 9]), torch.cat(runs[9::10])
+
+
+def batches(data, context, batch_size, generator):
+    starts = torch.randint(0, len(data) - context - 1, (batch_size,), generator=generator)
+    x = torch.stack([data[s:s + context] for s in starts.tolist()])
+    y = torch.stack([data[s + 1:s + context + 1] for s in starts.tolist()])
+    return x, y
+
+
+def lr_at(step, args):
+    warm = max(1, int(args.lr_warmup * args.steps))
+    if step < warm:
+        return args.lr * (step + 1) / warm
+    progress = (step - warm) / max(1, args.steps - warm)
+    return args.lr * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(args, model, scaler):
+    """(the distributed optimizer, the TopK instance it compresses with, or None)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    inner = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                               {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+    topk = hvd_topk.TopK(density=args.density) if args.compression == "topk" else None
+    if args.optimizer == "topk-ef":
+        opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=topk,
+                                            error_feedback=not args.no_error_feedback,
+                                            selection_scope=args.selection_scope, exchange=args.exchange,
+                                            warmup_steps=args.warmup_steps, warmup_density=args.warmup_density,
+                                            grad_scaler=scaler)
+        return opt, topk
+    compression = topk or {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[args.compression]
+    return hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=compression), topk
+
+
+def evaluate(model, val, args, device, autocast):
+    """Mean loss over fixed validation batches (the same on every rank)."""
+    gen = torch.Generator().manual_seed(1234)
+    model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for _ in range(args.eval_batches):
+            x, y = batches(val, args.context, args.batch_size, gen)
+            with autocast():
+                logits = model(x.to(device))
+            total += F.cross_entropy(logits.float().reshape(-1, 256), y.to(device).reshape(-1)).item()
+    model.train()
+    return total / args.eval_batches
+
+
+def bytes_per_step(model, args, opt, topk):
+    """(bytes sent, dense fp32 bytes) per step and rank."""
+    dense = sum(p.numel() * 4 for p in model.parameters())
+    if args.optimizer == "topk-ef":
+        s = opt.compression_stats()
+        return s["bytes_sent"] / max(1, s["steps"]), s["bytes_dense"] / max(1, s["steps"])
+    if args.compression == "topk":
+        s = topk.stats()
+        return s["bytes_sent"] / args.steps, s["bytes_dense"] / args.steps
+    return (dense // 2 if args.compression == "fp16" else dense), dense
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    hvd.init()
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)
+    rank, size = hvd.rank(), hvd.size()
+    say = print if rank == 0 and not args.quiet else (lambda *a, **k: None)
+    device = torch.device("cuda", hvd.local_rank()) if args.amp == "fp16" else torch.device("cpu")
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
+
+    def autocast():
+        return torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
+
+    data, digest = load_corpus(args.corpus_mb * 1e6)
+    train, val = split(data)
+    model = GPT(args.context, args.width, args.layers, args.heads).to(device)
+    scaler = torch.amp.GradScaler("cuda") if args.amp == "fp16" else None
+    opt, topk = make_optimizer(args, model, scaler)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    n_params = sum(p.numel() for p in model.parameters())
+    say(f"corpus: {len(data):,} bytes of the standard library's sources, sha256 {digest[:16]}; "
+        f"model {n_params:,} parameters; {size} ranks x batch {args.batch_size} x context {args.context}; "
+        f"optimizer={args.optimizer} compression={args.compression}"
+        + (f" density={args.density}" if args.compression == "topk" else "")
+        + (" (no error feedback)" if args.no_error_feedback else ""), flush=True)
+
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
+    history, t0 = [], time.perf_counter()
+    for step in range(args.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args)
+        x, y = batches(train, args.context, args.batch_size, gen)
+        opt.zero_grad()  # torch >= 2.0: sets the gradients to None (Horovod 0.28.1 takes no argument)
+        with autocast():
+            logits = model(x.to(device))
+        loss = F.cross_entropy(logits.float().reshape(-1, 256), y.to(device).reshape(-1))
+        (scaler.scale(loss) if scaler else loss).backward()
+        opt.synchronize()
+        if scaler:
+            scaler.unscale_(opt)
+        if args.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        with opt.skip_synchronize():
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            val_loss = evaluate(model, val, args, device, autocast)
+            train_loss = hvd.allreduce(loss.detach().float().cpu(), name="train_loss").item()
+            history.append({"step": step + 1, "train_loss": train_loss, "val_loss": val_loss})
+            say(f"step {step + 1:5d}/{args.steps}  train loss {train_loss:.4f}  validation loss {val_loss:.4f}  "
+                f"({time.perf_counter() - t0:.0f}s)", flush=True)
+
+    sent, dense = bytes_per_step(model, args, opt, topk)
+    result = {"optimizer": args.optimizer, "compression": args.compression,
+              "density": args.density if args.compression == "topk" else None,
+              "error_feedback": args.optimizer == "topk-ef" and not args.no_error_feedback,
+              "ranks": size, "steps": args.steps, "seed": args.seed, "amp": args.amp,
+              "corpus_bytes": len(data), "corpus_sha256": digest, "parameters": n_params,
+              "final_val_loss": history[-1]["val_loss"], "bytes_sent_per_step": sent,
+              "bytes_dense_per_step": dense, "bytes_ratio": sent / dense,
+              "seconds": time.perf_counter() - t0, "history": history}
+    if args.optimizer == "topk-ef":
+        result["compression_stats"] = opt.compression_stats()
+    if rank == 0:
+        print(f"bytes sent per step and rank {sent:,.0f} vs dense fp32 {dense:,.0f} ({100 * sent / dense:.2f}%)")
+        if "compression_stats" in result:
+            st = result["compression_stats"]
+            print(f"compression_stats: steps {st['steps']}, achieved density {st['density']:.4f}, "
+                  f"selection {st['time_selection_s']:.2f}s, exchange wait {st['time_exchange_s']:.2f}s, "
+                  f"non-finite resets {st['nonfinite_resets']}, exchange {st['exchange']} -> {st['exchange_family']}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+        print(f"final validation loss: {result['final_val_loss']:.4f}", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
