@@ -78,11 +78,12 @@ def parse_args(argv=None):
     return args
 
 
-def run_one(np_, extra, seed, epochs, timeout):
+def run_one(np_, extra, seed, epochs, timeout, example=EXAMPLE):
+    """One ``mpirun`` of ``example`` (``--epochs`` unless None) and its JSON result, with ``wall_s``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        cmd = mpirun_command(np_, [EXAMPLE, "--quiet", "--json", str(out), "--epochs", str(epochs),
-                                   "--seed", str(seed), *extra])
+        length = [] if epochs is None else ["--epochs", str(epochs)]
+        cmd = mpirun_command(np_, [example, "--quiet", "--json", str(out), *length, "--seed", str(seed), *extra])
         t0 = time.perf_counter()
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               start_new_session=True) as proc:

@@ -1,0 +1,130 @@
+#!/usr/bin/env python
+"""Convergence on the transformer workload (examples/pytorch_gpt.py, AdamW): dense, Horovod fp16,
+hvd_topk 1% and 0.1% with and without error feedback, over several seeds, at a fixed step budget.
+
+Every run is ``mpirun -np 2 python examples/pytorch_gpt.py --quiet --json OUT --steps N --seed S ARGS``.
+
+    .venv/bin/python benchmarks/convergence_gpt.py                     # 6 configs x 3 seeds x 300 steps
+    .venv/bin/python benchmarks/convergence_gpt.py --configs dense ef-1% --seeds 42 --steps 60 \\
+        --out-prefix /tmp/gpt-smoke                                     # quick check
+
+Writes PREFIX.json (every run with its validation history, command, machine, date), PREFIX.md
+(final validation loss: mean, sample std, min-max over seeds; vs dense) and PREFIX.png (the
+validation loss curves, mean over seeds, shaded min-max). Default PREFIX:
+benchmarks/results/convergence-gpt.
+"""
+
+import argparse
+import datetime
+import json
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from convergence import fmt_s, run_one
+from hvd_topk.testing.machine import machine_info
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "pytorch_gpt.py"
+EF = ["--optimizer", "topk-ef", "--exchange", "allgather"]  # the exchange pinned: auto may go dense
+CONFIGS = {
+    "dense": ("Horovod dense fp32", ["--compression", "none"]),
+    "fp16": ("Horovod fp16", ["--compression", "fp16"]),
+    "ef-1%": ("hvd_topk 1%, error feedback", [*EF, "--density", "0.01"]),
+    "noef-1%": ("hvd_topk 1%, no error feedback", [*EF, "--density", "0.01", "--no-error-feedback"]),
+    "ef-0.1%": ("hvd_topk 0.1%, error feedback", [*EF, "--density", "0.001"]),
+    "noef-0.1%": ("hvd_topk 0.1%, no error feedback", [*EF, "--density", "0.001", "--no-error-feedback"]),
+    "ef-1%-bucket-warm": ("hvd_topk 1%, EF, bucket scope, dense start decaying over 100 steps",
+                          [*EF, "--density", "0.01", "--selection-scope", "bucket", "--warmup-steps", "100",
+                           "--warmup-density", "1.0"]),
+}
+DEFAULT = ["dense", "fp16", "ef-1%", "noef-1%", "ef-0.1%", "noef-0.1%"]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=DEFAULT, metavar="NAME")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[42, 43, 44])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--np", type=int, default=2)
+    ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--out-prefix", type=Path, default=ROOT / "benchmarks" / "results" / "convergence-gpt")
+    args = ap.parse_args(argv)
+    command = shlex.join(["python", "benchmarks/convergence_gpt.py", *(sys.argv[1:] if argv is None else argv)])
+    runs, started = [], time.perf_counter()
+    plan = [(c, s) for c in args.configs for s in args.seeds]
+    for i, (name, seed) in enumerate(plan, 1):
+        print(f"[{i:2d}/{len(plan)}] {name:<18s} seed {seed} ... ", end="", flush=True)
+        r = run_one(args.np, ["--steps", str(args.steps), *CONFIGS[name][1]], seed, None, args.timeout,
+                    example=EXAMPLE)
+        r.update(config=name, seed=seed)
+        runs.append(r)
+        elapsed = time.perf_counter() - started
+        print(f"val loss {r['final_val_loss']:.4f}  ({r['wall_s']:.0f}s; ~{fmt_s(elapsed / i * (len(plan) - i))} left)",
+              flush=True)
+    rows = []
+    for name in args.configs:
+        losses = [r["final_val_loss"] for r in runs if r["config"] == name]
+        ratio = float(np.mean([r["bytes_ratio"] for r in runs if r["config"] == name]))
+        rows.append({"config": name, "label": CONFIGS[name][0], "args": " ".join(CONFIGS[name][1]),
+                     "mean": statistics.mean(losses), "std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
+                     "min": min(losses), "max": max(losses), "bytes_ratio": ratio})
+    dense = next((r["mean"] for r in rows if r["config"] == "dense"), None)
+    info = machine_info(ROOT)
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": command, "machine": info, "np": args.np, "steps": args.steps, "seeds": args.seeds,
+            "total_wall_s": time.perf_counter() - started}
+    prefix = args.out_prefix
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{prefix}.json").write_text(json.dumps({"meta": meta, "runs": runs, "summary": rows}, indent=1, default=str))
+    lines = ["# Convergence on the transformer workload (examples/pytorch_gpt.py, AdamW)", "",
+             f"Date (UTC): {meta['date']}  ",
+             f"Machine: {info['cpu']}, {info['cores']} cores; torch {info.get('torch')}, horovod {info.get('horovod')}; "
+             f"hvd_topk git {info.get('git')}  ",
+             f"Command: `{command}`  ",
+             f"Each run: `mpirun -np {args.np} python examples/pytorch_gpt.py --quiet --json OUT --steps {args.steps} "
+             f"--seed SEED ARGS` (the example's defaults otherwise); seeds {', '.join(map(str, args.seeds))}; "
+             f"total wall time {fmt_s(meta['total_wall_s'])}.", "",
+             "| configuration | ARGS | final validation loss, mean ± std | min–max | vs dense | bytes vs dense fp32 |",
+             "|---|---|---|---|---:|---:|"]
+    for r in rows:
+        vs = f"{100 * (r['mean'] / dense - 1):+.1f}%" if dense and r["config"] != "dense" else ""
+        lines.append(f"| {r['label']} | `{r['args']}` | {r['mean']:.4f} ± {r['std']:.4f} | "
+                     f"{r['min']:.4f}–{r['max']:.4f} | {vs} | {100 * r['bytes_ratio']:.2f}% |")
+    lines += ["", f"Plot: `{prefix.name}.png` (validation loss, mean over seeds, shaded min–max).", ""]
+    Path(f"{prefix}.md").write_text("\n".join(lines))
+    plot(runs, args.configs, f"{prefix}.png", meta)
+    print("\n".join(lines))
+    return 0
+
+
+def plot(runs, configs, path, meta):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name in configs:
+        mine = [r for r in runs if r["config"] == name]
+        n = min(len(r["history"]) for r in mine)
+        steps = [h["step"] for h in mine[0]["history"][:n]]
+        curves = np.array([[h["val_loss"] for h in r["history"][:n]] for r in mine])
+        line, = ax.plot(steps, curves.mean(0), marker="o", label=f"{CONFIGS[name][0]} (n={len(mine)})")
+        ax.fill_between(steps, curves.min(0), curves.max(0), color=line.get_color(), alpha=0.15, lw=0)
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"byte-level GPT, AdamW, {meta['np']} ranks, seeds {', '.join(map(str, meta['seeds']))}, "
+                 f"{meta['date'][:10]}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
