@@ -48,6 +48,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup-steps", type=int, default=0,
                    help="topk-ef: density warm-up steps (DGC's exponential schedule from --warmup-density)")
     p.add_argument("--warmup-density", type=float, default=0.25)
+    p.add_argument("--min-numel", type=int, default=1024,
+                   help="topk-ef: tensors with fewer elements go dense (e.g. 33000 keeps the embeddings "
+                        "and the output head of the default model dense)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
     p.add_argument("--context", type=int, default=128)
@@ -76,7 +79,8 @@ def parse_args(argv=None):
         p.error("--lr and --corpus-mb must be positive, --lr-warmup in [0, 1)")
     if args.optimizer == "topk-ef" and args.compression != "topk":
         p.error("--optimizer topk-ef always compresses with TopK; use --compression topk")
-    topk_ef_only = {"no_error_feedback": False, "selection_scope": "tensor", "exchange": "auto", "warmup_steps": 0}
+    topk_ef_only = {"no_error_feedback": False, "selection_scope": "tensor", "exchange": "auto", "warmup_steps": 0,
+                    "min_numel": 1024}
     for name, default in topk_ef_only.items():
         if getattr(args, name) != default and args.optimizer != "topk-ef":
             p.error(f"--{name.replace('_', '-')} only applies to --optimizer topk-ef")
@@ -177,7 +181,7 @@ def make_optimizer(args, model, scaler):
                                             error_feedback=not args.no_error_feedback,
                                             selection_scope=args.selection_scope, exchange=args.exchange,
                                             warmup_steps=args.warmup_steps, warmup_density=args.warmup_density,
-                                            grad_scaler=scaler)
+                                            min_numel=args.min_numel, grad_scaler=scaler)
         return opt, topk
     compression = topk or {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[args.compression]
     return hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=compression), topk
