@@ -131,6 +131,7 @@ class StepPlan:
     leader: int = None    # the sparse allreduce's leader (index in the process set)
     nonfinite: list = dataclasses.field(default_factory=list)  # segments that held inf/nan
     unchecked: bool = False  # a fold that did not check for inf/nan (sparse allreduce, non-leader)
+    hierarchical: bool = False  # a sparse strategy run hierarchically (hvd_topk.hierarchy)
     carry: bool = False      # hierarchical: the full buffer still holds a flat residual
     repasses: int = 0
     filled: int = 0
@@ -366,7 +367,7 @@ class TopKEngine:
     def _fold(self, bucket, position, grad):
         current = bucket.current or self._begin_bucket(bucket)
         ef, momentum = bucket.sparse and self.options.error_feedback, self.options.momentum_correction
-        if self.topology is not None and current.strategy.sparse:
+        if current.hierarchical:
             # the buffer stages this step's gradients (the residual is the shard's), but on the
             # first hierarchical step after flat ones it still holds the flat residual: add to it
             ef = ef and current.carry
@@ -407,16 +408,18 @@ class TopKEngine:
         family = self.family or self._family()
         plan = self._plan(bucket, density, family) if bucket.sparse else None
         strategy = self._strategy(family, bucket, plan)
+        hierarchical = strategy.sparse and self.topology is not None
         leader = None
-        if strategy is exchange.SparseAllreduce and self.topology is None:
+        if strategy is exchange.SparseAllreduce and not hierarchical:
             leader = strategy.leader(self.step, bucket.index, self.world)
         selects = strategy.sparse and leader in (None, self.rank)
         per_segment = (selects and plan.scope == "tensor" and native_ok(bucket.buffer())
-                       and self.topology is None)
+                       and not hierarchical)
         message = bucket.message(plan.layout.nbytes) if strategy.sparse else None
-        bucket.current = StepPlan(plan, strategy, message, per_segment, selects, leader)
+        bucket.current = StepPlan(plan, strategy, message, per_segment, selects, leader,
+                                  hierarchical=hierarchical)
         if bucket.sparse and self.options.error_feedback:
-            self._hand_over_residual(bucket, "hier" if self.topology is not None and strategy.sparse else "flat")
+            self._hand_over_residual(bucket, "hier" if hierarchical else "flat")
         return bucket.current
 
     def _hand_over_residual(self, bucket, mode):
@@ -451,7 +454,7 @@ class TopKEngine:
                 self._unsend(bucket, current)
             strategy, plan, name = exchange.DenseAllreduce, None, name + ".joined"
         self.used[bucket.index] = strategy.name
-        if strategy.sparse and self.topology is not None:
+        if strategy.sparse and current.hierarchical:  # (not when hvd.join() sent it dense)
             self._launch_hierarchical(bucket, strategy, plan, name)
             return
         if strategy.sparse:

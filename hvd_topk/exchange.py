@@ -159,7 +159,6 @@ class SparseAllreduce:
         hvd.synchronize(handle)
 
 
-STRATEGIES = (DenseAllreduce, AllgatherPairs)  # on a tie, dense: it loses nothing
 BY_NAME = {s.name: s for s in (DenseAllreduce, DenseAllreduceFp16, AllgatherPairs, SparseAllreduce)}
 CHOICES = ("auto", *BY_NAME)
 

@@ -71,11 +71,6 @@ def _add(ranks):
     return hvd.add_process_set(ranks)
 
 
-def topology():
-    """The ``Topology`` made by ``init()``, or None."""
-    return _topology
-
-
 def resolve(setting, process_set, elastic):
     """The topology to use for ``hierarchical=setting`` ("auto", True or False), or None.
 
