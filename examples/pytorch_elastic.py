@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Elastic training (Horovod elastic) with hvd_topk's error-feedback optimizer, on one machine.
+"""Elastic training (Horovod elastic) with hvd_topk's error-feedback optimizer (or, with
+``--optimizer topk``, Horovod's optimizer and the drop-in TopK), on one machine.
 
 Two emulated hosts that are both this machine ("localhost" and "127.0.0.1", one slot each); the
 discovery script says which are up:
@@ -19,7 +20,8 @@ is per worker), and a newly added worker's start at zero. The constructor does n
 rank-agreement collective in an elastic job (a new worker builds its optimizer alone).
 
 ``--epoch-log FILE`` appends one JSON line per finished epoch (rank 0): epoch, size, loss, and the
-optimizer's world size; the last line rank 0 prints is ``final loss: X.XXXX``.
+optimizer's world size (``topk-ef``) or the tensors the drop-in sent dense (``topk``: none unless
+a rank is in ``hvd.join()``); the last line rank 0 prints is ``final loss: X.XXXX``.
 """
 
 import argparse
@@ -40,6 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--batches-per-epoch", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=32, help="per worker")
+    p.add_argument("--optimizer", choices=["topk-ef", "topk", "dense"], default="topk-ef",
+                   help="topk-ef: hvd_topk.DistributedOptimizer (error feedback); topk: Horovod's "
+                        "DistributedOptimizer with compression=hvd_topk.TopK; dense: Horovod's alone")
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--fail-rank", type=int, default=None, help="this rank exits once, mid-step")
@@ -66,8 +71,14 @@ def main(args):
     x_all, y_all = digits()
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
     inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
-                                        compression=hvd_topk.TopK(density=args.density), min_numel=1000)
+    compressor = hvd_topk.TopK(density=args.density)
+    if args.optimizer == "topk-ef":
+        opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                            compression=compressor, min_numel=1000)
+    else:
+        opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                       compression=compressor if args.optimizer == "topk" else
+                                       hvd.Compression.none)
     state = hvd.elastic.TorchState(model=model, optimizer=opt, epoch=0, batch=0)
 
     @hvd.elastic.run
@@ -87,8 +98,11 @@ def main(args):
                     os._exit(1)  # mid-step: the other workers' buckets are in flight
                 opt.step()
             if hvd.rank() == 0:
-                line = {"epoch": state.epoch, "size": hvd.size(), "loss": loss.item(),
-                        "optimizer_world": opt.compression_stats()["world_size"]}
+                line = {"epoch": state.epoch, "size": hvd.size(), "loss": loss.item()}
+                if args.optimizer == "topk-ef":  # the size it averages over
+                    line["optimizer_world"] = opt.compression_stats()["world_size"]
+                if args.optimizer == "topk":  # tensors sent dense (only when a rank has joined)
+                    line["tensors_dense"] = compressor.stats()["tensors_dense"]
                 print(json.dumps(line), flush=True)
                 if args.epoch_log:
                     with open(args.epoch_log, "a") as f:

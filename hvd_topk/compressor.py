@@ -12,6 +12,13 @@ The allgather runs on the process set Horovod reduces the tensor over (read from
 calling frames, ``hvd_topk._horovod``). The probe holds ``[1, rank, rank**2]`` (ranks within that
 set): after the allreduce its first entry is the scale Horovod applied (1 for Average, the
 number of ranks for Sum) and the other two tell whether every rank of the set took part.
+
+``hvd.join()``: a joined rank answers allreduces with zeros but stops on an allgather
+(horovod#3471). So each round of compressions (``_Round``) first learns, by a one-element
+allreduce started with its first ``compress``, whether every rank takes part; the allgathers
+start once it has arrived. In a round where a rank has joined, the others allreduce their
+gradients dense instead (the result is what Horovod's own dense path gives: the joined rank
+counts as zeros).
 """
 
 import functools
@@ -23,9 +30,9 @@ import types
 
 import torch
 
-from hvd_topk._horovod import caller_process_set, tensor_name_from_caller
+from hvd_topk._horovod import caller_process_set, hvd, tensor_name_from_caller
 from hvd_topk.codec import Codec
-from hvd_topk.exchange import AllgatherPairs
+from hvd_topk.exchange import ActiveRanks, AllgatherPairs, DenseAllreduce
 from hvd_topk.selection import DEFAULT_METHOD, check_density, check_flag, check_method
 from hvd_topk.stats import CompressionStats
 from hvd_topk.wire import index_dtype_for
@@ -79,6 +86,51 @@ class _NameSlots:
             heapq.heappush(self._free, slot)
 
 
+class _Job:
+    """One compressed tensor, from ``compress`` to ``decompress``."""
+
+    def __init__(self, message, name, slot, plan, tensor, process_set):
+        self.message, self.name, self.slot, self.plan = message, name, slot, plan
+        self.tensor, self.shape, self.dtype = tensor, tensor.shape, tensor.dtype
+        self.process_set = process_set
+        self.handle, self.dense = None, False
+
+
+class _Round:
+    """The tensors compressed on one process set between two moments when none is pending
+    (a step's backward under ``hvd.DistributedOptimizer``; one ``hvd.allreduce``).
+
+    Its first ``compress`` starts an ``ActiveRanks`` probe; the allgathers wait until that has
+    arrived (a few milliseconds into the backward pass; at the latest, the first
+    ``decompress``), because an allgather reaching a rank inside ``hvd.join()`` stops Horovod
+    there and hangs the others (horovod#3471). Ranks cannot join in the middle of a round, so
+    one probe per round is enough.
+
+    A round that never finished (a worker failed mid-step under Horovod elastic, or an exception
+    between backward and ``synchronize``) is abandoned when one of its tensors is compressed
+    again: that is the next step, which gets a probe of its own.
+    """
+
+    def __init__(self, active):
+        self.active = active
+        self.jobs = {}      # name -> job: compressed, not yet decompressed
+        self.waiting = []   # jobs whose exchange has not started
+        self.count = None   # ranks taking part, once known
+
+    def add(self, job):
+        """Returns the jobs of the round this one abandons (their name slots are free)."""
+        abandoned = list(self.jobs.values()) if job.name in self.jobs else []
+        if abandoned or not self.jobs:
+            self.active.start(job.process_set)
+            self.jobs, self.waiting, self.count = {}, [], None
+        self.jobs[job.name] = job
+        self.waiting.append(job)
+        return abandoned
+
+    def done(self, job):
+        del self.jobs[job.name]
+
+
 class TopK(Compressor):
     """Send only the ``k = max(1, round(density * n))`` largest-magnitude entries of a gradient.
 
@@ -121,6 +173,8 @@ class TopK(Compressor):
         self._stats = CompressionStats()
         self._names = _NameSlots(f"hvd_topk.TopK.{next(_instance_ids)}")
         self._probe_checked = set()
+        self._rounds = {}  # process set id -> _Round
+        self._lock = threading.Lock()
 
     def __repr__(self):
         return f"TopK(density={self.density}, method={self.method!r}, fp16_values={self.fp16_values})"
@@ -147,14 +201,18 @@ class TopK(Compressor):
         hint = tensor_name_from_caller()
         process_set = caller_process_set()
         slot, name = (None, f"{self._names.prefix}.{hint}") if hint else self._names.take()
-        handle = AllgatherPairs.start(message, name, process_set)
+        job = _Job(message, name, slot, plan, tensor, process_set)
+        with self._lock:
+            rnd = self._round_of(process_set)
+            for stale in rnd.add(job):
+                if stale.slot is not None:
+                    self._names.give_back(stale.slot)
+            self._start_if_known(rnd, wait=False)
         rank = float(process_set.rank())
         probe = torch.tensor([1.0, rank, rank * rank], dtype=torch.float32, device=tensor.device)
-        self._stats.add(tensors_sparse=1, elements_total=numel, elements_selected=plan.count,
-                        bytes_dense=numel * tensor.element_size(),
-                        bytes_sent=plan.layout.nbytes + probe.numel() * probe.element_size(),
-                        time_selection_s=t1 - t0)
-        return probe, (handle, slot, plan, tensor.shape, tensor.dtype, process_set)
+        self._stats.add(elements_total=numel, bytes_dense=numel * tensor.element_size(),
+                        bytes_sent=probe.numel() * probe.element_size(), time_selection_s=t1 - t0)
+        return probe, (job, rnd)
 
     def _plan(self, numel, dtype):
         plan = self._plans.get((numel, dtype))
@@ -163,24 +221,62 @@ class TopK(Compressor):
                                                                   index_dtype_for(numel))
         return plan
 
+    def _round_of(self, process_set):
+        key = process_set.process_set_id
+        if key not in self._rounds:
+            self._rounds[key] = _Round(ActiveRanks(f"{self._names.prefix}.active.{key}"))
+        return self._rounds[key]
+
+    def _start_if_known(self, rnd, wait):
+        """Start the round's waiting exchanges once it is known who takes part: the pairs'
+        allgather when every rank of the set does, else (a rank is in ``hvd.join()``, which
+        answers allreduces only) a dense allreduce of the gradient itself."""
+        if rnd.count is None:
+            if not (wait or rnd.active.arrived()):
+                return
+            rnd.count = rnd.active.read()
+        for job in rnd.waiting:
+            if rnd.count == job.process_set.size():
+                job.handle = AllgatherPairs.start(job.message, job.name, job.process_set)
+                self._stats.add(tensors_sparse=1, elements_selected=job.plan.count,
+                                bytes_sent=job.plan.layout.nbytes)
+            else:
+                dense = job.tensor.detach().clone(memory_format=torch.contiguous_format).view(-1)
+                job.handle = DenseAllreduce.start(dense, job.name + ".joined", job.process_set, hvd.Sum)
+                job.dense = True
+                self._stats.add(tensors_dense=1, elements_selected=dense.numel(),
+                                bytes_sent=dense.numel() * dense.element_size())
+            job.tensor = job.message = None  # (no longer needed: let them go)
+        rnd.waiting.clear()
+
     @_OnDefaultInstance
     def decompress(self, tensor, ctx):
         if ctx is None:
             return tensor
-        handle, slot, plan, shape, dtype, process_set = ctx
-        size = process_set.size()
-        self._check_probe(tensor, size)
+        job, rnd = ctx
+        with self._lock:
+            self._start_if_known(rnd, wait=True)
+            count = rnd.count
+            rnd.done(job)
+        if count == job.process_set.size():
+            # (with a rank in hvd.join() the probe is reduced over the others only)
+            self._check_probe(tensor, count)
         t0 = time.perf_counter()
-        gathered = AllgatherPairs.finish(handle)
-        if slot is not None:
-            self._names.give_back(slot)
-        out = torch.empty(shape.numel(), dtype=dtype, device=gathered.device)  # decode overwrites it
-        # The probe's first entry is the scale Horovod applied to a sum: 1 means Average.
-        # Reading it costs nothing on CPU; on CUDA it stays a tensor (no host sync).
-        scale = float(tensor[0]) if tensor.device.type == "cpu" else tensor[0].to(dtype)
-        self._codec.decode(gathered, plan.layout, size, [out], plan.bounds, div=size, mul=scale)
+        # The probe's first entry is the scale Horovod applied to a sum of ``count`` ranks' ones
+        # (count for Sum, 1 for Average with every rank there): the result is the sum of what
+        # was sent times that scale / count. On CPU reading it costs nothing; on CUDA it stays
+        # a tensor (no host sync).
+        scale = float(tensor[0]) if tensor.device.type == "cpu" else tensor[0].to(job.dtype)
+        if job.dense:
+            out = DenseAllreduce.finish(job.handle).mul_(scale).div_(count)
+        else:
+            gathered = AllgatherPairs.finish(job.handle)
+            out = torch.empty(job.shape.numel(), dtype=job.dtype, device=gathered.device)  # decode overwrites it
+            self._codec.decode(gathered, job.plan.layout, count, [out], job.plan.bounds, div=count, mul=scale)
+        if job.slot is not None:
+            self._names.give_back(job.slot)
         self._stats.add(time_exchange_s=time.perf_counter() - t0)
-        return out.view(shape)
+        return out.view(job.shape)
 
     def _check_probe(self, probe, size):
         """Fail loudly if the probe shows a process set smaller than the job (once per device)."""

@@ -195,8 +195,7 @@ class TopKEngine:
         self.grad_scaler = grad_scaler
         self.residual_scale = None  # the loss scale the residuals are expressed in
         self.step_begun = False    # _begin_step ran this step
-        self.one = torch.ones(1)   # the join probe's contribution
-        self.join_probe, self.joined = None, False
+        self.active = exchange.ActiveRanks(f"{self.prefix}.active")  # hvd.join() probe
         self.densified = []        # parameters whose sparse gradient was densified this step
         self.family = None         # this step's exchange family (exchange= or auto's choice)
         self.trial, self.trial_world = None, None  # exchange="auto": the trial of this world size
@@ -249,8 +248,11 @@ class TopKEngine:
         self._follow_loss_scale()
         self.family = self._family()
         self.topology = self.hier if self.family.startswith(auto.HIER) else None
+        self.active.forget()
         if self.world > 1:
-            self._start_join_probe()
+            # Started before the first fold, read when the first sparse bucket launches (by
+            # then it has long arrived).
+            self.active.start(self.process_set)
         self.step_begun = True
 
     def _family(self):
@@ -628,19 +630,9 @@ class TopKEngine:
         if current.nonfinite:
             self.stats.add(nonfinite_resets=len(current.nonfinite))
 
-    def _start_join_probe(self):
-        """Every step, an allreduce of 1 from each rank, started before the first fold and read
-        when the first sparse bucket launches (by then it has long arrived): a rank inside
-        ``hvd.join()`` contributes 0, so a sum below the world size means a rank has joined."""
-        self.join_probe = hvd.allreduce_async(self.one, name=f"{self.prefix}.active", op=hvd.Sum,
-                                              process_set=self.process_set)
-        self.joined = None
-
     def _someone_joined(self):
-        if self.joined is None:
-            self.joined = self.join_probe is not None and int(hvd.synchronize(self.join_probe)) < self.world
-            self.join_probe = None
-        return self.joined
+        active = self.active.read()
+        return active is not None and active < self.world
 
     def _unsend(self, bucket, current):
         """Put the entries selected into the message back into the residual (they were zeroed
@@ -746,8 +738,7 @@ class TopKEngine:
                 self._launch(bucket)
         for bucket in self.buckets:
             self._finish(bucket)
-        if self.join_probe is not None:  # no sparse bucket read it this step
-            self._someone_joined()
+        self.active.read()  # (when no sparse bucket read it this step)
         for p in self.passes:
             self.passes[p] = 0
         self._resparsify()
@@ -789,7 +780,7 @@ class TopKEngine:
             self.passes[p] = 0
         self.synchronized, self.should_synchronize = False, True
         self.step_begun, self.densified = False, []
-        self.join_probe, self.joined = None, False  # a reset Horovod forgot it too
+        self.active.forget()  # a reset Horovod forgot it too
 
     def _resparsify(self):
         for p in self.densified:

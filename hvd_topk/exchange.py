@@ -159,6 +159,37 @@ class SparseAllreduce:
         hvd.synchronize(handle)
 
 
+class ActiveRanks:
+    """How many ranks of a process set take part in this round, learnt without waiting.
+
+    ``start`` allreduces 1 from this rank (fire and forget); ``arrived`` polls; ``read`` gives
+    the sum (waiting if need be). A rank inside ``hvd.join()`` answers allreduces with zeros but
+    not allgathers or broadcasts (its background loop stops: horovod#3471), so a sum below the
+    set's size means a rank has joined and only allreduces may follow in this round.
+    """
+
+    def __init__(self, name):
+        self.name = name
+        self.one = torch.ones(1)
+        self.handle, self.count = None, None
+
+    def start(self, process_set):
+        self.handle, self.count = hvd.allreduce_async(self.one, name=self.name, op=hvd.Sum,
+                                                      process_set=process_set), None
+
+    def arrived(self):
+        return self.count is not None or (self.handle is not None and hvd.poll(self.handle))
+
+    def read(self):
+        """The ranks taking part (None when not started this round)."""
+        if self.handle is not None:
+            self.count, self.handle = int(hvd.synchronize(self.handle)), None
+        return self.count
+
+    def forget(self):
+        self.handle, self.count = None, None
+
+
 BY_NAME = {s.name: s for s in (DenseAllreduce, DenseAllreduceFp16, AllgatherPairs, SparseAllreduce)}
 CHOICES = ("auto", *BY_NAME)
 

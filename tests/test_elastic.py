@@ -1,10 +1,13 @@
-"""Horovod elastic with the error-feedback optimizer: examples/pytorch_elastic.py under
-``horovodrun --min-np/--max-np --host-discovery-script``, two hosts that are both this machine
-("localhost" and "127.0.0.1", one slot each, Gloo over ``lo``).
+"""Horovod elastic: examples/pytorch_elastic.py under ``horovodrun --min-np/--max-np
+--host-discovery-script``, two hosts that are both this machine ("localhost" and "127.0.0.1",
+one slot each, Gloo over ``lo``), with each way of training: the error-feedback optimizer
+(``topk-ef``), Horovod's optimizer with the drop-in TopK (``topk``) and Horovod's alone (``dense``).
 
-Each scenario reads the example's per-epoch log (rank 0): the job's size after each epoch, and
-the size the optimizer averages over (``compression_stats()["world_size"]``), which must follow
-it. Every run is bounded by a timeout, so a hang fails the test instead of CI.
+Each scenario reads the example's per-epoch log (rank 0): the job's size after each epoch; for
+``topk-ef`` the size the optimizer averages over (``compression_stats()["world_size"]``), which
+must follow it; for ``topk`` the tensors sent dense, which must stay 0 (the drop-in sends dense
+only when a rank is in ``hvd.join()``; a step left unfinished by a failed worker must not make it
+think so). Every run is bounded by a timeout, so a hang fails the test instead of CI.
 """
 
 import json
@@ -34,14 +37,17 @@ def discovery_script(tmp_path, log, before, after):
     return script
 
 
-def run_elastic(tmp_path, np_, before, after, *example_args):
+OPTIMIZERS = ["topk-ef", "topk", "dense"]
+
+
+def run_elastic(tmp_path, optimizer, np_, before, after, *example_args):
     log = tmp_path / "epochs.jsonl"
     script = discovery_script(tmp_path, log, before, after)
     horovodrun = Path(sys.executable).with_name("horovodrun")
     cmd = [str(horovodrun), "-np", str(np_), "--min-np", "1", "--max-np", "2",
            "--network-interface", "lo", "--host-discovery-script", str(script),
            sys.executable, str(EXAMPLE), "--epochs", "4", "--epoch-wait", "2",
-           "--epoch-log", str(log), *example_args]
+           "--epoch-log", str(log), "--optimizer", optimizer, *example_args]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -53,27 +59,33 @@ def run_elastic(tmp_path, np_, before, after, *example_args):
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert [line["epoch"] for line in lines] == [0, 1, 2, 3], lines
     for line in lines:
-        assert line["optimizer_world"] == line["size"], f"optimizer averages over a stale size: {lines}"
+        if optimizer == "topk-ef":
+            assert line["optimizer_world"] == line["size"], f"optimizer averages over a stale size: {lines}"
+        if optimizer == "topk":
+            assert line["tensors_dense"] == 0, f"the drop-in sent tensors dense: {lines}"
     return lines
 
 
-def test_worker_failure_restores_and_goes_on(tmp_path):
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_worker_failure_restores_and_goes_on(tmp_path, optimizer):
     """Rank 1 exits mid-step in epoch 1 (rank 0's buckets in flight): rank 0 restores the last
     commit (pending buckets dropped) and finishes alone."""
     both = ["localhost:1", "127.0.0.1:1"]
-    lines = run_elastic(tmp_path, 2, both, both, "--fail-rank", "1", "--fail-epoch", "1",
+    lines = run_elastic(tmp_path, optimizer, 2, both, both, "--fail-rank", "1", "--fail-epoch", "1",
                         "--fail-marker", str(tmp_path / "failed"))
     assert (tmp_path / "failed").exists()
     assert lines[0]["size"] == 2 and lines[-1]["size"] == 1, lines
 
 
-def test_worker_added(tmp_path):
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_worker_added(tmp_path, optimizer):
     """1 -> 2: the new worker builds its optimizer alone (no constructor collective) and joins."""
-    lines = run_elastic(tmp_path, 1, ["localhost:1"], ["localhost:1", "127.0.0.1:1"])
+    lines = run_elastic(tmp_path, optimizer, 1, ["localhost:1"], ["localhost:1", "127.0.0.1:1"])
     assert lines[0]["size"] == 1 and lines[-1]["size"] == 2, lines
 
 
-def test_worker_removed(tmp_path):
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_worker_removed(tmp_path, optimizer):
     """2 -> 1: the host of rank 1 leaves; the optimizer averages over 1 from then on."""
-    lines = run_elastic(tmp_path, 2, ["localhost:1", "127.0.0.1:1"], ["localhost:1"])
+    lines = run_elastic(tmp_path, optimizer, 2, ["localhost:1", "127.0.0.1:1"], ["localhost:1"])
     assert lines[0]["size"] == 2 and lines[-1]["size"] == 1, lines

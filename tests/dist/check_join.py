@@ -1,4 +1,5 @@
-"""hvd.join() for uneven data with the error-feedback optimizer, checked against numpy.
+"""hvd.join() for uneven data with the error-feedback optimizer and with the drop-in TopK,
+checked against numpy.
 
 Run: PYTHONPATH=.:tests mpirun -np 2 (or 3) python tests/dist/check_join.py
 (``--list`` prints the names of its checks).
@@ -15,12 +16,14 @@ and that rank's deterministic batch.
 import copy
 
 import numpy as np
+import torch
 import torch.nn.functional as F
 
 import horovod.torch as hvd
-from check_optimizer import batch, build
+import hvd_topk
+from check_optimizer import Net, batch, build
 from harness import raw_gradients, run
-from reference import ErrorFeedbackReference
+from reference import ErrorFeedbackReference, sparse_allreduce
 
 DENSITY = 0.05
 MIN_NUMEL = 500
@@ -81,9 +84,46 @@ def check_uneven_batches_then_join(selection_scope="tensor"):
     assert opt.compression_stats()["steps"] == steps_of(rank)
 
 
+def check_horovod_uneven_batches_then_join(drop_in):
+    """Horovod's own optimizer, with ``compression=TopK`` (``drop_in``, no error feedback) or
+    without: while every rank is active each tensor is the sum of every rank's top-k (or
+    gradient) / size; once one has joined, Horovod's dense result: the sum over the active ranks
+    / size (the joined rank counts as zeros)."""
+    rank, size = hvd.rank(), hvd.size()
+    torch.manual_seed(0)
+    model = Net()
+    compression = hvd_topk.TopK(density=DENSITY, method="exact") if drop_in else hvd.Compression.none
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), compression=compression)
+    shadow = copy.deepcopy(model)
+    for step in range(steps_of(rank)):
+        active = [r for r in range(size) if steps_of(r) > step]
+        grads = {n: [] for n, _ in model.named_parameters()}
+        for r in active:
+            for n, g in raw_gradients(shadow, model, *batch(step, r)).items():
+                grads[n].append(g)
+        opt.zero_grad()
+        x, y = batch(step, rank)
+        F.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        for n, p in model.named_parameters():
+            if len(active) == size and drop_in:
+                want = sparse_allreduce(grads[n], DENSITY)
+            else:
+                want = np.sum(grads[n], axis=0) / np.float32(size)
+            np.testing.assert_allclose(p.grad.numpy(), want, rtol=1e-5, atol=1e-7,
+                                       err_msg=f"step {step} ({len(active)} of {size} active) {n}")
+        with opt.skip_synchronize():
+            opt.step()
+    last = hvd.join()
+    assert last == 0, f"hvd.join() says rank {last} joined last; rank 0 has the most batches"
+
+
 CHECKS = [
     ("uneven batches then join", check_uneven_batches_then_join),
     ("uneven batches then join, bucket scope", lambda: check_uneven_batches_then_join("bucket")),
+    ("drop-in TopK: uneven batches then join", lambda: check_horovod_uneven_batches_then_join(True)),
+    ("horovod: uneven batches then join", lambda: check_horovod_uneven_batches_then_join(False)),
 ]
 
 
