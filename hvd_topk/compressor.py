@@ -31,6 +31,7 @@ import types
 import torch
 
 from hvd_topk._horovod import caller_process_set, hvd, tensor_name_from_caller
+from hvd_topk._torch import compiled_autograd_active
 from hvd_topk.codec import Codec
 from hvd_topk.exchange import ActiveRanks, AllgatherPairs, DenseAllreduce
 from hvd_topk.selection import DEFAULT_METHOD, check_density, check_flag, check_method
@@ -46,6 +47,12 @@ ADASUM_ERROR = (
     "which Top-K would truncate. Build hvd.DistributedOptimizer(..., compression=hvd_topk.TopK) "
     "with op=hvd.Average (the default) or op=hvd.Sum. (This is raised at the first backward "
     "pass because Horovod does not show a compressor the op when the optimizer is built.)")
+COMPILED_AUTOGRAD_ERROR = (
+    "hvd_topk.TopK does not support compiled autograd (torch._dynamo.config.compiled_autograd = "
+    "True): Horovod's gradient hooks, which call the compressor, do not run as Horovod expects "
+    "under it (Horovod itself then fails with mismatched tensors and shuts down). Set "
+    "torch._dynamo.config.compiled_autograd = False (torch.compile of the model can stay) and "
+    "build hvd.DistributedOptimizer again (its hook has already counted this backward pass).")
 
 
 class _OnDefaultInstance:
@@ -192,6 +199,8 @@ class TopK(Compressor):
             return tensor, None
         if isinstance(tensor, torch.nn.Parameter):
             raise ValueError(ADASUM_ERROR)
+        if compiled_autograd_active():
+            raise RuntimeError(COMPILED_AUTOGRAD_ERROR)
         t0 = time.perf_counter()
         numel = tensor.numel()
         plan = self._plan(numel, tensor.dtype)

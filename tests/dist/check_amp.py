@@ -21,7 +21,7 @@ import horovod.torch as hvd
 import hvd_topk
 from check_optimizer import Net, batch, build
 from harness import assert_same_on_all_ranks, gather, raises, raw_gradients, run
-from reference import ErrorFeedbackReference
+from reference import ErrorFeedbackReference, sparse_allreduce
 
 SCALES = [2.0 ** 10, 2.0 ** 11, 2.0 ** 8, 2.0 ** 8, 2.0 ** 14, 2.0 ** 3]
 
@@ -34,9 +34,9 @@ def build_scaled(pass_scaler, momentum_correction=0.0):
     return model, opt, scaler
 
 
-def train_scaled(model, opt, scaler, steps, ref=None, scaler_steps=True):
-    """Horovod's GradScaler pattern; with ``ref``, each step's unscaled p.grad is checked
-    against the numpy reference fed with true-unit gradients. Returns the largest deviation.
+def train_scaled(model, opt, scaler, steps, expected=None, scaler_steps=True):
+    """Horovod's GradScaler pattern; with ``expected(name, every rank's true-unit gradient)``,
+    each step's unscaled p.grad is compared with it. Returns the largest deviation.
     ``scaler_steps=False``: ``opt.step()`` directly instead of ``scaler.step(opt)`` (no
     overflow happens here, so the scaler would not skip a step either)."""
     rank = hvd.rank()
@@ -50,12 +50,9 @@ def train_scaled(model, opt, scaler, steps, ref=None, scaler_steps=True):
         opt.synchronize()
         scaler.unscale_(opt)
         for name, p in model.named_parameters():
-            grads = gather(raw[name])
-            if p.numel() >= 500:
-                want = ref.sparse(name, grads, 0.05)
-            else:
-                want = np.sum(grads, axis=0) / hvd.size()
-            worst = max(worst, float(np.max(np.abs(p.grad.numpy() - want))))
+            if expected is not None:
+                want = expected(name, gather(raw[name]))
+                worst = max(worst, float(np.max(np.abs(p.grad.numpy() - want))))
         with opt.skip_synchronize():
             scaler.step(opt) if scaler_steps else opt.step()
         scaler.update(new_scale=SCALES[(step + 1) % len(SCALES)])
@@ -64,10 +61,17 @@ def train_scaled(model, opt, scaler, steps, ref=None, scaler_steps=True):
     return worst
 
 
+def error_feedback_expected(ref, model):
+    """The error-feedback contract in true units: sparse tensors (>= 500 elements) by ``ref``."""
+    big = {n for n, p in model.named_parameters() if p.numel() >= 500}
+    return lambda name, grads: (ref.sparse(name, grads, 0.05) if name in big
+                                else np.sum(grads, axis=0) / hvd.size())
+
+
 def check_residuals_follow_scale_changes(momentum_correction=0.0):
     model, opt, scaler = build_scaled(pass_scaler=True, momentum_correction=momentum_correction)
     ref = ErrorFeedbackReference(hvd.size(), momentum=momentum_correction)
-    worst = train_scaled(model, opt, scaler, len(SCALES), ref)
+    worst = train_scaled(model, opt, scaler, len(SCALES), error_feedback_expected(ref, model))
     # Powers of two: exact up to summation order; an unscaled run reaches the same bound.
     assert worst < 1e-6, f"unscaled gradients differ from the true-unit reference by {worst:g}"
     saved = opt.state_dict()["hvd_topk"]
@@ -80,7 +84,8 @@ def check_without_the_scaler_residuals_are_stale():
     (``scaler.step(opt)`` refuses that case, next check; stepping directly bypasses it.)"""
     model, opt, scaler = build_scaled(pass_scaler=False)
     ref = ErrorFeedbackReference(hvd.size())
-    worst = train_scaled(model, opt, scaler, len(SCALES), ref, scaler_steps=False)
+    worst = train_scaled(model, opt, scaler, len(SCALES), error_feedback_expected(ref, model),
+                         scaler_steps=False)
     assert worst > 1e-3, worst
 
 
@@ -101,6 +106,23 @@ def check_rejects_other_objects():
         hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(), grad_scaler=1024.0)
 
 
+def check_horovod_scaler(drop_in):
+    """Horovod's optimizer, dense or with the drop-in TopK (no residuals), under the same pattern
+    and scale changes: the unscaled result is the mean of the true-unit gradients, or of each
+    rank's top-k of them (a positive power-of-two scale changes neither the positions nor, after
+    unscaling, the values)."""
+    torch.manual_seed(0)
+    model = Net()
+    compression = hvd_topk.TopK(density=0.05, method="exact") if drop_in else hvd.Compression.none
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(), compression=compression)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALES[0])
+    expected = ((lambda name, grads: sparse_allreduce(grads, 0.05)) if drop_in else
+                (lambda name, grads: np.sum(grads, axis=0) / hvd.size()))
+    worst = train_scaled(model, opt, scaler, len(SCALES), expected)
+    assert worst < 1e-6, f"unscaled gradients differ from the true-unit reference by {worst:g}"
+
+
 CHECKS = [
     ("residuals follow loss-scale changes", check_residuals_follow_scale_changes),
     ("residuals follow loss-scale changes, momentum correction",
@@ -108,6 +130,8 @@ CHECKS = [
     ("without grad_scaler the residuals are stale", check_without_the_scaler_residuals_are_stale),
     ("GradScaler.step without grad_scaler refused", check_scaler_step_without_the_option_refused),
     ("grad_scaler type checked", check_rejects_other_objects),
+    ("drop-in: GradScaler pattern", lambda: check_horovod_scaler(drop_in=True)),
+    ("horovod dense: GradScaler pattern", lambda: check_horovod_scaler(drop_in=False)),
 ]
 
 

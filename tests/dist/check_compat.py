@@ -296,6 +296,39 @@ def check_bf16_dense_path():
             assert_same_on_all_ranks(p.detach().float().numpy(), f"bf16 step {step}: parameter {name}")
 
 
+def check_bf16_topk_path(exchange):
+    """A bfloat16 weight on the Top-K path, one step from zero residuals: each rank's gradient
+    has tie-free magnitudes 1/8 .. 256/8 (exact in bfloat16), so the result is the numpy top-k
+    average up to two roundings to bfloat16 (the sum, then the division): within one ulp, 2**-7."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16)).to(torch.bfloat16)  # 256 weights, 16 biases
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters(), min_numel=100,
+                                        compression=hvd_topk.TopK(density=0.05), exchange=exchange)
+    gen = torch.Generator().manual_seed(5 + hvd.rank())
+    weight, bias = model[0].weight, model[0].bias
+    signs = torch.randint(0, 2, (256,), generator=gen) * 2 - 1
+    weight.grad = ((torch.randperm(256, generator=gen) + 1) * signs / 8).reshape(16, 16).to(torch.bfloat16)
+    bias.grad = (torch.randint(-63, 64, (16,), generator=gen) / 8).to(torch.bfloat16)
+    raw = {"weight": weight.grad.double().numpy(), "bias": bias.grad.double().numpy()}
+    opt.synchronize()
+    assert weight.grad.dtype == torch.bfloat16
+    if exchange == "sparse_allreduce":  # the leader's (rank 0 at step 0) positions, every rank's values
+        keep = np.argsort(-np.abs(gather(raw["weight"])[0].reshape(-1)), kind="stable")[:13]
+        total = np.sum(gather(raw["weight"]), axis=0).reshape(-1)
+        want = np.zeros(256)
+        want[keep] = total[keep] / hvd.size()
+        want = want.reshape(16, 16)
+    else:
+        want = sparse_allreduce(gather(raw["weight"]), 0.05)
+    np.testing.assert_allclose(weight.grad.double().numpy(), want, rtol=2 ** -7, atol=0)
+    np.testing.assert_allclose(bias.grad.double().numpy(), np.mean(gather(raw["bias"]), axis=0),
+                               rtol=2 ** -7, atol=0)
+    with opt.skip_synchronize():
+        opt.step()
+    assert_same_on_all_ranks(weight.detach().float().numpy(), "bf16 Top-K: weight")
+
+
 def check_channels_last(exchange="allgather"):
     """channels_last conv weights, small (dense path) and big (Top-K with error feedback); with
     the sparse allreduce the one sparse bucket's leader is rank (step mod size)."""
@@ -371,6 +404,37 @@ def check_compiled_autograd_refused():
     assert_same_on_all_ranks(model.fc1.weight.detach().numpy(), "after compiled autograd off")
 
 
+def check_drop_in_compiled_autograd_refused():
+    """Horovod's optimizer with the drop-in TopK: the first gradient hook's ``compress`` refuses,
+    on every rank, before anything is enqueued (eager backward and a torch.compile'd step, each
+    on a fresh optimizer: Horovod's hook has counted the pass before calling the compressor), so
+    Horovod stays up and a new optimizer trains once compiled autograd is off."""
+    def fresh():
+        torch.manual_seed(0)
+        model = Net()
+        return model, hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                               named_parameters=model.named_parameters(),
+                                               compression=hvd_topk.TopK)
+    x, y = batch(0, hvd.rank())
+    torch._dynamo.config.compiled_autograd = True
+    try:
+        model, _ = fresh()
+        eager = lambda: F.cross_entropy(model(x), y).backward()  # noqa: E731
+        with raises(RuntimeError, match=r"hvd_topk.TopK does not support compiled autograd.*Set "
+                    r"torch._dynamo.config.compiled_autograd = False", what="eager backward"):
+            eager()
+        model, _ = fresh()
+        compiled = torch.compile(lambda: F.cross_entropy(model(x), y).backward(), backend="eager")
+        with raises(RuntimeError, match=r"hvd_topk.TopK does not support compiled autograd",
+                    what="compiled step"):
+            compiled()
+    finally:
+        torch._dynamo.config.compiled_autograd = False
+    model, opt = fresh()
+    train(model, opt, 1)
+    assert_same_on_all_ranks(model.fc1.weight.detach().numpy(), "after compiled autograd off")
+
+
 # Run in this order on every rank; add a check with one line.
 # ---- item 6: gradients readable between backward and synchronize ---------------------------
 def check_grads_readable_before_synchronize():
@@ -406,10 +470,13 @@ CHECKS = [
     ("sparse gradient without sparse_as_dense refused", check_sparse_without_option_refused),
     ("horovod: sparse gradients", check_horovod_sparse_gradients),
     ("bf16 dense path", check_bf16_dense_path),
+    ("bf16 top-k path", lambda: check_bf16_topk_path("allgather")),
+    ("bf16 top-k path, sparse allreduce", lambda: check_bf16_topk_path("sparse_allreduce")),
     ("channels_last", check_channels_last),
     ("channels_last, sparse allreduce", lambda: check_channels_last("sparse_allreduce")),
     ("horovod: bf16 and channels_last", check_horovod_bf16_channels_last),
     ("compiled autograd refused", check_compiled_autograd_refused),
+    ("drop-in: compiled autograd refused", check_drop_in_compiled_autograd_refused),
     ("gradients readable before synchronize", check_grads_readable_before_synchronize),
 ]
 

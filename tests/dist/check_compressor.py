@@ -81,11 +81,15 @@ def raw_grads(model, batches):
     return {n: p.grad.detach().numpy().copy() for n, p in model.named_parameters()}
 
 
-def check_optimizer(density=0.05, op=hvd.Average, predivide=1.0, groups=None, passes=1, steps=2):
+def check_optimizer(density=0.05, op=hvd.Average, predivide=1.0, groups=None, passes=1, steps=2,
+                    dense=False):
+    """``dense``: Horovod's optimizer without compression (the README's first column), checked
+    against the same reference at density 1 (every entry sent)."""
     torch.manual_seed(0)
     model = Net()
     shadow = copy.deepcopy(model)
-    compressor = hvd_topk.TopK(density=density)
+    compressor = hvd.Compression.none if dense else hvd_topk.TopK(density=density)
+    density = 1.0 if dense else density
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
                                    named_parameters=model.named_parameters(), compression=compressor,
                                    op=op, gradient_predivide_factor=predivide, groups=groups,
@@ -106,6 +110,8 @@ def check_optimizer(density=0.05, op=hvd.Average, predivide=1.0, groups=None, pa
             np.testing.assert_allclose(p.grad.numpy(), ref, rtol=1e-5, atol=1e-7,
                                        err_msg=f"{label} step {step} {name}")
         step_and_check_same(opt, model, f"{label}: step {step}")
+    if dense:
+        return
     # Statistics, recomputed by hand from the contract: per tensor k pairs of 4+4 bytes
     # (padded to 8) plus the 12-byte probe; dense bytes are 4 per element.
     sizes = [p.numel() for p in model.parameters()]
@@ -151,6 +157,51 @@ def check_adasum_rejected():
         loss.backward()
 
 
+def check_broadcast_optimizer_state(compression):
+    """``hvd.broadcast_optimizer_state`` with Horovod's optimizer: every rank ends with rank 0's
+    learning rate and momentum buffers (built by a local step on rank-dependent gradients)."""
+    torch.manual_seed(0)
+    model = Net()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1 * (1 + hvd.rank()), momentum=0.9)
+    opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=compression)
+    gen = torch.Generator().manual_seed(3 + hvd.rank())
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen)
+    with opt.skip_synchronize():
+        opt.step()  # local: momentum buffers differ between ranks
+    buffers = [opt.state[p]["momentum_buffer"].numpy().copy() for p in model.parameters()]
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert opt.param_groups[0]["lr"] == gather(0.1)[0], opt.param_groups[0]["lr"]
+    for i, p in enumerate(model.parameters()):
+        np.testing.assert_array_equal(opt.state[p]["momentum_buffer"].numpy(), gather(buffers[i])[0],
+                                      err_msg=f"momentum buffer {i}")
+
+
+def check_adasum_dense():
+    """Horovod's own Adasum (dense): trains with ranks equal where the number of ranks is a
+    power of two; otherwise Horovod refuses at the first backward pass."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), op=hvd.Adasum)
+    size = hvd.size()
+    if size & (size - 1):
+        with raises(NotImplementedError, match="Running Adasum with non-power of 2 ranks is not supported",
+                    what=f"Adasum on {size} ranks"):
+            torch.nn.functional.cross_entropy(model(torch.randn(4, 20)), torch.zeros(4, dtype=torch.long)).backward()
+        return
+    gen = torch.Generator().manual_seed(5 + hvd.rank())
+    before = [p.detach().clone() for p in model.parameters()]
+    for step in range(2):
+        opt.zero_grad()
+        x, y = torch.randn(16, 20, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()  # Adasum's optimizer combines parameter deltas in step()
+        for name, p in model.named_parameters():
+            assert_same_on_all_ranks(p.detach().numpy(), f"adasum step {step}: parameter {name}")
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters())), "nothing trained"
+
+
 def optimizer(label, **options):
     """The named check of Horovod's DistributedOptimizer with TopK and these options."""
     return f"horovod optimizer: {label}", lambda: check_optimizer(**options)
@@ -167,6 +218,13 @@ CHECKS = [
     optimizer("density=1.0", density=1.0),
     ("grads set by hand", check_grads_set_by_hand),
     ("adasum rejected", check_adasum_rejected),
+    ("broadcast_optimizer_state", lambda: check_broadcast_optimizer_state(hvd_topk.TopK)),
+    # Horovod's optimizer alone, for the README's Compatibility table
+    ("horovod dense: groups=2", lambda: check_optimizer(dense=True, groups=2)),
+    ("horovod dense: passes=2", lambda: check_optimizer(dense=True, passes=2)),
+    ("horovod dense: predivide=2.0", lambda: check_optimizer(dense=True, predivide=2.0)),
+    ("horovod dense: broadcast_optimizer_state", lambda: check_broadcast_optimizer_state(hvd.Compression.none)),
+    ("horovod dense: adasum", check_adasum_dense),
 ]
 
 

@@ -84,6 +84,16 @@ def check_drop_in_compressor(process_set, members):
                     lambda name, grads: sparse_allreduce(grads, DENSITY).astype(np.float32))
 
 
+@with_process_set
+def check_horovod_dense(process_set, members):
+    """Horovod's optimizer alone, for the README's first column."""
+    torch.manual_seed(0)
+    model = Net()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), process_set=process_set)
+    train_and_check(model, opt, members, lambda name, grads: np.sum(grads, axis=0) / len(grads))
+
+
 def check_global_set_still_whole_job():
     """After the sets are removed, the default (global) exchange involves every rank."""
     torch.manual_seed(0)
@@ -100,6 +110,7 @@ def check_global_set_still_whole_job():
 CHECKS = [
     ("error-feedback optimizer, rank outside the set", check_error_feedback_optimizer),
     ("drop-in TopK, rank outside the set", check_drop_in_compressor),
+    ("horovod dense, rank outside the set", check_horovod_dense),
     ("global set after removing it", check_global_set_still_whole_job),
 ]
 
