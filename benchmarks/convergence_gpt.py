@@ -5,6 +5,10 @@ hvd_topk 1% and 0.1% with and without error feedback, over several seeds, at a f
 Every run is ``mpirun -np 2 python examples/pytorch_gpt.py --quiet --json OUT --steps N --seed S ARGS``.
 
     .venv/bin/python benchmarks/convergence_gpt.py                     # 6 configs x 3 seeds x 300 steps
+    .venv/bin/python benchmarks/convergence_gpt.py --configs dense dense-fv fv-1% fv-0.1% fv-noef-0.1% \
+        --out-prefix benchmarks/results/convergence-gpt-frozen-variance   # FrozenVarianceAdamW
+    .venv/bin/python benchmarks/convergence_gpt.py --configs dense fv-0.1%-freeze100 fv-noef-0.1%-freeze100 \
+        --out-prefix benchmarks/results/convergence-gpt-frozen-variance-freeze100
     .venv/bin/python benchmarks/convergence_gpt.py --configs dense ef-1% --seeds 42 --steps 60 \\
         --out-prefix /tmp/gpt-smoke                                     # quick check
 
@@ -41,8 +45,29 @@ CONFIGS = {
     "ef-1%-bucket-warm": ("hvd_topk 1%, EF, bucket scope, dense start decaying over 100 steps",
                           [*EF, "--density", "0.01", "--selection-scope", "bucket", "--warmup-steps", "100",
                            "--warmup-density", "1.0"]),
+    # hvd_topk.FrozenVarianceAdamW: the variance frozen after a dense start (1-bit Adam's structure)
+    "dense-fv": ("Horovod dense fp32, FrozenVarianceAdamW frozen at step 100",
+                 ["--compression", "none", "--adam", "frozen-variance", "--freeze-step", "100"]),
+    "fv-1%": ("hvd_topk 1%, EF, FrozenVarianceAdamW + momentum correction, dense start and freeze over 100 steps",
+              [*EF, "--density", "0.01", "--adam", "frozen-variance", "--freeze-step", "100",
+               "--warmup-steps", "100", "--warmup-density", "1.0"]),
+    "fv-0.1%": ("hvd_topk 0.1%, EF, FrozenVarianceAdamW + momentum correction, dense start and freeze over 150 steps",
+                [*EF, "--density", "0.001", "--adam", "frozen-variance", "--freeze-step", "150",
+                 "--warmup-steps", "150", "--warmup-density", "1.0"]),
+    "fv-0.1%-freeze100": ("hvd_topk 0.1%, EF, FrozenVarianceAdamW + momentum correction, dense start over 150 steps, "
+                          "frozen at step 100",
+                          [*EF, "--density", "0.001", "--adam", "frozen-variance", "--freeze-step", "100",
+                           "--warmup-steps", "150", "--warmup-density", "1.0"]),
+    "fv-noef-0.1%": ("hvd_topk 0.1%, no EF, FrozenVarianceAdamW (momentum inside), the same start and freeze",
+                     [*EF, "--density", "0.001", "--no-error-feedback", "--adam", "frozen-variance",
+                      "--freeze-step", "150", "--warmup-steps", "150", "--warmup-density", "1.0"]),
+    "fv-noef-0.1%-freeze100": ("hvd_topk 0.1%, no EF, FrozenVarianceAdamW (momentum inside), dense start over "
+                               "150 steps, frozen at step 100",
+                               [*EF, "--density", "0.001", "--no-error-feedback", "--adam", "frozen-variance",
+                                "--freeze-step", "100", "--warmup-steps", "150", "--warmup-density", "1.0"]),
 }
 DEFAULT = ["dense", "fp16", "ef-1%", "noef-1%", "ef-0.1%", "noef-0.1%"]
+FROZEN = ["dense", "dense-fv", "fv-1%", "fv-0.1%", "fv-noef-0.1%"]  # --configs for convergence-gpt-frozen-variance
 
 
 def main(argv=None):

@@ -13,6 +13,13 @@ AdamW (weight decay on matrices only), linear warm-up then cosine decay, gradien
 between ``opt.synchronize()`` and ``opt.step()`` under ``opt.skip_synchronize()`` (Horovod's
 pattern), optional autocast (``--amp bf16`` on CPU, ``--amp fp16`` on CUDA with a GradScaler).
 
+Top-K before plain AdamW costs quality (Adam normalises error feedback's late bursts away); the
+fix is ``--adam frozen-variance``: ``hvd_topk.FrozenVarianceAdamW`` with its variance frozen
+after a dense start and the momentum kept before compression (1-bit Adam's structure)::
+
+    horovodrun -np 2 --gloo python examples/pytorch_gpt.py --optimizer topk-ef --exchange allgather \
+        --density 0.001 --adam frozen-variance --freeze-step 150 --warmup-steps 150 --warmup-density 1.0
+
 The one line that matters is the optimizer wrapping in ``make_optimizer``. Rank 0 prints
 progress and validation loss, then bytes sent against a dense fp32 allreduce and, for topk-ef,
 the optimizer's statistics; its last line is ``final validation loss: X.XXXX``.
@@ -51,6 +58,11 @@ def parse_args(argv=None):
     p.add_argument("--min-numel", type=int, default=1024,
                    help="topk-ef: tensors with fewer elements go dense (e.g. 33000 keeps the embeddings "
                         "and the output head of the default model dense)")
+    p.add_argument("--adam", choices=("adamw", "frozen-variance"), default="adamw",
+                   help="frozen-variance: hvd_topk.FrozenVarianceAdamW, its variance frozen after "
+                        "--freeze-step steps; with topk-ef and error feedback its beta1 moves into the "
+                        "exchange (momentum_correction=0.9, betas (0, 0.95)), as 1-bit Adam does")
+    p.add_argument("--freeze-step", type=int, default=0, help="with --adam frozen-variance (e.g. = --warmup-steps)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
     p.add_argument("--context", type=int, default=128)
@@ -84,6 +96,8 @@ def parse_args(argv=None):
     for name, default in topk_ef_only.items():
         if getattr(args, name) != default and args.optimizer != "topk-ef":
             p.error(f"--{name.replace('_', '-')} only applies to --optimizer topk-ef")
+    if (args.adam == "frozen-variance") != (args.freeze_step > 0):
+        p.error("--adam frozen-variance needs --freeze-step N > 0, and --freeze-step needs it")
     if args.amp == "fp16" and not torch.cuda.is_available():
         p.error("--amp fp16 needs CUDA (GradScaler); on CPU use --amp bf16")
     if args.compression == "topk":
@@ -173,15 +187,24 @@ def make_optimizer(args, model, scaler):
     """(the distributed optimizer, the TopK instance it compresses with, or None)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    inner = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                               {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # frozen-variance with error feedback: beta1's momentum is kept before compression (DGC's
+    # momentum correction), so the inner optimizer has none
+    momentum_in_exchange = (args.adam == "frozen-variance" and args.optimizer == "topk-ef"
+                            and not args.no_error_feedback)
+    beta1 = 0.0 if momentum_in_exchange else 0.9
+    if args.adam == "frozen-variance":
+        inner = hvd_topk.FrozenVarianceAdamW(groups, lr=args.lr, betas=(beta1, 0.95), freeze_step=args.freeze_step)
+    else:
+        inner = torch.optim.AdamW(groups, lr=args.lr, betas=(beta1, 0.95))
     topk = hvd_topk.TopK(density=args.density) if args.compression == "topk" else None
     if args.optimizer == "topk-ef":
         opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=topk,
                                             error_feedback=not args.no_error_feedback,
                                             selection_scope=args.selection_scope, exchange=args.exchange,
                                             warmup_steps=args.warmup_steps, warmup_density=args.warmup_density,
-                                            min_numel=args.min_numel, grad_scaler=scaler)
+                                            min_numel=args.min_numel, grad_scaler=scaler,
+                                            momentum_correction=0.9 if momentum_in_exchange else 0.0)
         return opt, topk
     compression = topk or {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[args.compression]
     return hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=compression), topk

@@ -5,6 +5,8 @@
 - ``hvd_topk.DistributedOptimizer``: same signature as ``hvd.DistributedOptimizer``, with error
   feedback, fused packed exchange, a dense path where sparse does not pay, checkpointable state
   and ``compression_stats()``.
+- ``hvd_topk.FrozenVarianceAdamW``: AdamW whose variance is frozen after a warm-up, the inner
+  optimizer that makes Top-K with error feedback work with Adam (``hvd_topk.optim``).
 - ``hvd_topk.init()``: ``hvd.init()`` plus the host and cross-host process sets that the
   hierarchical exchange needs (``hierarchical=`` of the optimizer).
 """
@@ -13,7 +15,8 @@ import hvd_topk._horovod  # noqa: F401  a clear ImportError with install steps w
 
 from hvd_topk.compressor import TopK  # noqa: E402
 from hvd_topk.hierarchy import init  # noqa: E402
+from hvd_topk.optim import FrozenVarianceAdamW  # noqa: E402
 from hvd_topk.optimizer import DistributedOptimizer  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["TopK", "DistributedOptimizer", "init", "__version__"]
+__all__ = ["TopK", "DistributedOptimizer", "FrozenVarianceAdamW", "init", "__version__"]

@@ -1,0 +1,95 @@
+"""hvd_topk.FrozenVarianceAdamW against independent truths: torch.optim.AdamW before the freeze,
+a numpy AdamW with a frozen second moment after it (single process)."""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from hvd_topk import FrozenVarianceAdamW
+
+LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.1
+
+
+def grads(steps, shape=(7, 5), seed=0):
+    gen = np.random.default_rng(seed)
+    return [gen.standard_normal(shape) * (1 + step) for step in range(steps)]
+
+
+def numpy_adamw(p, gs, freeze, betas=BETAS):
+    """AdamW in float64; the second moment and its bias correction stop after step ``freeze``."""
+    b1, b2 = betas
+    m, v, bc2 = np.zeros_like(p), np.zeros_like(p), 1.0
+    for t, g in enumerate(gs, start=1):
+        p = p * (1 - LR * WD)
+        m = b1 * m + (1 - b1) * g
+        if not freeze or t <= freeze:
+            v = b2 * v + (1 - b2) * g * g
+            bc2 = 1 - b2 ** t
+        p = p - LR / (1 - b1 ** t) * m / (np.sqrt(v) / np.sqrt(bc2) + EPS)
+    return p
+
+
+def run(opt_factory, p0, gs):
+    p = torch.nn.Parameter(torch.tensor(p0, dtype=torch.float64))
+    opt = opt_factory([p])
+    for g in gs:
+        p.grad = torch.tensor(g)
+        opt.step()
+    return p.detach().numpy(), opt
+
+
+def test_equals_torch_adamw_until_the_freeze():
+    p0, gs = np.random.default_rng(1).standard_normal((7, 5)), grads(6)
+    ours, _ = run(lambda ps: FrozenVarianceAdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                                                  freeze_step=6), p0, gs)
+    torch_, _ = run(lambda ps: torch.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD), p0, gs)
+    np.testing.assert_allclose(ours, torch_, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("betas", [BETAS, (0.0, 0.95)])
+def test_variance_frozen_after_freeze_step(betas):
+    p0, gs = np.random.default_rng(2).standard_normal((7, 5)), grads(8)  # gradients grow each step
+    ours, opt = run(lambda ps: FrozenVarianceAdamW(ps, lr=LR, betas=betas, eps=EPS, weight_decay=WD,
+                                                    freeze_step=3), p0, gs)
+    np.testing.assert_allclose(ours, numpy_adamw(p0, gs, freeze=3, betas=betas), rtol=1e-12, atol=1e-14)
+    # and it is not AdamW any more (the check above could not pass by accident)
+    assert not np.allclose(ours, numpy_adamw(p0, gs, freeze=0, betas=betas), rtol=1e-6)
+    state = next(iter(opt.state.values()))
+    b2 = betas[1]
+    want_v = sum((1 - b2) * b2 ** (3 - t) * gs[t - 1] ** 2 for t in (1, 2, 3))
+    np.testing.assert_allclose(state["exp_avg_sq"].numpy(), want_v, rtol=1e-12)
+
+
+def test_state_dict_round_trip_keeps_the_freeze():
+    p0, gs = np.random.default_rng(3).standard_normal((4, 4)), grads(6, (4, 4))
+    make = lambda ps: FrozenVarianceAdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, freeze_step=2)  # noqa: E731
+    whole, _ = run(make, p0, gs)
+    first, opt = run(make, p0, gs[:3])
+    p = torch.nn.Parameter(torch.tensor(first))
+    resumed = make([p])
+    resumed.load_state_dict(opt.state_dict())
+    for g in gs[3:]:
+        p.grad = torch.tensor(g)
+        resumed.step()
+    np.testing.assert_array_equal(p.detach().numpy(), whole)
+
+
+def test_freezing_an_unseen_variance_warns():
+    p = torch.nn.Parameter(torch.zeros(100))
+    opt = FrozenVarianceAdamW([p], freeze_step=1)
+    p.grad = torch.zeros(100)
+    p.grad[:10] = 1.0  # 90 of 100 entries never see a gradient before the freeze
+    with pytest.warns(UserWarning, match=r"90 of 100 entries never having seen a gradient.*warmup_density=1.0"):
+        opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()  # once
+
+
+@pytest.mark.parametrize("kwargs,match", [({"freeze_step": -1}, "freeze_step"), ({"freeze_step": 2.5}, "freeze_step"),
+                                          ({"freeze_step": True}, "freeze_step"), ({"betas": (1.0, 0.9)}, "betas")])
+def test_bad_options_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FrozenVarianceAdamW([torch.nn.Parameter(torch.zeros(2))], **kwargs)
