@@ -106,6 +106,49 @@ def check_rejects_other_objects():
         hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(), grad_scaler=1024.0)
 
 
+def check_overflow_skipped_everywhere():
+    """A gradient overflows (inf) on rank 0 only: the exchange carries it to every rank, so
+    ``scaler.step`` skips the step on every rank (parameters unchanged, scale halved
+    everywhere), no residual keeps inf/nan, and the next step trains on every rank alike."""
+    rank = hvd.rank()
+    model, opt, scaler = build_scaled(pass_scaler=True)
+    inject = {"on": False}
+
+    def poison(grad):
+        if inject["on"] and rank == 0:
+            grad = grad.clone()
+            grad.view(-1)[7] = float("inf")
+        return grad
+
+    model.fc1.weight.register_hook(poison)
+
+    def scaled_step(step):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+
+    scaled_step(0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    scale = scaler.get_scale()
+    inject["on"] = True
+    scaled_step(1)
+    inject["on"] = False
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[n]), f"rank {rank}: {n} changed in the overflow step"
+    assert scaler.get_scale() == scale / 2, (scaler.get_scale(), scale)
+    residuals = opt.state_dict()["hvd_topk"]["residuals"]
+    assert all(torch.isfinite(r).all() for r in residuals.values()), "a residual kept inf/nan"
+    scaled_step(2)
+    for n, p in model.named_parameters():
+        assert torch.isfinite(p).all() and not torch.equal(p.detach(), before[n]), f"{n} did not train"
+        assert_same_on_all_ranks(p.detach().numpy(), f"after the overflow: {n}")
+
+
 def check_horovod_scaler(drop_in):
     """Horovod's optimizer, dense or with the drop-in TopK (no residuals), under the same pattern
     and scale changes: the unscaled result is the mean of the true-unit gradients, or of each
@@ -130,6 +173,7 @@ CHECKS = [
     ("without grad_scaler the residuals are stale", check_without_the_scaler_residuals_are_stale),
     ("GradScaler.step without grad_scaler refused", check_scaler_step_without_the_option_refused),
     ("grad_scaler type checked", check_rejects_other_objects),
+    ("gradient overflow skipped on every rank", check_overflow_skipped_everywhere),
     ("drop-in: GradScaler pattern", lambda: check_horovod_scaler(drop_in=True)),
     ("horovod dense: GradScaler pattern", lambda: check_horovod_scaler(drop_in=False)),
 ]
