@@ -5,8 +5,8 @@
 - ``hvd_topk.DistributedOptimizer``: same signature as ``hvd.DistributedOptimizer``, with error
   feedback, fused packed exchange, a dense path where sparse does not pay, checkpointable state
   and ``compression_stats()``.
-- ``hvd_topk.FrozenVarianceAdamW``: AdamW whose variance is frozen after a warm-up, the inner
-  optimizer that makes Top-K with error feedback work with Adam (``hvd_topk.optim``).
+- ``hvd_topk.FrozenVarianceAdamW``: AdamW whose variance is frozen after a warm-up, an inner
+  optimizer for Top-K with error feedback and Adam (``hvd_topk.optim``; its limit is documented).
 - ``hvd_topk.init()``: ``hvd.init()`` plus the host and cross-host process sets that the
   hierarchical exchange needs (``hierarchical=`` of the optimizer).
 """

@@ -1,5 +1,6 @@
-"""``FrozenVarianceAdamW``: AdamW whose second moment stops changing after a warm-up, so that
-Top-K with error feedback works with Adam as it does with SGD.
+"""``FrozenVarianceAdamW``: AdamW whose second moment stops changing after a warm-up, which
+makes Adam's update linear in the gradient again, as error feedback needs (over a short
+horizon: see the limit below).
 
 Why: error feedback sends each entry's gradient late, in bursts, but in full. With SGD (plain
 or with momentum) the update is linear in the gradient, so a late burst moves the parameter as
@@ -20,6 +21,10 @@ into the exchange and a dense start that decays to the target density over the f
                                         compression=hvd_topk.TopK(density=0.001),
                                         momentum_correction=0.9,      # Adam's beta1, now in DGC
                                         warmup_steps=150, warmup_density=1.0)
+
+Limit, measured: on the GPT example this closes the gap over 300 steps (0.1%: +0.3% against
+dense AdamW) but not over 1000 (+79%): the variance frozen at step 100 holds the early, large
+gradients, so later steps shrink as the gradients do. Freeze only once gradients have settled.
 
 Tuning: ``freeze_step`` as long as the density warm-up (the variance must be estimated from
 (nearly) dense exchanges; freezing it from sparse ones leaves entries never seen with a zero
