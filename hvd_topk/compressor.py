@@ -114,23 +114,25 @@ class _Round:
     one probe per round is enough.
 
     A round that never finished (a worker failed mid-step under Horovod elastic, or an exception
-    between backward and ``synchronize``) is abandoned when one of its tensors is compressed
-    again: that is the next step, which gets a probe of its own.
+    between backward and ``synchronize``) is abandoned when a tensor it already compressed is
+    compressed again, decompressed or not: that is the next step, which gets a probe of its own.
     """
 
     def __init__(self, active):
         self.active = active
         self.jobs = {}      # name -> job: compressed, not yet decompressed
+        self.seen = set()   # names compressed in this round, decompressed or not
         self.waiting = []   # jobs whose exchange has not started
         self.count = None   # ranks taking part, once known
 
     def add(self, job):
         """Returns the jobs of the round this one abandons (their name slots are free)."""
-        abandoned = list(self.jobs.values()) if job.name in self.jobs else []
+        abandoned = list(self.jobs.values()) if job.name in self.seen and self.jobs else []
         if abandoned or not self.jobs:
             self.active.start(job.process_set)
-            self.jobs, self.waiting, self.count = {}, [], None
+            self.jobs, self.seen, self.waiting, self.count = {}, set(), [], None
         self.jobs[job.name] = job
+        self.seen.add(job.name)
         self.waiting.append(job)
         return abandoned
 
