@@ -137,7 +137,8 @@ class _Round:
         return abandoned
 
     def done(self, job):
-        del self.jobs[job.name]
+        if self.jobs.get(job.name) is job:  # (not a job of a round abandoned since)
+            del self.jobs[job.name]
 
 
 class TopK(Compressor):
