@@ -89,7 +89,9 @@ def test_freezing_an_unseen_variance_warns():
 
 
 @pytest.mark.parametrize("kwargs,match", [({"freeze_step": -1}, "freeze_step"), ({"freeze_step": 2.5}, "freeze_step"),
-                                          ({"freeze_step": True}, "freeze_step"), ({"betas": (1.0, 0.9)}, "betas")])
+                                          ({"freeze_step": True}, "freeze_step"), ({"betas": (1.0, 0.9)}, "betas"),
+                                          ({"lr": -1e-3}, "lr"), ({"lr": float("nan")}, "lr"),
+                                          ({"eps": -1.0}, "eps"), ({"weight_decay": "0.1"}, "weight_decay")])
 def test_bad_options_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         FrozenVarianceAdamW([torch.nn.Parameter(torch.zeros(2))], **kwargs)
