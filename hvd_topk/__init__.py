@@ -15,7 +15,7 @@ import hvd_topk._horovod  # noqa: F401  a clear ImportError with install steps w
 
 from hvd_topk.compressor import TopK  # noqa: E402
 from hvd_topk.hierarchy import init  # noqa: E402
-from hvd_topk.optim import FrozenVarianceAdamW  # noqa: E402
+from hvd_topk.optim import FrozenVarianceAdamW, LocalAdamW  # noqa: E402
 from hvd_topk.optimizer import DistributedOptimizer  # noqa: E402
 
 __version__ = "0.1.0"

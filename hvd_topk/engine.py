@@ -198,6 +198,7 @@ class TopKEngine:
         self.active = exchange.ActiveRanks(f"{self.prefix}.active")  # hvd.join() probe
         self.densified = []        # parameters whose sparse gradient was densified this step
         self.family = None         # this step's exchange family (exchange= or auto's choice)
+        self.transform = None      # the inner optimizer's transform_local_gradient(p, grad), if any
         self.trial, self.trial_world = None, None  # exchange="auto": the trial of this world size
         self.used = {}             # bucket index -> strategy name of its last exchange
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
@@ -234,6 +235,8 @@ class TopKEngine:
                                  "accumulate gradients locally.")
         self.passes[p] += 1
         if self.passes[p] == self.passes_per_step:
+            if self.transform is not None:
+                self.transform(p, p.grad)
             bucket, position = self.place[p]
             self._fold(bucket, position, p.grad)
             if bucket.complete():

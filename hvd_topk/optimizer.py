@@ -95,6 +95,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
     if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
         raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
     _check_horovod_arguments(op, gradient_predivide_factor, backward_passes_per_step)
+    if grad_scaler is not None and hasattr(optimizer, "transform_local_gradient"):
+        raise ValueError(f"{type(optimizer).__name__} turns each rank's gradient into an update before the "
+                         "exchange and does not support loss scaling (grad_scaler): its moments would mix "
+                         "loss scales and absorb overflowed steps. Use bf16 autocast (no scaler), or "
+                         "hvd_topk.FrozenVarianceAdamW / torch.optim.AdamW with grad_scaler=.")
     if momentum_correction and any(g.get("momentum", 0) for g in optimizer.param_groups):
         warnings.warn("momentum_correction applies momentum before compression; the inner "
                       "optimizer's own momentum should be 0 (DGC), or momentum is applied twice")
@@ -114,6 +119,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
     # it; an instance-level ``step`` (an LR scheduler's wrapper) would bypass ours.
     wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
     setattr(wrapped, ENGINE, engine)
+    # An inner optimizer that works on each rank's own gradient before the exchange (LocalAdamW)
+    # defines transform_local_gradient(param, grad).
+    engine.transform = getattr(wrapped, "transform_local_gradient", None)
     return wrapped
 
 

@@ -1,5 +1,6 @@
 """hvd_topk.FrozenVarianceAdamW against independent truths: torch.optim.AdamW before the freeze,
-a numpy AdamW with a frozen second moment after it (single process)."""
+a numpy AdamW with a frozen second moment after it; hvd_topk.LocalAdamW's update against
+torch.optim.AdamW (single process; tests/dist/check_optimizer.py checks it across ranks)."""
 
 import warnings
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hvd_topk import FrozenVarianceAdamW
+from hvd_topk import FrozenVarianceAdamW, LocalAdamW
 
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.1
 
@@ -95,3 +96,44 @@ def test_freezing_an_unseen_variance_warns():
 def test_bad_options_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         FrozenVarianceAdamW([torch.nn.Parameter(torch.zeros(2))], **kwargs)
+    if "freeze_step" not in kwargs:
+        with pytest.raises(ValueError, match=match):
+            LocalAdamW([torch.nn.Parameter(torch.zeros(2))], **kwargs)
+
+
+def test_local_adamw_on_one_rank_is_torch_adamw():
+    """One rank, nothing dropped: transforming the gradient, then stepping on the result, is
+    exactly AdamW (what the engine does with a density-1 exchange on one rank)."""
+    p0, gs = np.random.default_rng(4).standard_normal((7, 5)), grads(6)
+
+    def local(ps):
+        opt = LocalAdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+        plain_step = opt.step
+
+        def step():
+            for p in ps:
+                opt.transform_local_gradient(p, p.grad)
+            plain_step()
+        opt.step = step
+        return opt
+
+    ours, opt = run(local, p0, gs)
+    torch_, ref = run(lambda ps: torch.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD), p0, gs)
+    np.testing.assert_allclose(ours, torch_, rtol=1e-12, atol=1e-14)
+    ours_state, torch_state = next(iter(opt.state.values())), next(iter(ref.state.values()))
+    np.testing.assert_allclose(ours_state["exp_avg_sq"].numpy(), torch_state["exp_avg_sq"].numpy(), rtol=1e-12)
+
+
+def test_local_adamw_alone_is_refused():
+    """Stepping on a raw gradient (no hvd_topk.DistributedOptimizer in between) would be SGD at
+    Adam's learning rate: refused. Horovod's broadcast_optimizer_state initialises state with a
+    zero gradient and one step: allowed, and it leaves the parameter alone."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = LocalAdamW([p], lr=0.1, weight_decay=0.5)
+    p.grad = torch.zeros(3)
+    opt.step()
+    np.testing.assert_array_equal(p.detach().numpy(), np.ones(3))
+    assert set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq"}
+    p.grad = torch.ones(3)
+    with pytest.raises(RuntimeError, match="only as the inner optimizer of hvd_topk.DistributedOptimizer"):
+        opt.step()

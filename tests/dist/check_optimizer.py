@@ -333,6 +333,49 @@ def check_bad_input():
         train(model, opt, 1)
 
 
+def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-3, wd=0.1):
+    """LocalAdamW: each rank's numpy Adam on its own gradient gives its update; the exchanged
+    result is the error-feedback contract applied to those updates; the step is
+    p * (1 - lr * wd) - lr * result on every rank. (A large eps: with a tiny one the first
+    updates are all +-1, and Top-K among ties would compare rounding, not the method.)"""
+    rank, size = hvd.rank(), hvd.size()
+    torch.manual_seed(0)
+    model = Net()
+    inner = hvd_topk.LocalAdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd)
+    opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(), exchange="allgather",
+                                        compression=hvd_topk.TopK(density=density), min_numel=500)
+    shadow = copy.deepcopy(model)
+    ref = ErrorFeedbackReference(size)
+    moments = {}  # (rank, name) -> (m, v) in float64
+    for step in range(steps):
+        x, y = batch(step, rank)
+        shadow.load_state_dict(model.state_dict())
+        shadow.zero_grad()
+        F.cross_entropy(shadow(x), y).backward()
+        before = {n: p.detach().numpy().astype(np.float64) for n, p in model.named_parameters()}
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        for name, p in model.named_parameters():
+            updates = []
+            for r, g in enumerate(gather(dict(shadow.named_parameters())[name].grad.numpy().astype(np.float64))):
+                m, v = moments.get((r, name), (0.0, 0.0))
+                m, v = betas[0] * m + (1 - betas[0]) * g, betas[1] * v + (1 - betas[1]) * g * g
+                moments[(r, name)] = (m, v)
+                t = step + 1
+                updates.append(m / (1 - betas[0] ** t) / (np.sqrt(v / (1 - betas[1] ** t)) + eps))
+            updates = np.stack(updates)
+            want = ref.sparse(name, updates, density) if p.numel() >= 500 else updates.mean(axis=0)
+            np.testing.assert_allclose(p.grad.numpy(), want, rtol=1e-5, atol=1e-6,
+                                       err_msg=f"local adamw: step {step} {name}")
+        step_and_check_same(opt, model, f"local adamw: step {step}")
+        for name, p in model.named_parameters():
+            np.testing.assert_allclose(p.detach().numpy(), before[name] * (1 - lr * wd) - lr * p.grad.numpy(),
+                                       rtol=1e-5, atol=1e-7, err_msg=f"local adamw: parameter {name}")
+    with raises(ValueError, match="does not support loss scaling", what="LocalAdamW with a GradScaler"):
+        hvd_topk.DistributedOptimizer(hvd_topk.LocalAdamW(Net().parameters()), grad_scaler=torch.amp.GradScaler("cpu"))
+
+
 def contract(label, **options):
     """The named check of the contract with these options: one line in CHECKS."""
     return f"contract: {label}", lambda: check_contract(label, **options)
@@ -365,6 +408,7 @@ CHECKS = [
     ("broadcast optimizer state", check_broadcast_optimizer_state),
     ("non-finite gradient", check_nonfinite),
     ("bad input", check_bad_input),
+    ("LocalAdamW: Adam per rank, updates exchanged", check_local_adamw),
 ]
 
 
