@@ -9,6 +9,8 @@ Every run is ``mpirun -np 2 python examples/pytorch_gpt.py --quiet --json OUT --
         --out-prefix benchmarks/results/convergence-gpt-frozen-variance   # FrozenVarianceAdamW
     .venv/bin/python benchmarks/convergence_gpt.py --configs dense fv-0.1%-freeze100 fv-noef-0.1%-freeze100 \
         --out-prefix benchmarks/results/convergence-gpt-frozen-variance-freeze100
+    .venv/bin/python benchmarks/convergence_gpt.py --configs dense local-1% local-0.1% local-noef-0.1% \
+        --steps 1000 --timeout 1500 --out-prefix benchmarks/results/convergence-gpt-local-1000   # LocalAdamW
     .venv/bin/python benchmarks/convergence_gpt.py --configs dense ef-1% --seeds 42 --steps 60 \\
         --out-prefix /tmp/gpt-smoke                                     # quick check
 
@@ -65,6 +67,18 @@ CONFIGS = {
                                "150 steps, frozen at step 100",
                                [*EF, "--density", "0.001", "--no-error-feedback", "--adam", "frozen-variance",
                                 "--freeze-step", "100", "--warmup-steps", "150", "--warmup-density", "1.0"]),
+    # hvd_topk.LocalAdamW: Adam on each rank's own gradient, its update exchanged (beta1 0 unless said)
+    "local-1%": ("hvd_topk 1%, EF, LocalAdamW (beta1 0), dense start decaying over 100 steps",
+                 [*EF, "--density", "0.01", "--adam", "local", "--warmup-steps", "100", "--warmup-density", "1.0"]),
+    "local-0.1%": ("hvd_topk 0.1%, EF, LocalAdamW (beta1 0), dense start decaying over 100 steps",
+                   [*EF, "--density", "0.001", "--adam", "local", "--warmup-steps", "100", "--warmup-density", "1.0"]),
+    "local-noef-0.1%": ("hvd_topk 0.1%, no EF, LocalAdamW (beta1 0), the same start",
+                        [*EF, "--density", "0.001", "--no-error-feedback", "--adam", "local", "--warmup-steps",
+                         "100", "--warmup-density", "1.0"]),
+    "local-1%-nostart": ("hvd_topk 1%, EF, LocalAdamW (beta1 0), no dense start",
+                         [*EF, "--density", "0.01", "--adam", "local"]),
+    "local-1%-beta1": ("hvd_topk 1%, EF, LocalAdamW with beta1 0.9, no dense start",
+                       [*EF, "--density", "0.01", "--adam", "local", "--beta1", "0.9"]),
 }
 DEFAULT = ["dense", "fp16", "ef-1%", "noef-1%", "ef-0.1%", "noef-0.1%"]
 FROZEN = ["dense", "dense-fv", "fv-1%", "fv-0.1%", "fv-noef-0.1%"]  # --configs for convergence-gpt-frozen-variance

@@ -58,10 +58,14 @@ def parse_args(argv=None):
     p.add_argument("--min-numel", type=int, default=1024,
                    help="topk-ef: tensors with fewer elements go dense (e.g. 33000 keeps the embeddings "
                         "and the output head of the default model dense)")
-    p.add_argument("--adam", choices=("adamw", "frozen-variance"), default="adamw",
-                   help="frozen-variance: hvd_topk.FrozenVarianceAdamW, its variance frozen after "
+    p.add_argument("--adam", choices=("adamw", "local", "frozen-variance"), default="adamw",
+                   help="local (topk-ef only): hvd_topk.LocalAdamW, Adam on each rank's own gradient and its "
+                        "update exchanged (beta1 0 by default: error feedback carries the past); "
+                        "frozen-variance: hvd_topk.FrozenVarianceAdamW, its variance frozen after "
                         "--freeze-step steps; with topk-ef and error feedback its beta1 moves into the "
                         "exchange (momentum_correction=0.9, betas (0, 0.95)), as 1-bit Adam does")
+    p.add_argument("--beta1", type=float, default=None,
+                   help="Adam's beta1 (default 0.9; 0 with --adam local, and with frozen-variance + error feedback)")
     p.add_argument("--freeze-step", type=int, default=0, help="with --adam frozen-variance (e.g. = --warmup-steps)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
@@ -72,7 +76,9 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--lr-warmup", type=float, default=0.1, help="fraction of --steps for the LR warm-up")
     p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping (0: off)")
+    p.add_argument("--clip", type=float, default=None,
+                   help="gradient norm clipping of the synchronized gradient (default 1.0; 0: off; off with "
+                        "--adam local, whose synchronized 'gradient' is Adam's update)")
     p.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none",
                    help="autocast: bf16 (CPU) or fp16 (CUDA, with torch.amp.GradScaler)")
     p.add_argument("--corpus-mb", type=float, default=4.0, help="bytes of the corpus used, MB")
@@ -98,6 +104,16 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} only applies to --optimizer topk-ef")
     if (args.adam == "frozen-variance") != (args.freeze_step > 0):
         p.error("--adam frozen-variance needs --freeze-step N > 0, and --freeze-step needs it")
+    if args.adam == "local" and args.optimizer != "topk-ef":
+        p.error("--adam local needs --optimizer topk-ef (hvd_topk.LocalAdamW runs inside hvd_topk.DistributedOptimizer)")
+    if args.adam == "local" and args.clip:
+        p.error("--adam local: the synchronized gradient is Adam's update; clipping it would shrink steps (use --clip 0)")
+    if args.adam == "local" and args.amp == "fp16":
+        p.error("--adam local does not support the GradScaler of --amp fp16; use --amp bf16")
+    if args.clip is None:
+        args.clip = 0.0 if args.adam == "local" else 1.0
+    if args.beta1 is not None and not 0 <= args.beta1 < 1:
+        p.error("--beta1 must be in [0, 1)")
     if args.amp == "fp16" and not torch.cuda.is_available():
         p.error("--amp fp16 needs CUDA (GradScaler); on CPU use --amp bf16")
     if args.compression == "topk":
@@ -192,9 +208,11 @@ def make_optimizer(args, model, scaler):
     # momentum correction), so the inner optimizer has none
     momentum_in_exchange = (args.adam == "frozen-variance" and args.optimizer == "topk-ef"
                             and not args.no_error_feedback)
-    beta1 = 0.0 if momentum_in_exchange else 0.9
+    beta1 = args.beta1 if args.beta1 is not None else 0.0 if momentum_in_exchange or args.adam == "local" else 0.9
     if args.adam == "frozen-variance":
         inner = hvd_topk.FrozenVarianceAdamW(groups, lr=args.lr, betas=(beta1, 0.95), freeze_step=args.freeze_step)
+    elif args.adam == "local":
+        inner = hvd_topk.LocalAdamW(groups, lr=args.lr, betas=(beta1, 0.95))
     else:
         inner = torch.optim.AdamW(groups, lr=args.lr, betas=(beta1, 0.95))
     topk = hvd_topk.TopK(density=args.density) if args.compression == "topk" else None
