@@ -376,6 +376,36 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-
         hvd_topk.DistributedOptimizer(hvd_topk.LocalAdamW(Net().parameters()), grad_scaler=torch.amp.GradScaler("cpu"))
 
 
+def check_local_adamw_resume():
+    """LocalAdamW's moments and the residuals saved at step 3 (one state per rank) and loaded
+    into fresh objects, with another learning rate set by the checkpoint: bitwise equal at 6."""
+    def build_local(seed=0, betas=(0.0, 0.95)):
+        torch.manual_seed(seed)
+        model = Net()
+        inner = hvd_topk.LocalAdamW(model.parameters(), lr=0.01, betas=betas, weight_decay=0.1)
+        return model, hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                                    exchange="allgather", min_numel=500,
+                                                    compression=hvd_topk.TopK(density=0.05))
+    model, opt = build_local()
+    train(model, opt, 3)
+    for group in opt.param_groups:
+        group["betas"] = (0.5, 0.9)  # what a resumed run must keep using
+    train(model, opt, 3, start=3)
+    model_b, opt_b = build_local()
+    train(model_b, opt_b, 3)
+    for group in opt_b.param_groups:
+        group["betas"] = (0.5, 0.9)
+    saved = copy.deepcopy({"model": model_b.state_dict(), "opt": opt_b.state_dict()})
+    model_c, opt_c = build_local(seed=123)
+    train(model_c, opt_c, 1)  # already stepping when it loads the checkpoint
+    model_c.load_state_dict(saved["model"])
+    opt_c.load_state_dict(saved["opt"])
+    train(model_c, opt_c, 3, start=3)
+    for (name, a), c in zip(model.named_parameters(), model_c.parameters()):
+        assert torch.equal(a, c), f"resume: {name} differs (max {float((a - c).abs().max())})"
+    assert_same_on_all_ranks(next(model_c.parameters()).detach().numpy(), "resumed parameters")
+
+
 def contract(label, **options):
     """The named check of the contract with these options: one line in CHECKS."""
     return f"contract: {label}", lambda: check_contract(label, **options)
@@ -409,6 +439,7 @@ CHECKS = [
     ("non-finite gradient", check_nonfinite),
     ("bad input", check_bad_input),
     ("LocalAdamW: Adam per rank, updates exchanged", check_local_adamw),
+    ("LocalAdamW: checkpoint resume", check_local_adamw_resume),
 ]
 
 
