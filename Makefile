@@ -16,7 +16,7 @@ demo: setup
 # A small byte-level GPT on the standard library's sources, Top-K 1% with error feedback and
 # hvd_topk.FrozenVarianceAdamW (dense start, variance frozen at step 100) (~1-2 min).
 demo-gpt: setup
-	PATH=$(BIN):$$PATH horovodrun -np $(NP) --gloo python examples/pytorch_gpt.py --optimizer topk-ef --exchange allgather --density 0.01 --adam frozen-variance --freeze-step 100 --warmup-steps 100 --warmup-density 1.0
+	PATH=$(BIN):$$PATH horovodrun -np $(NP) --gloo python examples/pytorch_gpt.py --optimizer topk-ef --exchange allgather --density 0.01 --adam local --warmup-steps 100 --warmup-density 1.0
 
 test: setup
 	$(BIN)/python -m pytest -v tests

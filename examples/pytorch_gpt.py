@@ -14,11 +14,14 @@ between ``opt.synchronize()`` and ``opt.step()`` under ``opt.skip_synchronize()`
 pattern), optional autocast (``--amp bf16`` on CPU, ``--amp fp16`` on CUDA with a GradScaler).
 
 Top-K before plain AdamW costs quality (Adam normalises error feedback's late bursts away); the
-fix is ``--adam frozen-variance``: ``hvd_topk.FrozenVarianceAdamW`` with its variance frozen
-after a dense start and the momentum kept before compression (1-bit Adam's structure)::
+fix is ``--adam local``: ``hvd_topk.LocalAdamW`` runs Adam on each rank's own gradient and the
+update is what Top-K with error feedback compresses, after a dense start::
 
     horovodrun -np 2 --gloo python examples/pytorch_gpt.py --optimizer topk-ef --exchange allgather \
-        --density 0.001 --adam frozen-variance --freeze-step 150 --warmup-steps 150 --warmup-density 1.0
+        --density 0.01 --adam local --warmup-steps 100 --warmup-density 1.0
+
+(``--adam frozen-variance --freeze-step 100``: 1-bit Adam's frozen variance, good over 300 steps
+only.)
 
 The one line that matters is the optimizer wrapping in ``make_optimizer``. Rank 0 prints
 progress and validation loss, then bytes sent against a dense fp32 allreduce and, for topk-ef,
