@@ -75,9 +75,7 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
                     raise RuntimeError("FrozenVarianceAdamW does not support sparse gradients")
                 state = self.state[p]
                 if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    _new_adam_state(state, p)
                     state["bias_correction2"] = 1.0  # a float: exact, and kept as is by load_state_dict
                 state["step"] += 1
                 step = int(state["step"])
@@ -143,20 +141,13 @@ class LocalAdamW(torch.optim.Optimizer):
             self._groups_key = key
         return self._groups_by_param[p]
 
-    def _init_state(self, p):
-        state = self.state[p]
-        state["step"] = torch.zeros((), dtype=torch.float32)
-        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state
-
     @torch.no_grad()
     def transform_local_gradient(self, p, grad):
         """Replace ``grad`` (this rank's gradient of ``p``) in place by this rank's Adam update
         direction ``m_hat / (sqrt(v_hat) + eps)``, advancing the moments one step."""
         group = self._group_of(p)
         beta1, beta2 = group["betas"]
-        state = self.state[p] or self._init_state(p)
+        state = self.state[p] or _new_adam_state(self.state[p], p)
         state["step"] += 1
         step = int(state["step"])
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
@@ -183,12 +174,20 @@ class LocalAdamW(torch.optim.Optimizer):
                                            "not turn into an update: use it only as the inner optimizer of "
                                            "hvd_topk.DistributedOptimizer (not alone, not with "
                                            "hvd.DistributedOptimizer)")
-                    self._init_state(p)  # hvd.broadcast_optimizer_state initialising the state
+                    _new_adam_state(self.state[p], p)  # hvd.broadcast_optimizer_state initialising it
                     continue
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.add_(p.grad, alpha=-group["lr"])
         self._transformed.clear()
         return loss
+
+
+def _new_adam_state(state, p):
+    """Adam's per-parameter state, as torch.optim.AdamW lays it out (``step`` a float tensor)."""
+    state["step"] = torch.zeros((), dtype=torch.float32)
+    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
 
 
 def _check_adam_options(lr, betas, eps, weight_decay):
