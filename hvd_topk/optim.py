@@ -60,10 +60,7 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _evaluate(closure)
         unseen = total = 0
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
@@ -160,10 +157,7 @@ class LocalAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """``p -= lr * (the exchanged update + weight_decay * p)``, decoupled as in AdamW."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _evaluate(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -180,6 +174,14 @@ class LocalAdamW(torch.optim.Optimizer):
                 p.add_(p.grad, alpha=-group["lr"])
         self._transformed.clear()
         return loss
+
+
+def _evaluate(closure):
+    """The loss of an optimizer step's closure (torch's convention), or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 def _new_adam_state(state, p):
