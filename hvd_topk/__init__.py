@@ -5,8 +5,9 @@
 - ``hvd_topk.DistributedOptimizer``: same signature as ``hvd.DistributedOptimizer``, with error
   feedback, fused packed exchange, a dense path where sparse does not pay, checkpointable state
   and ``compression_stats()``.
-- ``hvd_topk.FrozenVarianceAdamW``: AdamW whose variance is frozen after a warm-up, an inner
-  optimizer for Top-K with error feedback and Adam (``hvd_topk.optim``; its limit is documented).
+- ``hvd_topk.LocalAdamW``: the inner optimizer for Top-K with Adam: Adam runs on each rank's
+  own gradient and its update is what gets compressed (``hvd_topk.optim``, limits documented);
+  ``hvd_topk.FrozenVarianceAdamW``: 1-bit Adam's frozen variance, good over short runs only.
 - ``hvd_topk.init()``: ``hvd.init()`` plus the host and cross-host process sets that the
   hierarchical exchange needs (``hierarchical=`` of the optimizer).
 """
