@@ -28,6 +28,12 @@ rank's; the table gives the median over ``--steps`` after ``--warmup`` iteration
     .venv/bin/python benchmarks/overhead.py --models resnet50 --steps 5 --output-name overhead-smoke
     PYTHONPATH=/work/before .venv/bin/python benchmarks/overhead.py --output-name overhead-before
                                                        # measure another checkout's hvd_topk
+    .venv/bin/python benchmarks/overhead.py --mca mpi_yield_when_idle=1 --output-name overhead-yield
+                                   # OpenMPI told the host is oversubscribed: waiting ranks yield
+
+Two ranks on two cores, each with Horovod's background thread, oversubscribe the cores; OpenMPI
+spins while a rank waits in a collective unless ``mpi_yield_when_idle`` is set (the emulated
+hosts of benchmarks/exchange.py set it). Both ways are committed, labelled by their command.
 
 Writes benchmarks/results/<output-name>.{json,md} (command, machine, date, hvd_topk's file).
 """
@@ -248,7 +254,8 @@ def driver(args, argv):
         worker_argv = [Path(__file__).resolve(), "--worker", "--out", out, "--models", *args.models,
                        "--modes", *args.modes, "--density", args.density, "--steps", args.steps,
                        "--warmup", args.warmup, "--pool", args.pool]
-        cmd = launch.mpirun_command(args.np, worker_argv, env_names=env_names)
+        mca = args.mca
+        cmd = launch.mpirun_command(args.np, worker_argv, env_names=env_names, mca=mca)
         print(f"overhead benchmark: {shlex.join(map(str, cmd))}", flush=True)
         started = time.time()
         rc, _ = stream(cmd, timeout=args.timeout, keep=False)
@@ -261,8 +268,9 @@ def driver(args, argv):
               "command": shlex.join([*([f"PYTHONPATH={pythonpath}"] if pythonpath else []),
                                      *[f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("HOROVOD_")],
                                      ".venv/bin/python", "benchmarks/overhead.py", *argv]),
-              "mpirun": f"mpirun -np {args.np} --oversubscribe --bind-to none -x OMP_NUM_THREADS=1 python "
-                        "benchmarks/overhead.py --worker ...",
+              "mpirun": f"mpirun -np {args.np} --oversubscribe --bind-to none "
+                        + "".join(f"--mca {n} {v} " for n, v in mca)
+                        + "-x OMP_NUM_THREADS=1 python benchmarks/overhead.py --worker ...",
               "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": info, "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
               "wall_s": time.time() - started, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
@@ -276,6 +284,14 @@ def driver(args, argv):
     return report
 
 
+def mca_pair(text):
+    """``--mca NAME=VALUE`` -> (NAME, VALUE)."""
+    name, sep, value = text.partition("=")
+    if not sep or not name or not value:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE (e.g. mpi_yield_when_idle=1), got {text!r}")
+    return name, value
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -286,6 +302,9 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--pool", type=int, default=2, help="sets of loss constants cycled")
     ap.add_argument("--np", type=int, default=2)
+    ap.add_argument("--mca", action="append", default=[], metavar="NAME=VALUE", type=mca_pair,
+                    help="an OpenMPI parameter for mpirun (repeatable), e.g. mpi_yield_when_idle=1: "
+                         "waiting ranks yield their core instead of spinning (see the README)")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds for the whole mpirun")
     ap.add_argument("--output-name", default="overhead")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

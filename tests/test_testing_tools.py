@@ -39,6 +39,16 @@ def test_mpirun_command_forwards_set_variables(fake_mpirun, monkeypatch):
     assert pairs == ["OMP_NUM_THREADS", "PYTHONPATH"]
 
 
+def test_mpirun_command_passes_mca_pairs_before_the_program(fake_mpirun):
+    cmd = launch.mpirun_command(2, ["s.py"], python="/py", mca=[("mpi_yield_when_idle", 1), ("btl", "tcp,self")])
+    program = cmd.index("/py")
+    assert cmd[cmd.index("mpi_yield_when_idle") - 1:cmd.index("mpi_yield_when_idle") + 2] == \
+        ["--mca", "mpi_yield_when_idle", "1"]
+    assert cmd[cmd.index("tcp,self") - 2:cmd.index("tcp,self") + 1] == ["--mca", "btl", "tcp,self"]
+    assert cmd.index("tcp,self") < program
+    assert "mpi_yield_when_idle" not in launch.mpirun_command(2, ["s.py"])
+
+
 @pytest.mark.parametrize("np_", [0, -1, True, 1.5, "2"])
 def test_mpirun_command_rejects_bad_np(fake_mpirun, np_):
     with pytest.raises(ValueError):

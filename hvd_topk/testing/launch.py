@@ -11,7 +11,7 @@ import shutil
 import sys
 
 
-def mpirun_command(np, argv, *, env_names=("OMP_NUM_THREADS",), python=None):
+def mpirun_command(np, argv, *, env_names=("OMP_NUM_THREADS",), python=None, mca=()):
     """``mpirun -np NP ... PYTHON ARGV...`` as a list.
 
     Args:
@@ -20,6 +20,8 @@ def mpirun_command(np, argv, *, env_names=("OMP_NUM_THREADS",), python=None):
             (default: this interpreter).
         env_names: variables forwarded to every rank with ``-x`` (``OMP_NUM_THREADS`` is set to 1
             unless it is already set).
+        mca: further OpenMPI parameters, ``(name, value)`` pairs, each passed as ``--mca name value``
+            (e.g. ``("mpi_yield_when_idle", "1")``).
 
     Raises RuntimeError naming the fix when ``mpirun`` is not installed.
     """
@@ -30,6 +32,8 @@ def mpirun_command(np, argv, *, env_names=("OMP_NUM_THREADS",), python=None):
         raise RuntimeError("mpirun not found: run `bash docker/install.sh` (installs OpenMPI)")
     cmd = [mpirun, "-np", str(np), "--oversubscribe", "--bind-to", "none",
            "--mca", "btl_vader_single_copy_mechanism", "none"]
+    for name, value in mca:
+        cmd += ["--mca", str(name), str(value)]
     for name in env_names:
         if name == "OMP_NUM_THREADS" and name not in os.environ:
             cmd += ["-x", "OMP_NUM_THREADS=1"]
