@@ -254,8 +254,7 @@ def driver(args, argv):
         worker_argv = [Path(__file__).resolve(), "--worker", "--out", out, "--models", *args.models,
                        "--modes", *args.modes, "--density", args.density, "--steps", args.steps,
                        "--warmup", args.warmup, "--pool", args.pool]
-        mca = args.mca
-        cmd = launch.mpirun_command(args.np, worker_argv, env_names=env_names, mca=mca)
+        cmd = launch.mpirun_command(args.np, worker_argv, env_names=env_names, mca=args.mca)
         print(f"overhead benchmark: {shlex.join(map(str, cmd))}", flush=True)
         started = time.time()
         rc, _ = stream(cmd, timeout=args.timeout, keep=False)
@@ -269,7 +268,7 @@ def driver(args, argv):
                                      *[f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("HOROVOD_")],
                                      ".venv/bin/python", "benchmarks/overhead.py", *argv]),
               "mpirun": f"mpirun -np {args.np} --oversubscribe --bind-to none "
-                        + "".join(f"--mca {n} {v} " for n, v in mca)
+                        + "".join(f"--mca {n} {v} " for n, v in args.mca)
                         + "-x OMP_NUM_THREADS=1 python benchmarks/overhead.py --worker ...",
               "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": info, "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
