@@ -172,6 +172,11 @@ def make_optimizer(method, params, topk_method, hvd, hvd_topk, torch, fp16_value
     raise ValueError(f"unknown method {method}")
 
 
+# compression_stats() timers reported per rank; the time_host_* / time_cross_s ones are parts of
+# time_exchange_s with the hierarchical exchange
+PHASES = ("time_selection_s", "time_exchange_s", "time_host_reduce_s", "time_cross_s", "time_host_gather_s")
+
+
 def stats_difference(after, before):
     """``after - before`` for the numeric running totals of ``compression_stats()``; other
     entries (current density, bucket counts, lists) as in ``after``."""
@@ -293,6 +298,10 @@ def worker(args):
             st = stats_difference(opt.compression_stats(), stats0)
             row["compression_stats"] = st
             row["payload_bytes_per_step_rank"] = st["bytes_sent"] / max(1, st.get("steps") or args.steps)
+            # every rank's timers (ms per timed step): ranks of different hosts can differ a lot
+            mine = torch.tensor([[1e3 * st.get(k, 0.0) / args.steps for k in PHASES]], dtype=torch.float64)
+            row["phases_ms_per_rank"] = [dict(zip(PHASES, r)) for r in
+                                         hvd.allgather(mine, name="bench.phases").tolist()]
         elif name == "topk":
             st = comp.stats()
             row["compression_stats"] = st
@@ -434,7 +443,28 @@ def markdown(report):
                          f"{r.get('wire_rx_bytes_per_step_rank', float('nan')) / 1e6:.2f} | "
                          f"{'' if pay is None else f'{pay / 1e6:.2f}'} | {agree} |")
         lines.append("")
+        lines += phase_table(rows, per_host)
     return "\n".join(lines)
+
+
+def phase_table(rows, per_host):
+    """Where the hierarchical rows' time went, per rank (``compression_stats()`` timers)."""
+    hier = [r for r in rows if r["method"].partition("@")[0].endswith("-hier") and r.get("phases_ms_per_rank")]
+    if not hier:
+        return []
+    lines = ["Hierarchical rows, per rank, ms per timed step (`compression_stats()`): waiting for the "
+             "host's dense reduce-scatter in `synchronize()`, selecting on the shard, the sparse "
+             "exchange across hosts, the allgather inside the host; `exchange` is all of "
+             "`synchronize()` but selection (the three before it, the decode and the flat buckets).", "",
+             "| method | rank (host) | host reduce-scatter wait | selection | across hosts | host allgather | exchange |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in hier:
+        for rank, ph in enumerate(r["phases_ms_per_rank"]):
+            lines.append(f"| {r['label']} | {rank} ({rank // per_host}) | {ph['time_host_reduce_s']:.1f} | "
+                         f"{ph['time_selection_s']:.1f} | {ph['time_cross_s']:.1f} | "
+                         f"{ph['time_host_gather_s']:.1f} | {ph['time_exchange_s']:.1f} |")
+    lines.append("")
+    return lines
 
 
 def common_arguments(ap, densities, pool, output_name):

@@ -515,6 +515,7 @@ class TopKEngine:
         topo, ef = self.topology, self.options.error_feedback
         t0 = time.perf_counter()
         shard = hvd.synchronize(handle)
+        host_reduce = time.perf_counter() - t0
         lo, hi = self._shard(bucket)
         residual = bucket.shard_residual(hi - lo)
         if ef:
@@ -533,6 +534,7 @@ class TopKEngine:
                 encoded = self.codec.encode(residual, plan, message, zero_sent=ef)
                 current.nonfinite = encoded.nonfinite
                 self._wipe_shard(residual, plan, encoded.nonfinite, ef)
+            selection = time.perf_counter() - t1
             _, indices = plan.layout.views(message)
             strategy.finish(strategy.start_indices(indices, leader, name + ".cross", topo.cross))
             values = self._gather_values(bucket, current, plan, residual)
@@ -541,11 +543,14 @@ class TopKEngine:
         else:
             encoded = self.codec.encode(residual, plan, message, zero_sent=ef)
             self._wipe_shard(residual, plan, encoded.nonfinite, ef)
+            selection = time.perf_counter() - t1
             result = hvd.allgather(message, name=name + ".cross", process_set=topo.cross)
             rows = topo.cross_size
-        selection = time.perf_counter() - t1
         # Inside the host the shards' results travel still compressed, and every rank decodes all.
+        t2 = time.perf_counter()
+        cross = t2 - t1 - selection
         every = hvd.allgather(result, name=name + ".gather", process_set=topo.local)
+        host_gather = time.perf_counter() - t2
         full = bucket.scratch("hierarchical_result", bucket.numel, bucket.dtype)
         edges, offset = hierarchy.shard_bounds(bucket.numel, topo.local_size), 0
         for a, b in zip(edges, edges[1:]):
@@ -556,7 +561,8 @@ class TopKEngine:
             offset += size
         self._write_grads(bucket, full)
         bucket.reset()
-        self.stats.add(time_exchange_s=time.perf_counter() - t0 - selection, time_selection_s=selection)
+        self.stats.add(time_exchange_s=time.perf_counter() - t0 - selection, time_selection_s=selection,
+                       time_host_reduce_s=host_reduce, time_cross_s=cross, time_host_gather_s=host_gather)
 
     def _wipe_shard(self, residual, plan, nonfinite, ef):
         """A shard segment that held inf/nan (it was sent) starts again from zero."""

@@ -17,7 +17,14 @@ class CompressionStats:
         "selection_repasses", # extra passes the native kernel made (threshold estimated too high)
         "selection_filled",   # entries 'sampled' took from outside the top-k (<= 5% of k each)
     )
-    _TIMERS = ("time_selection_s", "time_exchange_s")
+    _TIMERS = (
+        "time_selection_s",    # selecting (and packing) what to send
+        "time_exchange_s",     # waiting on and decoding exchanges in synchronize(), other than selecting
+        # parts of time_exchange_s with the hierarchical exchange (hvd_topk.hierarchy):
+        "time_host_reduce_s",  # waiting for the host's dense reduce-scatter in synchronize()
+        "time_cross_s",        # the sparse exchange of this rank's shard across hosts
+        "time_host_gather_s",  # the allgather of the exchanged shards among the host's ranks
+    )
 
     def __init__(self):
         self._lock = threading.Lock()

@@ -126,6 +126,9 @@ def check_contract(exchange="allgather", scope="tensor", steps=4):
                                err_msg=f"{exchange}/{scope}: residual shard")
     stats = opt.compression_stats()
     assert stats["hierarchical"] and stats["bucket_strategies"][0] == exchange, stats
+    # the hierarchical timers were kept, as parts of time_exchange_s
+    parts = [stats[k] for k in ("time_host_reduce_s", "time_cross_s", "time_host_gather_s")]
+    assert all(t > 0 for t in parts) and sum(parts) <= stats["time_exchange_s"], stats
     return model, opt
 
 

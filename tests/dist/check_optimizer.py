@@ -117,6 +117,8 @@ def check_contract(label, steps=4, density=0.05, momentum_correction=0.0, error_
         want_selected = sum(k_of(n, dgc_density(s, density, warmup_steps)) for s in range(steps) for n in sizes)
     want_selected += steps * sum(p.numel() for p in model.parameters() if p.numel() < 500)
     assert stats["elements_selected"] == want_selected, (stats, want_selected)
+    # one host here: the hierarchical exchange's timers stay at zero
+    assert stats["time_host_reduce_s"] == stats["time_cross_s"] == stats["time_host_gather_s"] == 0, stats
     if options.get("dense_fallback", True):
         assert stats["bytes_sent"] < stats["bytes_dense"], stats
     return model
