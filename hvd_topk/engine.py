@@ -138,6 +138,20 @@ class StepPlan:
     seconds: float = 0.0  # selection time spent in hooks
 
 
+@dataclasses.dataclass
+class HierarchicalStep:
+    """One bucket's hierarchical exchange in flight (``TopKEngine._hierarchical_stage``)."""
+    strategy: type
+    name: str
+    plan: object
+    stage: str             # whose collective is in flight: "host", "indices", "cross", "gather"
+    handle: int
+    current: StepPlan = None  # sparse allreduce: this rank's role among the ranks across hosts
+    residual: object = None   # sparse allreduce: the shard residual its values are taken from
+    rows: int = 1             # rows of pairs per shard in the result
+    times: dict = dataclasses.field(default_factory=lambda: {"spent": 0.0})  # seconds, for the statistics
+
+
 class TopKEngine:
     """Buckets, residuals, schedule, statistics and checkpoint state of one optimizer.
 
@@ -497,8 +511,8 @@ class TopKEngine:
 
     # ---- hierarchical (hvd_topk.hierarchy) ------------------------------------------------
     def _launch_hierarchical(self, bucket, strategy, plan, name):
-        """Start the host's reduce-scatter of this step's gradients; the rest runs in
-        ``_finish_hierarchical``."""
+        """Start the host's reduce-scatter of this step's gradients; ``_hierarchical_stage``
+        takes it on from there."""
         wire_dtype = allreduce_dtype(bucket.dtype)
         staged = bucket.acc
         if wire_dtype != bucket.dtype:
@@ -506,16 +520,55 @@ class TopKEngine:
         handle = hierarchy.reduce_scatter(staged, self.topology.local, name + ".host")
         self.stats.add(tensors_sparse=len(bucket.members), elements_selected=plan.count,
                        bytes_sent=_payload_bytes(strategy, plan.layout))
-        bucket.pending = ("hierarchical", (handle, strategy, name), plan)
+        bucket.pending = ("hierarchical", HierarchicalStep(strategy, name, plan, "host", handle), plan)
 
-    def _finish_hierarchical(self, bucket):
-        """Host sum of this rank's shard -> error feedback and Top-K on it -> the sparse
-        exchange among the ranks with this local rank -> every shard to every rank of the host."""
-        _, (handle, strategy, name), plan = bucket.pending
-        topo, ef = self.topology, self.options.error_feedback
+    def _hierarchical_stage(self, bucket):
+        """Wait for the collective of the bucket's current hierarchical stage and start the next:
+
+        - "host": the host's reduce-scatter -> error feedback and Top-K on this rank's shard,
+          then the exchange among the ranks with this local rank ("cross"; the sparse
+          allreduce first broadcasts its leader's indices, "indices");
+        - "cross": its result -> the allgather of the exchanged shards inside the host ("gather");
+        - "gather": every shard's pairs -> decoded into ``p.grad``; the bucket is done.
+
+        ``_progress`` calls it as soon as a stage has arrived (buckets launching during
+        backward), so the first buckets' later stages overlap the rest of backward."""
+        h, topo = bucket.pending[1], self.topology
         t0 = time.perf_counter()
-        shard = hvd.synchronize(handle)
-        host_reduce = time.perf_counter() - t0
+        if h.stage == "host":
+            shard = hvd.synchronize(h.handle)
+            h.times["host"] = time.perf_counter() - t0
+            self._select_shard(bucket, h, shard)
+        elif h.stage == "indices":
+            h.strategy.finish(h.handle)
+            h.times["cross"] = time.perf_counter() - t0
+            values = self._gather_values(bucket, h.current, h.plan, h.residual)
+            h.stage, h.handle = "cross", h.strategy.start_values(values, h.name + ".cross", topo.cross)
+        elif h.stage == "cross":
+            if h.strategy is exchange.SparseAllreduce:
+                result, h.rows = self._sparse_allreduce_result(bucket, h.handle, h.plan, h.current.message), 1
+            else:
+                result, h.rows = h.strategy.finish(h.handle), topo.cross_size
+            h.times["cross"] = h.times.get("cross", 0.0) + time.perf_counter() - t0
+            # Inside the host the shards' results travel still compressed, and every rank decodes all.
+            h.stage, h.handle = "gather", hvd.allgather_async(result, name=h.name + ".gather", process_set=topo.local)
+        else:
+            every = hvd.synchronize(h.handle)
+            h.times["gather"] = time.perf_counter() - t0
+            self._decode_shards(bucket, h, every)
+            bucket.reset()
+            times = h.times
+            spent = times["spent"] + time.perf_counter() - t0
+            self.stats.add(time_exchange_s=spent - times["selection"], time_selection_s=times["selection"],
+                           time_host_reduce_s=times["host"], time_cross_s=times["cross"],
+                           time_host_gather_s=times["gather"])
+            return
+        h.times["spent"] += time.perf_counter() - t0
+
+    def _select_shard(self, bucket, h, shard):
+        """Host sum of this rank's shard -> error feedback and Top-K on it -> start the exchange
+        among the ranks with this local rank."""
+        topo, ef, plan, strategy = self.topology, self.options.error_feedback, h.plan, h.strategy
         lo, hi = self._shard(bucket)
         residual = bucket.shard_residual(hi - lo)
         if ef:
@@ -523,46 +576,38 @@ class TopKEngine:
         else:
             residual.copy_(shard)
         message = bucket.message(plan.layout.nbytes)
-        div = float(self.world) if self.op == hvd.Average else 1.0
-        t1 = time.perf_counter()
+        t0 = time.perf_counter()
         if strategy is exchange.SparseAllreduce:
             leader = strategy.leader(self.step, bucket.index, topo.cross_size)
             # a non-leader's shard was summed by the reduce-scatter: nothing checked it for inf/nan
-            current = StepPlan(plan, strategy, message, False, topo.cross_rank == leader, leader,
-                               unchecked=True)
-            if current.selects:
+            h.current = StepPlan(plan, strategy, message, False, topo.cross_rank == leader, leader,
+                                 unchecked=True)
+            if h.current.selects:
                 encoded = self.codec.encode(residual, plan, message, zero_sent=ef)
-                current.nonfinite = encoded.nonfinite
+                h.current.nonfinite = encoded.nonfinite
                 self._wipe_shard(residual, plan, encoded.nonfinite, ef)
-            selection = time.perf_counter() - t1
+            h.residual = residual
             _, indices = plan.layout.views(message)
-            strategy.finish(strategy.start_indices(indices, leader, name + ".cross", topo.cross))
-            values = self._gather_values(bucket, current, plan, residual)
-            handle = strategy.start_values(values, name + ".cross", topo.cross)
-            result, rows = self._sparse_allreduce_result(bucket, handle, plan, message), 1
+            h.stage, h.handle = "indices", strategy.start_indices(indices, leader, h.name + ".cross", topo.cross)
         else:
             encoded = self.codec.encode(residual, plan, message, zero_sent=ef)
             self._wipe_shard(residual, plan, encoded.nonfinite, ef)
-            selection = time.perf_counter() - t1
-            result = hvd.allgather(message, name=name + ".cross", process_set=topo.cross)
-            rows = topo.cross_size
-        # Inside the host the shards' results travel still compressed, and every rank decodes all.
-        t2 = time.perf_counter()
-        cross = t2 - t1 - selection
-        every = hvd.allgather(result, name=name + ".gather", process_set=topo.local)
-        host_gather = time.perf_counter() - t2
+            h.stage, h.handle = "cross", strategy.start(message, h.name + ".cross", topo.cross)
+        h.times["selection"] = time.perf_counter() - t0
+
+    def _decode_shards(self, bucket, h, every):
+        """Every shard's exchanged pairs (``rows`` rows each, shard after shard) into ``p.grad``."""
+        topo = self.topology
+        div = float(self.world) if self.op == hvd.Average else 1.0
         full = bucket.scratch("hierarchical_result", bucket.numel, bucket.dtype)
         edges, offset = hierarchy.shard_bounds(bucket.numel, topo.local_size), 0
         for a, b in zip(edges, edges[1:]):
-            part = bucket.plan(self.codec, plan.density, self.options.selection_scope, shard=(a, b))
-            size = rows * part.layout.nbytes
-            self.codec.decode(every[offset:offset + size], part.layout, rows, [full[a:b]],
+            part = bucket.plan(self.codec, h.plan.density, self.options.selection_scope, shard=(a, b))
+            size = h.rows * part.layout.nbytes
+            self.codec.decode(every[offset:offset + size], part.layout, h.rows, [full[a:b]],
                               torch.tensor([0, b - a], dtype=torch.int64), div=div)
             offset += size
         self._write_grads(bucket, full)
-        bucket.reset()
-        self.stats.add(time_exchange_s=time.perf_counter() - t0 - selection, time_selection_s=selection,
-                       time_host_reduce_s=host_reduce, time_cross_s=cross, time_host_gather_s=host_gather)
 
     def _wipe_shard(self, residual, plan, nonfinite, ef):
         """A shard segment that held inf/nan (it was sent) starts again from zero."""
@@ -580,9 +625,13 @@ class TopKEngine:
 
     def _progress(self, wait=False):
         """Start the value allreduce of every sparse-allreduce bucket whose leader's indices
-        have arrived (all of them, waiting, with ``wait``): called whenever a bucket launches,
-        so the second collective overlaps backward too."""
+        have arrived (all of them, waiting, with ``wait``), and take every hierarchical bucket
+        through the stages that have arrived (never waiting): called whenever a bucket
+        launches, so the later collectives overlap backward too."""
         for bucket in self.buckets:
+            while bucket.pending is not None and bucket.pending[0] == "hierarchical" \
+                    and hvd.poll(bucket.pending[1].handle):
+                self._hierarchical_stage(bucket)
             if bucket.pending is None or bucket.pending[0] is not exchange.SparseAllreduce:
                 continue
             strategy, (phase, handle), plan = bucket.pending
@@ -678,7 +727,8 @@ class TopKEngine:
 
     def _finish(self, bucket):
         if bucket.pending[0] == "hierarchical":
-            self._finish_hierarchical(bucket)
+            while bucket.pending is not None:
+                self._hierarchical_stage(bucket)
             return
         if bucket.pending[0] is exchange.SparseAllreduce:
             self._progress(wait=True)
@@ -745,6 +795,13 @@ class TopKEngine:
         for bucket in self.buckets:
             if bucket.pending is None:
                 self._launch(bucket)
+        # hierarchical buckets stage by stage: every bucket's exchange across hosts in flight
+        # before any of them is waited for
+        for stage in ("host", "indices", "cross"):
+            for bucket in self.buckets:
+                if bucket.pending is not None and bucket.pending[0] == "hierarchical" \
+                        and bucket.pending[1].stage == stage:
+                    self._hierarchical_stage(bucket)
         for bucket in self.buckets:
             self._finish(bucket)
         self.active.read()  # (when no sparse bucket read it this step)
