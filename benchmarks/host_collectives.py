@@ -93,14 +93,6 @@ def link_saving(path, rate):
     return None
 
 
-def rate_bits(rate):
-    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-    for unit, factor in units.items():
-        if rate.endswith(unit):
-            return float(rate[: -len(unit)]) * factor
-    raise ValueError(f"rate must end in one of {list(units)}, got {rate!r}")
-
-
 def markdown(report):
     lines = [f"# Dense collectives inside an emulated host ({report['hosts']} hosts x "
              f"{report['ranks_per_host']} ranks, {report['rate']} between hosts)", "",
@@ -147,7 +139,7 @@ def main(argv=None):
     from hvd_topk.testing import emulated_hosts as eh_mod
     from hvd_topk.testing.machine import machine_info, summary
 
-    rate_bits(args.rate)  # refuse a bad rate before building namespaces
+    eh_mod.rate_bits(args.rate)  # refuse a bad rate before building namespaces
     started = time.time()
     with eh_mod.EmulatedHosts(args.hosts, rate=args.rate, sshd=True, ssh_port=args.ssh_port) as eh, \
             tempfile.TemporaryDirectory() as tmp:
@@ -169,7 +161,7 @@ def main(argv=None):
     wire = link_saving(args.exchange_results, args.rate)
     if wire:
         flat, hier = wire
-        report["link_saving"] = {"flat_mb": flat, "hier_mb": hier, "ms": 1e3 * (flat - hier) * 8e6 / rate_bits(args.rate),
+        report["link_saving"] = {"flat_mb": flat, "hier_mb": hier, "ms": 1e3 * (flat - hier) * 8e6 / eh_mod.rate_bits(args.rate),
                                  "source": str(args.exchange_results.relative_to(ROOT)
                                                if args.exchange_results.is_relative_to(ROOT) else args.exchange_results)}
     results = ROOT / "benchmarks" / "results"

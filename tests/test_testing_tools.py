@@ -82,6 +82,23 @@ def test_emulated_hosts_rejects_no_hosts():
         eh_mod.EmulatedHosts(0)
 
 
+def test_link_burst_is_one_millisecond_of_the_rate():
+    # hand-computed: 1 Gbit/s = 125,000,000 B/s -> 125,000 B in 1 ms; 10 Gbit -> 1,250,000 B
+    assert eh_mod.rate_bits("1gbit") == 1e9 and eh_mod.rate_bits("100mbit") == 1e8
+    assert eh_mod.rate_bits("2.5gbit") == 2.5e9 and eh_mod.rate_bits("500kbit") == 5e5
+    assert eh_mod.link_burst("1gbit") == 125_000 and eh_mod.link_burst("10gbit") == 1_250_000
+    assert eh_mod.link_burst("100mbit") == 32 * 1024  # 12,500 B: raised to the floor
+    for bad in ("1gbps", "fast", "", "1 gbit"):
+        with pytest.raises(ValueError, match="rate must look like"):
+            eh_mod.rate_bits(bad)
+    with pytest.raises(ValueError, match="rate must look like"):  # before anything is made
+        eh_mod.EmulatedHosts(2, rate="1gbps")
+    # an explicit burst is used as given; an unshaped link has none
+    assert eh_mod.EmulatedHosts(2, rate="1gbit", burst="4mb")._burst_for("1gbit") == "4mb"
+    assert eh_mod.EmulatedHosts(2, rate="1gbit")._burst_for("1gbit") == "125000b"
+    assert eh_mod.EmulatedHosts(2, rate="none")._burst_for("none") is None
+
+
 def test_emulated_hosts_command_wrappers():
     eh = eh_mod.EmulatedHosts(2, net=101, tag="0a0a")
     cmd = eh.host_cmd(1, ["hostname"])

@@ -7,7 +7,11 @@ Layout made by ``EmulatedHosts(n, rate)`` (root needed; iproute2, openssh-server
     launcher          hvdtk-<pid>-<tag>-ln   eth0 = 10.<net>.0.2/24, hostname launcher (unshaped)
 
 Both ends of every host's veth get ``tc qdisc ... tbf rate RATE`` (RATE 1gbit, 10gbit, ... or
-``none``), so each host has its own link of that speed into the "switch". Every namespace gets
+``none``), so each host has its own link of that speed into the "switch". The token bucket's
+``burst`` defaults to what the link carries in 1 ms (at least 32 KiB: ``link_burst``): a larger
+one lets every transfer that follows an idle moment through at the veth's own speed until the
+bucket is empty (with the former 4 MB, 8 MB after 150 ms idle crossed a "1 Gbit" link in 33.5 ms,
+not 64), which flatters methods that move a few MB per step. ``measure_after_idle`` checks it. Every namespace gets
 ``/etc/netns/NS/hosts`` (names of all hosts) and ``/etc/netns/NS/ssh/ssh_config`` (port, key,
 no host-key checks), which ``ip netns exec`` mounts over /etc/hosts and /etc/ssh. With
 ``sshd=True`` each host runs its own sshd on its address (port ``ssh_port``, key-only login,
@@ -175,11 +179,12 @@ class EmulatedHosts:
     """
 
     def __init__(self, n, rate="1gbit", sshd=True, ssh_port=2222, net=None, tag=None,
-                 burst="4mb", latency="100ms", verbose=False):
+                 burst=None, latency="100ms", verbose=False):
         if n < 1:
             raise ValueError("need at least one host")
         self.n, self.rate, self.want_sshd, self.ssh_port = n, rate, sshd, ssh_port
         self.burst, self.latency, self.verbose = burst, latency, verbose
+        self._burst_for(rate)  # refuse a rate it cannot size a burst for before making anything
         tag = tag or uuid.uuid4().hex[:4]
         self.base = f"{PREFIX}{os.getpid()}-{tag}"
         net = net if net is not None else 100 + (os.getpid() + int(tag, 16)) % 150
@@ -244,7 +249,12 @@ class EmulatedHosts:
             _run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
             return
         _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", self.rate,
-              "burst", self.burst, "latency", self.latency])
+              "burst", self._burst_for(self.rate), "latency", self.latency])
+
+    def _burst_for(self, rate):
+        if self.burst is not None or rate in (None, "none", ""):
+            return self.burst
+        return f"{link_burst(rate)}b"
 
     def set_rate(self, rate):
         """Change every host's link speed (both ends) in place: '1gbit', '10gbit' or 'none'."""
@@ -412,6 +422,43 @@ class EmulatedHosts:
         self._restore_signal_handlers()
 
 
+def rate_bits(rate):
+    """Bits per second of a tc rate such as ``1gbit``, ``100mbit``, ``500kbit``."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(g|m|k|)bit", str(rate).strip().lower())
+    if not m:
+        raise ValueError(f"rate must look like 1gbit, 100mbit, 500kbit, got {rate!r}")
+    return float(m.group(1)) * {"g": 1e9, "m": 1e6, "k": 1e3, "": 1.0}[m.group(2)]
+
+
+def link_burst(rate, ms=1.0, least=32 * 1024):
+    """tbf burst in bytes for ``rate``: what the link carries in ``ms`` milliseconds, at least
+    ``least`` (a few full-size packets), so the shaped link sends no faster than its rate after
+    an idle moment, as a real link does."""
+    return max(least, int(rate_bits(rate) / 8 * ms / 1e3))
+
+
+def measure_after_idle(eh, nbytes=8_000_000, idle_s=0.15, repeats=5):
+    """ms for ``nbytes`` host0 -> host1 (until the receiver's one-byte ack) after ``idle_s`` of
+    silence, ``repeats`` times: a step's burst of traffic, which a too large tbf burst lets
+    through faster than the link's rate."""
+    if eh.n < 2:
+        return None
+    server = ("import socket;s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);"
+              f"s.bind(('{eh.hosts[1].ip}',5998));s.listen(1);c,_=s.accept()\n"
+              f"for _ in range({repeats}):\n n=0\n while n<{nbytes}:\n  b=c.recv(1<<20)\n  n+=len(b)\n"
+              "  if not b: raise SystemExit(1)\n c.sendall(b'k')\n")
+    client = ("import socket,time;s=socket.socket()\nfor _ in range(100):\n try:\n"
+              f"  s.connect(('{eh.hosts[1].ip}',5998));break\n except OSError: time.sleep(0.05)\n"
+              f"b=bytes({nbytes});ts=[]\nfor _ in range({repeats}):\n time.sleep({idle_s});t=time.perf_counter()\n"
+              " s.sendall(b);s.recv(1);ts.append(1e3*(time.perf_counter()-t))\nprint(*ts)")
+    srv = subprocess.Popen(_ns_exec(eh.hosts[1].ns, sys.executable, "-c", server))
+    try:
+        out = _run(_ns_exec(eh.hosts[0].ns, sys.executable, "-c", client)).stdout
+    finally:
+        srv.wait(timeout=30)
+    return [float(t) for t in out.split()]
+
+
 def measure_link(eh, seconds=2.0):
     """Rough throughput host0 -> host1 over the shaped link, with python sockets (Gbit/s)."""
     if eh.n < 2:
@@ -483,6 +530,10 @@ def main(argv=None):
         if args.cmd == "demo":
             before = eh.counters()
             print(f"host0 -> host1 throughput: {measure_link(eh):.2f} Gbit/s at rate {args.rate}")
+            if args.rate != "none":
+                idle = measure_after_idle(eh)
+                print(f"8 MB after 150 ms idle: {', '.join(f'{t:.1f}' for t in idle)} ms "
+                      f"(at the rate: {8e6 * 8 / rate_bits(args.rate) * 1e3:.1f} ms)")
             after = eh.counters()
             for hn in after:
                 print(f"  {hn}: tx {after[hn][0] - before[hn][0]:,} B, rx {after[hn][1] - before[hn][1]:,} B")
