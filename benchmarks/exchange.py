@@ -122,6 +122,12 @@ TOPK_METHODS = {"topk": None, "topk-ef": "allgather", "topk-sar": "sparse_allred
 AUTO_TRIAL_STEPS = 4 * (3 + 1)  # families x (settling + exchange_trial_steps), the most auto runs
 
 
+def warmup_steps(method, warmup):
+    """Untimed steps before ``method``'s timed ones: ``exchange="auto"``'s trial is added, so
+    the timed steps run the strategy it chose."""
+    return warmup + (AUTO_TRIAL_STEPS if method.startswith("topk-auto") else 0)
+
+
 def method_list(methods, densities):
     out = []
     for m in methods:
@@ -148,10 +154,11 @@ def _read_counters():
         return None
 
 
-def make_optimizer(method, params, topk_method, hvd, hvd_topk, torch, fp16_values=False):
+def make_optimizer(method, inner, named, topk_method, hvd, hvd_topk, fp16_values=False):
+    """``method``'s distributed optimizer around ``inner`` (None for "none") and its TopK (or
+    None): the one construction exchange.py and training.py measure. Every hvd_topk method
+    names its exchange (``topk-auto``: "auto", whose trial the callers add to the warm-up)."""
     name, _, d = method.partition("@")
-    inner = torch.optim.SGD(params, lr=0.0)
-    named = [(f"p{i}", p) for i, p in enumerate(params)]
     kw = {} if topk_method is None else {"method": topk_method}
     if fp16_values:
         kw["fp16_values"] = True
@@ -221,13 +228,14 @@ def worker(args):
     for method in method_list(args.methods, args.densities):
         gc.collect()
         params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
-        opt, comp = make_optimizer(method, params, args.topk_method, hvd, hvd_topk, torch,
-                                   fp16_values=getattr(args, "fp16_values", False))
+        opt, comp = make_optimizer(method, torch.optim.SGD(params, lr=0.0),
+                                   [(f"p{i}", p) for i, p in enumerate(params)], args.topk_method,
+                                   hvd, hvd_topk, fp16_values=getattr(args, "fp16_values", False))
         if args.grad_mode != "realistic":
             for p in params:
                 p.grad = torch.zeros_like(p)
         times, check = [], None
-        warmup = args.warmup + (AUTO_TRIAL_STEPS if method.startswith("topk-auto") else 0)
+        warmup = warmup_steps(method, args.warmup)
         total = warmup + args.steps
         c0 = None
         t_method = time.time()

@@ -12,10 +12,13 @@ allreduce of a scalar before each step; a step's time is the slowest rank's; med
 ``--steps`` after ``--warmup``. ``none`` is the same step with the plain optimizer (no exchange).
 
 Methods: none, dense (hvd.DistributedOptimizer, no compression), fp16 (hvd.Compression.fp16),
-topk (hvd.DistributedOptimizer + hvd_topk.TopK(density=d), drop-in), topk-ef
-(hvd_topk.DistributedOptimizer, error feedback), at ``--densities`` (default 1%).
+topk (hvd.DistributedOptimizer + hvd_topk.TopK(density=d), drop-in), and hvd_topk's error-feedback
+optimizer with a named exchange, built as benchmarks/exchange.py builds them
+(``exchange.make_optimizer``): topk-ef (allgather), topk-sar (sparse allreduce), topk-auto
+("auto": its trial is added to the warm-up, so the timed steps run its choice), at
+``--densities`` (default 1%).
 
-Full run (about 10 min with torch.topk selection):
+Full run (about 3 min):
     .venv/bin/python benchmarks/training.py
 Smoke run:
     .venv/bin/python benchmarks/training.py --ranks 2 --rates 1gbit --methods none dense topk-ef \\
@@ -118,30 +121,17 @@ def worker(args):
         gc.collect()
         torch.manual_seed(0)
         model = build_resnet50(torch)
-        name, _, d = method.partition("@")
+        name = method.partition("@")[0]
         inner = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        kw = {} if args.topk_method is None else {"method": args.topk_method}
-        comp = None
-        if name == "none":
-            opt = inner
-        elif name in ("dense", "fp16"):
-            opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
-                                           compression=hvd.Compression.none if name == "dense"
-                                           else hvd.Compression.fp16)
-        elif name == "topk":
-            comp = hvd_topk.TopK(density=float(d), **kw)
-            opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=comp)
-        elif name == "topk-ef":
-            comp = hvd_topk.TopK(density=float(d), **kw)
-            opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
-                                                compression=comp)
-        else:
-            raise ValueError(method)
+        opt, comp = exchange.make_optimizer(method, inner, list(model.named_parameters()), args.topk_method,
+                                            hvd, hvd_topk)
+        opt = opt or inner
         if name != "none":
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         params = list(model.parameters())
         times, losses = [], []
-        total = args.warmup + args.steps
+        warmup = exchange.warmup_steps(method, args.warmup)
+        total = warmup + args.steps
         t_method = time.time()
         for step in range(total):
             x, y = batches[step % len(batches)]
@@ -153,9 +143,9 @@ def worker(args):
             opt.step()
             dt = time.perf_counter() - t0
             losses.append(loss.item())
-            if step >= args.warmup:
+            if step >= warmup:
                 times.append(dt)
-            say(f"  [{method}] step {step + 1}/{total} {'(warm-up) ' if step < args.warmup else ''}"
+            say(f"  [{method}] step {step + 1}/{total} {'(warm-up) ' if step < warmup else ''}"
                 f"{dt * 1e3:.0f} ms (rank 0), loss {losses[-1]:.3f}")
         # parameters must agree across ranks after distributed steps
         agree = None
@@ -170,7 +160,7 @@ def worker(args):
                "max_ms": 1e3 * max(step_max), "step_ms_slowest_rank": [1e3 * t for t in step_max],
                "rank0_ms": [1e3 * t for t in times], "losses_rank0": losses,
                "params_identical_across_ranks": agree, "wall_s": time.time() - t_method}
-        if name == "topk-ef":
+        if name in exchange.TOPK_METHODS and name != "topk":
             row["compression_stats"] = opt.compression_stats()
         elif name == "topk":
             row["compression_stats"] = comp.stats()
