@@ -20,8 +20,13 @@ for the distributed modes, ``opt.synchronize()``. Modes:
     stream         one streaming pass ``r += g; g.zero_()`` over a flat pair of fp32 tensors with
                    as many elements as the model, timed with torch ops (one thread)
 
+The topk modes run ``--exchange`` (default ``auto``, hvd_topk's default: its first steps time
+the strategies, dense included, and keep the fastest). With ``auto`` the trial's steps (up to
+exchange.AUTO_TRIAL_STEPS) are added to the warm-up, so the timed steps run what it chose (the
+table names it); a user pays the trial once per job, not per step.
+
 Ranks are aligned by a scalar allreduce before every timed step; a step's time is the slower
-rank's; the table gives the median over ``--steps`` after ``--warmup`` iterations, the added time
+rank's; the table gives the median over ``--steps`` after the warm-up iterations, the added time
 (mode - baseline) and that as a multiple of the streaming pass.
 
     .venv/bin/python benchmarks/overhead.py                                  # both models
@@ -30,6 +35,8 @@ rank's; the table gives the median over ``--steps`` after ``--warmup`` iteration
                                                        # measure another checkout's hvd_topk
     .venv/bin/python benchmarks/overhead.py --mca mpi_yield_when_idle=1 --output-name overhead-yield
                                    # OpenMPI told the host is oversubscribed: waiting ranks yield
+    .venv/bin/python benchmarks/overhead.py --exchange allgather --output-name overhead-allgather
+                                   # every rank selects every bucket (no trial)
 
 Two ranks on two cores, each with Horovod's background thread, oversubscribe the cores; OpenMPI
 spins while a rank waits in a collective unless ``mpi_yield_when_idle`` is set (the emulated
@@ -74,8 +81,9 @@ def label(mode, density, n):
 # ------------------------------------------------------------------------------------------------
 # worker: every rank, under mpirun
 # ------------------------------------------------------------------------------------------------
-def build_mode(mode, shapes, density, hvd, hvd_topk, torch):
-    """(params, optimizer or None, note) for one mode; None when the mode is not available."""
+def build_mode(mode, shapes, density, hvd, hvd_topk, torch, exchange_name="auto"):
+    """(params, optimizer or None, note) for one mode; None when the mode is not available.
+    ``exchange_name`` other than "auto" (the library's default, so not passed) is forced."""
     params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
     inner = torch.optim.SGD(params, lr=0.0)
     if mode == "baseline":
@@ -87,15 +95,22 @@ def build_mode(mode, shapes, density, hvd, hvd_topk, torch):
     scope = mode.split("-")[1]
     named = [(f"{scope}.p{i}", p) for i, p in enumerate(params)]
     comp = hvd_topk.TopK(density=density)
+    forced = {} if exchange_name == "auto" else {"exchange": exchange_name}
     try:
         opt = hvd_topk.DistributedOptimizer(inner, named_parameters=named, compression=comp,
-                                            selection_scope=scope)
+                                            selection_scope=scope, **forced)
         return params, opt, None
     except TypeError as e:  # an hvd_topk without the option (every rank fails alike)
         if scope == "bucket":
             return None, None, f"skipped: selection_scope rejected ({e})"
         opt = hvd_topk.DistributedOptimizer(inner, named_parameters=named, compression=comp)
         return params, opt, f"selection_scope rejected ({str(e)[:80]}...): the library's default (per tensor)"
+
+
+def warmup_iterations(args):
+    """``--warmup``, plus exchange="auto"'s trial when a topk mode runs it."""
+    auto = args.exchange == "auto" and any(m.startswith("topk") for m in args.modes)
+    return args.warmup + (exchange.AUTO_TRIAL_STEPS if auto else 0)
 
 
 def stats_snapshot(opt):
@@ -112,7 +127,7 @@ def run_model(model, args, hvd, hvd_topk, torch, say):
         if mode == "stream":
             modes[mode] = (torch.randn(n), torch.randn(n))
             continue
-        params, opt, note = build_mode(mode, shapes, args.density, hvd, hvd_topk, torch)
+        params, opt, note = build_mode(mode, shapes, args.density, hvd, hvd_topk, torch, args.exchange)
         if note:
             notes[mode] = note
             say(f"  [{model}] {mode}: {note}")
@@ -125,11 +140,12 @@ def run_model(model, args, hvd, hvd_topk, torch, say):
     def barrier():
         hvd.allreduce(torch.zeros(1), name="overhead.barrier", op=hvd.Sum)
 
-    total = args.warmup + args.steps
+    warmup = warmup_iterations(args)
+    total = warmup + args.steps
     started = time.time()
     for it in range(total):
         order = names[it % len(names):] + names[:it % len(names)]
-        if it == args.warmup:
+        if it == warmup:
             stats0 = {m: stats_snapshot(modes[m][1]) for m in names
                       if m.startswith("topk") and modes[m][1] is not None}
         for mode in order:
@@ -155,10 +171,10 @@ def run_model(model, args, hvd, hvd_topk, torch, say):
                     s = torch.tensor([float(sum(p.grad.double().sum() for p in params))], dtype=torch.float64)
                     every = hvd.allgather(s, name=f"overhead.check.{mode}").tolist()
                     checks[mode] = len(set(every)) == 1
-            if it >= args.warmup:
+            if it >= warmup:
                 times[mode].append(dt)
         say(f"  [{model}] iteration {it + 1}/{total}: "
-            + ("warm-up" if it < args.warmup else
+            + ("warm-up" if it < warmup else
                ", ".join(f"{m} {1e3 * times[m][-1]:.0f} ms" for m in names)) + " (rank 0)")
     rows = []
     for mode in names:
@@ -171,6 +187,9 @@ def run_model(model, args, hvd, hvd_topk, torch, say):
         opt = modes[mode][1] if mode != "stream" else None
         if mode in stats0 and stats0[mode] is not None:
             row["compression_stats_timed_steps"] = exchange.stats_difference(stats_snapshot(opt), stats0[mode])
+            chose = row["compression_stats_timed_steps"].get("exchange_family")
+            if chose:
+                row["label"] += f", exchange={args.exchange!r}" + (f" (chose {chose})" if args.exchange == "auto" else "")
         rows.append(row)
     for mode in args.modes:
         if mode not in modes:
@@ -213,6 +232,7 @@ def worker(args):
 # ------------------------------------------------------------------------------------------------
 def markdown(report):
     s = report["settings"]
+    trial = (f" + {s['trial_iterations']} for exchange=\"auto\"'s trial" if s.get("trial_iterations") else "")
     lines = ["# Overhead of the distributed optimizer on backward, vs one streaming pass", "",
              f"- command: `{report['command']}`",
              f"- date: {report['date_utc']}; machine: {load('machine').summary(report['machine'])}",
@@ -220,8 +240,8 @@ def markdown(report):
              f"(git {report['hvd_topk'].get('git') or '?'})",
              f"- {report['size']} ranks on one host (`{report['mpirun']}`), Horovod defaults"
              f"{' + ' + str(report['horovod_env']) if report['horovod_env'] else ''}, one torch thread per "
-             f"rank; modes stepped round-robin in one process per rank; {s['warmup']} warm-up + "
-             f"{s['steps']} timed iterations; median of the slower rank's step",
+             f"rank; modes stepped round-robin in one process per rank; {s['warmup']} warm-up"
+             f"{trial} + {s['steps']} timed iterations; median of the slower rank's step",
              "- step: zero_grad(set_to_none=True) + forward `sum_p (p * c_p).sum()` untimed; timed: "
              "backward (fresh p.grad, hooks fire) + synchronize(); added = mode - baseline; "
              "x stream = added / the streaming pass's median", ""]
@@ -253,7 +273,7 @@ def driver(args, argv):
         out = Path(tmp) / "result.json"
         worker_argv = [Path(__file__).resolve(), "--worker", "--out", out, "--models", *args.models,
                        "--modes", *args.modes, "--density", args.density, "--steps", args.steps,
-                       "--warmup", args.warmup, "--pool", args.pool]
+                       "--warmup", args.warmup, "--pool", args.pool, "--exchange", args.exchange]
         cmd = launch.mpirun_command(args.np, worker_argv, env_names=env_names, mca=args.mca)
         print(f"overhead benchmark: {shlex.join(map(str, cmd))}", flush=True)
         started = time.time()
@@ -271,7 +291,8 @@ def driver(args, argv):
                         + "".join(f"--mca {n} {v} " for n, v in args.mca)
                         + "-x OMP_NUM_THREADS=1 python benchmarks/overhead.py --worker ...",
               "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": info, "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
+              "machine": info, "settings": {**{k: v for k, v in vars(args).items() if k not in ("worker", "out")},
+                                            "trial_iterations": warmup_iterations(args) - args.warmup},
               "wall_s": time.time() - started, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
               **res}
     md = markdown(report)
@@ -297,6 +318,8 @@ def main(argv=None):
     ap.add_argument("--models", nargs="+", default=["resnet50", "bert-base"], choices=["resnet50", "bert-base"])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--exchange", default="auto", choices=["auto", "allgather", "sparse_allreduce"],
+                    help="the topk modes' exchange (auto: its trial is added to the warm-up)")
     ap.add_argument("--steps", type=int, default=12, help="timed iterations (each steps every mode once)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--pool", type=int, default=2, help="sets of loss constants cycled")
