@@ -10,7 +10,7 @@ break a step down with ``compression_stats()``'s timers).
 
 ``mpirun -np H*L -H host0:L,...`` from ``hvd_topk.testing.emulated_hosts``; every rank calls
 ``hvd_topk.init()`` and then, with all hosts at once, each timed ``--reps`` times after a scalar
-allreduce aligns the ranks (median per rank):
+allreduce aligns the ranks, the three taking turns (median per rank):
 
     host reduce-scatter   hvd.reducescatter(g, op=Sum, process_set=host) of ResNet-50's
                           25,557,032 fp32 values (what a step's hierarchical exchange starts with)
@@ -58,16 +58,15 @@ def worker(args):
         "host allreduce": lambda i: hvd.allreduce(g, op=hvd.Sum, process_set=topo.local, name=f"ar{i}"),
         "copy": lambda i: g2.copy_(g),
     }
-    out = {}
-    for op in OPS:
-        times = []
-        for i in range(args.reps + 1):  # the first is a warm-up
+    times = {op: [] for op in OPS}
+    for i in range(args.reps + 1):  # the first round is a warm-up; the ops take turns, so
+        for op in OPS:              # the machine's drift hits them alike
             hvd.allreduce(torch.zeros(1), name=f"align.{op}.{i}")
             t0 = time.perf_counter()
             calls[op](i)
             if i:
-                times.append(time.perf_counter() - t0)
-        out[op] = 1e3 * statistics.median(times)
+                times[op].append(time.perf_counter() - t0)
+    out = {op: 1e3 * statistics.median(t) for op, t in times.items()}
     mine = torch.tensor([[out[op] for op in OPS]], dtype=torch.float64)
     every = hvd.allgather(mine, name="results").tolist()
     if hvd.rank() == 0:
@@ -122,7 +121,7 @@ def main(argv=None):
     ap.add_argument("--hosts", type=int, default=2)
     ap.add_argument("--ranks-per-host", type=int, default=2)
     ap.add_argument("--rate", default="1gbit", help="tbf rate of each host's link")
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--exchange-results", type=Path,
                     default=ROOT / "benchmarks" / "results" / "exchange-hierarchical.json")
     ap.add_argument("--timeout", type=int, default=600)
