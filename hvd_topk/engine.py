@@ -532,7 +532,8 @@ class TopKEngine:
         - "gather": every shard's pairs -> decoded into ``p.grad``; the bucket is done.
 
         ``_progress`` calls it as soon as a stage has arrived (buckets launching during
-        backward), so the first buckets' later stages overlap the rest of backward."""
+        backward), up to "gather", so the first buckets' later stages overlap the rest of
+        backward; the decode into ``p.grad`` runs in ``synchronize()``."""
         h, topo = bucket.pending[1], self.topology
         t0 = time.perf_counter()
         if h.stage == "host":
@@ -626,11 +627,12 @@ class TopKEngine:
     def _progress(self, wait=False):
         """Start the value allreduce of every sparse-allreduce bucket whose leader's indices
         have arrived (all of them, waiting, with ``wait``), and take every hierarchical bucket
-        through the stages that have arrived (never waiting): called whenever a bucket
-        launches, so the later collectives overlap backward too."""
+        through the stages that have arrived (never waiting) up to its host allgather: called
+        whenever a bucket launches, so the later collectives overlap backward too. The decode
+        waits for ``synchronize()``: until then ``p.grad`` holds this rank's own gradient."""
         for bucket in self.buckets:
             while bucket.pending is not None and bucket.pending[0] == "hierarchical" \
-                    and hvd.poll(bucket.pending[1].handle):
+                    and bucket.pending[1].stage != "gather" and hvd.poll(bucket.pending[1].handle):
                 self._hierarchical_stage(bucket)
             if bucket.pending is None or bucket.pending[0] is not exchange.SparseAllreduce:
                 continue

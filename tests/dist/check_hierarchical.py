@@ -216,6 +216,38 @@ def check_auto_with_hierarchical_families():
                                err_msg=f"residuals lost something over {seen}")
 
 
+def check_grads_readable_before_synchronize():
+    """Between ``backward()`` and ``synchronize()`` each ``p.grad`` holds this rank's own
+    gradient, also when a bucket's hierarchical stages advance during backward: pauses in
+    backward (tensor hooks) give the first bucket's reduce-scatter, cross-host exchange and host
+    allgather time to arrive while the later buckets launch, so a decode before
+    ``synchronize()`` would show here."""
+    import time
+    torch.manual_seed(0)
+    model = Net()
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters(),
+                                        compression=hvd_topk.TopK(density=DENSITY), min_numel=MIN_NUMEL,
+                                        exchange="allgather", hierarchical=True, groups=3)
+    shadow = copy.deepcopy(model)  # (before the hooks: the shadow's backward does not pause)
+    for p in (model.fc2.weight, model.fc1.weight, model.fc1.bias):
+        p.register_hook(lambda g: time.sleep(0.15))
+    for step in range(2):
+        x, y = batch(step, hvd.rank())
+        raw = raw_gradients(shadow, model, x, y)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        for name, p in model.named_parameters():
+            np.testing.assert_array_equal(p.grad.numpy(), raw[name], err_msg=f"step {step}: {name} before synchronize")
+        opt.synchronize()
+        changed = [n for n, p in model.named_parameters() if p.numel() >= MIN_NUMEL
+                   and not np.array_equal(p.grad.numpy(), raw[n])]
+        assert changed, "synchronize() left every sparse gradient as it was"
+        assert opt.compression_stats()["hierarchical"]
+        with opt.skip_synchronize():
+            opt.step()
+
+
 def check_topology():
     """The job has the shape it was launched with (HVD_TOPK_EXPECT_TOPOLOGY="HOSTSxRANKS"), so
     the checks above ran across that many hosts."""
@@ -235,6 +267,7 @@ CHECKS = [
     ("allgather across hosts, bucket scope", lambda: check_contract("allgather", scope="bucket")),
     ("checkpoint resume", check_resume),
     ("auto with hierarchical families", check_auto_with_hierarchical_families),
+    ("gradients readable before synchronize", check_grads_readable_before_synchronize),
 ]
 
 
