@@ -144,13 +144,13 @@ class Codec:
     @staticmethod
     def decode(gathered, layout, world, dests, bounds, div=1.0, mul=1.0):
         """Overwrite ``dests`` (flat tensors holding positions ``[bounds[i], bounds[i+1])`` of
-        the buffer) with the sum of every rank's pairs, added in rank order, times ``mul / div``
-        where touched and zero elsewhere. Same bits on every rank. ``mul`` may be a 0-d tensor
-        (a CUDA probe, never read on the host).
+        the buffer) with every rank's values times ``mul / div``, added in rank order where
+        touched, and zero elsewhere. Same bits on every rank. ``mul`` may be a 0-d tensor (a
+        CUDA probe, never read on the host).
 
-        Native: one sequential write over the destinations (a merge of the ranks' ascending
-        pairs fills gaps with zeros), no separate zeroing pass. Torch ops: zero, then
-        ``index_add_`` rank after rank."""
+        Native: one sequential write over the destinations, chunk by chunk (each rank's
+        ascending pairs added into a zeroed chunk in L1), no separate zeroing pass. Torch ops:
+        zero, then ``index_add_`` rank after rank."""
         values, indices = layout.unpack(gathered, world)
         if (values.dtype == dests[0].dtype and not torch.is_tensor(mul) and _rows_alike(values, indices)
                 and all(native_ok(d) and d.dtype == values.dtype for d in dests)):
@@ -178,15 +178,12 @@ _SCATTER = {torch.float32: "hvdtk_scatter_segments_f32", torch.float64: "hvdtk_s
 
 
 def scatter_add_ranks(out, values, indices, div=1.0, mul=1.0):
-    """``out[indices[r]] += values[r]`` for r = 0, 1, ... in order (torch ops), then every
-    touched entry becomes ``out / div * mul`` once, even where several ranks sent it."""
+    """``out[indices[r]] += values[r] * (mul / div)`` for r = 0, 1, ... in order (torch ops):
+    the native decode's rule (each value scaled as it is added), so both paths agree."""
+    factor = mul / div
     for r in range(values.shape[0]):
-        out.index_add_(0, indices[r].long(), values[r].to(out.dtype))
-    scale_by = torch.is_tensor(mul) or mul != 1.0  # a tensor (a CUDA probe) is never read here
-    if div != 1.0 or scale_by:
-        touched = indices.reshape(-1).long()
-        scaled = out[touched] / div
-        out[touched] = scaled * mul if scale_by else scaled
+        row = values[r].to(out.dtype)
+        out.index_add_(0, indices[r].long(), row * factor if torch.is_tensor(factor) or factor != 1.0 else row)
     return out
 
 
