@@ -126,7 +126,7 @@ class StepPlan:
     plan: object          # codec.Plan (None for a dense-only bucket)
     strategy: type        # exchange strategy
     message: object       # send buffer (sparse strategies)
-    per_segment: bool     # select each tensor as it is folded in
+    encode: object        # codec.SegmentEncoder: select each tensor as it is folded in (or None)
     selects: bool = True  # this rank selects (all do, but the sparse allreduce's leader alone)
     leader: int = None    # the sparse allreduce's leader (index in the process set)
     nonfinite: list = dataclasses.field(default_factory=list)  # segments that held inf/nan
@@ -391,7 +391,7 @@ class TopKEngine:
             # first hierarchical step after flat ones it still holds the flat residual: add to it
             ef = ef and current.carry
         # Error feedback on the native kernel: the fold (acc += grad) is the selection's own pass.
-        fused = (current.per_segment and ef and not momentum and grad is not None
+        fused = (current.encode is not None and ef and not momentum and grad is not None
                  and grad.dtype == bucket.dtype and grad.is_contiguous())
         if fused:
             bucket.mark_folded(position)
@@ -406,11 +406,9 @@ class TopKEngine:
         else:
             bucket.fold(position, grad, ef, momentum)
             current.unchecked |= not current.selects
-        if current.per_segment:
+        if current.encode is not None:
             t0 = time.perf_counter()
-            bad, repasses, filled = self.codec.encode_segment(
-                bucket.acc, current.plan, position, current.message, zero_sent=ef,
-                fold=grad.view(-1) if fused else None)
+            bad, repasses, filled = current.encode(position, grad if fused else None)
             if bad:
                 current.nonfinite.append(position)
             current.repasses += repasses
@@ -432,10 +430,12 @@ class TopKEngine:
         if strategy is exchange.SparseAllreduce and not hierarchical:
             leader = strategy.leader(self.step, bucket.index, self.world)
         selects = strategy.sparse and leader in (None, self.rank)
-        per_segment = (selects and plan.scope == "tensor" and native_ok(bucket.buffer())
-                       and not hierarchical)
         message = bucket.message(plan.layout.nbytes) if strategy.sparse else None
-        bucket.current = StepPlan(plan, strategy, message, per_segment, selects, leader,
+        encode = None
+        if selects and plan.scope == "tensor" and native_ok(bucket.buffer()) and not hierarchical:
+            encode = self.codec.segment_encoder(bucket.acc, plan, message,
+                                                zero_sent=self.options.error_feedback)
+        bucket.current = StepPlan(plan, strategy, message, encode, selects, leader,
                                   hierarchical=hierarchical)
         if bucket.sparse and self.options.error_feedback:
             self._hand_over_residual(bucket, "hier" if hierarchical else "flat")
@@ -469,7 +469,7 @@ class TopKEngine:
         self.stats.add(elements_total=bucket.numel, bytes_dense=bucket.numel * dense_bytes)
         if strategy.sparse and self._someone_joined():
             # hvd.join(): Horovod's joined ranks answer allreduces (with zeros), not allgathers.
-            if current.per_segment and self.options.error_feedback:
+            if current.encode is not None and self.options.error_feedback:
                 self._unsend(bucket, current)
             strategy, plan, name = exchange.DenseAllreduce, None, name + ".joined"
         self.used[bucket.index] = strategy.name
@@ -481,7 +481,7 @@ class TopKEngine:
             message = current.message
             ef = self.options.error_feedback
             encoded = Encoded([], 0, 0)
-            if current.per_segment:
+            if current.encode is not None:
                 self.codec.finish_segments(plan, message, bucket.dtype)
                 encoded = Encoded(current.nonfinite, current.repasses, current.filled)
             elif current.selects:
@@ -581,7 +581,7 @@ class TopKEngine:
         if strategy is exchange.SparseAllreduce:
             leader = strategy.leader(self.step, bucket.index, topo.cross_size)
             # a non-leader's shard was summed by the reduce-scatter: nothing checked it for inf/nan
-            h.current = StepPlan(plan, strategy, message, False, topo.cross_rank == leader, leader,
+            h.current = StepPlan(plan, strategy, message, None, topo.cross_rank == leader, leader,
                                  unchecked=True)
             if h.current.selects:
                 encoded = self.codec.encode(residual, plan, message, zero_sent=ef)

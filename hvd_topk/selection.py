@@ -120,11 +120,17 @@ def select_native(x, k, out_indices, out_values, method=DEFAULT_METHOD, offset=0
                              or fold.device != x.device):
         raise ValueError("fold must be a contiguous tensor of x's dtype, size and device")
     result = NativeResult()
-    fn = getattr(native.library(), _NATIVE_FUNCS[x.dtype])
+    fn = native_select_function(x.dtype)
     fn(x.data_ptr(), None if fold is None else fold.data_ptr(), x.numel(), k, offset,
        out_indices.data_ptr(), out_indices.element_size(), out_values.data_ptr(),
        int(method == "exact"), int(zero_sent), seed, result.flags)
     return result
+
+
+def native_select_function(dtype):
+    """The native kernel's single-buffer entry point for ``dtype`` (its arguments: see
+    ``select_native``), for callers that prepare the arguments once and call it per step."""
+    return getattr(native.library(), _NATIVE_FUNCS[dtype])
 
 
 _FOLD_FUNCS = {torch.float32: "hvdtk_fold_f32", torch.float64: "hvdtk_fold_f64"}

@@ -329,6 +329,41 @@ def test_encode_zeroes_what_it_sent_and_flags_the_segment_with_nan(path):
     np.testing.assert_array_equal(values[0].numpy(), before.numpy()[sent])
 
 
+@needs_native
+@pytest.mark.parametrize("value_dtype", [torch.float32, torch.float16])
+def test_segment_encoder_folds_and_selects_each_segment_into_its_slots(value_dtype):
+    """The optimizer's per-gradient path: segment by segment, in any order, residual + gradient
+    is folded into the buffer, each segment's exact top-k of the sum lands in its own slots
+    of the message, and the buffer keeps the sum minus what was sent (numpy reference)."""
+    sizes = [20_000, 300_000, 5_000]  # in cache, folded first; out of cache, fused; all candidates
+    bounds = np.r_[0, np.cumsum(sizes)]
+    residual = sample("normal", sum(sizes), seed=3)
+    grads = [sample("laplace", n, seed=10 + i).view(n // 100, 100) for i, n in enumerate(sizes)]
+    x = residual.clone()
+    cod = codec.Codec("exact", fp16_values=value_dtype == torch.float16)
+    plan = cod.plan(sizes, 0.01, "tensor", x.dtype, torch.int32)
+    message = torch.empty(plan.layout.nbytes, dtype=torch.uint8)
+    encoder = cod.segment_encoder(x, plan, message, zero_sent=True)
+    assert cod.segment_encoder(x, plan, message, zero_sent=True) is encoder  # prepared once
+    for s in (2, 0, 1):
+        assert encoder(s, grads[s]) == (False, 0, 0)
+    cod.finish_segments(plan, message, x.dtype)
+    values, indices = plan.layout.unpack(message, 1)
+    total = residual.numpy() + torch.cat([g.reshape(-1) for g in grads]).numpy()
+    truth = _segment_truth(torch.from_numpy(total), list(bounds), plan.ks)
+    for s in range(3):
+        got = indices[0, plan.slots[s]:plan.slots[s + 1]].long().numpy()
+        assert set(got.tolist()) == truth[s], s
+        assert np.all(np.diff(got) > 0) and bounds[s] <= got.min() and got.max() < bounds[s + 1]
+    sent = indices[0].long().numpy()
+    np.testing.assert_allclose(values[0].float().numpy(), total[sent], rtol=1e-3 if value_dtype == torch.float16 else 0)
+    want = total.copy()
+    want[sent] = 0
+    np.testing.assert_array_equal(x.numpy(), want)
+    with pytest.raises(ValueError, match="segment 1: expected a contiguous gradient of 300000"):
+        encoder(1, torch.zeros(10))
+
+
 def test_bucket_scope_gives_one_k_for_the_whole_buffer():
     """selection_scope="bucket": k = density x the bucket's size, spent where |x| is largest
     (here all in the loud second tensor)."""
