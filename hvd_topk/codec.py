@@ -163,6 +163,19 @@ class Codec:
         return None
 
     @staticmethod
+    def take(x, indices, out, zero=False):
+        """``out = x[indices]`` and, with ``zero``, ``x[indices] = 0`` (flat ``x``): what a rank
+        that did not select sends at the selecting rank's positions. Native on CPU fp32/fp64
+        (one visit per position), torch ops elsewhere."""
+        if native_ok(x) and out.dtype == x.dtype and out.is_contiguous() and indices.is_contiguous():
+            return selection.take_native(x, indices, out, zero)
+        where = indices.long()
+        out.copy_(x.index_select(0, where))
+        if zero:
+            x.index_fill_(0, where, 0)
+        return out
+
+    @staticmethod
     def finish_segments(plan, message, dtype):
         """After a ``SegmentEncoder`` call for every segment of a ``dtype`` buffer: values converted to
         the wire dtype, padding zeroed."""

@@ -661,12 +661,10 @@ class TopKEngine:
             bad = bool(current.nonfinite)
             if current.unchecked:
                 bad = ~torch.isfinite(flat).all() | bad  # a device tensor: no host sync
-            where = indices.long()
-            values[:k].copy_(flat.index_select(0, where))
+            self.codec.take(flat, indices, values[:k], zero=self.options.error_feedback)
             if self.options.error_feedback:
-                flat.index_fill_(0, where, 0)
                 if bucket.momentum is not None:
-                    bucket.momentum.index_fill_(0, where, 0)
+                    bucket.momentum.index_fill_(0, indices.long(), 0)
                 self._wipe_nonfinite(bucket, current, bad, flat)
         if torch.is_tensor(bad):
             values[k:].copy_(torch.where(bad, float("nan"), 0.0))

@@ -144,6 +144,27 @@ def fold_native(x, g):
     return bool(getattr(native.library(), _FOLD_FUNCS[x.dtype])(x.data_ptr(), g.data_ptr(), x.numel()))
 
 
+_TAKE_FUNCS = {torch.float32: "hvdtk_take_f32", torch.float64: "hvdtk_take_f64"}
+
+
+def take_native(x, indices, out, zero=False):
+    """``out = x[indices]``, then ``x[indices] = 0`` with ``zero``, in one native visit per
+    position (flat CPU fp32/fp64 ``x`` and ``out`` of its dtype, int32/int64 ``indices``, all
+    contiguous; the caller checks ``native_ok``). Positions outside ``x`` raise, as
+    ``index_select`` does."""
+    if out.dtype != x.dtype or out.numel() != indices.numel() or not (out.is_contiguous() and indices.is_contiguous()):
+        raise ValueError("out must be a contiguous tensor of x's dtype with one entry per index")
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"indices must be int32 or int64, got {indices.dtype}")
+    outside = getattr(native.library(), _TAKE_FUNCS[x.dtype])(
+        x.data_ptr(), x.numel(), indices.data_ptr(), indices.element_size(), indices.numel(),
+        out.data_ptr(), int(zero))
+    if outside:
+        raise IndexError(f"{outside} of {indices.numel()} positions lie outside the {x.numel()} "
+                         "entries of the buffer: ranks disagree on the tensors being exchanged")
+    return out
+
+
 _SEGMENT_FUNCS = {torch.float32: "hvdtk_select_segments_f32", torch.float64: "hvdtk_select_segments_f64"}
 
 

@@ -364,6 +364,35 @@ def test_segment_encoder_folds_and_selects_each_segment_into_its_slots(value_dty
         encoder(1, torch.zeros(10))
 
 
+@pytest.mark.parametrize("path", ["native", "torch"])
+@pytest.mark.parametrize("dtype,index_dtype", [(torch.float32, torch.int32), (torch.float64, torch.int64)])
+@pytest.mark.parametrize("zero", [True, False])
+def test_take_gathers_and_zeroes_the_positions(path, dtype, index_dtype, zero):
+    """What a non-selecting rank sends in the sparse allreduce: its residual at the leader's
+    positions, then (error feedback) those positions zeroed; numpy reference."""
+    if path == "native" and native.library() is None:
+        pytest.skip("native kernel did not build")
+    x = sample("normal", 1_000_003, seed=4).to(dtype)
+    if path == "torch":  # strided: not native-eligible
+        x = torch.zeros(2 * x.numel(), dtype=dtype)[::2].copy_(x)
+    before = x.numpy().copy()
+    where = np.sort(np.random.default_rng(5).choice(x.numel(), 5000, replace=False))
+    out = torch.empty(5000, dtype=dtype)
+    codec.Codec.take(x, torch.from_numpy(where).to(index_dtype), out, zero=zero)
+    np.testing.assert_array_equal(out.numpy(), before[where])
+    want = before.copy()
+    if zero:
+        want[where] = 0
+    np.testing.assert_array_equal(x.numpy(), want)
+
+
+@needs_native
+def test_take_refuses_positions_outside_the_buffer():
+    x = torch.ones(100)
+    with pytest.raises(IndexError, match="1 of 3 positions lie outside the 100 entries"):
+        selection.take_native(x, torch.tensor([3, 50, 100], dtype=torch.int32), torch.empty(3), zero=True)
+
+
 def test_bucket_scope_gives_one_k_for_the_whole_buffer():
     """selection_scope="bucket": k = density x the bucket's size, spent where |x| is largest
     (here all in the loud second tensor)."""

@@ -21,7 +21,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("topk.cpp")
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 _lock = threading.Lock()
 _lib = None
@@ -72,6 +72,10 @@ def _declare(lib):
     for name in ("hvdtk_scatter_segments_f32", "hvdtk_scatter_segments_f64"):
         fn = getattr(lib, name)
         fn.argtypes = [p, p, i64, p, i32, p, i64, i64, i64, f64, f64]
+        fn.restype = i64
+    for name in ("hvdtk_take_f32", "hvdtk_take_f64"):
+        fn = getattr(lib, name)
+        fn.argtypes = [p, i64, p, i32, i64, p, i32]
         fn.restype = i64
     for name in ("hvdtk_fold_f32", "hvdtk_fold_f64"):
         fn = getattr(lib, name)

@@ -46,6 +46,7 @@ constexpr int64_t kSmall = 16384;     // at or below: every entry is a candidate
 constexpr int64_t kSingles = 1 << 18; // at or below: sample single entries, not runs
 constexpr int64_t kSampleShare = 128;  // sample about 1/128 of x (a model's many tensors each
 constexpr int64_t kMinSample = 4096;   // pay in proportion), at least this many, at most kSample
+constexpr int64_t kAhead = 64;        // positions prefetched ahead when visiting scattered ones
 
 struct Rng {  // splitmix64: tiny, good enough for picking sample positions
   uint64_t s;
@@ -460,7 +461,10 @@ int64_t select_impl(T* x, const T* g, int64_t n, int64_t k, int64_t offset, I* i
     fill_up(x, n, k, offset, idx, val);
   }
   if (zero_sent)
-    for (int64_t j = 0; j < k; ++j) x[(int64_t)idx[j] - offset] = T(0);
+    for (int64_t j = 0; j < k; ++j) {
+      if (j + kAhead < k) __builtin_prefetch(x + ((int64_t)idx[j + kAhead] - offset), 1);
+      x[(int64_t)idx[j] - offset] = T(0);
+    }
   return k;
 }
 
@@ -584,6 +588,35 @@ int64_t fold_impl(T* x, const T* g, int64_t n) {
   return bad != 0;
 }
 
+// out[j] = x[idx[j]] for j < k, then x[idx[j]] = 0 where `zero` (error feedback: a rank that
+// did not select sends its residual at the leader's positions, and they are then sent). One
+// visit per position, prefetched kAhead positions ahead: the positions are spread over a
+// buffer far larger than the cache, so each is a miss, and with dozens in flight they overlap
+// (160k positions in 64 MB: torch's index_select + index_fill_ 2.2 ms, this 0.7 ms).
+// Positions outside [0, n) are skipped (out[j] = 0) and counted: non-zero means the ranks
+// disagree on the bucket and the caller must not use the result.
+template <typename T, typename I>
+int64_t take_impl(T* x, int64_t n, const I* idx, int64_t k, T* out, int zero) {
+  int64_t bad = 0;
+  for (int64_t j = 0; j < k; ++j) {
+    if (j + kAhead < k) {
+      const int64_t a = (int64_t)idx[j + kAhead];
+      if (a >= 0 && a < n) __builtin_prefetch(x + a, 1);
+    }
+    const int64_t i = (int64_t)idx[j];
+    if (i < 0 || i >= n) { out[j] = T(0); ++bad; continue; }
+    out[j] = x[i];
+    if (zero) x[i] = T(0);
+  }
+  return bad;
+}
+
+template <typename T>
+int64_t take_dispatch(T* x, int64_t n, const void* idx, int index_bytes, int64_t k, T* out, int zero) {
+  if (index_bytes == 4) return take_impl(x, n, (const int32_t*)idx, k, out, zero);
+  return take_impl(x, n, (const int64_t*)idx, k, out, zero);
+}
+
 }  // namespace
 
 extern "C" {
@@ -608,7 +641,17 @@ int64_t hvdtk_scatter_segments_f64(double* const* dest, const int64_t* bounds, i
   return scatter_segments_dispatch(dest, bounds, nseg, idx, index_bytes, val, world, k, row_bytes, div, mul);
 }
 
-int hvdtk_abi_version() { return 6; }
+// Gather x at k positions into out, zeroing them in x with `zero`; see take_impl. Returns the
+// number of positions outside [0, n).
+int64_t hvdtk_take_f32(float* x, int64_t n, const void* idx, int index_bytes, int64_t k, float* out, int zero) {
+  return take_dispatch(x, n, idx, index_bytes, k, out, zero);
+}
+
+int64_t hvdtk_take_f64(double* x, int64_t n, const void* idx, int index_bytes, int64_t k, double* out, int zero) {
+  return take_dispatch(x, n, idx, index_bytes, k, out, zero);
+}
+
+int hvdtk_abi_version() { return 7; }
 
 // Segmented selection in one call (a fusion bucket's tensors, k each); see segments_impl.
 // Returns the number of pairs written (the sum of min(ks[s], segment size)).
