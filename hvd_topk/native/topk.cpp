@@ -402,9 +402,13 @@ void keep_k(int64_t k, int64_t offset, I* idx, T* val) {
   const uint32_t kth = kth_of.key;
   int64_t ties = k - kth_of.above;  // entries equal to the k-th to keep, first positions first
   int64_t o = 0;
-  for (int64_t j = 0; j < m && o < k; ++j) {
-    bool take = keys[j] > kth || (keys[j] == kth && ties-- > 0);
-    if (take) { idx[o] = (I)(c[j] + offset); val[o] = cv[j]; ++o; }
+  for (int64_t j = 0; j < m && o < k; ++j) {  // no branch on `take`: about k of m, at random
+    const uint32_t key = keys[j];
+    const bool tie = key == kth, take = (key > kth) | (tie & (ties > 0));
+    ties -= tie & take;
+    idx[o] = (I)(c[j] + offset);
+    val[o] = cv[j];
+    o += take;
   }
 }
 
