@@ -217,15 +217,18 @@ def _ranked_pairs(world, k, n, dtype, seed=5):
     return torch.randn(world, k, generator=gen).to(dtype), indices
 
 
+_DECODE_PATHS = [pytest.param("native", d, marks=needs_native, id=f"native-{d}".replace("torch.", ""))
+                 for d in (torch.float32, torch.float64)]  # the native kernel takes fp32/fp64 only
+_DECODE_PATHS += [pytest.param("torch", d, id=f"torch-{d}".replace("torch.", ""))
+                  for d in (torch.float32, torch.float64, torch.float16)]
+
+
 @pytest.mark.parametrize("world", [1, 3, 11])
-@pytest.mark.parametrize("path", ["native", "torch"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize("path,dtype", _DECODE_PATHS)
 @pytest.mark.parametrize("div,mul", [(1.0, 1.0), (3.0, 1.0), (3.0, 3.0)])
 def test_decode_adds_ranks_in_order_into_each_tensor(path, dtype, div, mul, world):
     """Rank-ordered adds of overlapping index sets into three tensors of one bucket (sizes
     around the native kernel's 4096-entry chunk), scaled by mul / div: against numpy."""
-    if path == "native" and (dtype == torch.float16 or native.library() is None):
-        pytest.skip("the native kernel takes fp32/fp64")
     k, sizes = 3000, [150, 7, 9000]
     n = sum(sizes)
     values, indices = _ranked_pairs(world, k, n, dtype)
@@ -241,6 +244,23 @@ def test_decode_adds_ranks_in_order_into_each_tensor(path, dtype, div, mul, worl
     want *= mul / div
     tol = 1e-2 if dtype == torch.float16 else 1e-6
     np.testing.assert_allclose(torch.cat(dests).double().numpy(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_of_16_bit_values_that_nearly_cancel_keeps_their_sum(dtype):
+    """Three ranks' values whose sum is small beside each of them, averaged (div=3): every
+    partial sum is exact in 16 bits, so one rounding (of the average) is all a decode may add.
+    Scaling each value before the sum rounds every term: 10 / 3 and -9.875 / 3 in bf16 leave
+    0.0312 where the average is 0.0417."""
+    values = torch.tensor([[10.0, -31.75], [-9.875, 10.5], [0.0, 10.0]], dtype=dtype)
+    indices = torch.tensor([[2, 5]] * 3, dtype=torch.int32)
+    layout = wire.Layout(2, dtype, torch.int32)
+    gathered = torch.cat([layout.pack(values[r], indices[r]) for r in range(3)])
+    dest = torch.full((8,), float("nan"), dtype=dtype)
+    codec.Codec.decode(gathered, layout, 3, [dest], torch.tensor([0, 8]), div=3.0)
+    want = np.zeros(8)
+    want[2], want[5] = 0.125 / 3, -11.25 / 3
+    np.testing.assert_allclose(dest.double().numpy(), want, rtol=2 ** -8, atol=0)
 
 
 @needs_native
