@@ -74,6 +74,7 @@ class SegmentEncoder:
         values, indices = plan.layout.views(message)
         out = values if values.dtype == x.dtype else plan.value_scratch(x.dtype)
         self._keep = (x, message, out)  # the pointers below stay valid while these live
+        self._dtype = x.dtype
         self._fn = selection.native_select_function(x.dtype)
         xs, isz, vsz = x.element_size(), indices.element_size(), out.element_size()
         self._calls = [(x.data_ptr() + start * xs, end - start, b - a, start,
@@ -86,8 +87,9 @@ class SegmentEncoder:
         x_at, n, k, start, idx_at, isz, val_at = self._calls[s]
         fold = None
         if grad is not None:
-            if grad.numel() != n or not grad.is_contiguous():
-                raise ValueError(f"segment {s}: expected a contiguous gradient of {n} elements")
+            if grad.numel() != n or not grad.is_contiguous() or grad.dtype != self._dtype or grad.is_cuda:
+                raise ValueError(f"segment {s}: expected a contiguous CPU {self._dtype} gradient of {n} "
+                                 f"elements, got {grad.dtype} {tuple(grad.shape)} on {grad.device}")
             fold = grad.data_ptr()
         flags = self._flags
         self._fn(x_at, fold, n, k, start, idx_at, isz, val_at, self._exact, self._zero_sent, 0, flags)

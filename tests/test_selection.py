@@ -380,18 +380,20 @@ def test_segment_encoder_folds_and_selects_each_segment_into_its_slots(value_dty
     want = total.copy()
     want[sent] = 0
     np.testing.assert_array_equal(x.numpy(), want)
-    with pytest.raises(ValueError, match="segment 1: expected a contiguous gradient of 300000"):
+    with pytest.raises(ValueError, match="segment 1: expected a contiguous CPU torch.float32 gradient of 300000"):
         encoder(1, torch.zeros(10))
+    with pytest.raises(ValueError, match="got torch.float64"):  # the kernel would read 8-byte values as 4
+        encoder(0, torch.zeros(sizes[0], dtype=torch.float64))
+    with pytest.raises(ValueError, match="contiguous"):
+        encoder(0, torch.zeros(2 * sizes[0])[::2])
 
 
-@pytest.mark.parametrize("path", ["native", "torch"])
+@pytest.mark.parametrize("path", [pytest.param("native", marks=needs_native), "torch"])
 @pytest.mark.parametrize("dtype,index_dtype", [(torch.float32, torch.int32), (torch.float64, torch.int64)])
 @pytest.mark.parametrize("zero", [True, False])
 def test_take_gathers_and_zeroes_the_positions(path, dtype, index_dtype, zero):
     """What a non-selecting rank sends in the sparse allreduce: its residual at the leader's
     positions, then (error feedback) those positions zeroed; numpy reference."""
-    if path == "native" and native.library() is None:
-        pytest.skip("native kernel did not build")
     x = sample("normal", 1_000_003, seed=4).to(dtype)
     if path == "torch":  # strided: not native-eligible
         x = torch.zeros(2 * x.numel(), dtype=dtype)[::2].copy_(x)
