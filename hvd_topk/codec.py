@@ -194,8 +194,9 @@ class Codec:
         CUDA probe, never read on the host).
 
         Native: one sequential write over the destinations, chunk by chunk (each rank's
-        ascending pairs added into a zeroed chunk in L1), no separate zeroing pass. Torch ops:
-        zero, then ``index_add_`` rank after rank."""
+        ascending pairs added into a zeroed chunk in L1, each value scaled as it is added), no
+        separate zeroing pass. Torch ops: zero, ``index_add_`` rank after rank, then each
+        touched sum scaled once (``scatter_add_ranks`` says why)."""
         values, indices = layout.unpack(gathered, world)
         if (values.dtype == dests[0].dtype and not torch.is_tensor(mul) and _rows_alike(values, indices)
                 and all(native_ok(d) and d.dtype == values.dtype for d in dests)):
