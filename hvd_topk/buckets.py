@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from hvd_topk.hierarchy import segments_in
+from hvd_topk.selection import native_ok
 from hvd_topk.wire import index_dtype_for
 
 
@@ -58,6 +59,8 @@ class Bucket:
         self.pending = None    # the exchange in flight, between launch and finish
         self._plans = {}       # (density, scope, value dtype) -> codec.Plan
         self._message = None   # reused send buffer
+        self._acc_views = None  # each member's part of ``acc``, shaped like its parameter
+        self._folder = None    # codec.SegmentFolder over ``acc`` (a non-selecting rank's fold)
         self._scratch = {}     # purpose -> reused buffer (scratch)
 
     # ---- buffers ---------------------------------------------------------------------------
@@ -81,6 +84,17 @@ class Bucket:
         """``member``'s part of a flat buffer, shaped like its parameter."""
         return flat[member.offset:member.offset + member.numel].view(member.param.shape)
 
+    def acc_views(self):
+        """``view(acc, member)`` of every member, made once: ``acc`` lives as long as the bucket."""
+        if self._acc_views is None:
+            acc = self.buffer()
+            self._acc_views = [self.view(acc, m) for m in self.members]
+        return self._acc_views
+
+    def views(self, flat):
+        """Every member's part of ``flat``, shaped like its parameter."""
+        return self.acc_views() if flat is self.acc else [self.view(flat, m) for m in self.members]
+
     def segment(self, flat, position):
         m = self.members[position]
         return flat[m.offset:m.offset + m.numel]
@@ -93,7 +107,7 @@ class Bucket:
         otherwise the buffer takes a copy of the gradient (zeros when there is none).
         """
         member = self.members[position]
-        acc = self.view(self.buffer(), member)
+        acc = self.acc_views()[position]
         if accumulate and momentum:
             u = self.view(self.momentum_buffer(), member)
             u.mul_(momentum)
@@ -110,9 +124,32 @@ class Bucket:
         self.folded.add(position)
 
     def mark_folded(self, position):
-        """The caller folded this member's gradient into ``acc`` itself (the native fused fold)."""
+        """The caller folded this member's gradient into ``acc`` itself (the native fused fold),
+        or will with ``copy_in`` when the bucket launches."""
         self.buffer()
         self.folded.add(position)
+
+    def copy_in(self):
+        """Every member's gradient into ``acc`` (zeros where it has none) in one call: the fold
+        of a bucket that only stages this step's gradients (the dense bucket of small tensors,
+        no error feedback), done once the bucket is complete instead of one copy per hook."""
+        dests, grads = [], []
+        for m, view in zip(self.members, self.acc_views()):
+            grad = m.param.grad
+            if grad is None:
+                view.zero_()
+            else:
+                dests.append(view)
+                grads.append(grad)
+        if dests:
+            torch._foreach_copy_(dests, grads)
+
+    def folder(self, codec):
+        """The prepared per-member fold into ``acc`` (``codec.SegmentFolder``), or None where
+        the native kernel cannot take the buffer."""
+        if self._folder is None and native_ok(self.buffer()):
+            self._folder = codec.segment_folder(self.acc, self.bounds.tolist())
+        return self._folder
 
     def complete(self):
         return len(self.folded) == len(self.members)

@@ -96,6 +96,27 @@ class SegmentEncoder:
         return bool(flags[0]), max(0, flags[1] - 1), flags[2]
 
 
+class SegmentFolder:
+    """``Codec.fold`` for one segment of a flat buffer at a time (CPU fp32/fp64, native), with
+    pointers and sizes worked out once: what a rank that does not select this step (the sparse
+    allreduce) runs in each gradient's hook. ``folder(s, grad)`` adds ``grad`` into segment
+    ``s`` and returns whether the segment now holds inf/nan."""
+
+    def __init__(self, x, bounds):
+        self._keep = x  # the pointers below stay valid while it lives
+        self._dtype = x.dtype
+        self._fn = selection.native_fold_function(x.dtype)
+        xs = x.element_size()
+        self._calls = [(x.data_ptr() + start * xs, end - start) for start, end in zip(bounds, bounds[1:])]
+
+    def __call__(self, s, grad):
+        at, n = self._calls[s]
+        if grad.numel() != n or not grad.is_contiguous() or grad.dtype != self._dtype or grad.is_cuda:
+            raise ValueError(f"segment {s}: expected a contiguous CPU {self._dtype} gradient of {n} "
+                             f"elements, got {grad.dtype} {tuple(grad.shape)} on {grad.device}")
+        return bool(self._fn(at, grad.data_ptr(), n))
+
+
 class Encoded(NamedTuple):
     """What ``encode`` reports: the segments that held inf/nan (a list of segment numbers on
     CPU, a bool tensor per segment elsewhere; empty list when none), and native statistics."""
@@ -152,6 +173,12 @@ class Codec:
                 plan.encoders.clear()
             encoder = plan.encoders[key] = SegmentEncoder(x, plan, message, self.method, zero_sent)
         return encoder
+
+    @staticmethod
+    def segment_folder(x, bounds):
+        """A ``SegmentFolder`` of the segments ``[bounds[i], bounds[i+1])`` of ``x`` (flat, CPU
+        fp32/fp64; the caller checks ``native_ok``)."""
+        return SegmentFolder(x, bounds)
 
     @staticmethod
     def fold(x, grad):

@@ -200,8 +200,9 @@ class TopKEngine:
         if self.hier is not None and options.momentum_correction:
             raise ValueError("momentum_correction is not supported with the hierarchical exchange; pass "
                              "hierarchical=False, or momentum_correction=0.0 with the inner optimizer's momentum")
-        self.place = {m.param: (b, i) for b in self.buckets for i, m in enumerate(b.members)}
-        self.passes = {p: 0 for p in params}
+        # keyed by id(p): a tensor's __hash__ is a Python-level call, and these are read per hook
+        self.place = {id(m.param): (b, i) for b in self.buckets for i, m in enumerate(b.members)}
+        self.passes = dict.fromkeys(map(id, params), 0)
         self.step = 0
         self.stats = CompressionStats()
         self.synchronized = False
@@ -224,7 +225,8 @@ class TopKEngine:
         gradient with ``sparse_as_dense``, converted) before ``on_grad_ready`` sees it."""
         if not self.step_begun:
             self._begin_step()
-        if p.grad is not None and p.grad.layout != torch.strided:
+        grad = p.grad
+        if grad is not None and grad.layout != torch.strided:
             self._densify(p)
         self.on_grad_ready(p)
 
@@ -237,22 +239,25 @@ class TopKEngine:
                                "Pass sparse_as_dense=True to hvd_topk.DistributedOptimizer (as with "
                                "Horovod) to densify it and compress it as usual, or use a dense "
                                "embedding.")
-        if p not in self.densified:
+        if all(q is not p for q in self.densified):  # (``in`` would compare tensors by value)
             self.densified.append(p)
         p.grad = p.grad.to_dense()
 
     def on_grad_ready(self, p):
         """Hook: after the last backward pass of the step, fold ``p.grad`` into its bucket."""
-        if self.passes[p] >= self.passes_per_step:
+        key = id(p)
+        passes = self.passes[key] + 1
+        if passes > self.passes_per_step:
             raise AssertionError("Gradients were computed more than backward_passes_per_step times "
                                  "before call to step(). Increase backward_passes_per_step to "
                                  "accumulate gradients locally.")
-        self.passes[p] += 1
-        if self.passes[p] == self.passes_per_step:
+        self.passes[key] = passes
+        if passes == self.passes_per_step:
+            grad = p.grad
             if self.transform is not None:
-                self.transform(p, p.grad)
-            bucket, position = self.place[p]
-            self._fold(bucket, position, p.grad)
+                self.transform(p, grad)
+            bucket, position = self.place[key]
+            self._fold(bucket, position, grad)
             if bucket.complete():
                 self._launch(bucket)
 
@@ -385,19 +390,21 @@ class TopKEngine:
 
     def _fold(self, bucket, position, grad):
         current = bucket.current or self._begin_bucket(bucket)
-        ef, momentum = bucket.sparse and self.options.error_feedback, self.options.momentum_correction
-        if current.hierarchical:
-            # the buffer stages this step's gradients (the residual is the shard's), but on the
-            # first hierarchical step after flat ones it still holds the flat residual: add to it
-            ef = ef and current.carry
-        # Error feedback on the native kernel: the fold (acc += grad) is the selection's own pass.
-        fused = (current.encode is not None and ef and not momentum and grad is not None
-                 and grad.dtype == bucket.dtype and grad.is_contiguous())
+        ef, momentum = self._accumulates(bucket, current), self.options.momentum_correction
+        if not ef and current.encode is None:
+            bucket.mark_folded(position)  # a staging copy: ``copy_in`` when the bucket launches
+            current.unchecked |= not current.selects
+            return
+        # a gradient the native kernels take as it is (in the fold's own pass)
+        plain = grad is not None and grad.dtype == bucket.dtype and grad.is_contiguous()
+        fused = current.encode is not None and ef and not momentum and plain
         if fused:
             bucket.mark_folded(position)
         elif not current.selects and ef and not momentum and grad is not None:
             # sparse allreduce, not the leader: fold only, noting inf/nan on the way
-            bad = self.codec.fold(bucket.segment(bucket.buffer(), position), grad)
+            folder = bucket.folder(self.codec) if plain else None
+            bad = folder(position, grad) if folder is not None else \
+                self.codec.fold(bucket.segment(bucket.buffer(), position), grad)
             bucket.mark_folded(position)
             if bad is None:
                 current.unchecked = True
@@ -414,6 +421,16 @@ class TopKEngine:
             current.repasses += repasses
             current.filled += filled
             current.seconds += time.perf_counter() - t0
+
+    def _accumulates(self, bucket, current):
+        """Whether this step's fold adds into the bucket's residual (error feedback) rather than
+        staging a copy of the gradients."""
+        ef = bucket.sparse and self.options.error_feedback
+        if current.hierarchical:
+            # the buffer stages this step's gradients (the residual is the shard's), but on the
+            # first hierarchical step after flat ones it still holds the flat residual: add to it
+            ef = ef and current.carry
+        return ef
 
     def _begin_bucket(self, bucket):
         """This step's plan for ``bucket``, made at its first fold: density, strategy, message.
@@ -463,6 +480,8 @@ class TopKEngine:
             if position not in bucket.folded:  # no gradient this step: contributes zeros
                 self._fold(bucket, position, m.param.grad)
         current = bucket.current or self._begin_bucket(bucket)
+        if current.encode is None and not self._accumulates(bucket, current):
+            bucket.copy_in()  # the staging copy the folds left (see ``_fold``)
         plan, strategy = current.plan, current.strategy
         name = f"{self.prefix}.bucket{bucket.index}.{strategy.name}"
         dense_bytes = bucket.element_size
@@ -766,12 +785,15 @@ class TopKEngine:
     @staticmethod
     def _write_grads(bucket, flat):
         """Each member's part of the exchanged ``flat`` result into its ``p.grad``."""
-        for m in bucket.members:
-            summed = bucket.view(flat, m)
+        grads, parts = [], []
+        for m, summed in zip(bucket.members, bucket.views(flat)):
             if m.param.grad is None:
                 m.param.grad = summed.clone()
             else:
-                m.param.grad.copy_(summed)
+                grads.append(m.param.grad)
+                parts.append(summed)
+        if grads:
+            torch._foreach_copy_(grads, parts)
 
     def _sparse_allreduce_result(self, bucket, handle, plan, message):
         """The summed values, written back into ``message`` beside the leader's indices (a
@@ -805,8 +827,7 @@ class TopKEngine:
         for bucket in self.buckets:
             self._finish(bucket)
         self.active.read()  # (when no sparse bucket read it this step)
-        for p in self.passes:
-            self.passes[p] = 0
+        self.passes = dict.fromkeys(self.passes, 0)
         self._resparsify()
         if self.trial is not None and self.options.exchange == "auto" and self.trial_world == self.world \
                 and self.schedule.density(self.step) == self.density:
@@ -842,8 +863,7 @@ class TopKEngine:
         overwrites the residual)."""
         for b in self.buckets:
             b.reset()
-        for p in self.passes:
-            self.passes[p] = 0
+        self.passes = dict.fromkeys(self.passes, 0)
         self.synchronized, self.should_synchronize = False, True
         self.step_begun, self.densified = False, []
         self.active.forget()  # a reset Horovod forgot it too

@@ -136,12 +136,18 @@ def native_select_function(dtype):
 _FOLD_FUNCS = {torch.float32: "hvdtk_fold_f32", torch.float64: "hvdtk_fold_f64"}
 
 
+def native_fold_function(dtype):
+    """The native fold for ``dtype``: ``fn(x pointer, g pointer, n)``, non-zero when a sum is
+    inf/nan (for callers that prepare the pointers once and call it per step)."""
+    return getattr(native.library(), _FOLD_FUNCS[dtype])
+
+
 def fold_native(x, g):
     """``x += g`` (flat, CPU fp32/fp64, same dtype and size, contiguous) in one native pass;
     returns whether the result holds inf/nan. The caller checks ``native_ok`` for both."""
     if g.dtype != x.dtype or g.numel() != x.numel() or not g.is_contiguous():
         raise ValueError("g must be a contiguous tensor of x's dtype and size")
-    return bool(getattr(native.library(), _FOLD_FUNCS[x.dtype])(x.data_ptr(), g.data_ptr(), x.numel()))
+    return bool(native_fold_function(x.dtype)(x.data_ptr(), g.data_ptr(), x.numel()))
 
 
 _TAKE_FUNCS = {torch.float32: "hvdtk_take_f32", torch.float64: "hvdtk_take_f64"}

@@ -77,6 +77,23 @@ def test_fold_takes_a_channels_last_gradient_in_logical_order():
     assert bucket.acc.tolist() == list(range(24))
 
 
+def test_copy_in_stages_every_gradient_at_once_zeros_where_none():
+    """The staging fold done when the bucket launches: each member's gradient in its place
+    (a channels_last one in logical order), zeros for a member without a gradient, whatever
+    the buffer held before."""
+    ps = params((2, 3, 2, 2), (4,), (3,))
+    (bucket,) = plan_buckets(ps, names_of(ps), min_numel=1, fusion_bytes=1 << 20)
+    bucket.buffer().fill_(7.0)
+    ps[0].grad = torch.arange(24.0).view(2, 3, 2, 2).contiguous(memory_format=torch.channels_last)
+    ps[1].grad = None
+    ps[2].grad = torch.tensor([-1.0, -2.0, -3.0])
+    bucket.copy_in()
+    # members in reverse order: p2 at 0, p1 at 3, p0 at 7
+    assert bucket.acc.tolist() == [-1.0, -2.0, -3.0, 0.0, 0.0, 0.0, 0.0] + [float(i) for i in range(24)]
+    assert [tuple(v.shape) for v in bucket.acc_views()] == [(3,), (4,), (2, 3, 2, 2)]
+    assert all(v.data_ptr() == bucket.acc[m.offset:].data_ptr() for v, m in zip(bucket.acc_views(), bucket.members))
+
+
 @pytest.mark.parametrize("P", [2, 3, 8, 64])
 def test_strategy_costs_by_hand(P):
     n, k = 1_000_000, 10_000

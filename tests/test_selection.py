@@ -388,6 +388,29 @@ def test_segment_encoder_folds_and_selects_each_segment_into_its_slots(value_dty
         encoder(0, torch.zeros(2 * sizes[0])[::2])
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_segment_folder_adds_each_segment_and_flags_nonfinite(dtype):
+    """A non-selecting rank's fold, one prepared segment at a time: x[segment] += g (numpy),
+    the flag set only for the segment whose sum is inf/nan, bad gradients refused."""
+    sizes = [5, 300_001, 17]
+    bounds = [0, 5, 300_006, 300_023]
+    x = sample("normal", sum(sizes), seed=8).to(dtype)
+    grads = [sample("laplace", n, seed=9 + i).to(dtype) for i, n in enumerate(sizes)]
+    grads[2][3] = float("inf")
+    want = x.numpy().copy() + np.concatenate([g.numpy() for g in grads])
+    folder = codec.Codec.segment_folder(x, bounds)
+    assert [folder(s, g) for s, g in enumerate(grads)] == [False, False, True]
+    np.testing.assert_array_equal(x.numpy(), want)
+    with pytest.raises(ValueError, match="segment 1: expected a contiguous CPU"):
+        folder(1, torch.zeros(10, dtype=dtype))
+    with pytest.raises(ValueError, match="contiguous"):
+        folder(0, torch.zeros(10, dtype=dtype)[::2])
+    other = torch.float64 if dtype == torch.float32 else torch.float32
+    with pytest.raises(ValueError, match=f"got {other}"):  # the kernel would misread its bytes
+        folder(0, torch.zeros(5, dtype=other))
+
+
 @pytest.mark.parametrize("path", [pytest.param("native", marks=needs_native), "torch"])
 @pytest.mark.parametrize("dtype,index_dtype", [(torch.float32, torch.int32), (torch.float64, torch.int64)])
 @pytest.mark.parametrize("zero", [True, False])
