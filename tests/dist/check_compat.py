@@ -167,15 +167,20 @@ def check_horovod_unfrozen_parameter_diverges():
 
 # ---- item 5: sparse gradients -----------------------------------------------------------------
 class EmbeddingNet(torch.nn.Module):
-    """An embedding of 200 x 8 (1600 elements: the sparse path) and a small dense head."""
+    """An embedding of 200 x 8 (1600 elements: the sparse path) and a small dense head; with
+    ``second``, another embedding of 150 x 8 added in."""
 
-    def __init__(self, sparse=True):
+    def __init__(self, sparse=True, second=False):
         super().__init__()
         self.emb = torch.nn.Embedding(200, 8, sparse=sparse)
+        self.emb2 = torch.nn.Embedding(150, 8, sparse=sparse) if second else None
         self.head = torch.nn.Linear(8, 5)
 
     def forward(self, ids):
-        return self.head(self.emb(ids).mean(dim=1))
+        h = self.emb(ids).mean(dim=1)
+        if self.emb2 is not None:
+            h = h + self.emb2(ids % 150).mean(dim=1)
+        return self.head(h)
 
 
 def embedding_batch(step, rank):
@@ -190,12 +195,13 @@ def raw_dense_grads(model, ids, y):
             for n, p in model.named_parameters()}
 
 
-def check_sparse_as_dense(density=0.05):
+def check_sparse_as_dense(density=0.05, second=False):
     """sparse_as_dense=True: the embedding's gradient is exchanged as a dense Top-K tensor with
-    error feedback (numpy reference) and handed back sparse to the inner optimizer."""
+    error feedback (numpy reference) and handed back sparse to the inner optimizer (``second``:
+    two sparse embeddings)."""
     rank, size = hvd.rank(), hvd.size()
     torch.manual_seed(0)
-    model = EmbeddingNet()
+    model = EmbeddingNet(second=second)
     opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
                                         named_parameters=model.named_parameters(),
                                         compression=hvd_topk.TopK(density=density),
@@ -208,7 +214,8 @@ def check_sparse_as_dense(density=0.05):
         opt.zero_grad()
         F.cross_entropy(model(ids), y).backward()
         opt.synchronize()
-        assert model.emb.weight.grad.is_sparse, "the inner optimizer should get a sparse gradient back"
+        for emb in filter(None, (model.emb, model.emb2)):
+            assert emb.weight.grad.is_sparse, "the inner optimizer should get a sparse gradient back"
         for name, p in model.named_parameters():
             grads = gather(raw[name])
             want = (ref.sparse(name, grads, density) if p.numel() >= MIN_NUMEL
@@ -467,6 +474,7 @@ CHECKS = [
     ("unfrozen parameter refused", check_unfrozen_parameter_refused),
     ("horovod: unfrozen parameter diverges", check_horovod_unfrozen_parameter_diverges),
     ("sparse_as_dense", check_sparse_as_dense),
+    ("sparse_as_dense, two sparse embeddings", lambda: check_sparse_as_dense(second=True)),
     ("sparse gradient without sparse_as_dense refused", check_sparse_without_option_refused),
     ("horovod: sparse gradients", check_horovod_sparse_gradients),
     ("bf16 dense path", check_bf16_dense_path),
