@@ -27,7 +27,11 @@ table names it); a user pays the trial once per job, not per step.
 
 Ranks are aligned by a scalar allreduce before every timed step; a step's time is the slower
 rank's; the table gives the median over ``--steps`` after the warm-up iterations, the added time
-(mode - baseline) and that as a multiple of the streaming pass.
+(mode - baseline) and that as a multiple of the streaming pass. It also gives the CPU time the
+timed step took on each rank's main thread and on its other threads (Horovod's background
+thread: the one other thread that runs; from Linux's /proc/self/task/*/schedstat), medians per
+rank averaged over the ranks: where the added time goes when ranks and their background threads
+share few cores.
 
     .venv/bin/python benchmarks/overhead.py                                  # both models
     .venv/bin/python benchmarks/overhead.py --models resnet50 --steps 5 --output-name overhead-smoke
@@ -118,6 +122,7 @@ def stats_snapshot(opt):
 
 
 def run_model(model, args, hvd, hvd_topk, torch, say):
+    machine = load("machine")
     shapes = load("shapes").model_shapes(model)
     n = load("shapes").numel(shapes)
     rank = hvd.rank()
@@ -135,6 +140,8 @@ def run_model(model, args, hvd, hvd_topk, torch, say):
             modes[mode] = (params, opt)
     names = list(modes)
     times = {m: [] for m in names}
+    cpu = {m: [] for m in names}  # (main thread, other threads) seconds per timed step
+    main_thread = machine.main_thread_id()
     checks, stats0 = {}, {}
 
     def barrier():
@@ -152,20 +159,24 @@ def run_model(model, args, hvd, hvd_topk, torch, say):
             if mode == "stream":
                 r, g = modes[mode]
                 barrier()
+                c0 = machine.thread_cpu_ns()
                 t0 = time.perf_counter()
                 r.add_(g)
                 g.zero_()
                 dt = time.perf_counter() - t0
+                c1 = machine.thread_cpu_ns()
             else:
                 params, opt = modes[mode]
                 exchange.zero_grad(opt, params)
                 loss = exchange.forward(params, consts[it % len(consts)])
                 barrier()
+                c0 = machine.thread_cpu_ns()
                 t0 = time.perf_counter()
                 loss.backward()
                 if opt is not None:
                     opt.synchronize()
                 dt = time.perf_counter() - t0
+                c1 = machine.thread_cpu_ns()
                 del loss
                 if it == 0 and opt is not None:
                     s = torch.tensor([float(sum(p.grad.double().sum() for p in params))], dtype=torch.float64)
@@ -173,6 +184,7 @@ def run_model(model, args, hvd, hvd_topk, torch, say):
                     checks[mode] = len(set(every)) == 1
             if it >= warmup:
                 times[mode].append(dt)
+                cpu[mode].append(machine.cpu_split(c0, c1, main_thread))
         say(f"  [{model}] iteration {it + 1}/{total}: "
             + ("warm-up" if it < warmup else
                ", ".join(f"{m} {1e3 * times[m][-1]:.0f} ms" for m in names)) + " (rank 0)")
@@ -180,9 +192,13 @@ def run_model(model, args, hvd, hvd_topk, torch, say):
     for mode in names:
         every = hvd.allgather(torch.tensor([times[mode]], dtype=torch.float64), name=f"overhead.times.{mode}")
         slowest = every.max(dim=0).values.tolist()
+        own = torch.tensor([[statistics.median(c[0] for c in cpu[mode]), statistics.median(c[1] for c in cpu[mode])]],
+                           dtype=torch.float64)
+        cpu_ms = (1e3 * hvd.allgather(own, name=f"overhead.cpu.{mode}").mean(dim=0)).tolist()
         row = {"mode": mode, "label": label(mode, args.density, n), "median_ms": 1e3 * statistics.median(slowest),
                "min_ms": 1e3 * min(slowest), "max_ms": 1e3 * max(slowest),
                "step_ms_slower_rank": [1e3 * t for t in slowest],
+               "cpu_ms_main_thread": cpu_ms[0], "cpu_ms_other_threads": cpu_ms[1],
                "ranks_agree": checks.get(mode), "note": notes.get(mode)}
         opt = modes[mode][1] if mode != "stream" else None
         if mode in stats0 and stats0[mode] is not None:
@@ -244,21 +260,25 @@ def markdown(report):
              f"{trial} + {s['steps']} timed iterations; median of the slower rank's step",
              "- step: zero_grad(set_to_none=True) + forward `sum_p (p * c_p).sum()` untimed; timed: "
              "backward (fresh p.grad, hooks fire) + synchronize(); added = mode - baseline; "
-             "x stream = added / the streaming pass's median", ""]
+             "x stream = added / the streaming pass's median",
+             "- CPU ms: the timed step's CPU time on each rank's main thread / its other threads "
+             "(Horovod's background thread), medians per rank, mean of the ranks", ""]
     for m in report["models"]:
         lines += [f"## {m['model']}: {m['tensors']} tensors, {m['numel']:,} fp32 values "
                   f"({m['wall_s']:.0f} s)", "",
-                  "| mode | median ms | min-max ms | added ms | added / streaming pass | ranks agree |",
-                  "|---|---:|---:|---:|---:|---|"]
+                  "| mode | median ms | min-max ms | added ms | added / streaming pass | CPU ms main / background | ranks agree |",
+                  "|---|---:|---:|---:|---:|---:|---|"]
         for r in m["rows"]:
             if r["median_ms"] is None:
-                lines.append(f"| {r['label']} | - | - | - | - | skipped (note below) |")
+                lines.append(f"| {r['label']} | - | - | - | - | - | skipped (note below) |")
                 continue
             added = f"{r['added_ms']:+.1f}" if "added_ms" in r else "-"
             ratio = f"{r['added_x_stream']:.1f}x" if "added_x_stream" in r else "-"
             agree = r.get("ranks_agree")
+            cpu = (f"{r['cpu_ms_main_thread']:.1f} / {r['cpu_ms_other_threads']:.1f}"
+                   if "cpu_ms_main_thread" in r else "-")
             lines.append(f"| {r['label']} | {r['median_ms']:.1f} | {r['min_ms']:.0f}-{r['max_ms']:.0f} | "
-                         f"{added} | {ratio} | {'-' if agree is None else ('yes' if agree else 'NO')} |")
+                         f"{added} | {ratio} | {cpu} | {'-' if agree is None else ('yes' if agree else 'NO')} |")
         notes = [f"{r['mode']}: {r['note']}" for r in m["rows"] if r.get("note")]
         lines += [""] + [f"Note: {x}  " for x in notes] + ([""] if notes else [])
     return "\n".join(lines)

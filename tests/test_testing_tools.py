@@ -179,6 +179,22 @@ def test_machine_info_keys_and_values():
     assert f"{info['cores']} cores" in line and "torch" in line
 
 
+def test_thread_cpu_split_by_hand():
+    before = {10: 1_000, 11: 5_000, 12: 7_000}
+    after = {10: 3_001_000, 11: 5_500_000, 13: 9_000_000}  # 12 ended, 13 started in between
+    assert machine.cpu_split(before, after, main=10) == (0.003, 0.005495)
+
+
+def test_thread_cpu_reads_schedstat(tmp_path):
+    for tid, text in ((7, "123456 99 3\n"), (8, "42 0 1\n"), (9, "")):
+        (tmp_path / str(tid)).mkdir()
+        (tmp_path / str(tid) / "schedstat").write_text(text)
+    assert machine.thread_cpu_ns(str(tmp_path)) == {7: 123456, 8: 42}  # 9: unreadable, skipped
+    assert machine.thread_cpu_ns(str(tmp_path / "missing")) == {}
+    if os.path.isdir("/proc/self/task"):  # Linux: the calling thread is among them
+        assert machine.main_thread_id() in machine.thread_cpu_ns()
+
+
 def test_machine_parsers():
     lscpu = "Architecture: x86_64\nModel name:   AMD EPYC 7B13\nThread(s) per core:  2\n"
     assert machine.parse_lscpu(lscpu) == {"cpu": "AMD EPYC 7B13", "threads_per_core": 2}

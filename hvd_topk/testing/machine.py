@@ -12,12 +12,17 @@ matters when a benchmark measures an older checkout through ``PYTHONPATH``. ``lo
 1/5/15-minute load average when the function ran (the project's machines are shared).
 
 ``summary(info)`` renders the dictionary as one line for Markdown reports.
+
+``thread_cpu_ns()`` and ``cpu_split()`` say how much CPU time a timed region took on the calling
+thread and on the process's other threads (with Horovod, its background thread): on a host
+where ranks and their background threads outnumber the cores, that is where wall time goes.
 """
 
 import datetime
 import os
 import platform
 import subprocess
+import threading
 from pathlib import Path
 
 KEYS = ("cpu", "cores", "threads_per_core", "mem_gib", "os", "kernel", "hostname", "python",
@@ -134,3 +139,32 @@ def summary(info):
     if load:
         parts.append(f"load average {load}")
     return "; ".join(parts)
+
+
+def main_thread_id():
+    """The calling thread's id as the kernel knows it (the key of ``thread_cpu_ns``)."""
+    return threading.get_native_id()
+
+
+def thread_cpu_ns(task_dir="/proc/self/task"):
+    """``{thread id: CPU nanoseconds so far}`` for this process's threads, from Linux's
+    ``schedstat`` (its first field); {} where there is no such file (not Linux)."""
+    out = {}
+    try:
+        tids = os.listdir(task_dir)
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(os.path.join(task_dir, tid, "schedstat")) as f:
+                out[int(tid)] = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
+            continue
+    return out
+
+
+def cpu_split(before, after, main):
+    """``(main thread, other threads)`` CPU seconds between two ``thread_cpu_ns`` readings;
+    threads that started or ended in between are left out of the other threads."""
+    other = sum(after[t] - before[t] for t in after if t in before and t != main)
+    return (after.get(main, 0) - before.get(main, 0)) / 1e9, other / 1e9
