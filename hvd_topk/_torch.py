@@ -14,9 +14,15 @@ Checked against torch 2.13 (``CHECKED_VERSION``). Each private detail relied on:
    answers it with the wrapped optimizer's own value, after checking that the scaler was
    passed as ``grad_scaler=`` (see ``hvd_topk.optimizer``). If torch stops reading it, that
    check silently stops firing and the ``grad_scaler`` docs still stand.
+3. ``copy_all``: ``torch._foreach_copy_`` copies a list of tensors in one call (torch.optim's
+   foreach paths use the same family). A bucket stages or hands back dozens of small tensors
+   per step; a Python loop of ``copy_`` costs a few microseconds each. Where the function is
+   missing, the loop is used.
 """
 
 import sys
+
+import torch
 
 CHECKED_VERSION = "2.13"
 AMP_SCALING_ATTRIBUTE = "_step_supports_amp_scaling"
@@ -36,3 +42,13 @@ def compiled_autograd_active():
     engine = sys.modules.get("torch._dynamo.compiled_autograd")
     return engine is not None and (getattr(engine, "compiled_autograd_enabled", False) is True
                                    or getattr(engine, "in_compiled_autograd_region", False) is True)
+
+
+def copy_all(dests, srcs):
+    """``dests[i].copy_(srcs[i])`` for every i, in one call where torch has one."""
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None:
+        foreach(dests, srcs)
+        return
+    for d, s in zip(dests, srcs):
+        d.copy_(s)

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from hvd_topk._torch import copy_all
 from hvd_topk.hierarchy import segments_in
 from hvd_topk.selection import native_ok
 from hvd_topk.wire import index_dtype_for
@@ -142,7 +143,7 @@ class Bucket:
                 dests.append(view)
                 grads.append(grad)
         if dests:
-            torch._foreach_copy_(dests, grads)
+            copy_all(dests, grads)
 
     def folder(self, codec):
         """The prepared per-member fold into ``acc`` (``codec.SegmentFolder``), or None where

@@ -31,7 +31,7 @@ import torch
 
 from hvd_topk import auto, exchange, hierarchy
 from hvd_topk._horovod import allreduce_dtype, elastic_mode, hvd
-from hvd_topk._torch import compiled_autograd_active
+from hvd_topk._torch import compiled_autograd_active, copy_all
 from hvd_topk.buckets import plan_buckets
 from hvd_topk.codec import Codec, Encoded
 from hvd_topk.schedule import DensitySchedule
@@ -793,7 +793,7 @@ class TopKEngine:
                 grads.append(m.param.grad)
                 parts.append(summed)
         if grads:
-            torch._foreach_copy_(grads, parts)
+            copy_all(grads, parts)
 
     def _sparse_allreduce_result(self, bucket, handle, plan, message):
         """The summed values, written back into ``message`` beside the leader's indices (a

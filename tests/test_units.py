@@ -186,3 +186,17 @@ def test_bf16_allreduced_as_float32():
 
     assert allreduce_dtype(torch.bfloat16) == torch.float32
     assert allreduce_dtype(torch.float16) == torch.float16 and allreduce_dtype(torch.float32) == torch.float32
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_copy_all_copies_each_pair_with_or_without_foreach(foreach, monkeypatch):
+    """``_torch.copy_all``: every destination takes its source (a channels_last one in its own
+    layout, a float64 source converted), through torch's foreach call or the loop."""
+    from hvd_topk import _torch
+    if not foreach:
+        monkeypatch.delattr(torch, "_foreach_copy_", raising=False)
+    dests = [torch.zeros(3), torch.zeros(2, 3, 2, 2).contiguous(memory_format=torch.channels_last)]
+    srcs = [torch.tensor([1.5, -2.0, 3.0], dtype=torch.float64), torch.arange(24.0).view(2, 3, 2, 2)]
+    _torch.copy_all(dests, srcs)
+    assert dests[0].tolist() == [1.5, -2.0, 3.0] and dests[0].dtype == torch.float32
+    assert torch.equal(dests[1], srcs[1]) and dests[1].is_contiguous(memory_format=torch.channels_last)
