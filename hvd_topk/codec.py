@@ -87,10 +87,7 @@ class SegmentEncoder:
         x_at, n, k, start, idx_at, isz, val_at = self._calls[s]
         fold = None
         if grad is not None:
-            if grad.numel() != n or not grad.is_contiguous() or grad.dtype != self._dtype or grad.is_cuda:
-                raise ValueError(f"segment {s}: expected a contiguous CPU {self._dtype} gradient of {n} "
-                                 f"elements, got {grad.dtype} {tuple(grad.shape)} on {grad.device}")
-            fold = grad.data_ptr()
+            fold = _segment_grad_pointer(s, grad, n, self._dtype)
         flags = self._flags
         self._fn(x_at, fold, n, k, start, idx_at, isz, val_at, self._exact, self._zero_sent, 0, flags)
         return bool(flags[0]), max(0, flags[1] - 1), flags[2]
@@ -111,10 +108,17 @@ class SegmentFolder:
 
     def __call__(self, s, grad):
         at, n = self._calls[s]
-        if grad.numel() != n or not grad.is_contiguous() or grad.dtype != self._dtype or grad.is_cuda:
-            raise ValueError(f"segment {s}: expected a contiguous CPU {self._dtype} gradient of {n} "
-                             f"elements, got {grad.dtype} {tuple(grad.shape)} on {grad.device}")
-        return bool(self._fn(at, grad.data_ptr(), n))
+        return bool(self._fn(at, _segment_grad_pointer(s, grad, n, self._dtype), n))
+
+
+def _segment_grad_pointer(s, grad, n, dtype):
+    """The data pointer of segment ``s``'s gradient, refused unless it is what the native
+    kernels read through it: contiguous, on the CPU, ``n`` elements of ``dtype`` (another dtype's
+    bytes would be misread)."""
+    if grad.numel() != n or not grad.is_contiguous() or grad.dtype != dtype or grad.is_cuda:
+        raise ValueError(f"segment {s}: expected a contiguous CPU {dtype} gradient of {n} "
+                         f"elements, got {grad.dtype} {tuple(grad.shape)} on {grad.device}")
+    return grad.data_ptr()
 
 
 class Encoded(NamedTuple):

@@ -12,7 +12,8 @@ One step, per bucket (``hvd_topk.buckets``):
    exchange strategy from ``hvd_topk.exchange`` — the one ``exchange=`` names, or under
    ``"auto"`` the one ``hvd_topk.auto``'s trial measured fastest — and the send buffer);
 2. each gradient, once its backward passes are done, is folded into the bucket's flat buffer
-   (error feedback: ``acc += grad``); ``p.grad`` keeps this rank's gradient. With tensor scope on
+   (error feedback: ``acc += grad``; a bucket that only stages a copy of its gradients takes them
+   all in one call when it is complete); ``p.grad`` keeps this rank's gradient. With tensor scope on
    the native kernel the gradient's top-k is selected right then, in the fold's own pass over
    memory, into its slots of the message, zeroing what it sent; with bucket scope (or torch ops)
    the whole buffer is selected in one call once the bucket is complete. (With the sparse
