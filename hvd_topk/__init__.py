@@ -20,4 +20,4 @@ from hvd_topk.optim import FrozenVarianceAdamW, LocalAdamW  # noqa: E402
 from hvd_topk.optimizer import DistributedOptimizer  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["TopK", "DistributedOptimizer", "FrozenVarianceAdamW", "init", "__version__"]
+__all__ = ["TopK", "DistributedOptimizer", "LocalAdamW", "FrozenVarianceAdamW", "init", "__version__"]

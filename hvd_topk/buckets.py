@@ -12,6 +12,7 @@ Buckets are planned identically on every rank (same order, same members), which 
 every rank name and size its messages alike.
 """
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -19,7 +20,7 @@ import torch
 
 from hvd_topk._torch import copy_all
 from hvd_topk.hierarchy import segments_in
-from hvd_topk.selection import native_ok
+from hvd_topk.selection import check_integer, native_ok
 from hvd_topk.wire import index_dtype_for
 
 
@@ -29,6 +30,24 @@ class Member(NamedTuple):
     name: str
     offset: int
     numel: int
+
+
+@dataclasses.dataclass
+class BucketStep:
+    """One bucket's choices in the current step, fixed at its first fold (``bucket.current``)."""
+    plan: object          # codec.Plan (None for a dense-only bucket)
+    strategy: type        # exchange strategy (``hvd_topk.exchange``)
+    message: object       # send buffer (sparse strategies)
+    encode: object        # codec.SegmentEncoder: select each tensor as it is folded in (or None)
+    selects: bool = True  # this rank selects (all do, but the sparse allreduce's leader alone)
+    leader: int = None    # the sparse allreduce's leader (index in the process set)
+    nonfinite: list = dataclasses.field(default_factory=list)  # segments that held inf/nan
+    unchecked: bool = False  # a fold that did not check for inf/nan (sparse allreduce, non-leader)
+    hierarchical: bool = False  # a sparse strategy run hierarchically (hvd_topk.hierarchy)
+    carry: bool = False      # hierarchical: the full buffer still holds a flat residual
+    repasses: int = 0
+    filled: int = 0
+    seconds: float = 0.0  # selection time spent in hooks
 
 
 class Bucket:
@@ -56,8 +75,8 @@ class Bucket:
         self.shard = None      # hierarchical: this rank's residual on its shard of the host sum
         self.mode = None       # "flat" or "hier": how the residual was kept at the last step
         self.folded = set()    # members folded in this step (by position)
-        self.current = None    # this step's plan (the engine's StepPlan), from the first fold
-        self.pending = None    # the exchange in flight, between launch and finish
+        self.current = None    # this step's BucketStep, from the first fold
+        self.inflight = None   # the exchange in flight (``hvd_topk.inflight``), launch to decode
         self._plans = {}       # (density, scope, value dtype) -> codec.Plan
         self._message = None   # reused send buffer
         self._acc_views = None  # each member's part of ``acc``, shaped like its parameter
@@ -189,10 +208,113 @@ class Bucket:
         """Forget this step's progress (a new step, or a state restore)."""
         self.folded.clear()
         self.current = None
-        self.pending = None
+        self.inflight = None
+
+    # ---- results ---------------------------------------------------------------------------
+    def write_grads(self, flat):
+        """Each member's part of the exchanged ``flat`` result into its ``p.grad``."""
+        grads, parts = [], []
+        for m, summed in zip(self.members, self.views(flat)):
+            if m.param.grad is None:
+                m.param.grad = summed.clone()
+            else:
+                grads.append(m.param.grad)
+                parts.append(summed)
+        if grads:
+            copy_all(grads, parts)
+
+    def decode_grads(self, codec, gathered, layout, rows, div):
+        """``rows`` rows of exchanged pairs, added in row order and divided by ``div``, into
+        every member's ``p.grad`` (overwritten: zero where no pair points)."""
+        dests, copies = [], []
+        for m in self.members:
+            grad = m.param.grad
+            if grad is None:
+                grad = m.param.grad = torch.empty_like(m.param, memory_format=torch.contiguous_format)
+            if grad.is_contiguous():
+                dests.append(grad.view(-1))
+            else:  # e.g. channels_last: decode contiguously, then copy into its layout
+                dests.append(torch.empty(m.numel, dtype=grad.dtype, device=grad.device))
+                copies.append((grad, dests[-1]))
+        codec.decode(gathered, layout, rows, dests, self.bounds, div=div)
+        for grad, flat in copies:
+            grad.copy_(flat.view(grad.shape))
+
+    # ---- the residual (error feedback) -----------------------------------------------------
+    def residuals(self):
+        """The flat buffers that carry unsent work into later steps: ``acc``, DGC's ``momentum``
+        and the hierarchical ``shard``, those that exist."""
+        return [f for f in (self.acc, self.momentum, self.shard) if f is not None]
+
+    def rescale(self, factor):
+        """Every residual times ``factor`` (the loss scale changed)."""
+        for flat in self.residuals():
+            flat.mul_(factor)
+
+    def clear(self):
+        """Everything was sent (dense): the residual and the momentum start again from zero."""
+        for flat in (self.acc, self.momentum):
+            if flat is not None:
+                flat.zero_()
+
+    def forget_sent(self, indices):
+        """DGC's momentum factor masking: momentum stops where the entries were sent."""
+        if self.momentum is not None:
+            self.momentum.index_fill_(0, indices.long(), 0)
+
+    def unsend(self, plan, message):
+        """Put the entries selected into ``message`` back into ``acc`` (selection zeroed them):
+        the bucket goes dense instead. Exact: the values come from the full-precision scratch
+        where the message holds 16-bit values."""
+        values, indices = plan.layout.views(message)
+        if values.dtype != self.dtype:
+            values = plan.value_scratch(self.dtype)
+        self.acc.index_copy_(0, indices.long(), values)
+
+    def wipe(self, bad, edges, flats=None):
+        """Start ``flats`` (default ``acc`` and ``momentum``) again from zero where they held
+        inf/nan (the values still went out, so GradScaler sees them and skips the step).
+
+        ``bad``: the numbers of the segments ``[edges[s], edges[s+1])`` that did; or a bool
+        tensor with one flag per segment, or a 0-d one for the whole buffer, which stays on the
+        device (no host synchronisation). Returns the number of segments wiped (all members for
+        the whole buffer): an int, or a 0-d tensor where only the device knows."""
+        flats = [f for f in (flats if flats is not None else (self.acc, self.momentum)) if f is not None]
+        if not torch.is_tensor(bad):
+            for s in bad:
+                for flat in flats:
+                    flat[edges[s]:edges[s + 1]].zero_()
+            return len(bad)
+        if bad.dim() == 0:
+            mask, count = bad, bad.to(torch.int64) * len(self.members)
+        else:
+            sizes = torch.tensor([b - a for a, b in zip(edges, edges[1:])], device=bad.device)
+            mask, count = bad.repeat_interleave(sizes, output_size=edges[-1] - edges[0]), bad.sum()
+        for flat in flats:
+            flat.masked_fill_(mask, 0)
+        return count
+
+    def hand_over(self, mode, shard=None):
+        """Move the residual between the full buffer and the shard when the step's exchange
+        switches between flat (``mode="flat"``) and hierarchical (``"hier"``, e.g. during
+        ``exchange="auto"``'s trial), so nothing unsent is lost. Flat -> hierarchical: this
+        step's gradients are added to the flat residual, which the host's reduce-scatter then
+        carries into the shards (returns True: the buffer carries a residual this step).
+        Hierarchical -> flat: this rank's shard residual (``shard``: its ``(lo, hi)``) goes
+        back into its part of the full buffer, which staged gradients and so is zeroed first."""
+        before, self.mode = self.mode, mode
+        if mode == "hier":
+            return before == "flat" and self.acc is not None
+        if before == "hier":
+            self.buffer().zero_()
+            if self.shard is not None:
+                lo, hi = shard
+                self.acc[lo:hi].add_(self.shard)
+                self.shard.zero_()
+        return False
 
 
-def plan_buckets(params, names, min_numel, fusion_bytes, groups=None):
+def make_buckets(params, names, min_numel, fusion_bytes, groups=None):
     """Buckets in the same order on every rank.
 
     Sparse buckets hold floating-point tensors of at least ``min_numel`` elements, in reverse
@@ -206,8 +328,7 @@ def plan_buckets(params, names, min_numel, fusion_bytes, groups=None):
     small = [p for p in params if id(p) not in chosen]
     plans = []
     if isinstance(groups, int) and not isinstance(groups, bool):
-        if groups < 1:
-            raise ValueError(f"groups must be >= 1, got {groups}")
+        check_integer(groups, "groups", 1)
         ordered = list(reversed(eligible))
         per = math.ceil(len(ordered) / groups) if ordered else 1
         plans = [ordered[i:i + per] for i in range(0, len(ordered), per)]

@@ -308,10 +308,21 @@ class TopK(Compressor):
                 "or use hvd_topk.DistributedOptimizer.")
 
     @_OnDefaultInstance
+    def compression_stats(self, reset=False):
+        """Totals on this rank since construction or the last ``reset=True``: bytes sent vs the
+        dense bytes replaced, density, timings. The same call as the error-feedback
+        optimizer's ``compression_stats``."""
+        out = self._stats.as_dict()
+        if reset:
+            self._stats.reset()
+        return out
+
+    @_OnDefaultInstance
     def stats(self):
-        """Totals since the last reset: bytes sent vs dense bytes replaced, density, timings."""
-        return self._stats.as_dict()
+        """Alias of ``compression_stats()`` (kept: earlier releases documented it)."""
+        return self.compression_stats()
 
     @_OnDefaultInstance
     def reset_stats(self):
-        self._stats.reset()
+        """Alias of ``compression_stats(reset=True)``, without the return value."""
+        self.compression_stats(reset=True)

@@ -4,21 +4,20 @@ Why Adam needs care: error feedback sends each entry's gradient late, in bursts,
 With SGD (plain or with momentum) the update is linear in the gradient, so a late burst moves
 the parameter as far as the steps it stands for would have. Adam's update ``m / sqrt(v)`` is
 not: a burst of ten steps' gradient enlarges ``v`` by its square and is normalised away, and
-the steps with nothing sent shrink ``v``; on a small GPT, Top-K at 1% before AdamW ended 11%
-above dense after 300 steps and error feedback bought little.
+the steps with nothing sent shrink ``v``, so Top-K before AdamW trains worse than dense and
+error feedback buys little (measurements: docs/adamw.md).
 
 ``LocalAdamW`` moves Adam before the exchange: each rank runs it on its own full gradient and
 Top-K with error feedback compresses the resulting update, which is summed linearly, as error
 feedback needs. Its ``beta1`` defaults to 0 (the residual already holds each entry's unsent
-past; a momentum on top delays updates once more, which cost quality). On the GPT example it
-was the best scheme measured: within 1% of dense AdamW over 300 steps at 1%, but still +11.5%
-over 1000 (the README's "A transformer with AdamW").
+past; a momentum on top delays updates once more, which cost quality). It is the best scheme
+measured so far on short runs, and still falls behind dense over long ones (docs/adamw.md).
 
 ``FrozenVarianceAdamW`` follows 1-bit Adam (Tang et al., 2021): AdamW whose second moment is
 frozen after a dense warm-up, so that the update is a fixed per-entry scaling of the momentum,
-compressed with DGC's momentum correction. It closes the gap over 300 steps but stalls over
-1000 (+47% at 1%); refreshing its variance every 50 steps from the ranks' own variances did
-not help (one seed: 2.229 against 2.207), so the stall is not the frozen variance alone.
+compressed with DGC's momentum correction. It closes the gap on short runs but stalls on long
+ones, and refreshing its variance from the ranks' own variances did not help, so the stall is
+not the frozen variance alone (docs/adamw.md).
 
     inner = hvd_topk.LocalAdamW(params, lr=3e-3, betas=(0.0, 0.95), weight_decay=0.1)
     opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
@@ -27,10 +26,9 @@ not help (one seed: 2.229 against 2.207), so the stall is not the frozen varianc
 
 FrozenVarianceAdamW tuning: freeze while the exchanges are still (nearly) dense: the variance
 must be estimated from them, and freezing it from sparse ones leaves entries never seen with a
-zero variance (a warning says so; without a dense start it diverged). On the GPT example (300
-steps) at 0.1%, a dense start over 150 steps frozen at step 100 gave +0.3% against dense,
-frozen at 150 +5.3%; at 1%, start and freeze at 100 gave -4.5%. Before ``freeze_step`` it is
-exactly ``torch.optim.AdamW``.
+zero variance (a warning says so; without a dense start it diverged). Freeze a little before the
+dense start ends (docs/adamw.md has the measured settings). Before ``freeze_step`` it is exactly
+``torch.optim.AdamW``.
 """
 
 import warnings
@@ -108,9 +106,8 @@ class LocalAdamW(torch.optim.Optimizer):
     unsent update until Top-K sends it.
 
     ``beta1`` defaults to 0: the residual already carries each entry's unsent past, and a
-    momentum on top of it delays the update once more. On the GPT example (1000 steps, 1%,
-    one seed) beta1 0.9 ended at 1.90 against 1.75 with 0, and a momentum applied after the
-    exchange at 2.14 (dense AdamW: 1.50).
+    momentum on top of it delays the update once more; measured, both a beta1 of 0.9 and a
+    momentum applied after the exchange trained worse (docs/adamw.md).
 
     Use it only as the inner optimizer of ``hvd_topk.DistributedOptimizer``, which hands it each
     rank's gradient through ``transform_local_gradient`` (its hook for this); with

@@ -1,8 +1,9 @@
 """``hvd_topk.DistributedOptimizer``: Top-K with error feedback, a drop-in for Horovod's.
 
 The result is an instance of a dynamic subclass of the user's optimizer class (as Horovod
-does), sharing the user's optimizer's state; it adds Horovod's methods and nothing else, and
-keeps all of hvd_topk's state in one attribute, the engine (``hvd_topk.engine.TopKEngine``).
+does), sharing the user's optimizer's state; it adds Horovod's methods and its
+``_parameter_names`` and nothing else, and keeps all of hvd_topk's state in one attribute, the
+engine (``hvd_topk.engine.TopKEngine``).
 """
 
 import itertools
@@ -14,7 +15,11 @@ import torch
 from hvd_topk._horovod import OPTIMIZER_MODULE, elastic_mode, hvd, is_horovod_distributed_optimizer
 from hvd_topk._torch import AMP_SCALING_ATTRIBUTE
 from hvd_topk.compressor import TopK
-from hvd_topk.engine import STATE_KEY, Options, TopKEngine
+from hvd_topk import checkpoint
+from hvd_topk.checkpoint import STATE_KEY
+from hvd_topk.engine import TopKEngine
+from hvd_topk.options import Options
+from hvd_topk.selection import check_integer
 
 ENGINE = "_hvd_topk"  # the one attribute hvd_topk adds to the user's optimizer
 
@@ -48,10 +53,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
             parameter lists (one bucket each): which tensors share one packed message.
         sparse_as_dense: as in Horovod: a sparse gradient (``nn.Embedding(sparse=True)``) is
             made dense, exchanged (and compressed) like any other, and handed to the inner
-            optimizer sparse again. Without it a sparse gradient raises a RuntimeError naming
-            this option at the backward pass.
+            optimizer sparse again. hvd_topk does this for every sparse gradient (Horovod's
+            other road, an allgather of the touched rows, is not compressed); without the
+            option one warning says so (``hvd_topk.sparse_grads``).
 
-    Keyword-only options (see ``hvd_topk.engine.Options`` for how to tune them):
+    Keyword-only options (``hvd_topk.options.Options`` is the tuning guide):
         error_feedback (True): carry unsent entries to the next step. Turning it off loses them.
         momentum_correction (0.0): DGC momentum factor; set the inner optimizer's momentum to 0.
         warmup_steps (0), warmup_density (0.25): exponential density warm-up (DGC).
@@ -128,6 +134,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods copied into the dynamic subclass of the user's optimizer (as Horovod does)."""
 
+    @property
+    def _parameter_names(self):
+        """As Horovod's attribute: ``{parameter: name}``, the name each parameter's gradient is
+        exchanged under (``named_parameters``' names, else ``allreduce.noname.<i>``; unique and
+        the same on every rank). Horovod's own tests and tools read it."""
+        return getattr(self, ENGINE).names
+
     def synchronize(self):
         """Finish every exchange of this step; afterwards ``p.grad`` holds the averaged result."""
         getattr(self, ENGINE).synchronize()
@@ -182,17 +195,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # still in flight: they died with the old job and are dropped. Elsewhere it is a misuse.
         if engine.pending() and not elastic_mode():
             raise AssertionError("load_state_dict() was called while gradients were being exchanged")
+        # Everything is checked before anything is applied: a checkpoint that does not fit
+        # raises checkpoint.CheckpointMismatch and leaves this optimizer as it was.
+        checkpoint.check_inner(self.param_groups, engine.names, state_dict)
         state_dict = dict(state_dict)
         ours = state_dict.pop(STATE_KEY, None)
+        nonfinite = checkpoint.check(engine, ours)
         super(self.__class__, self).load_state_dict(state_dict)
-        engine.load_state_dict(ours, self.param_groups)
+        engine.load_state_dict(ours, self.param_groups, nonfinite)
 
     def _amp_scaling_read(self):
         """``torch.amp.GradScaler.step(opt)`` reads ``_step_supports_amp_scaling`` (see
         ``hvd_topk._torch``): a scaler steps this optimizer. Without ``grad_scaler=`` the
         residuals would silently be added back at a stale scale after its next change."""
         engine = getattr(self, ENGINE)
-        if engine.grad_scaler is None and engine.options.error_feedback:
+        if engine.residual_scale.scaler is None and engine.options.error_feedback:
             raise RuntimeError(
                 "a torch.amp.GradScaler is stepping this hvd_topk.DistributedOptimizer, which was "
                 "built without it: error-feedback residuals hold scaled gradients and would be "
@@ -240,8 +257,7 @@ def _check_horovod_arguments(op, gradient_predivide_factor, passes):
         raise ValueError(f"gradient_predivide_factor must be > 0, got {f!r}")
     if f != 1.0 and op != hvd.Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
-    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
-        raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {passes!r}")
+    check_integer(passes, "backward_passes_per_step", 1)
 
 
 def _parameter_names(param_groups, named_parameters):

@@ -1,6 +1,6 @@
 """Density warm-up: DGC's exponential schedule from a high density down to the target."""
 
-from hvd_topk.selection import check_density
+from hvd_topk.selection import check_density, check_integer
 
 
 class DensitySchedule:
@@ -14,9 +14,7 @@ class DensitySchedule:
 
     def __init__(self, target, warmup_steps=0, start=0.25):
         self.target = check_density(target)
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
-        self.warmup_steps = warmup_steps
+        self.warmup_steps = check_integer(warmup_steps, "warmup_steps", 0)
         self.start = max(check_density(start, "warmup_density"), self.target)
 
     def density(self, step):

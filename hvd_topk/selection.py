@@ -60,6 +60,16 @@ def check_density(density, name="density"):
     return value
 
 
+def check_integer(value, name, low):
+    """``value`` as an int if it is an integer (not a bool) >= ``low``: TypeError or ValueError
+    naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
 def check_method(method):
     if not isinstance(method, str):
         raise TypeError(f"method must be a string, one of {METHODS}, got {method!r}")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hvd_topk import exchange
-from hvd_topk.buckets import plan_buckets
+from hvd_topk.buckets import make_buckets
 
 
 def params(*shapes, dtype=torch.float32):
@@ -18,7 +18,7 @@ def names_of(ps):
 
 def test_buckets_fill_up_to_fusion_bytes_in_reverse_order_and_small_tensors_go_dense():
     ps = params((100, 10), (10,), (300,), (50, 10), (1000,))
-    buckets = plan_buckets(ps, names_of(ps), min_numel=100, fusion_bytes=4 * 1300)
+    buckets = make_buckets(ps, names_of(ps), min_numel=100, fusion_bytes=4 * 1300)
     # eligible (>= 100 elements), reversed: p4 (1000), p3 (500), p2 (300), p0 (1000)
     assert [[m.name for m in b.members] for b in buckets] == [["p4"], ["p3", "p2"], ["p0"], ["p1"]]
     assert [b.sparse for b in buckets] == [True, True, True, False]
@@ -30,21 +30,21 @@ def test_buckets_fill_up_to_fusion_bytes_in_reverse_order_and_small_tensors_go_d
 
 def test_buckets_split_by_dtype_and_groups_override():
     ps = params((200,), (200,)) + params((200,), dtype=torch.float64)
-    buckets = plan_buckets(ps, names_of(ps), min_numel=100, fusion_bytes=1 << 20)
+    buckets = make_buckets(ps, names_of(ps), min_numel=100, fusion_bytes=1 << 20)
     assert [[m.name for m in b.members] for b in buckets] == [["p2"], ["p1", "p0"]]
-    assert [[m.name for m in b.members] for b in plan_buckets(ps, names_of(ps), 100, 1 << 20, groups=3)] == \
+    assert [[m.name for m in b.members] for b in make_buckets(ps, names_of(ps), 100, 1 << 20, groups=3)] == \
         [["p2"], ["p1"], ["p0"]]
-    listed = plan_buckets(ps, names_of(ps), 100, 1 << 20, groups=[[ps[0]]])
+    listed = make_buckets(ps, names_of(ps), 100, 1 << 20, groups=[[ps[0]]])
     assert [[m.name for m in b.members] for b in listed] == [["p0"], ["p2"], ["p1"]]
     with pytest.raises(ValueError, match="more than one"):
-        plan_buckets(ps, names_of(ps), 100, 1 << 20, groups=[[ps[0]], [ps[0]]])
+        make_buckets(ps, names_of(ps), 100, 1 << 20, groups=[[ps[0]], [ps[0]]])
     with pytest.raises(ValueError, match=">= 1"):
-        plan_buckets(ps, names_of(ps), 100, 1 << 20, groups=0)
+        make_buckets(ps, names_of(ps), 100, 1 << 20, groups=0)
 
 
 def test_fold_accumulates_with_error_feedback_and_copies_without():
     ps = params((3,), (2,))
-    (bucket,) = plan_buckets(ps, names_of(ps), min_numel=1, fusion_bytes=1 << 20)
+    (bucket,) = make_buckets(ps, names_of(ps), min_numel=1, fusion_bytes=1 << 20)
     # members are in reverse order: p1 at offset 0, p0 at offset 2
     bucket.fold(0, torch.tensor([1.0, 2.0]), accumulate=True)
     bucket.fold(1, torch.tensor([3.0, 4.0, 5.0]), accumulate=True)
@@ -61,7 +61,7 @@ def test_fold_accumulates_with_error_feedback_and_copies_without():
 def test_fold_with_dgc_momentum_correction():
     """u = m u + g; acc += u, written out by hand for two steps."""
     ps = params((2,))
-    (bucket,) = plan_buckets(ps, names_of(ps), min_numel=1, fusion_bytes=1 << 20)
+    (bucket,) = make_buckets(ps, names_of(ps), min_numel=1, fusion_bytes=1 << 20)
     bucket.fold(0, torch.tensor([1.0, -2.0]), accumulate=True, momentum=0.5)
     bucket.fold(0, torch.tensor([1.0, 1.0]), accumulate=True, momentum=0.5)
     # u1 = [1, -2]; acc1 = [1, -2]; u2 = [1.5, 0]; acc2 = [2.5, -2]
@@ -71,7 +71,7 @@ def test_fold_with_dgc_momentum_correction():
 
 def test_fold_takes_a_channels_last_gradient_in_logical_order():
     ps = params((2, 3, 2, 2))
-    (bucket,) = plan_buckets(ps, names_of(ps), min_numel=1, fusion_bytes=1 << 20)
+    (bucket,) = make_buckets(ps, names_of(ps), min_numel=1, fusion_bytes=1 << 20)
     grad = torch.arange(24.0).view(2, 3, 2, 2).contiguous(memory_format=torch.channels_last)
     bucket.fold(0, grad, accumulate=True)
     assert bucket.acc.tolist() == list(range(24))
@@ -82,7 +82,7 @@ def test_copy_in_stages_every_gradient_at_once_zeros_where_none():
     (a channels_last one in logical order), zeros for a member without a gradient, whatever
     the buffer held before."""
     ps = params((2, 3, 2, 2), (4,), (3,))
-    (bucket,) = plan_buckets(ps, names_of(ps), min_numel=1, fusion_bytes=1 << 20)
+    (bucket,) = make_buckets(ps, names_of(ps), min_numel=1, fusion_bytes=1 << 20)
     bucket.buffer().fill_(7.0)
     ps[0].grad = torch.arange(24.0).view(2, 3, 2, 2).contiguous(memory_format=torch.channels_last)
     ps[1].grad = None
@@ -158,7 +158,7 @@ def test_cheapest_and_break_even_agree():
     ({"exchange_recheck_steps": -1}, ValueError, "exchange_recheck_steps"),
 ])
 def test_options_refuse_bad_values_by_name(kwargs, error, text):
-    from hvd_topk.engine import Options
+    from hvd_topk.options import Options
 
     with pytest.raises(error, match=text):
         Options(**kwargs)
@@ -204,7 +204,7 @@ def test_hierarchical_true_without_init_says_what_to_do(monkeypatch):
 
 @pytest.mark.parametrize("value", ["yes", 1, None])
 def test_hierarchical_option_refuses_other_values(value):
-    from hvd_topk.engine import Options
+    from hvd_topk.options import Options
 
     with pytest.raises(ValueError, match="hierarchical must be"):
         Options(hierarchical=value)

@@ -1,0 +1,262 @@
+"""The optimizer's checkpoint section: this rank's error-feedback state in and out.
+
+``state_dict()`` of ``hvd_topk.DistributedOptimizer`` is the inner optimizer's plus, under
+``"hvd_topk"``, what ``save`` returns: each parameter's residual (and DGC momentum) by name,
+the step counter and the rank and world size it belongs to. Residuals are per rank: a rank
+that loads another rank's section (or one saved by another world size) starts from zero
+residuals, with a warning. Names are matched exactly, or after dropping ``torch.compile``'s
+``_orig_mod.`` components, so a checkpoint of the plain model loads into a compiled one.
+
+Loading is all or nothing: ``check_inner`` and ``check`` read the whole checkpoint (the inner
+optimizer's per-parameter state and this section) against the optimizer before anything is
+applied, and raise one ``CheckpointMismatch`` naming the parameter, both shapes and the likely
+cause, so that a failed load leaves the optimizer exactly as it was (torch's own
+``load_state_dict`` replaces the inner state first and fails later, at a copy or at the next
+step). Docs: docs/compatibility.md#checkpoints.
+"""
+
+import itertools
+import numbers
+import warnings
+
+import torch
+
+STATE_KEY = "hvd_topk"  # the optimizer state_dict's entry holding this section
+STATE_FORMAT = 2
+COMPILED_MODULE = "_orig_mod"  # the attribute torch.compile's OptimizedModule keeps the model in
+
+
+# Inner-optimizer state entries that hold one value per parameter element (torch's built-in
+# optimizers and hvd_topk.optim); their shape must be the parameter's.
+PER_ELEMENT_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "sum", "square_avg",
+                     "grad_avg", "acc_delta", "ax", "prev", "step_size")
+REQUIRED = ("format", "step", "rank", "size")
+MISMATCH_HINT = ("Was the checkpoint saved from another model (a layer resized, parameters "
+                 "reordered)? Load a checkpoint saved with this model, or leave the optimizer's "
+                 "state out of what you load to start it fresh. Nothing was loaded.")
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint that does not fit this optimizer; nothing of it was applied."""
+
+
+def check_inner(param_groups, names, state_dict):
+    """The inner optimizer's part of ``state_dict`` against ``param_groups``: the same groups
+    and sizes (as torch checks), and every per-element state tensor shaped like its parameter."""
+    saved_groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    if not isinstance(saved_groups, list) or not isinstance(state_dict.get("state", {}), dict):
+        raise CheckpointMismatch("this is not an optimizer state_dict (a dict with 'state' and "
+                                 f"'param_groups'): got {type(state_dict).__name__}. Nothing was loaded.")
+    sizes, saved_sizes = [len(g["params"]) for g in param_groups], [len(g.get("params", ())) for g in saved_groups]
+    if sizes != saved_sizes:
+        raise CheckpointMismatch(f"the checkpoint's parameter groups hold {saved_sizes} parameters, this "
+                                 f"optimizer's {sizes}. " + MISMATCH_HINT)
+    saved_ids = itertools.chain.from_iterable(g["params"] for g in saved_groups)
+    params = itertools.chain.from_iterable(g["params"] for g in param_groups)
+    for saved_id, p in zip(saved_ids, params):
+        for key, value in state_dict.get("state", {}).get(saved_id, {}).items():
+            if key in PER_ELEMENT_STATE and torch.is_tensor(value) and value.dim() > 0 \
+                    and value.shape != p.shape:
+                raise CheckpointMismatch(
+                    f"parameter {names.get(p, '(unnamed)')!r}: the checkpoint's optimizer state "
+                    f"{key!r} has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}. " + MISMATCH_HINT)
+
+
+def check(engine, state):
+    """This section against the engine, before anything is applied: raises
+    ``CheckpointMismatch`` for what cannot be loaded, returns the names of residuals that hold
+    inf/nan (``load`` starts those from zero, with a warning)."""
+    if state is None:
+        return []
+    if not isinstance(state, dict):
+        raise CheckpointMismatch(f"the checkpoint's {STATE_KEY!r} entry is a {type(state).__name__}, not "
+                                 "the section hvd_topk.DistributedOptimizer saves. Nothing was loaded.")
+    missing = [k for k in REQUIRED if k not in state]
+    if missing:
+        raise CheckpointMismatch(f"the checkpoint's {STATE_KEY!r} section lacks {missing} (truncated, or "
+                                 "written by something else). Nothing was loaded.")
+    for key in ("step", "rank", "size", "format"):
+        value = state[key]
+        if (value is not None or key != "rank") and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+                                                    or value < 0):
+            raise CheckpointMismatch(f"the checkpoint's {STATE_KEY!r} section has {key}={value!r}, not a "
+                                     "count. Nothing was loaded.")
+    if state["format"] > STATE_FORMAT:
+        raise CheckpointMismatch(f"the checkpoint's {STATE_KEY!r} section has format {state['format']}, "
+                                 f"newer than this hvd_topk's ({STATE_FORMAT}): upgrade hvd_topk to load it. "
+                                 "Nothing was loaded.")
+    members = {m.name: m for b in residual_buckets(engine) for m in b.members}
+    nonfinite = []
+    for kind in ("residuals", "momenta"):
+        saved = state.get(kind, {})
+        if not isinstance(saved, dict) or not all(torch.is_tensor(t) for t in saved.values()):
+            raise CheckpointMismatch(f"the checkpoint's {STATE_KEY!r} section: {kind!r} is not a dict of "
+                                     "tensors by parameter name. Nothing was loaded.")
+        matched, _ = match_names(saved, list(members))
+        for name, tensor in matched.items():
+            shape = members[name].param.shape
+            if tensor.shape != shape:
+                raise CheckpointMismatch(
+                    f"parameter {name!r}: the checkpoint's error-feedback {kind[:-1]} has shape "
+                    f"{tuple(tensor.shape)}, the parameter {tuple(shape)}. " + MISMATCH_HINT)
+            if not tensor.is_floating_point():
+                raise CheckpointMismatch(f"parameter {name!r}: the checkpoint's {kind[:-1]} is {tensor.dtype}, "
+                                         "not floating point. Nothing was loaded.")
+            if not bool(torch.isfinite(tensor).all()):
+                nonfinite.append(name)
+    _check_hierarchical(engine, state)
+    return nonfinite
+
+
+def _check_hierarchical(engine, state):
+    """Shards and full buffers of a hierarchical job: sized as this job's, where they load."""
+    if engine.hier is None or state.get("hierarchy") != hierarchy_key(engine):
+        return
+    for b in residual_buckets(engine):
+        lo, hi = engine.planner.shard(b)
+        for kind, want in (("shards", hi - lo), ("flat_buffers", b.numel)):
+            tensor = state.get(kind, {}).get(str(b.index))
+            if tensor is not None and (not torch.is_tensor(tensor) or tensor.numel() != want):
+                raise CheckpointMismatch(f"bucket {b.index}: the checkpoint's {kind} entry does not hold "
+                                         f"{want} elements. " + MISMATCH_HINT)
+
+
+def residual_buckets(engine):
+    """The buckets whose buffers carry residuals across steps (none without error feedback)."""
+    return [b for b in engine.buckets if b.sparse] if engine.options.error_feedback else []
+
+
+def hierarchy_key(engine):
+    """Where hierarchical residuals belong: this rank's place and the buckets' sizes."""
+    t = engine.hier
+    return None if t is None else [t.local_rank, t.local_size, t.cross_rank, t.cross_size,
+                                   [b.numel for b in engine.buckets]]
+
+
+def save(engine):
+    """This rank's residuals and momentum buffers (per parameter name), the step counter, and
+    the rank/world size they belong to. With the hierarchical exchange: per bucket, this rank's
+    shard residual, or its full buffer after flat steps."""
+    out = {"format": STATE_FORMAT, "step": engine.step, "rank": engine.rank, "size": engine.world,
+           "residuals": {}, "momenta": {}, "residual_scale": engine.residual_scale.scale}
+    buckets = residual_buckets(engine)
+    if engine.hier is not None:
+        out["shards"] = {str(b.index): b.shard.clone() for b in buckets
+                         if b.mode == "hier" and b.shard is not None}
+        out["flat_buffers"] = {str(b.index): b.acc.clone() for b in buckets
+                               if b.mode == "flat" and b.acc is not None}
+        out["hierarchy"] = hierarchy_key(engine)
+        return out
+    for b in buckets:
+        for m in b.members:
+            if b.acc is not None:
+                out["residuals"][m.name] = b.view(b.acc, m).clone()
+            if b.momentum is not None:
+                out["momenta"][m.name] = b.view(b.momentum, m).clone()
+    return out
+
+
+def load(engine, state, nonfinite=()):
+    """Put ``save``'s output, checked by ``check``, back into the engine's buckets (the step
+    counter is the caller's). ``state`` None (a plain torch optimizer's state_dict): residuals
+    start from zero. ``nonfinite``: names whose residual held inf/nan, started from zero."""
+    if state is None:
+        for b in residual_buckets(engine):
+            for flat in b.residuals():
+                flat.zero_()
+        return
+    engine.residual_scale.scale = state.get("residual_scale")
+    same_rank = (state["rank"], state["size"]) == (engine.rank, engine.world)
+    buckets = residual_buckets(engine)
+    if engine.hier is not None or state.get("hierarchy") is not None:
+        _load_shards(engine, state, same_rank)
+        return
+    if not same_rank:
+        for b in buckets:
+            b.clear()
+        if engine.options.error_feedback:
+            warnings.warn(f"hvd_topk: this state was saved by rank {state['rank']} of {state['size']} "
+                          f"and is loaded on rank {engine.rank} of {engine.world}: error-feedback "
+                          "residuals start from zero. Save and load one state per rank to resume exactly.")
+        return
+    ours = [m.name for b in buckets for m in b.members]
+    residuals, dropped = match_names(state.get("residuals", {}), ours)
+    momenta, dropped_momenta = match_names(state.get("momenta", {}), ours)
+    warn_dropped(dropped + [n for n in dropped_momenta if n not in dropped])
+    if nonfinite:
+        warnings.warn(f"hvd_topk: the checkpoint's error-feedback state of {sorted(set(nonfinite))} held "
+                      "inf/nan (saved after an overflow?): those residuals start from zero.")
+        residuals = {n: t for n, t in residuals.items() if n not in nonfinite}
+        momenta = {n: t for n, t in momenta.items() if n not in nonfinite}
+    for b in buckets:
+        if residuals or b.acc is not None:
+            _restore(b, b.buffer(), residuals)
+        if momenta or b.momentum is not None:
+            _restore(b, b.momentum_buffer(), momenta)
+
+
+def _load_shards(engine, state, same_rank):
+    """Hierarchical residuals come back only into the same place of the same job shape
+    (rank, hosts, ranks per host, buckets); anywhere else they start from zero."""
+    exact = same_rank and state.get("hierarchy") == hierarchy_key(engine)
+    shards = state.get("shards", {}) if exact else {}
+    flat = state.get("flat_buffers", {}) if exact else {}
+    for b in residual_buckets(engine):
+        key = str(b.index)
+        for buf in (b.shard, b.acc):
+            if buf is not None:
+                buf.zero_()
+        b.mode = None
+        if key in shards:
+            b.shard_residual(shards[key].numel()).copy_(shards[key])
+            b.mode = "hier"
+        elif key in flat:
+            b.buffer().copy_(flat[key])
+            b.mode = "flat"
+    if not exact and engine.options.error_feedback:
+        warnings.warn("hvd_topk: this state was saved at another place in the job or with another "
+                      f"exchange layout (rank {state['rank']} of {state['size']}, hierarchy "
+                      f"{state.get('hierarchy')}; here rank {engine.rank} of {engine.world}, hierarchy "
+                      f"{hierarchy_key(engine)}): error-feedback residuals start from zero.")
+
+
+def _restore(bucket, flat, saved):
+    """Copy each member's saved tensor into its part of ``flat``; zeros where none was saved."""
+    for m in bucket.members:
+        view = bucket.view(flat, m)
+        if m.name in saved:
+            view.copy_(saved[m.name])
+        else:
+            view.zero_()
+
+
+def plain_name(name):
+    """``name`` without ``torch.compile``'s ``_orig_mod`` components: a compiled model's
+    ``_orig_mod.fc.weight`` (or ``block._orig_mod.fc.weight``) is the plain model's ``fc.weight``."""
+    return ".".join(part for part in name.split(".") if part != COMPILED_MODULE)
+
+
+def match_names(saved, ours):
+    """``saved`` re-keyed by the names in ``ours`` (exact name first, else equal once the
+    ``_orig_mod`` prefixes are removed), and the saved names that matched none."""
+    by_plain = {plain_name(n): n for n in ours}
+    ours = set(ours)
+    matched, dropped = {}, []
+    for name, tensor in saved.items():
+        target = name if name in ours else by_plain.get(plain_name(name))
+        if target is None:
+            dropped.append(name)
+        else:
+            matched[target] = tensor
+    return matched, dropped
+
+
+def warn_dropped(names, shown=5):
+    """One warning per load for saved residuals that belong to no parameter here."""
+    if not names:
+        return
+    listed = ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+    warnings.warn(f"hvd_topk: {len(names)} saved error-feedback residual(s) match no parameter that "
+                  f"this optimizer exchanges with error feedback and were dropped: {listed}. Were "
+                  "they saved from a different model, or with other named_parameters, min_numel or "
+                  "error_feedback? (torch.compile's '_orig_mod.' prefix is mapped automatically.)")

@@ -1,0 +1,330 @@
+"""One bucket's exchange between its launch and its decode: one class per strategy.
+
+The engine launches a bucket once all its gradients are folded in, by building the in-flight
+object of the bucket's strategy (``start``): a sparse one first encodes the bucket's message
+(select, zero what was sent, pack), then every one starts its first collective. From then on
+the engine only calls two methods, whatever the strategy:
+
+- ``advance(wait=False)``: if the collective in flight has arrived (``wait``: wait for it),
+  start the next one and return True. A strategy with one collective never advances; the
+  sparse allreduce advances once (the leader's indices -> every rank's values there), the
+  hierarchical exchange up to three times (host reduce-scatter -> across hosts -> host
+  allgather). ``stage`` names the collective in flight.
+- ``decode_into(bucket)``: wait for the rest and write the averaged result into every
+  member's ``p.grad``, the same bits on every rank.
+
+The engine calls ``advance`` whenever a bucket launches (so later collectives overlap the
+rest of backward) and, in ``synchronize()``, stage by stage over all buckets (``ADVANCE_STAGES``)
+before decoding any: every bucket's collectives are in flight before any is waited for.
+"""
+
+import time
+from typing import NamedTuple
+
+import torch
+
+from hvd_topk import exchange, hierarchy
+from hvd_topk._horovod import allreduce_dtype, hvd
+from hvd_topk.buckets import BucketStep
+from hvd_topk.codec import Encoded
+
+# the stages at which synchronize() advances every bucket, in this order, before decoding any
+ADVANCE_STAGES = ("host", "indices", "cross")
+
+
+class StepContext(NamedTuple):
+    """What an exchange needs from its optimizer for one step."""
+    codec: object          # hvd_topk.codec.Codec
+    stats: object          # hvd_topk.stats.CompressionStats
+    process_set: object    # Horovod process set the buckets are exchanged over
+    world: int             # its size this step
+    op: object             # hvd.Average or hvd.Sum
+    predivide: float       # gradient_predivide_factor (dense allreduce)
+    error_feedback: bool
+    scope: str             # selection_scope
+    step: int              # the step counter (the sparse allreduce's leader rotates with it)
+    topology: object       # hierarchy.Topology while this step is hierarchical, else None
+
+    @property
+    def div(self):
+        return float(self.world) if self.op == hvd.Average else 1.0
+
+
+def start(ctx, bucket, strategy, name):
+    """The in-flight exchange of ``bucket`` under ``strategy`` (its encode done, its first
+    collective started)."""
+    if not strategy.sparse:
+        return DenseExchange(ctx, bucket, strategy, name)
+    if bucket.current.hierarchical:
+        return HierarchicalExchange(ctx, bucket, strategy, name)
+    if strategy is exchange.SparseAllreduce:
+        return SparseAllreduceExchange(ctx, bucket, strategy, name)
+    return AllgatherExchange(ctx, bucket, strategy, name)
+
+
+def payload_bytes(strategy, layout):
+    """What one rank hands to the network for a sparse bucket: its packed message, or for the
+    sparse allreduce the indices plus the values and the flag slot."""
+    if strategy is exchange.SparseAllreduce:
+        return layout.count * layout.index_itemsize + (layout.count + 1) * layout.value_itemsize
+    return layout.nbytes
+
+
+def count_resets(stats, wiped):
+    """Add ``Bucket.wipe``'s count (an int, or a device tensor read only with the statistics)."""
+    if torch.is_tensor(wiped):
+        stats.add_tensor("nonfinite_resets", wiped)
+    elif wiped:
+        stats.add(nonfinite_resets=wiped)
+
+
+class DenseExchange:
+    """Horovod's ring allreduce of the whole buffer (fp32, or the fp16 wire of ``dense_fp16``)."""
+
+    stage = "allreduce"
+
+    def __init__(self, ctx, bucket, strategy, name):
+        self.ctx, self.strategy = ctx, strategy
+        wire_dtype = strategy.wire_dtype(bucket.dtype)
+        ctx.stats.add(tensors_dense=len(bucket.members), elements_selected=bucket.numel,
+                      bytes_sent=bucket.numel * wire_dtype.itemsize)
+        wire = bucket.scratch("wire", bucket.numel, wire_dtype) if wire_dtype != bucket.dtype else None
+        self.handle = strategy.start(bucket.acc, name, ctx.process_set, ctx.op, ctx.predivide, wire=wire)
+
+    def advance(self, wait=False):
+        return False
+
+    def decode_into(self, bucket):
+        t0 = time.perf_counter()
+        bucket.write_grads(self.strategy.finish(self.handle))
+        if bucket.sparse and self.ctx.error_feedback:
+            bucket.clear()  # everything was sent: the residual starts again from zero
+        self.ctx.stats.add(time_exchange_s=time.perf_counter() - t0)
+
+
+class _FlatSparse:
+    """A sparse exchange of the whole bucket: encoding its message at launch is shared."""
+
+    def _encode(self, ctx, bucket, current):
+        """Select (unless the hooks did, segment by segment), zero what was sent, pack; then
+        error feedback's after-care: momentum masking, wiping a residual that held inf/nan."""
+        t0 = time.perf_counter()
+        plan, message, ef = current.plan, current.message, ctx.error_feedback
+        encoded = Encoded([], 0, 0)
+        if current.encode is not None:
+            ctx.codec.finish_segments(plan, message, bucket.dtype)
+            encoded = Encoded(current.nonfinite, current.repasses, current.filled)
+        elif current.selects:
+            encoded = ctx.codec.encode(bucket.acc, plan, message, zero_sent=ef)
+        if current.selects:
+            current.nonfinite = encoded.nonfinite
+            if ef:
+                bucket.forget_sent(plan.layout.views(message)[1])
+                count_resets(ctx.stats, bucket.wipe(encoded.nonfinite, plan.starts))
+        ctx.stats.add(time_selection_s=time.perf_counter() - t0 + current.seconds,
+                      tensors_sparse=len(bucket.members), elements_selected=plan.count,
+                      bytes_sent=payload_bytes(current.strategy, plan.layout),
+                      selection_repasses=encoded.repasses, selection_filled=encoded.filled)
+
+
+class AllgatherExchange(_FlatSparse):
+    """Every rank's packed pairs to every rank; each decodes them all, in rank order."""
+
+    stage = "allgather"
+
+    def __init__(self, ctx, bucket, strategy, name):
+        self.ctx, self.strategy = ctx, strategy
+        self._encode(ctx, bucket, bucket.current)
+        self.plan = bucket.current.plan
+        self.handle = strategy.start(bucket.current.message, name, ctx.process_set)
+
+    def advance(self, wait=False):
+        return False
+
+    def decode_into(self, bucket):
+        t0 = time.perf_counter()
+        gathered = self.strategy.finish(self.handle)
+        bucket.decode_grads(self.ctx.codec, gathered, self.plan.layout, self.ctx.world, self.ctx.div)
+        self.ctx.stats.add(time_exchange_s=time.perf_counter() - t0)
+
+
+class SparseAllreduceExchange(_FlatSparse):
+    """The leader's indices ("indices"), then every rank's values there summed ("values")."""
+
+    def __init__(self, ctx, bucket, strategy, name):
+        self.ctx, self.strategy, self.name = ctx, strategy, name
+        current = bucket.current
+        self._encode(ctx, bucket, current)
+        self.bucket, self.current, self.plan = bucket, current, current.plan
+        _, indices = self.plan.layout.views(current.message)
+        self.stage = "indices"
+        self.handle = strategy.start_indices(indices, current.leader, name, ctx.process_set)
+
+    def advance(self, wait=False):
+        if self.stage != "indices" or not (wait or hvd.poll(self.handle)):
+            return False
+        self.strategy.finish(self.handle)
+        values = gather_values(self.ctx, self.bucket, self.current, self.plan, self.bucket.acc)
+        self.stage, self.handle = "values", self.strategy.start_values(values, self.name, self.ctx.process_set)
+        return True
+
+    def decode_into(self, bucket):
+        self.advance(wait=True)
+        t0 = time.perf_counter()
+        result = sparse_allreduce_result(bucket, self.handle, self.plan, self.current.message)
+        # one row of pairs: the leader's indices with the summed values
+        bucket.decode_grads(self.ctx.codec, result, self.plan.layout, 1, self.ctx.div)
+        self.ctx.stats.add(time_exchange_s=time.perf_counter() - t0)
+
+
+def gather_values(ctx, bucket, current, plan, residual):
+    """The sparse allreduce's second half on this rank: its values at the leader's indices
+    (the leader's are in its message already), taken out of ``residual`` (the bucket's buffer,
+    or a hierarchical shard) with error feedback, and a last slot that is NaN when this rank's
+    accumulator held inf/nan, 0 otherwise."""
+    layout = plan.layout
+    sent, indices = layout.views(current.message)
+    k = layout.count
+    values = bucket.scratch("values", k + 1, allreduce_dtype(layout.value_dtype))
+    if current.selects:
+        values[:k].copy_(sent)
+        bad = bool(current.nonfinite) if isinstance(current.nonfinite, list) else current.nonfinite.any()
+    else:
+        bad = bool(current.nonfinite)
+        if current.unchecked:
+            bad = ~torch.isfinite(residual).all() | bad  # a device tensor: no host sync
+        ctx.codec.take(residual, indices, values[:k], zero=ctx.error_feedback)
+        if ctx.error_feedback:
+            bucket.forget_sent(indices)
+            # a checking fold noted the members that held inf/nan; otherwise one device flag
+            wipe = bad if current.unchecked else current.nonfinite
+            flats = (residual, bucket.momentum) if current.unchecked else None
+            count_resets(ctx.stats, bucket.wipe(wipe, bucket.bounds.tolist(), flats))
+    if torch.is_tensor(bad):
+        values[k:].copy_(torch.where(bad, float("nan"), 0.0))
+    else:
+        values[k] = float("nan") if bad else 0.0
+    return values
+
+
+def sparse_allreduce_result(bucket, handle, plan, message):
+    """The summed values, written back into ``message`` beside the leader's indices (a one-row
+    message for ``decode``); every value is NaN when a rank flagged inf/nan."""
+    exchange.SparseAllreduce.finish(handle)
+    k = plan.layout.count
+    values = bucket.scratch("values", k + 1, allreduce_dtype(plan.layout.value_dtype))
+    values[:k].add_(values[k:] * 0)  # 0 when every rank was finite, NaN otherwise
+    sent, _ = plan.layout.views(message)
+    sent.copy_(values[:k])
+    return message
+
+
+class HierarchicalExchange:
+    """Dense inside each host, sparse across hosts (``hvd_topk.hierarchy``), stage by stage:
+
+    - "host": the host's reduce-scatter of this step's gradients -> error feedback and Top-K on
+      this rank's shard of the host's sum, then the exchange among the ranks with this local
+      rank ("cross"; the sparse allreduce first broadcasts its leader's indices, "indices");
+    - "cross": its result -> the allgather of the exchanged shards inside the host ("gather");
+    - "gather": every shard's pairs, decoded into ``p.grad`` by ``decode_into``.
+    """
+
+    def __init__(self, ctx, bucket, strategy, name):
+        self.ctx, self.strategy, self.name = ctx, strategy, name
+        self.bucket, self.plan = bucket, bucket.current.plan
+        self.current = None    # sparse allreduce: this rank's role among the ranks across hosts
+        self.residual = None   # sparse allreduce: the shard residual its values are taken from
+        self.rows = 1          # rows of pairs per shard in the result
+        self.times = {"spent": 0.0, "selection": 0.0, "cross": 0.0}  # seconds, for the statistics
+        ctx.stats.add(tensors_sparse=len(bucket.members), elements_selected=self.plan.count,
+                      bytes_sent=payload_bytes(strategy, self.plan.layout))
+        wire_dtype = allreduce_dtype(bucket.dtype)
+        staged = bucket.acc
+        if wire_dtype != bucket.dtype:
+            staged = bucket.scratch("wire", bucket.numel, wire_dtype).copy_(bucket.acc)
+        self.stage = "host"
+        self.handle = hierarchy.reduce_scatter(staged, ctx.topology.local, name + ".host")
+
+    def advance(self, wait=False):
+        if self.stage == "gather" or not (wait or hvd.poll(self.handle)):
+            return False
+        t0 = time.perf_counter()
+        topo = self.ctx.topology
+        if self.stage == "host":
+            shard = hvd.synchronize(self.handle)
+            self.times["host"] = time.perf_counter() - t0
+            self._select_shard(shard)
+        elif self.stage == "indices":
+            self.strategy.finish(self.handle)
+            self.times["cross"] += time.perf_counter() - t0
+            values = gather_values(self.ctx, self.bucket, self.current, self.plan, self.residual)
+            self.stage, self.handle = "cross", self.strategy.start_values(values, self.name + ".cross", topo.cross)
+        else:  # "cross"
+            if self.strategy is exchange.SparseAllreduce:
+                result = sparse_allreduce_result(self.bucket, self.handle, self.plan, self.current.message)
+            else:
+                result, self.rows = self.strategy.finish(self.handle), topo.cross_size
+            self.times["cross"] += time.perf_counter() - t0
+            # inside the host the shards' results travel still compressed, and every rank decodes all
+            self.stage, self.handle = "gather", hvd.allgather_async(result, name=self.name + ".gather",
+                                                                    process_set=topo.local)
+        self.times["spent"] += time.perf_counter() - t0
+        return True
+
+    def _select_shard(self, shard):
+        """Host sum of this rank's shard -> error feedback and Top-K on it -> start the exchange
+        among the ranks with this local rank."""
+        ctx, bucket, plan, strategy = self.ctx, self.bucket, self.plan, self.strategy
+        topo, ef = ctx.topology, ctx.error_feedback
+        residual = bucket.shard_residual(shard.numel())
+        if ef:
+            residual.add_(shard)
+        else:
+            residual.copy_(shard)
+        message = bucket.message(plan.layout.nbytes)
+        t0 = time.perf_counter()
+        if strategy is exchange.SparseAllreduce:
+            leader = strategy.leader(ctx.step, bucket.index, topo.cross_size)
+            # a non-leader's shard was summed by the reduce-scatter: nothing checked it for inf/nan
+            self.current = BucketStep(plan, strategy, message, None, topo.cross_rank == leader, leader,
+                                      unchecked=True)
+            if self.current.selects:
+                encoded = ctx.codec.encode(residual, plan, message, zero_sent=ef)
+                self.current.nonfinite = encoded.nonfinite
+                self._wipe_shard(residual, encoded.nonfinite)
+            self.residual = residual
+            _, indices = plan.layout.views(message)
+            self.stage = "indices"
+            self.handle = strategy.start_indices(indices, leader, self.name + ".cross", topo.cross)
+        else:
+            encoded = ctx.codec.encode(residual, plan, message, zero_sent=ef)
+            self._wipe_shard(residual, encoded.nonfinite)
+            self.stage, self.handle = "cross", strategy.start(message, self.name + ".cross", topo.cross)
+        self.times["selection"] = time.perf_counter() - t0
+
+    def _wipe_shard(self, residual, nonfinite):
+        if self.ctx.error_feedback:
+            count_resets(self.ctx.stats, self.bucket.wipe(nonfinite, self.plan.starts, (residual,)))
+
+    def decode_into(self, bucket):
+        """Every shard's exchanged pairs (``rows`` rows each, shard after shard) into ``p.grad``."""
+        while self.advance(wait=True):
+            pass
+        t0 = time.perf_counter()
+        every = hvd.synchronize(self.handle)
+        self.times["gather"] = time.perf_counter() - t0
+        ctx = self.ctx
+        full = bucket.scratch("hierarchical_result", bucket.numel, bucket.dtype)
+        edges, offset = hierarchy.shard_bounds(bucket.numel, ctx.topology.local_size), 0
+        for a, b in zip(edges, edges[1:]):
+            part = bucket.plan(ctx.codec, self.plan.density, ctx.scope, shard=(a, b))
+            size = self.rows * part.layout.nbytes
+            ctx.codec.decode(every[offset:offset + size], part.layout, self.rows, [full[a:b]],
+                             torch.tensor([0, b - a], dtype=torch.int64), div=ctx.div)
+            offset += size
+        bucket.write_grads(full)
+        times = self.times
+        spent = times["spent"] + time.perf_counter() - t0
+        ctx.stats.add(time_exchange_s=spent - times["selection"], time_selection_s=times["selection"],
+                      time_host_reduce_s=times["host"], time_cross_s=times["cross"],
+                      time_host_gather_s=times["gather"])

@@ -1,0 +1,170 @@
+"""Which exchange each bucket uses this step: the strategy family, the cost model, the trial.
+
+``ExchangePlanner`` answers three questions for the engine, from nothing but the options, the
+buckets, the step counter and the world size, so that every rank answers alike without
+talking:
+
+- ``family(step, world)``: this step's strategy family, ``exchange=`` itself or, under
+  ``"auto"``, the one ``hvd_topk.auto``'s measured trial found fastest (during the density
+  warm-up, before any trial, the family modelled to move the fewest bytes);
+- ``strategy(family, bucket, codec_plan, world)``: what one bucket uses under that family (a
+  sparse family still sends a bucket dense where a ring allreduce moves fewer bytes:
+  ``dense_fallback``);
+- ``codec_plan(bucket, density, family)``: the codec's ``Plan`` for the bucket, over the whole
+  buffer or, for a hierarchical family, over this rank's shard of it.
+
+It knows nothing of Horovod's collectives beyond the trial's one decision allreduce
+(``auto.Trial``), which is what lets a second transport reuse it.
+"""
+
+from hvd_topk import auto, exchange, hierarchy
+from hvd_topk.buckets import BucketStep
+
+
+class ExchangePlanner:
+    """Strategy choice, cost model and the ``exchange="auto"`` trial of one optimizer.
+
+    Args:
+        options: ``hvd_topk.options.Options``.
+        buckets: the optimizer's buckets (``hvd_topk.buckets``), the same on every rank.
+        codec: the ``hvd_topk.codec.Codec`` (its value dtype decides the bytes per pair).
+        schedule: the ``DensitySchedule``.
+        hier: this rank's ``hierarchy.Topology`` where the hierarchical families may be used.
+        process_set, name: where and under which name the trial's decision is agreed.
+    """
+
+    def __init__(self, options, buckets, codec, schedule, hier, process_set, name):
+        self.options, self.buckets, self.codec, self.schedule = options, buckets, codec, schedule
+        self.hier = hier
+        self.process_set, self.name = process_set, name
+        self.families = auto.families(hier is not None, options.hierarchical is True)
+        self.trial, self.trial_world = None, None  # exchange="auto": the trial of this world size
+
+    @staticmethod
+    def hierarchical(family):
+        return family.startswith(auto.HIER)
+
+    def family(self, step, world):
+        """This step's strategy family (see the module docstring)."""
+        mode = self.options.exchange
+        if mode != "auto":
+            return auto.HIER + mode if auto.HIER + mode in self.families else mode
+        if world <= 1:
+            return "dense"
+        density = self.schedule.density(step)
+        if density != self.schedule.target:  # density warm-up: no trial yet; the fewest bytes
+            return min(self.families, key=lambda f: self.modelled_bytes(f, density, world))
+        recheck = self.options.exchange_recheck_steps
+        if (self.trial is None or self.trial_world != world
+                or (recheck and self.trial.decided_at is not None
+                    and step - self.trial.decided_at >= recheck)):
+            self._start_trial(density, world)
+        return self.trial.family()
+
+    def _start_trial(self, density, world):
+        assignments = {}
+        for f in self.families:
+            strategies = self._assign(f, density, world)
+            hierarchical = self.hierarchical(f) and any(s.sparse for s in strategies)
+            assignments[f] = (hierarchical, tuple(s.name for s in strategies))
+        byte_counts = {f: self.modelled_bytes(f, density, world) for f in self.families}
+        candidates = auto.propose(assignments, byte_counts)
+        self.trial = auto.Trial(candidates, self.options.exchange_trial_steps, self.process_set, self.name)
+        self.trial_world = world
+        if self.trial.choice is not None:
+            auto.announce(f"exchange={self.trial.choice} for {world} ranks ({self.trial.reason()})")
+
+    def step_done(self, step, world):
+        """End of a step's ``synchronize()``: the trial counts the step (and may decide)."""
+        if self.trial is None or self.options.exchange != "auto" or self.trial_world != world \
+                or self.schedule.density(step) != self.schedule.target:
+            return
+        if self.trial.step_done(step):
+            auto.announce(f"exchange={self.trial.choice} for {world} ranks ({self.trial.reason()})")
+
+    def forget_trial(self):
+        """Measure again from here (a restored checkpoint: every rank restarts alike)."""
+        self.trial, self.trial_world = None, None
+
+    def bucket_step(self, bucket, step, family, world, rank):
+        """``bucket``'s ``BucketStep`` under ``family``: codec plan, strategy, whether it runs
+        hierarchically, the sparse allreduce's leader and whether this rank selects (the
+        engine adds the send buffer and the encoder)."""
+        density = self.schedule.density(step)
+        codec_plan = self.codec_plan(bucket, density, family) if bucket.sparse else None
+        strategy = self.strategy(family, bucket, codec_plan, world)
+        hierarchical = strategy.sparse and self.hierarchical(family) and self.hier is not None
+        leader = None
+        if strategy is exchange.SparseAllreduce and not hierarchical:
+            leader = strategy.leader(step, bucket.index, world)
+        selects = strategy.sparse and leader in (None, rank)
+        return BucketStep(codec_plan, strategy, None, None, selects, leader, hierarchical=hierarchical)
+
+    def strategy(self, family, bucket, codec_plan, world):
+        """The strategy ``bucket`` uses under ``family``."""
+        if not bucket.sparse:
+            return exchange.DenseAllreduce
+        chosen = exchange.BY_NAME[family.removeprefix(auto.HIER)]
+        if not chosen.sparse or not self.options.dense_fallback:
+            return chosen
+        if self.hierarchical(family):  # the sparse part runs across hosts, on one shard
+            return chosen if self._sparse_bytes(chosen, bucket, codec_plan, world, family) < \
+                exchange.DenseAllreduce.wire_bytes(world, bucket.numel, 0, 0, 0, bucket.element_size) \
+                else exchange.DenseAllreduce
+        layout = codec_plan.layout
+        return exchange.cheapest((exchange.DenseAllreduce, chosen), world, bucket.numel, codec_plan.count,
+                                 layout.value_itemsize, layout.index_itemsize, bucket.element_size)
+
+    def _sparse_bytes(self, strategy, bucket, codec_plan, world, family):
+        """Bytes into one rank for ``bucket`` sent by the sparse ``strategy``; a hierarchical
+        family's sparse part runs among the ranks across hosts, on this rank's shard."""
+        ranks = self.hier.cross_size if self.hierarchical(family) else world
+        layout = codec_plan.layout
+        return strategy.wire_bytes(ranks, codec_plan.numel, codec_plan.count, layout.value_itemsize,
+                                   layout.index_itemsize, bucket.element_size)
+
+    def _assign(self, family, density, world):
+        """The strategy of every sparse bucket under ``family`` at ``density``."""
+        return [self.strategy(family, b, self.codec_plan(b, density, family), world)
+                for b in self.buckets if b.sparse]
+
+    def codec_plan(self, bucket, density, family):
+        """The codec plan of a sparse bucket: over the bucket, or over this rank's shard of it
+        (a hierarchical family). On its 1/L shard a rank selects at L x density, so that it
+        still sends density x n pairs per step, as it would flat: a host then sends as many
+        pairs as its L ranks would, taken from the host's sum."""
+        scope = self.options.selection_scope
+        if not self.hierarchical(family):
+            return bucket.plan(self.codec, density, scope)
+        return bucket.plan(self.codec, min(1.0, density * self.hier.local_size), scope,
+                           shard=self.shard(bucket))
+
+    def shard(self, bucket):
+        """``(lo, hi)``: this rank's shard of ``bucket`` in the host's reduce-scatter."""
+        edges = hierarchy.shard_bounds(bucket.numel, self.hier.local_size)
+        return edges[self.hier.local_rank], edges[self.hier.local_rank + 1]
+
+    def modelled_bytes(self, family, density, world):
+        """Bytes into one rank per step for the sparse buckets under ``family`` (the cost model)."""
+        total = 0.0
+        sparse = [b for b in self.buckets if b.sparse]
+        for b, strategy in zip(sparse, self._assign(family, density, world)):
+            codec_plan = self.codec_plan(b, density, family)
+            if strategy.sparse:
+                total += self._sparse_bytes(strategy, b, codec_plan, world, family)
+            else:
+                total += strategy.wire_bytes(world, b.numel, codec_plan.count, codec_plan.layout.value_itemsize,
+                                             codec_plan.layout.index_itemsize, b.element_size)
+        return total
+
+    def describe(self, world):
+        """The ``exchange_*`` entries of ``compression_stats()``."""
+        out = {"exchange": self.options.exchange}
+        if self.options.exchange == "auto":
+            out["exchange_reason"] = self.trial.reason() if self.trial is not None else (
+                "one rank: nothing to exchange" if world <= 1 else "density warm-up: fewest bytes")
+            if self.trial is not None:
+                out["exchange_candidates"] = list(self.trial.candidates)
+                out["exchange_choice"] = self.trial.choice
+                out["exchange_median_step_s"] = dict(self.trial.medians or {})
+        return out

@@ -1,0 +1,40 @@
+"""Sparse gradients (``nn.Embedding(sparse=True)``): densified, compressed, handed back sparse.
+
+Horovod exchanges a sparse gradient as an allgather of every rank's touched rows (or, with
+``sparse_as_dense=True``, as a dense allreduce). hvd_topk always takes the second road, with
+Top-K and error feedback on the densified gradient: its bytes are then the fixed Top-K
+budget, where the allgather's grow with the batch and the ranks, and the embedding's unsent
+entries are kept like any other's. ``synchronize()`` hands the result back sparse, as Horovod
+does, so a sparse optimizer (``torch.optim.SparseAdam``) works unchanged. Without
+``sparse_as_dense=True`` one warning says so (docs/compatibility.md#sparse-gradients).
+"""
+
+import warnings
+
+
+class SparseGradients:
+    """The parameters whose sparse gradient was densified this step."""
+
+    def __init__(self, names, sparse_as_dense):
+        self.names = names
+        self.warned = sparse_as_dense  # passing the option is saying it: no warning then
+        self.densified = []
+
+    def densify(self, p):
+        """Replace ``p.grad`` (sparse) by its dense form, to be exchanged like any gradient."""
+        if not self.warned:
+            self.warned = True
+            warnings.warn(f"hvd_topk: parameter {self.names[p]!r} has a sparse gradient (e.g. "
+                          "nn.Embedding(sparse=True)); it is exchanged as with sparse_as_dense=True: "
+                          "densified, compressed by Top-K with error feedback, and handed back sparse. "
+                          "Pass sparse_as_dense=True to hvd_topk.DistributedOptimizer to say so and "
+                          "silence this warning.", stacklevel=3)
+        if all(q is not p for q in self.densified):  # (``in`` would compare tensors by value)
+            self.densified.append(p)
+        p.grad = p.grad.to_dense()
+
+    def restore(self):
+        """After the exchange: each densified gradient back to sparse, as Horovod hands it over."""
+        for p in self.densified:
+            p.grad = p.grad.to_sparse()
+        self.densified = []

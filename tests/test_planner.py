@@ -1,0 +1,93 @@
+"""hvd_topk.planner.ExchangePlanner on its own (no Horovod job): strategy choice, the cost
+model and the codec plans, against byte counts worked out by hand from the ring formulas in
+hvd_topk/exchange.py's docstring (fp32 values and int32 indices: 8 bytes a pair)."""
+
+import pytest
+import torch
+
+from hvd_topk import exchange
+from hvd_topk.buckets import make_buckets
+from hvd_topk.codec import Codec
+from hvd_topk.hierarchy import Topology
+from hvd_topk.options import Options
+from hvd_topk.planner import ExchangePlanner
+from hvd_topk.schedule import DensitySchedule
+
+N = 10_000  # the weight's elements: k = 100 at 1%
+
+
+def planner(density=0.01, hier=None, **options):
+    weight, bias = torch.nn.Parameter(torch.zeros(100, 100)), torch.nn.Parameter(torch.zeros(100))
+    options = Options(**options)
+    buckets = make_buckets([weight, bias], {weight: "w", bias: "b"}, options.min_numel, options.fusion_bytes)
+    schedule = DensitySchedule(density, options.warmup_steps, options.warmup_density)
+    return ExchangePlanner(options, buckets, Codec(), schedule, hier, process_set=None, name="test"), buckets
+
+
+def test_pinned_exchange_and_dense_fallback():
+    plan, (sparse, dense) = planner(exchange="allgather")
+    assert plan.family(0, 2) == "allgather"
+    codec_plan = plan.codec_plan(sparse, 0.01, "allgather")
+    assert codec_plan.count == 100 and codec_plan.numel == N
+    assert plan.strategy("allgather", sparse, codec_plan, 2) is exchange.AllgatherPairs
+    assert plan.strategy("allgather", dense, None, 2) is exchange.DenseAllreduce  # the small tensors
+    # at 60%, 6000 pairs x 8 bytes = 48,000 > the ring allreduce's 2 (P-1)/P N 4 = 40,000 at P=2
+    wide = plan.codec_plan(sparse, 0.6, "allgather")
+    assert plan.strategy("allgather", sparse, wide, 2) is exchange.DenseAllreduce
+    no_fallback, (sparse2, _) = planner(exchange="allgather", dense_fallback=False)
+    assert no_fallback.strategy("allgather", sparse2, wide, 2) is exchange.AllgatherPairs
+
+
+@pytest.mark.parametrize("family, world, want", [
+    ("allgather", 2, 1 * 100 * 8),                        # (P-1) k (b_v + b_i)
+    ("allgather", 3, 2 * 100 * 8),
+    ("sparse_allreduce", 4, 100 * 4 + 2 * 3 / 4 * 101 * 4),  # k b_i + 2 (P-1)/P (k+1) b_v
+    ("dense", 4, 2 * 3 / 4 * N * 4),                       # 2 (P-1)/P n b_dense
+    ("dense_fp16", 4, 2 * 3 / 4 * N * 2),
+])
+def test_modelled_bytes_match_the_ring_formulas(family, world, want):
+    plan, _ = planner()
+    assert plan.modelled_bytes(family, 0.01, world) == pytest.approx(want)
+
+
+def test_auto_during_warm_up_takes_the_fewest_bytes_without_a_trial():
+    """At step 0 of the warm-up the density is 25% (k = 2500); at P = 4: dense 60,000 bytes,
+    fp16 30,000, allgather 3 x 2500 x 8 = 60,000, sparse allreduce 2500 x 4 + 1.5 x 2501 x 4 = 25,006."""
+    plan, _ = planner(exchange="auto", warmup_steps=10, warmup_density=0.25)
+    assert plan.family(0, 4) == "sparse_allreduce"
+    assert plan.trial is None
+    assert plan.family(0, 1) == "dense"  # one rank: nothing to exchange
+
+
+def test_sparse_allreduce_leader_rotates_and_only_it_selects():
+    plan, (sparse, dense) = planner(exchange="sparse_allreduce")
+    for step in range(6):
+        for rank in range(3):
+            s = plan.bucket_step(sparse, step, "sparse_allreduce", 3, rank)
+            assert s.strategy is exchange.SparseAllreduce
+            assert s.leader == (step + sparse.index) % 3
+            assert s.selects == (rank == s.leader)
+            assert not s.hierarchical
+    d = plan.bucket_step(dense, 0, "sparse_allreduce", 3, 0)
+    assert d.strategy is exchange.DenseAllreduce and d.plan is None and not d.selects
+
+
+def test_hierarchical_plans_cover_this_ranks_shard_at_L_times_the_density():
+    """Local rank 1 of 2: shard [5000, 10000) of the weight, selected at 2%: 100 pairs, what the
+    rank would send flat, so a host sends as many as its two ranks would."""
+    topo = Topology(local=None, cross=None, local_rank=1, local_size=2, cross_rank=0, cross_size=2)
+    plan, (sparse, _) = planner(hier=topo, exchange="allgather")
+    assert plan.family(0, 4) == "hier_allgather"
+    assert plan.shard(sparse) == (5000, 10000)
+    codec_plan = plan.codec_plan(sparse, 0.01, "hier_allgather")
+    assert codec_plan.numel == 5000 and codec_plan.count == 100
+    # the sparse part runs among cross_size = 2 ranks: 1 x 100 x 8 bytes
+    assert plan.modelled_bytes("hier_allgather", 0.01, 4) == pytest.approx(800)
+    assert plan.bucket_step(sparse, 0, "hier_allgather", 4, 1).hierarchical
+
+
+def test_describe_says_why_before_any_trial():
+    plan, _ = planner(exchange="auto", warmup_steps=5)
+    assert plan.describe(1)["exchange_reason"] == "one rank: nothing to exchange"
+    assert plan.describe(2)["exchange_reason"] == "density warm-up: fewest bytes"
+    assert planner(exchange="dense")[0].describe(2) == {"exchange": "dense"}
