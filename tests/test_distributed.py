@@ -5,7 +5,7 @@ Each script checks every rank against an independent reference (numpy, fed with 
 raw data through mpi4py), as a list of named checks (tests/dist/harness.py). Each check is one
 pytest item, ``<script>-np<N>-<check name>``; each (script, N) job runs once, when its first item
 runs, and a failing check does not stop the others. One more item per job, ``...-(job)``, fails
-when the job hung (killed by the timeout in tests/mpi.py) or crashed, did not report every
+when the job hung (killed by the timeout in tests/support/mpi.py) or crashed, did not report every
 check, or exited with a status that disagrees with its checks. The names come from
 ``python SCRIPT --list``, which starts neither MPI nor Horovod.
 """
@@ -16,12 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from check_results import failure_message, item_id, job_message, validate_names
+from results import failure_message, item_id, job_message, validate_names
 from mpi import DIST, launch_mpi, script_env
 
 pytestmark = pytest.mark.distributed
 
-SCRIPTS = ["check_compressor.py", "check_optimizer.py", "check_mismatch.py", "check_compat.py",
+SCRIPTS = ["check_compressor.py", "check_optimizer.py", "check_checkpoint.py", "check_mismatch.py", "check_compat.py",
            "check_amp.py", "check_process_sets.py", "check_join.py", "check_sparse_allreduce.py"]
 NPS = (2, 3)
 MORE_NPS = {"check_sparse_allreduce.py": (4,)}  # the leader rotates over more ranks
@@ -61,7 +61,7 @@ _JOBS = {}
 
 
 def job(script, np_):
-    """The (script, np) job, run once, on first use, with the hard timeout of tests/mpi.py."""
+    """The (script, np) job, run once, on first use, with the hard timeout of tests/support/mpi.py."""
     if (script, np_) not in _JOBS:
         _JOBS[script, np_] = launch_mpi(np_, DIST / script)
     return _JOBS[script, np_]

@@ -1,6 +1,6 @@
 """Mixed precision: error feedback under torch.amp.GradScaler, checked against numpy in true units.
 
-Run: PYTHONPATH=.:tests mpirun -np 2 (or 3) python tests/dist/check_amp.py
+Run: PYTHONPATH=.:tests/support mpirun -np 2 (or 3) python tests/dist/check_amp.py
 (``--list`` prints the names of its checks).
 
 Horovod's documented pattern: ``scaler.scale(loss).backward(); opt.synchronize();

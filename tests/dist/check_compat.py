@@ -1,7 +1,7 @@
 """Horovod features hvd_topk must keep working (issue 13), each checked against an independent
 truth: numpy references fed with every rank's data, an uninterrupted run, or another rank.
 
-Run: PYTHONPATH=.:tests mpirun -np 2 (or 3) python tests/dist/check_compat.py
+Run: PYTHONPATH=.:tests/support mpirun -np 2 (or 3) python tests/dist/check_compat.py
 (``--list`` prints the names of its checks).
 """
 
@@ -195,24 +195,31 @@ def raw_dense_grads(model, ids, y):
             for n, p in model.named_parameters()}
 
 
-def check_sparse_as_dense(density=0.05, second=False):
+def check_sparse_as_dense(density=0.05, second=False, as_dense=True):
     """sparse_as_dense=True: the embedding's gradient is exchanged as a dense Top-K tensor with
     error feedback (numpy reference) and handed back sparse to the inner optimizer (``second``:
-    two sparse embeddings)."""
+    two sparse embeddings). ``as_dense=False``: the same result, and one warning (at the first
+    sparse gradient) saying that it was done without the option."""
     rank, size = hvd.rank(), hvd.size()
     torch.manual_seed(0)
     model = EmbeddingNet(second=second)
     opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
                                         named_parameters=model.named_parameters(),
                                         compression=hvd_topk.TopK(density=density),
-                                        sparse_as_dense=True, min_numel=MIN_NUMEL, exchange="allgather")
+                                        sparse_as_dense=as_dense, min_numel=MIN_NUMEL, exchange="allgather")
     shadow, ref = copy.deepcopy(model), ErrorFeedbackReference(size)
     for step in range(3):
         ids, y = embedding_batch(step, rank)
         shadow.load_state_dict(model.state_dict())
         raw = raw_dense_grads(shadow, ids, y)
         opt.zero_grad()
-        F.cross_entropy(model(ids), y).backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            F.cross_entropy(model(ids), y).backward()
+        said = [str(w.message) for w in caught if "sparse gradient" in str(w.message)]
+        want_said = 1 if (step == 0 and not as_dense) else 0
+        assert len(said) == want_said, (step, said)
+        assert not said or "'emb.weight'" in said[0] and "sparse_as_dense=True" in said[0], said
         opt.synchronize()
         for emb in filter(None, (model.emb, model.emb2)):
             assert emb.weight.grad.is_sparse, "the inner optimizer should get a sparse gradient back"
@@ -221,21 +228,8 @@ def check_sparse_as_dense(density=0.05, second=False):
             want = (ref.sparse(name, grads, density) if p.numel() >= MIN_NUMEL
                     else np.sum(grads, axis=0) / size)
             np.testing.assert_allclose(p.grad.to_dense().numpy(), want, rtol=1e-6, atol=1e-7,
-                                       err_msg=f"sparse_as_dense: step {step} {name}")
-        step_and_check_same(opt, model, f"sparse_as_dense: step {step}")
-
-
-def check_sparse_without_option_refused():
-    """Refused at the embedding's hook on every rank (the head's dense bucket, whose gradients
-    come first, may already be on its way: the same on every rank)."""
-    torch.manual_seed(0)
-    model = EmbeddingNet()
-    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
-                                        named_parameters=model.named_parameters())
-    ids, y = embedding_batch(0, hvd.rank())
-    with raises(RuntimeError, match=r"parameter 'emb.weight' has a sparse gradient.*"
-                r"Pass sparse_as_dense=True", what="sparse gradient"):
-        F.cross_entropy(model(ids), y).backward()
+                                       err_msg=f"sparse_as_dense={as_dense}: step {step} {name}")
+        step_and_check_same(opt, model, f"sparse_as_dense={as_dense}: step {step}")
 
 
 def check_horovod_sparse_gradients(density=0.05):
@@ -475,7 +469,8 @@ CHECKS = [
     ("horovod: unfrozen parameter diverges", check_horovod_unfrozen_parameter_diverges),
     ("sparse_as_dense", check_sparse_as_dense),
     ("sparse_as_dense, two sparse embeddings", lambda: check_sparse_as_dense(second=True)),
-    ("sparse gradient without sparse_as_dense refused", check_sparse_without_option_refused),
+    ("sparse gradient without sparse_as_dense: densified, one warning",
+     lambda: check_sparse_as_dense(as_dense=False)),
     ("horovod: sparse gradients", check_horovod_sparse_gradients),
     ("bf16 dense path", check_bf16_dense_path),
     ("bf16 top-k path", lambda: check_bf16_topk_path("allgather")),

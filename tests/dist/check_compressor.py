@@ -1,6 +1,6 @@
 """TopK under stock Horovod, checked against a numpy reference built from every rank's data.
 
-Run: PYTHONPATH=.:tests mpirun -np 2 (or 3) python tests/dist/check_compressor.py
+Run: PYTHONPATH=.:tests/support mpirun -np 2 (or 3) python tests/dist/check_compressor.py
 (``--list`` prints the names of its checks).
 """
 
@@ -115,12 +115,15 @@ def check_optimizer(density=0.05, op=hvd.Average, predivide=1.0, groups=None, pa
     # Statistics, recomputed by hand from the contract: per tensor k pairs of 4+4 bytes
     # (padded to 8) plus the 12-byte probe; dense bytes are 4 per element.
     sizes = [p.numel() for p in model.parameters()]
-    stats = compressor.stats()
+    stats = compressor.compression_stats()
+    assert compressor.stats() == stats  # the older name, kept as an alias
     assert stats["tensors_sparse"] == steps * len(sizes), stats
     assert stats["bytes_dense"] == steps * 4 * sum(sizes), stats
     assert stats["elements_selected"] == steps * sum(k_of(n, density) for n in sizes), stats
     want_sent = steps * sum((k_of(n, density) * 8 + 7) // 8 * 8 + 12 for n in sizes)
     assert stats["bytes_sent"] == want_sent, (stats, want_sent)
+    compressor.compression_stats(reset=True)
+    assert compressor.compression_stats()["bytes_sent"] == 0
 
 
 def check_grads_set_by_hand():

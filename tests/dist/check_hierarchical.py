@@ -9,7 +9,7 @@ allreduce: every host's values at the leader's positions); the average is assemb
 local rank's shard. Which rank is on which host comes from Horovod (hvd.local_rank(),
 hvd.cross_rank()), so on emulated hosts (one network namespace per host) the boundary is real.
 
-Run: PYTHONPATH=.:tests mpirun -np 4 -H host0:2,host1:2 python tests/dist/check_hierarchical.py
+Run: PYTHONPATH=.:tests/support mpirun -np 4 -H host0:2,host1:2 python tests/dist/check_hierarchical.py
 (also -np 3 on one host: 1 x 3, or on three hosts: 3 x 1).
 """
 

@@ -1,7 +1,7 @@
 """hvd.join() for uneven data with the error-feedback optimizer and with the drop-in TopK,
 checked against numpy.
 
-Run: PYTHONPATH=.:tests mpirun -np 2 (or 3) python tests/dist/check_join.py
+Run: PYTHONPATH=.:tests/support mpirun -np 2 (or 3) python tests/dist/check_join.py
 (``--list`` prints the names of its checks).
 
 Rank r has ``2 + (size - 1 - r)`` batches, then calls ``hvd.join()``: the last rank stops first.

@@ -1,6 +1,6 @@
 """Ranks that build different models get a clear ValueError on every rank, not a hang.
 
-Run: PYTHONPATH=.:tests mpirun -np 2 (or 3) python tests/dist/check_mismatch.py
+Run: PYTHONPATH=.:tests/support mpirun -np 2 (or 3) python tests/dist/check_mismatch.py
 (``--list`` prints the names of its checks).
 """
 

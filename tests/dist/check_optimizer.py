@@ -1,6 +1,6 @@
 """hvd_topk.DistributedOptimizer checked step by step against the numpy contract.
 
-Run: PYTHONPATH=.:tests mpirun -np 2 (or 3) python tests/dist/check_optimizer.py
+Run: PYTHONPATH=.:tests/support mpirun -np 2 (or 3) python tests/dist/check_optimizer.py
 (``--list`` prints the names of its checks).
 """
 

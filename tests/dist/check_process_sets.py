@@ -1,6 +1,6 @@
 """Process sets: Horovod's own pattern (test_optimizer_process_sets), checked against numpy.
 
-Run: PYTHONPATH=.:tests mpirun -np 2 (or 3) python tests/dist/check_process_sets.py
+Run: PYTHONPATH=.:tests/support mpirun -np 2 (or 3) python tests/dist/check_process_sets.py
 (``--list`` prints the names of its checks).
 
 Every rank builds its optimizer with the same process set, which leaves out the last rank.

@@ -2,8 +2,8 @@
 
 The leader of sparse bucket b at step s is rank (s + b) mod P; every rank sends its own
 error-feedback accumulator at the leader's top-k positions, and what it did not send stays in
-its residual (tests/reference.py, ``leader=``). Run under mpirun -np 2, 3 and 4:
-PYTHONPATH=.:tests mpirun -np 4 python tests/dist/check_sparse_allreduce.py
+its residual (tests/support/reference.py, ``leader=``). Run under mpirun -np 2, 3 and 4:
+PYTHONPATH=.:tests/support mpirun -np 4 python tests/dist/check_sparse_allreduce.py
 """
 
 import horovod.torch as hvd

@@ -4,7 +4,7 @@ A script ends with ``run(CHECKS)``, ``CHECKS`` an ordered list of ``(name, funct
 runs every check; a check that raises fails on that rank without stopping the others. After each
 check the ranks agree (mpi4py, on a communicator of the harness's own, never a Horovod
 collective) on which ranks failed, and rank 0 prints one result line for it (the format is in
-tests/check_results.py). The job exits 1 when a check failed anywhere.
+tests/support/results.py). The job exits 1 when a check failed anywhere.
 
 A rank that fails part-way through a collective can leave the other ranks waiting in it for
 ever: when not every rank has finished a check ``HVD_TOPK_CHECK_SYNC_TIMEOUT`` seconds (60)
@@ -24,7 +24,7 @@ import traceback
 import numpy as np
 
 import horovod.torch as hvd
-from check_results import (rank_failure_line, result_line, running_line, validate_names)
+from results import (rank_failure_line, result_line, running_line, validate_names)
 
 # MPI.COMM_WORLD, set by run(): importing mpi4py.MPI starts MPI, which --list must not do.
 COMM = None

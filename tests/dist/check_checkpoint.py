@@ -1,0 +1,172 @@
+"""Loading checkpoints that do not fit: refused whole, before anything is applied, on every rank.
+
+Every case builds a trained optimizer, snapshots its whole state (inner optimizer, residuals,
+step), tries the bad load, and then checks, independently of the code under test, that the
+snapshot is bit for bit what the optimizer holds (nothing half-applied), and that training goes
+on with every rank's parameters identical.
+
+Run: PYTHONPATH=.:tests/support mpirun -np 2 (or 3) python tests/dist/check_checkpoint.py
+(``--list`` prints the names of its checks).
+"""
+
+import copy
+import re
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import horovod.torch as hvd
+import hvd_topk
+from harness import assert_same_on_all_ranks, raises, run
+
+
+class Net(torch.nn.Module):
+    def __init__(self, hidden=32):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(64, hidden)
+        self.fc2 = torch.nn.Linear(hidden, 10)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def build(hidden=32, seed=0):
+    torch.manual_seed(seed)
+    model = Net(hidden)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                        compression=hvd_topk.TopK(density=0.05), min_numel=300,
+                                        exchange="allgather")
+    return model, opt
+
+
+def train(model, opt, steps, start=0):
+    for step in range(start, start + steps):
+        gen = torch.Generator().manual_seed(1000 * step + hvd.rank())
+        x, y = torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def flat_state(opt):
+    """Every tensor and number of ``opt.state_dict()``, keyed by its path (a deep copy)."""
+    out = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}/{k}", v)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(f"{prefix}/{i}", v)
+        else:
+            out[prefix] = value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
+
+    walk("", opt.state_dict())
+    return out
+
+
+def assert_unchanged(opt, before, what):
+    after = flat_state(opt)
+    assert after.keys() == before.keys(), f"{what}: state keys changed: {set(after) ^ set(before)}"
+    for key, value in before.items():
+        same = torch.equal(after[key], value) if torch.is_tensor(value) else after[key] == value
+        assert same, f"{what}: {key} changed by the failed load"
+
+
+def trained(hidden=32, steps=3):
+    model, opt = build(hidden)
+    train(model, opt, steps)
+    return model, opt
+
+
+def refused(opt, bad, match, what):
+    """The load raises on this rank, names what it should, and leaves ``opt`` untouched."""
+    before = flat_state(opt)
+    with raises(ValueError, match=match, what=what):
+        opt.load_state_dict(bad)
+    assert_unchanged(opt, before, what)
+
+
+def trains_on(model, opt, what, start=3):
+    train(model, opt, 2, start=start)
+    for name, p in model.named_parameters():
+        assert torch.isfinite(p).all(), f"{what}: {name} not finite"
+        assert_same_on_all_ranks(p.detach().numpy(), f"{what}: parameter {name}")
+
+
+def check_resized_layer():
+    """The issue's case: Linear(64, 32) became Linear(64, 16) under the same names."""
+    _, old = trained(hidden=32)
+    saved = copy.deepcopy(old.state_dict())
+    model, opt = trained(hidden=16)
+    refused(opt, saved, r"'fc1\.weight'.*\(32, 64\).*\(16, 64\)", "resized layer")
+    trains_on(model, opt, "after the refused load")
+
+
+def check_residual_shape():
+    """The inner state fits, but the hvd_topk section's residual does not."""
+    model, opt = trained()
+    bad = copy.deepcopy(opt.state_dict())
+    bad["hvd_topk"]["residuals"]["fc1.weight"] = torch.zeros(3, 3)
+    refused(opt, bad, r"'fc1\.weight'.*residual.*\(3, 3\).*\(32, 64\)", "residual shape")
+    trains_on(model, opt, "after the refused load")
+
+
+def check_truncated_and_foreign_sections():
+    model, opt = trained()
+    good = opt.state_dict()
+    truncated = copy.deepcopy(good)
+    del truncated["hvd_topk"]["step"]
+    refused(opt, truncated, re.escape("lacks ['step']"), "truncated section")
+    foreign = dict(copy.deepcopy(good), hvd_topk="not ours")
+    refused(opt, foreign, "not the section", "foreign section")
+    newer = copy.deepcopy(good)
+    newer["hvd_topk"]["format"] = 99
+    refused(opt, newer, "newer than this hvd_topk", "newer format")
+    refused(opt, {"state": {}}, "not an optimizer state_dict", "no param_groups")
+    trains_on(model, opt, "after the refused loads")
+
+
+def check_nonfinite_residual_wiped():
+    """A residual holding inf loads as zeros, with a warning naming it; the others load as saved."""
+    model, opt = trained()
+    saved = copy.deepcopy(opt.state_dict())
+    saved["hvd_topk"]["residuals"]["fc1.weight"][0, 0] = float("inf")
+    model_b, opt_b = build(seed=7)
+    model_b.load_state_dict(model.state_dict())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt_b.load_state_dict(saved)
+    assert any("fc1.weight" in str(w.message) and "inf/nan" in str(w.message) for w in caught), \
+        [str(w.message) for w in caught]
+    loaded = opt_b.state_dict()["hvd_topk"]["residuals"]
+    assert float(loaded["fc1.weight"].abs().sum()) == 0
+    assert torch.equal(loaded["fc2.weight"], saved["hvd_topk"]["residuals"]["fc2.weight"])
+    trains_on(model_b, opt_b, "after the wiped load")
+
+
+def check_plain_torch_state_loads():
+    """A plain torch optimizer's state_dict (no hvd_topk section): loads, residuals start at zero."""
+    model, opt = trained()
+    plain = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    plain.load_state_dict({k: v for k, v in copy.deepcopy(opt.state_dict()).items() if k != "hvd_topk"})
+    opt.load_state_dict(plain.state_dict())
+    residuals = opt.state_dict()["hvd_topk"]["residuals"]
+    assert residuals and all(float(r.abs().sum()) == 0 for r in residuals.values())
+    trains_on(model, opt, "after the plain load")
+
+
+CHECKS = [
+    ("resized layer refused, named, nothing applied", check_resized_layer),
+    ("residual of another shape refused", check_residual_shape),
+    ("truncated or foreign section refused", check_truncated_and_foreign_sections),
+    ("non-finite residual wiped with a warning", check_nonfinite_residual_wiped),
+    ("plain torch optimizer state loads", check_plain_torch_state_loads),
+]
+
+
+if __name__ == "__main__":
+    run(CHECKS)
