@@ -13,7 +13,7 @@ over ranks) and the test accuracy, and at the end the bytes sent per step and ra
 
 Writes ``PREFIX.json`` (every run, with its per-epoch history, plus command, machine and date),
 ``PREFIX.md`` (the accuracy table) and ``PREFIX.png`` (loss and accuracy curves: mean over seeds,
-shaded min-max). Default PREFIX: benchmarks/results/convergence.
+shaded min-max). Default PREFIX: benchmarks/results/convergence/convergence.
 """
 
 import argparse
@@ -21,21 +21,18 @@ import datetime
 import json
 import os
 import shlex
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from hvd_topk.testing.launch import mpirun_command
-from hvd_topk.testing.machine import machine_info
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import fmt_s, machine_info, run_example, write_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "pytorch_digits.py"
-DEFAULT_PREFIX = ROOT / "benchmarks" / "results" / "convergence"
+DEFAULT_PREFIX = ROOT / "benchmarks" / "results" / "convergence" / "convergence"
 
 # name -> (label, extra arguments of the example)
 EF = ["--optimizer", "topk-ef", "--exchange", "allgather"]  # the exchange pinned: auto may go dense
@@ -68,7 +65,7 @@ def parse_args(argv=None):
                    metavar="NAME", help=f"subset of: {' '.join(CONFIGS)} (default: all)".replace("%", "%%"))
     p.add_argument("--np", type=int, default=2, help="ranks (default: 2)")
     p.add_argument("--out-prefix", type=Path, default=DEFAULT_PREFIX,
-                   help="write PREFIX.json/.md/.png (default: benchmarks/results/convergence)")
+                   help="write PREFIX.json/.md/.png (default: benchmarks/results/convergence/convergence)")
     p.add_argument("--timeout", type=int, default=600, help="seconds per run before it is killed (600)")
     p.add_argument("--replot", action="store_true",
                    help="run nothing: rebuild the table and plot from PREFIX.json")
@@ -76,33 +73,6 @@ def parse_args(argv=None):
     if args.epochs < 1 or args.np < 1:
         p.error("--epochs and --np must be positive")
     return args
-
-
-def run_one(np_, extra, seed, epochs, timeout, example=EXAMPLE):
-    """One ``mpirun`` of ``example`` (``--epochs`` unless None) and its JSON result, with ``wall_s``."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        length = [] if epochs is None else ["--epochs", str(epochs)]
-        cmd = mpirun_command(np_, [example, "--quiet", "--json", str(out), *length, "--seed", str(seed), *extra])
-        t0 = time.perf_counter()
-        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True) as proc:
-            try:
-                stdout, stderr = proc.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
-                raise RuntimeError(f"timed out after {timeout}s: {shlex.join(cmd)}") from None
-        wall = time.perf_counter() - t0
-        if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"exit {proc.returncode}: {shlex.join(cmd)}\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
-        result = json.loads(out.read_text())
-    result["wall_s"] = wall
-    return result
-
-
-def fmt_s(s):
-    return f"{int(s // 60)}m{s % 60:04.1f}s" if s >= 60 else f"{s:.1f}s"
 
 
 def summarise(data):
@@ -199,12 +169,10 @@ def plot(data, path):
 
 
 def write_outputs(data, prefix):
-    prefix.parent.mkdir(parents=True, exist_ok=True)
     rows = summarise(data)
     data["summary"] = rows
-    Path(f"{prefix}.json").write_text(json.dumps(data, indent=1) + "\n")
     md = markdown(data, rows)
-    Path(f"{prefix}.md").write_text(md)
+    write_report(prefix, data, md)
     plot(data, f"{prefix}.png")
     print()
     print(md)
@@ -222,7 +190,7 @@ def main(argv=None):
     command = shlex.join([os.path.relpath(sys.executable, Path.cwd()),
                           os.path.relpath(__file__, Path.cwd()), *(sys.argv[1:] if argv is None else argv)])
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": command, "machine": machine_info(ROOT), "np": args.np, "epochs": args.epochs,
+            "command": command, "machine": machine_info(), "np": args.np, "epochs": args.epochs,
             "seeds": args.seeds, "prefix": str(prefix),
             "run_command": f"mpirun -np {args.np} --oversubscribe --bind-to none -x OMP_NUM_THREADS=1 "
                            f"python examples/pytorch_digits.py --quiet --json OUT --epochs {args.epochs} "
@@ -234,7 +202,7 @@ def main(argv=None):
     t_start = time.perf_counter()
     for i, (name, seed) in enumerate(plan, 1):
         print(f"[{i:2d}/{len(plan)}] {name:<10s} seed {seed} ... ", end="", flush=True)
-        r = run_one(args.np, CONFIGS[name][1], seed, args.epochs, args.timeout)
+        r = run_example(args.np, CONFIGS[name][1], seed, args.epochs, args.timeout, EXAMPLE)
         r.update(config=name, seed=seed)
         data["runs"].append(r)
         elapsed = time.perf_counter() - t_start

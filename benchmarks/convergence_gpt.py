@@ -6,23 +6,22 @@ Every run is ``mpirun -np 2 python examples/pytorch_gpt.py --quiet --json OUT --
 
     .venv/bin/python benchmarks/convergence_gpt.py                     # 6 configs x 3 seeds x 300 steps
     .venv/bin/python benchmarks/convergence_gpt.py --configs dense dense-fv fv-1% fv-0.1% fv-noef-0.1% \
-        --out-prefix benchmarks/results/convergence-gpt-frozen-variance   # FrozenVarianceAdamW
+        --out-prefix benchmarks/results/gpt/convergence-gpt-frozen-variance   # FrozenVarianceAdamW
     .venv/bin/python benchmarks/convergence_gpt.py --configs dense fv-0.1%-freeze100 fv-noef-0.1%-freeze100 \
-        --out-prefix benchmarks/results/convergence-gpt-frozen-variance-freeze100
+        --out-prefix benchmarks/results/gpt/convergence-gpt-frozen-variance-freeze100
     .venv/bin/python benchmarks/convergence_gpt.py --configs dense local-1% local-0.1% local-noef-0.1% \
-        --steps 1000 --timeout 1500 --out-prefix benchmarks/results/convergence-gpt-local-1000   # LocalAdamW
+        --steps 1000 --timeout 1500 --out-prefix benchmarks/results/gpt/convergence-gpt-local-1000   # LocalAdamW
     .venv/bin/python benchmarks/convergence_gpt.py --configs dense ef-1% --seeds 42 --steps 60 \\
         --out-prefix /tmp/gpt-smoke                                     # quick check
 
 Writes PREFIX.json (every run with its validation history, command, machine, date), PREFIX.md
 (final validation loss: mean, sample std, min-max over seeds; vs dense) and PREFIX.png (the
 validation loss curves, mean over seeds, shaded min-max). Default PREFIX:
-benchmarks/results/convergence-gpt.
+benchmarks/results/gpt/convergence-gpt.
 """
 
 import argparse
 import datetime
-import json
 import shlex
 import statistics
 import sys
@@ -31,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from convergence import fmt_s, run_one
-from hvd_topk.testing.machine import machine_info
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import fmt_s, machine_info, run_example, write_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "pytorch_gpt.py"
@@ -91,15 +90,15 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--np", type=int, default=2)
     ap.add_argument("--timeout", type=int, default=900)
-    ap.add_argument("--out-prefix", type=Path, default=ROOT / "benchmarks" / "results" / "convergence-gpt")
+    ap.add_argument("--out-prefix", type=Path, default=ROOT / "benchmarks" / "results" / "gpt" / "convergence-gpt")
     args = ap.parse_args(argv)
     command = shlex.join(["python", "benchmarks/convergence_gpt.py", *(sys.argv[1:] if argv is None else argv)])
     runs, started = [], time.perf_counter()
     plan = [(c, s) for c in args.configs for s in args.seeds]
     for i, (name, seed) in enumerate(plan, 1):
         print(f"[{i:2d}/{len(plan)}] {name:<18s} seed {seed} ... ", end="", flush=True)
-        r = run_one(args.np, ["--steps", str(args.steps), *CONFIGS[name][1]], seed, None, args.timeout,
-                    example=EXAMPLE)
+        r = run_example(args.np, ["--steps", str(args.steps), *CONFIGS[name][1]], seed, None, args.timeout,
+                        EXAMPLE)
         r.update(config=name, seed=seed)
         runs.append(r)
         elapsed = time.perf_counter() - started
@@ -113,13 +112,11 @@ def main(argv=None):
                      "mean": statistics.mean(losses), "std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
                      "min": min(losses), "max": max(losses), "bytes_ratio": ratio})
     dense = next((r["mean"] for r in rows if r["config"] == "dense"), None)
-    info = machine_info(ROOT)
+    info = machine_info()
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "command": command, "machine": info, "np": args.np, "steps": args.steps, "seeds": args.seeds,
             "total_wall_s": time.perf_counter() - started}
     prefix = args.out_prefix
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{prefix}.json").write_text(json.dumps({"meta": meta, "runs": runs, "summary": rows}, indent=1, default=str))
     lines = ["# Convergence on the transformer workload (examples/pytorch_gpt.py, AdamW)", "",
              f"Date (UTC): {meta['date']}  ",
              f"Machine: {info['cpu']}, {info['cores']} cores; torch {info.get('torch')}, horovod {info.get('horovod')}; "
@@ -135,7 +132,7 @@ def main(argv=None):
         lines.append(f"| {r['label']} | `{r['args']}` | {r['mean']:.4f} ± {r['std']:.4f} | "
                      f"{r['min']:.4f}–{r['max']:.4f} | {vs} | {100 * r['bytes_ratio']:.2f}% |")
     lines += ["", f"Plot: `{prefix.name}.png` (validation loss, mean over seeds, shaded min–max).", ""]
-    Path(f"{prefix}.md").write_text("\n".join(lines))
+    write_report(prefix, {"meta": meta, "runs": runs, "summary": rows}, "\n".join(lines), json_default=str)
     plot(runs, args.configs, f"{prefix}.png", meta)
     print("\n".join(lines))
     return 0

@@ -1,6 +1,6 @@
 """Gradient-exchange time and bytes on the wire: Horovod dense / fp16 vs hvd_topk, on shaped links.
 
-P ranks (``--ranks 2 4``), each on its own emulated host (hvd_topk.testing.emulated_hosts: a network
+P ranks (``--ranks 2 4``), each on its own emulated host (tools/emulated_hosts.py: a network
 namespace with a tbf-shaped veth of ``--rates 1gbit 10gbit``, its own hostname and sshd), launched
 by one ``mpirun -H host0:1,...`` from a launcher namespace over ssh, MPI over TCP only
 (``--mca btl tcp,self``, interfaces restricted to the emulated subnet). Gradients have the shapes
@@ -52,29 +52,23 @@ Full run (about 10-15 min with torch.topk selection):
 Quick smoke run:
     .venv/bin/python benchmarks/exchange.py --ranks 2 --rates 1gbit --methods dense topk-ef \\
         --densities 0.01 --steps 2 --warmup 1 --output-name exchange-smoke
-Results: benchmarks/results/<output-name>.json and .md (default output-name: exchange).
+Results: benchmarks/results/exchange/<output-name>.json and .md (default output-name: exchange).
 """
 
 import argparse
-import datetime
 import gc
 import json
 import os
-import shlex
 import statistics
 import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-RESULTS = HERE / "results"
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _testing import load  # noqa: E402  (hvd_topk.testing, also when measuring an older hvd_topk)
-
-resnet50_shapes = load("shapes").resnet50_shapes
-RESNET50_PARAMS = load("shapes").RESNET50["numel"]
+from _common import (RESNET50_PARAMS, TOPK_METHODS, agree, common_arguments, driver, forward,  # noqa: E402
+                     hvd_topk_line, label, loss_constants, make_optimizer, method_list, resnet50_shapes,
+                     run_heading, stats_difference, summary, versus, warmup_steps, zero_grad)
 
 GRAD_MODES = {
     "realistic": "realistic: zero_grad(set_to_none=True), forward, backward allocates fresh p.grad, "
@@ -83,64 +77,6 @@ GRAD_MODES = {
                   "no fresh gradient memory in the timed step",
     "set": "set: gradients copied into p.grad outside the timer; only synchronize() timed",
 }
-
-
-def loss_constants(shapes, pool, seed, torch):
-    """``pool`` sets of fixed random tensors c_p, one per shape: the realistic step's
-    ``loss = sum_p (p * c_p).sum()`` makes autograd deposit ``p.grad = c_p``."""
-    g = torch.Generator().manual_seed(seed)
-    return [[torch.randn(s, generator=g) for s in shapes] for _ in range(pool)]
-
-
-def forward(params, consts):
-    """``sum_p (p * c_p).sum()``: its backward allocates a fresh gradient for every parameter,
-    parameters created last first, as a model's backward does."""
-    loss = None
-    for p, c in zip(params, consts):
-        term = (p * c).sum()
-        loss = term if loss is None else loss + term
-    return loss
-
-
-def zero_grad(opt, params):
-    """``opt.zero_grad(set_to_none=True)``, or the same on bare parameters when there is no optimizer.
-
-    Horovod 0.28.1's ``DistributedOptimizer.zero_grad()`` takes no argument (it calls torch's,
-    whose default is ``set_to_none=True``): it is called plainly, and the gradients are then
-    dropped here as well, so that every mode starts its backward from ``p.grad is None``."""
-    if opt is not None:
-        try:
-            opt.zero_grad(set_to_none=True)
-        except TypeError:
-            opt.zero_grad()
-    for p in params:
-        p.grad = None
-
-
-TOPK_METHODS = {"topk": None, "topk-ef": "allgather", "topk-sar": "sparse_allreduce", "topk-auto": "auto",
-                "topk-ef-hier": "allgather", "topk-sar-hier": "sparse_allreduce"}
-AUTO_TRIAL_STEPS = 4 * (3 + 1)  # families x (settling + exchange_trial_steps), the most auto runs
-
-
-def warmup_steps(method, warmup):
-    """Untimed steps before ``method``'s timed ones: ``exchange="auto"``'s trial is added, so
-    the timed steps run the strategy it chose."""
-    return warmup + (AUTO_TRIAL_STEPS if method.startswith("topk-auto") else 0)
-
-
-def method_list(methods, densities):
-    out = []
-    for m in methods:
-        if m in TOPK_METHODS:
-            out += [f"{m}@{d:g}" for d in densities]
-        else:
-            out.append(m)
-    return out
-
-
-def label(m):
-    name, _, d = m.partition("@")
-    return f"{name} {float(d) * 100:g}%" if d else name
 
 
 # ------------------------------------------------------------------------------------------------
@@ -154,50 +90,9 @@ def _read_counters():
         return None
 
 
-def make_optimizer(method, inner, named, topk_method, hvd, hvd_topk, fp16_values=False):
-    """``method``'s distributed optimizer around ``inner`` (None for "none") and its TopK (or
-    None): the one construction exchange.py and training.py measure. Every hvd_topk method
-    names its exchange (``topk-auto``: "auto", whose trial the callers add to the warm-up)."""
-    name, _, d = method.partition("@")
-    kw = {} if topk_method is None else {"method": topk_method}
-    if fp16_values:
-        kw["fp16_values"] = True
-    if name == "none":
-        return None, None
-    if name == "dense":
-        return hvd.DistributedOptimizer(inner, named_parameters=named, compression=hvd.Compression.none), None
-    if name == "fp16":
-        return hvd.DistributedOptimizer(inner, named_parameters=named, compression=hvd.Compression.fp16), None
-    if name == "topk":
-        comp = hvd_topk.TopK(density=float(d), **kw)
-        return hvd.DistributedOptimizer(inner, named_parameters=named, compression=comp), comp
-    if name in TOPK_METHODS:
-        comp = hvd_topk.TopK(density=float(d), **kw)
-        return hvd_topk.DistributedOptimizer(inner, named_parameters=named, compression=comp,
-                                             exchange=TOPK_METHODS[name],
-                                             hierarchical=name.endswith("-hier")), comp
-    raise ValueError(f"unknown method {method}")
-
-
 # compression_stats() timers reported per rank; the time_host_* / time_cross_s ones are parts of
 # time_exchange_s with the hierarchical exchange
 PHASES = ("time_selection_s", "time_exchange_s", "time_host_reduce_s", "time_cross_s", "time_host_gather_s")
-
-
-def stats_difference(after, before):
-    """``after - before`` for the numeric running totals of ``compression_stats()``; other
-    entries (current density, bucket counts, lists) as in ``after``."""
-    if before is None:
-        return dict(after)
-    out = {}
-    for k, v in after.items():
-        b = before.get(k)
-        numeric = isinstance(v, (int, float)) and not isinstance(v, bool)
-        if numeric and isinstance(b, (int, float)) and not k.startswith(("current_", "buckets_")):
-            out[k] = v - b
-        else:
-            out[k] = v
-    return out
 
 
 def worker(args):
@@ -324,77 +219,6 @@ def worker(args):
                                                            "default_topk": repr(hvd_topk.TopK())}}, indent=1))
 
 
-# ------------------------------------------------------------------------------------------------
-# driver: sets up the emulated hosts and runs one mpirun per (P, rate)
-# ------------------------------------------------------------------------------------------------
-def driver(args, argv, worker_args=None, script=None, benchmark="exchange", render=None):
-    """Set up P emulated hosts per ``--ranks``, run the worker under one mpirun per rate, save."""
-    eh_mod = load("emulated_hosts")
-
-    script = Path(script or __file__).resolve()
-    worker_args = worker_args or exchange_worker_args
-    render = render or markdown
-    started = time.time()
-    info = load("machine").machine_info(REPO)
-    runs = []
-
-    def save(partial):
-        return _save_report(args, argv, script, benchmark, render, info, started, runs, partial)
-
-    print(f"{benchmark} benchmark: ranks {args.ranks}, rates {args.rates}, methods "
-          f"{[label(m) for m in method_list(args.methods, args.densities)]}, {args.warmup} warm-up + "
-          f"{args.steps} timed steps", flush=True)
-    per_host = getattr(args, "ranks_per_host", 1)
-    for P in args.ranks:
-        if P % per_host:
-            raise SystemExit(f"P={P} is not a multiple of --ranks-per-host {per_host}")
-        with eh_mod.EmulatedHosts(P // per_host, rate=args.rates[0], sshd=True, ssh_port=args.ssh_port) as eh:
-            for rate in args.rates:
-                eh.set_rate(rate)
-                out = eh.tmpdir / f"result-{P}-{rate}.json"
-                # PYTHONPATH set here (e.g. an older checkout to measure) goes first
-                pythonpath = ":".join(x for x in (os.environ.get("PYTHONPATH"), str(REPO)) if x)
-                os.environ["OMP_NUM_THREADS"] = str(args.threads)
-                # Horovod tuning set by the user (e.g. HOROVOD_CYCLE_TIME) reaches every rank
-                cmd = eh.mpirun_command([script, "--worker", *worker_args(args), "--out", out],
-                                        pythonpath=pythonpath, wdir=REPO, np=P, slots=per_host)
-                print(f"\n== P={P}, rate {rate}: {shlex.join(cmd)}", flush=True)
-                t0 = time.time()
-                rc, output = eh_mod.stream(eh.launcher_cmd(cmd), timeout=args.timeout)
-                if rc != 0 or not out.exists():
-                    raise SystemExit(f"mpirun failed (exit {rc}) for P={P} rate {rate}")
-                res = json.loads(out.read_text())
-                for row in res["rows"]:
-                    row["rate"] = rate
-                runs.append({"P": P, "rate": rate, "ranks_per_host": per_host, "hosts": res["hosts"], "rows": res["rows"],
-                             "wall_s": time.time() - t0, "mpirun": shlex.join(cmd),
-                             **{k: v for k, v in res.items() if k not in ("rows", "hosts")}})
-                save(partial=True)  # keep what is done if a later configuration fails
-    return save(partial=False)
-
-
-def _save_report(args, argv, script, benchmark, render, info, started, runs, partial):
-    report = {"benchmark": benchmark, "partial": partial,
-              "command": shlex.join([*[f"{k}={os.environ[k]}" for k in sorted(os.environ) if k.startswith("HOROVOD_")],
-                                     ".venv/bin/python", str(script.relative_to(REPO)), *argv]),
-              "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": info, "params": RESNET50_PARAMS, "tensors": len(resnet50_shapes()),
-              "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
-              "wall_s": time.time() - started, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
-              "runs": runs}
-    md = render(report)
-    if partial:
-        md = "(partial: the run has not finished)\n\n" + md
-    else:
-        print("\n" + md)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.output_name}.json").write_text(json.dumps(report, indent=1))
-    (RESULTS / f"{args.output_name}.md").write_text(md)
-    print(f"saved {RESULTS / (args.output_name + '.json')} and .md ({report['wall_s']:.0f} s"
-          f"{', partial' if partial else ''})", flush=True)
-    return report
-
-
 def exchange_worker_args(args):
     out = ["--methods", *args.methods, "--densities", *map(str, args.densities),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--pool", str(args.pool),
@@ -406,10 +230,6 @@ def exchange_worker_args(args):
     if args.ranks_per_host > 1:
         out += ["--ranks-per-host", str(args.ranks_per_host)]
     return out
-
-
-def summary(info):
-    return load("machine").summary(info)
 
 
 def markdown(report):
@@ -426,8 +246,7 @@ def markdown(report):
              f"timed steps, median of the slowest rank's step time; selection method "
              f"`{s.get('topk_method') or 'TopK default'}`{', fp16 values' if s.get('fp16_values') else ''}; "
              f"{s['threads']} torch thread(s) per rank",
-             f"- hvd_topk: `{(report['runs'][0].get('hvd_topk') or {}).get('default_topk') if report['runs'] else '?'}` "
-             f"(TopK() defaults) from {(report['runs'][0].get('hvd_topk') or {}).get('file') if report['runs'] else '?'}",
+             hvd_topk_line(report),
              "- time = backward (gradient deposit) + exchange (selection, allgather/allreduce, "
              "decompression); `none` = backward only; wire = eth0 tx bytes per rank and step (counters); "
              "payload = bytes the method hands to the network per rank and step", ""]
@@ -436,20 +255,19 @@ def markdown(report):
         ref = {r["method"]: r["median_ms"] for r in rows}
         per_host = run.get("ranks_per_host", 1)
         shape = f" ({run['P'] // per_host} hosts x {per_host} ranks; wire = the host's link)" if per_host > 1 else ""
-        lines += [f"## P={run['P']}{shape}, {run['rate']} per host ({run['wall_s']:.0f} s wall)", "",
+        lines += [run_heading(run, shape), "",
                   "| method | median ms | min-max ms | vs dense | vs fp16 | wire tx MB/step/rank | wire rx MB/step/rank | payload MB/step/rank | ranks agree |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in rows:
-            vd = f"{ref['dense'] / r['median_ms']:.2f}x" if "dense" in ref and r["method"] != "none" else "-"
-            vf = f"{ref['fp16'] / r['median_ms']:.2f}x" if "fp16" in ref and r["method"] != "none" else "-"
             pay = r.get("payload_bytes_per_step_rank")
-            agree = "-" if r["check"] is None else ("yes" if r["check"]["identical_across_ranks"] else "NO")
             chose = (r.get("compression_stats") or {}).get("exchange_family")
             shown = f"{r['label']} (chose {chose})" if r["method"].startswith("topk-auto") else r["label"]
             lines.append(f"| {shown} | {r['median_ms']:.1f} | {r['min_ms']:.0f}-{r['max_ms']:.0f} | "
-                         f"{vd} | {vf} | {r['wire_tx_bytes_per_step_rank'] / 1e6:.2f} | "
+                         f"{versus(ref, r, 'dense')} | {versus(ref, r, 'fp16')} | "
+                         f"{r['wire_tx_bytes_per_step_rank'] / 1e6:.2f} | "
                          f"{r.get('wire_rx_bytes_per_step_rank', float('nan')) / 1e6:.2f} | "
-                         f"{'' if pay is None else f'{pay / 1e6:.2f}'} | {agree} |")
+                         f"{'' if pay is None else f'{pay / 1e6:.2f}'} | "
+                         f"{agree(None if r['check'] is None else r['check']['identical_across_ranks'])} |")
         lines.append("")
         lines += phase_table(rows, per_host)
     return "\n".join(lines)
@@ -475,28 +293,6 @@ def phase_table(rows, per_host):
     return lines
 
 
-def common_arguments(ap, densities, pool, output_name):
-    """The options exchange.py and training.py share (P, links, methods, steps, launch)."""
-    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"], help="tbf rate per host link, or none")
-    ap.add_argument("--methods", nargs="+", default=["none", "dense", "fp16", "topk", "topk-ef"],
-                    choices=["none", "dense", "fp16", *TOPK_METHODS])
-    ap.add_argument("--densities", type=float, nargs="+", default=densities)
-    ap.add_argument("--topk-method", default=None, help="TopK(method=...); default: TopK's default")
-    ap.add_argument("--fp16-values", action="store_true", help="TopK(fp16_values=True) for the topk methods")
-    ap.add_argument("--ranks-per-host", type=int, default=1,
-                    help="ranks per emulated host (P/L hosts); wire bytes are then per host link")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per method")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--pool", type=int, default=pool, help="pre-generated inputs cycled through")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    ap.add_argument("--ssh-port", type=int, default=2222)
-    ap.add_argument("--timeout", type=int, default=1800, help="seconds per mpirun")
-    ap.add_argument("--output-name", default=output_name)
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
-
-
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -509,7 +305,8 @@ def main(argv=None):
     if args.worker:
         worker(args)
     else:
-        driver(args, argv)
+        driver(args, argv, worker_args=exchange_worker_args, script=__file__, benchmark="exchange",
+               render=markdown)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ ranks of a host over its loopback) of ``examples/pytorch_digits.py --optimizer t
     .venv/bin/python benchmarks/hierarchical.py                  # 2 hosts x 2 ranks, seeds 42 43 44
     .venv/bin/python benchmarks/hierarchical.py --seeds 42 --epochs 5 --out-prefix /tmp/h  # quick
 
-Writes PREFIX.json and PREFIX.md (default PREFIX: benchmarks/results/hierarchical-digits).
+Writes PREFIX.json and PREFIX.md (default PREFIX: benchmarks/results/hierarchical/hierarchical-digits).
 """
 
 import argparse
@@ -24,9 +24,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from hvd_topk.testing import emulated_hosts as eh_mod  # noqa: E402
-from hvd_topk.testing.machine import machine_info, summary  # noqa: E402
+from _common import emulated_hosts as eh_mod  # noqa: E402
+from _common import machine_info, summary, write_report  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "pytorch_digits.py"
 BASE = ["--optimizer", "topk-ef", "--exchange", "allgather", "--density", "0.01"]
@@ -42,7 +43,7 @@ def main(argv=None):
     ap.add_argument("--epochs", type=int, default=30)
     ap.add_argument("--timeout", type=int, default=600)
     ap.add_argument("--ssh-port", type=int, default=2290)
-    ap.add_argument("--out-prefix", type=Path, default=ROOT / "benchmarks" / "results" / "hierarchical-digits")
+    ap.add_argument("--out-prefix", type=Path, default=ROOT / "benchmarks" / "results" / "hierarchical" / "hierarchical-digits")
     args = ap.parse_args(argv)
     runs, started = [], time.time()
     with eh_mod.EmulatedHosts(args.hosts, rate=args.rate, sshd=True, ssh_port=args.ssh_port) as eh, \
@@ -68,13 +69,12 @@ def main(argv=None):
         summary_rows[name] = {"mean": statistics.mean(accs), "min": min(accs), "max": max(accs),
                               "std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
                               "hierarchical": sorted({str(r["hierarchical"]) for r in runs if r["config"] == name})}
-    info = machine_info(ROOT)
+    info = machine_info()
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": shlex.join(["python", "benchmarks/hierarchical.py", *(sys.argv[1:] if argv is None else argv)]),
             "machine": summary(info), "hosts": args.hosts, "ranks_per_host": args.ranks_per_host,
             "rate": args.rate, "epochs": args.epochs, "seeds": args.seeds, "wall_s": time.time() - started}
     prefix = args.out_prefix
-    Path(f"{prefix}.json").write_text(json.dumps({"meta": meta, "runs": runs, "summary": summary_rows}, indent=1))
     lines = ["# Digits with the hierarchical exchange (emulated hosts)", "",
              f"- command: `{meta['command']}`", f"- date: {meta['date']}; machine: {meta['machine']}",
              f"- {args.hosts} emulated hosts x {args.ranks_per_host} ranks, {args.rate} links between hosts; "
@@ -85,7 +85,7 @@ def main(argv=None):
                      f"{', '.join(r['hierarchical'])} |")
     diff = summary_rows["hierarchical"]["mean"] - summary_rows["flat"]["mean"]
     lines += ["", f"Hierarchical minus flat: {diff:+.2f} points (mean over seeds {args.seeds}).", ""]
-    Path(f"{prefix}.md").write_text("\n".join(lines))
+    write_report(prefix, {"meta": meta, "runs": runs, "summary": summary_rows}, "\n".join(lines))
     print("\n".join(lines))
     return 0
 

@@ -8,7 +8,7 @@ costs CPU time that all ranks of all hosts compete for. This measures that cost 
 the optimizer, to read beside ``benchmarks/exchange.py --ranks-per-host`` (whose hierarchical rows
 break a step down with ``compression_stats()``'s timers).
 
-``mpirun -np H*L -H host0:L,...`` from ``hvd_topk.testing.emulated_hosts``; every rank calls
+``mpirun -np H*L -H host0:L,...`` from ``tools/emulated_hosts.py``; every rank calls
 ``hvd_topk.init()`` and then, with all hosts at once, each timed ``--reps`` times after a scalar
 allreduce aligns the ranks, the three taking turns (median per rank):
 
@@ -19,12 +19,12 @@ allreduce aligns the ranks, the three taking turns (median per rank):
 
 and reports beside them the time the hierarchical allgather's fewer bytes save on the link, from
 a results file of ``benchmarks/exchange.py`` (``--exchange-results``, default
-``benchmarks/results/exchange-hierarchical.json``): (flat - hierarchical) wire bytes / rate.
+``benchmarks/results/exchange/exchange-hierarchical.json``): (flat - hierarchical) wire bytes / rate.
 
     .venv/bin/python benchmarks/host_collectives.py                 # 2 hosts x 2 ranks, 1gbit
     .venv/bin/python benchmarks/host_collectives.py --reps 3 --output-name host-collectives-smoke
 
-Writes benchmarks/results/<output-name>.{json,md}.
+Writes benchmarks/results/hierarchical/<output-name>.{json,md}.
 """
 
 import argparse
@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-NUMEL = 25_557_032  # ResNet-50's parameters (hvd_topk.testing.shapes)
+NUMEL = 25_557_032  # ResNet-50's parameters (tools/shapes.py)
 OPS = ("host reduce-scatter", "host allreduce", "copy")
 
 
@@ -123,7 +123,7 @@ def main(argv=None):
     ap.add_argument("--rate", default="1gbit", help="tbf rate of each host's link")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--exchange-results", type=Path,
-                    default=ROOT / "benchmarks" / "results" / "exchange-hierarchical.json")
+                    default=ROOT / "benchmarks" / "results" / "exchange" / "exchange-hierarchical.json")
     ap.add_argument("--timeout", type=int, default=600)
     ap.add_argument("--ssh-port", type=int, default=2292)
     ap.add_argument("--output-name", default="host-collectives")
@@ -135,8 +135,9 @@ def main(argv=None):
     if args.worker:
         return worker(args)
 
-    from hvd_topk.testing import emulated_hosts as eh_mod
-    from hvd_topk.testing.machine import machine_info, summary
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _common import emulated_hosts as eh_mod
+    from _common import machine_info, summary, write_report
 
     eh_mod.rate_bits(args.rate)  # refuse a bad rate before building namespaces
     started = time.time()
@@ -153,7 +154,7 @@ def main(argv=None):
         result = json.loads(out.read_text())
     report = {"command": shlex.join([".venv/bin/python", "benchmarks/host_collectives.py", *argv]),
               "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": summary(machine_info(ROOT)), "hosts": args.hosts,
+              "machine": summary(machine_info()), "hosts": args.hosts,
               "ranks_per_host": args.ranks_per_host, "rate": args.rate, "reps": args.reps, **result,
               "median_rs_ms": statistics.median(r["host reduce-scatter"] for r in result["per_rank_ms"]),
               "wall_s": time.time() - started}
@@ -163,10 +164,8 @@ def main(argv=None):
         report["link_saving"] = {"flat_mb": flat, "hier_mb": hier, "ms": 1e3 * (flat - hier) * 8e6 / eh_mod.rate_bits(args.rate),
                                  "source": str(args.exchange_results.relative_to(ROOT)
                                                if args.exchange_results.is_relative_to(ROOT) else args.exchange_results)}
-    results = ROOT / "benchmarks" / "results"
-    (results / f"{args.output_name}.json").write_text(json.dumps(report, indent=1) + "\n")
     md = markdown(report)
-    (results / f"{args.output_name}.md").write_text(md)
+    write_report(ROOT / "benchmarks" / "results" / "hierarchical" / args.output_name, report, md)
     print(md)
     return 0
 

@@ -1,7 +1,7 @@
 """What the distributed optimizer adds to a backward pass, against one streaming pass: the
 acceptance measurement of issue 10.
 
-Two ranks on ONE host (``mpirun -np 2`` from hvd_topk.testing.launch; this script launches itself
+Two ranks on ONE host (``mpirun -np 2`` from tools/launch.py; this script launches itself
 as the workers), Horovod's defaults, one torch thread per rank. For each model (ResNet-50's 161
 gradient shapes, 25,557,032 fp32 values; BERT-base's 199, 109,482,240), every rank builds, in ONE
 process, one parameter set per mode and then steps the modes round-robin, one step of each per
@@ -22,7 +22,7 @@ for the distributed modes, ``opt.synchronize()``. Modes:
 
 The topk modes run ``--exchange`` (default ``auto``, hvd_topk's default: its first steps time
 the strategies, dense included, and keep the fastest). With ``auto`` the trial's steps (up to
-exchange.AUTO_TRIAL_STEPS) are added to the warm-up, so the timed steps run what it chose (the
+_common.AUTO_TRIAL_STEPS) are added to the warm-up, so the timed steps run what it chose (the
 table names it); a user pays the trial once per job, not per step.
 
 Ranks are aligned by a scalar allreduce before every timed step; a step's time is the slower
@@ -46,7 +46,7 @@ Two ranks on two cores, each with Horovod's background thread, oversubscribe the
 spins while a rank waits in a collective unless ``mpi_yield_when_idle`` is set (the emulated
 hosts of benchmarks/exchange.py set it). Both ways are committed, labelled by their command.
 
-Writes benchmarks/results/<output-name>.{json,md} (command, machine, date, hvd_topk's file).
+Writes benchmarks/results/overhead/<output-name>.{json,md} (command, machine, date, hvd_topk's file).
 """
 
 import argparse
@@ -61,13 +61,11 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-RESULTS = HERE / "results"
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import exchange  # noqa: E402  (the realistic step: loss constants, forward, zero_grad)
-from _testing import load  # noqa: E402
+import _common as common  # noqa: E402  (tools, shapes, the realistic step, report writing)
+
+RESULTS = common.RESULTS / "overhead"
 
 MODES = ("baseline", "topk-tensor", "topk-bucket", "horovod-dense", "stream")
 
@@ -114,7 +112,7 @@ def build_mode(mode, shapes, density, hvd, hvd_topk, torch, exchange_name="auto"
 def warmup_iterations(args):
     """``--warmup``, plus exchange="auto"'s trial when a topk mode runs it."""
     auto = args.exchange == "auto" and any(m.startswith("topk") for m in args.modes)
-    return args.warmup + (exchange.AUTO_TRIAL_STEPS if auto else 0)
+    return args.warmup + (common.AUTO_TRIAL_STEPS if auto else 0)
 
 
 def stats_snapshot(opt):
@@ -122,11 +120,11 @@ def stats_snapshot(opt):
 
 
 def run_model(model, args, hvd, hvd_topk, torch, say):
-    machine = load("machine")
-    shapes = load("shapes").model_shapes(model)
-    n = load("shapes").numel(shapes)
+    machine = common.machine
+    shapes = common.model_shapes(model)
+    n = common.numel(shapes)
     rank = hvd.rank()
-    consts = exchange.loss_constants(shapes, args.pool, 1234 + rank, torch)
+    consts = common.loss_constants(shapes, args.pool, 1234 + rank, torch)
     modes, notes = {}, {}
     for mode in args.modes:
         if mode == "stream":
@@ -167,8 +165,8 @@ def run_model(model, args, hvd, hvd_topk, torch, say):
                 c1 = machine.thread_cpu_ns()
             else:
                 params, opt = modes[mode]
-                exchange.zero_grad(opt, params)
-                loss = exchange.forward(params, consts[it % len(consts)])
+                common.zero_grad(opt, params)
+                loss = common.forward(params, consts[it % len(consts)])
                 barrier()
                 c0 = machine.thread_cpu_ns()
                 t0 = time.perf_counter()
@@ -202,7 +200,7 @@ def run_model(model, args, hvd, hvd_topk, torch, say):
                "ranks_agree": checks.get(mode), "note": notes.get(mode)}
         opt = modes[mode][1] if mode != "stream" else None
         if mode in stats0 and stats0[mode] is not None:
-            row["compression_stats_timed_steps"] = exchange.stats_difference(stats_snapshot(opt), stats0[mode])
+            row["compression_stats_timed_steps"] = common.stats_difference(stats_snapshot(opt), stats0[mode])
             chose = row["compression_stats_timed_steps"].get("exchange_family")
             if chose:
                 row["label"] += f", exchange={args.exchange!r}" + (f" (chose {chose})" if args.exchange == "auto" else "")
@@ -251,7 +249,7 @@ def markdown(report):
     trial = (f" + {s['trial_iterations']} for exchange=\"auto\"'s trial" if s.get("trial_iterations") else "")
     lines = ["# Overhead of the distributed optimizer on backward, vs one streaming pass", "",
              f"- command: `{report['command']}`",
-             f"- date: {report['date_utc']}; machine: {load('machine').summary(report['machine'])}",
+             f"- date: {report['date_utc']}; machine: {common.summary(report['machine'])}",
              f"- hvd_topk: `{report['hvd_topk']['default_topk']}` from `{report['hvd_topk']['file']}` "
              f"(git {report['hvd_topk'].get('git') or '?'})",
              f"- {report['size']} ranks on one host (`{report['mpirun']}`), Horovod defaults"
@@ -274,20 +272,19 @@ def markdown(report):
                 continue
             added = f"{r['added_ms']:+.1f}" if "added_ms" in r else "-"
             ratio = f"{r['added_x_stream']:.1f}x" if "added_x_stream" in r else "-"
-            agree = r.get("ranks_agree")
             cpu = (f"{r['cpu_ms_main_thread']:.1f} / {r['cpu_ms_other_threads']:.1f}"
                    if "cpu_ms_main_thread" in r else "-")
             lines.append(f"| {r['label']} | {r['median_ms']:.1f} | {r['min_ms']:.0f}-{r['max_ms']:.0f} | "
-                         f"{added} | {ratio} | {cpu} | {'-' if agree is None else ('yes' if agree else 'NO')} |")
+                         f"{added} | {ratio} | {cpu} | {common.agree(r.get('ranks_agree'))} |")
         notes = [f"{r['mode']}: {r['note']}" for r in m["rows"] if r.get("note")]
         lines += [""] + [f"Note: {x}  " for x in notes] + ([""] if notes else [])
     return "\n".join(lines)
 
 
 def driver(args, argv):
-    launch, machine = load("launch"), load("machine")
-    stream = load("emulated_hosts").stream
-    info = machine.machine_info(REPO)
+    launch, machine = common.launch, common.machine
+    stream = common.emulated_hosts.stream
+    info = common.machine_info()
     env_names = ("OMP_NUM_THREADS", "PYTHONPATH") if os.environ.get("PYTHONPATH") else ("OMP_NUM_THREADS",)
     with tempfile.TemporaryDirectory(prefix="hvd-topk-overhead-") as tmp:
         out = Path(tmp) / "result.json"
@@ -317,9 +314,7 @@ def driver(args, argv):
               **res}
     md = markdown(report)
     print("\n" + md)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.output_name}.json").write_text(json.dumps(report, indent=1) + "\n")
-    (RESULTS / f"{args.output_name}.md").write_text(md)
+    common.write_report(RESULTS / args.output_name, report, md)
     print(f"saved {RESULTS / (args.output_name + '.json')} and .md ({report['wall_s']:.0f} s)")
     return report
 

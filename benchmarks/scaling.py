@@ -5,7 +5,7 @@ allreduce, and auto = the fastest of all four, as its measured trial picks; 1% a
 feedback), for P = 1, 2, 4, ..., 256 workers at 1/10/25/100 Gbit/s, for ResNet-50 and a
 BERT-base-sized model.
 
-    .venv/bin/python benchmarks/scaling.py                 # table + plot under benchmarks/results/
+    .venv/bin/python benchmarks/scaling.py                 # table + plot under benchmarks/results/scaling/
     .venv/bin/python benchmarks/scaling.py --overlap 0.5   # let wire time hide behind half of compute
 
 Per step and worker (weak scaling: the batch per worker is fixed, so compute time does not
@@ -22,7 +22,7 @@ depend on P):
   allreduce of k + 1 values:
       t_wire = (k b_i + 2 (P-1)/P (k+1) b_v) / B  +  (log2 P + 2 (P-1)) * alpha * m
       t_cpu  = as the allgather's, with k scattered adds (one row) instead of P k
-- with ``--exchange-json`` (default benchmarks/results/exchange-strategies.json, measured on
+- with ``--exchange-json`` (default benchmarks/results/exchange/exchange-strategies.json, measured on
   emulated hosts by benchmarks/exchange.py) t_cpu per element is instead calibrated per
   strategy from the measurement at P=2 and the fastest link there: the measured step minus the
   backward-only step minus the modelled wire time, divided by n.
@@ -45,7 +45,7 @@ depend on P):
   overlap of communication with backward: the pessimistic bound). Efficiency = compute / step.
   At P = 1 nothing is exchanged: step = compute.
 
-Selection cost per element c_sel is read from benchmarks/results/selection.json when present
+Selection cost per element c_sel is read from benchmarks/results/selection/selection.json when present
 (rows {"n", "density", "threads", "method", "median_s"}: the row of --selection-method and
 --selection-threads whose density is closest to the target, at the largest n, gives
 median_s / n), else --selection-ns (default 1 ns/element: about what a native sampled kernel
@@ -73,7 +73,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from _common import write_report  # noqa: E402
 from hvd_topk.exchange import AllgatherPairs, DenseAllreduce, SparseAllreduce, cheapest  # noqa: E402  (the optimizer's own)
 
 GBIT = 1e9 / 8  # bytes per second in 1 Gbit/s
@@ -311,8 +313,8 @@ def parse_args(argv=None):
     a("--max-p", type=int, default=256, help="largest P, powers of two from 1 (256)")
     a("--alpha-us", type=float, default=25.0, help="latency per message and ring hop, microseconds (25)")
     a("--fusion-mb", type=float, default=64.0, help="fusion buffer / bucket size, MiB (64)")
-    a("--selection-json", type=Path, default=RESULTS / "selection.json",
-      help="measured selection times (benchmarks/results/selection.json)")
+    a("--selection-json", type=Path, default=RESULTS / "selection" / "selection.json",
+      help="measured selection times (benchmarks/results/selection/selection.json)")
     a("--selection-method", default="sampled", help="which method's rows to use (sampled)")
     a("--selection-threads", type=int, default=1, help="which thread count's rows to use (1)")
     a("--selection-ns", type=float, default=None,
@@ -327,10 +329,10 @@ def parse_args(argv=None):
       help="bandwidth between the ranks of one host, Gbit/s (1000: NVLink class)")
     a("--overlap", type=float, default=0.0,
       help="fraction of compute that wire time can hide behind (0: no overlap; 1: all of it)")
-    a("--exchange-json", type=Path, default=RESULTS / "exchange-strategies.json",
+    a("--exchange-json", type=Path, default=RESULTS / "exchange" / "exchange-strategies.json",
       help="measured exchanges on emulated hosts (benchmarks/exchange.py) calibrating hvd_topk's local work per "
            "strategy; a missing file falls back to the selection calibration")
-    a("--out-prefix", type=Path, default=RESULTS / "scaling", help="PREFIX.json/.md/.png (benchmarks/results/scaling)")
+    a("--out-prefix", type=Path, default=RESULTS / "scaling" / "scaling", help="PREFIX.json/.md/.png (benchmarks/results/scaling/scaling)")
     a("--no-plot", action="store_true")
     args = p.parse_args(argv)
     if not 0.0 <= args.overlap <= 1.0:
@@ -542,12 +544,10 @@ def main(argv=None):
                            f"decompression never overlap")),
     }
     prefix = args.out_prefix.resolve()
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{prefix}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     md = markdown(meta, rows)
     summ = summary_lines(meta, rows)
     md += "\n## Summary (efficiency)\n\n" + "\n".join(f"- {s}" for s in summ) + "\n"
-    Path(f"{prefix}.md").write_text(md)
+    write_report(prefix, {"meta": meta, "rows": rows}, md)
     if not args.no_plot:
         plot(meta, rows, f"{prefix}.png")
     print(md)

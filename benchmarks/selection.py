@@ -6,7 +6,7 @@ data; ratios are taken within this one run (the machine is shared and noisy).
 
     .venv/bin/python benchmarks/selection.py                  # full table (~3 min on 2 cores)
     .venv/bin/python benchmarks/selection.py --sizes 1e6 --densities 0.01 --threads 1  # quick
-    .venv/bin/python benchmarks/selection.py --sizes --threads 1 --out benchmarks/results/selection-models
+    .venv/bin/python benchmarks/selection.py --sizes --threads 1 --out benchmarks/results/selection/selection-models
                                                               # model-shape rows only
 
 Model-shape rows (``--models resnet50 bert-base``, at ``--model-density``, one thread): the
@@ -19,12 +19,11 @@ BertModel: 199 tensors, 109,482,240 values) laid out back to back in one flat fp
     bucket scope: select_native        one native call over the whole buffer, k = k_for(total)
     floor: one streaming pass          x.sum() over the same number of elements
 
-Writes benchmarks/results/selection.{json,md} (``--out`` to change), with command, machine
+Writes benchmarks/results/selection/selection.{json,md} (``--out`` to change), with command, machine
 and date. The native kernel is single-threaded; torch ops use ``--threads`` threads.
 """
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -34,11 +33,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _testing import load  # noqa: E402
+import _common as common  # noqa: E402  (model shapes, machine info, report writing)
 
 from hvd_topk import selection  # noqa: E402
-
-shapes_mod = load("shapes")
 
 
 def timed(fn, repeats):
@@ -53,7 +50,7 @@ def timed(fn, repeats):
 
 def model_shape_rows(model, density, method, repeats):
     """Per-tensor, tensor-scope, bucket-scope selection and the floor over one model's gradients."""
-    shapes = shapes_mod.model_shapes(model)
+    shapes = common.model_shapes(model)
     sizes = [int(np.prod(s)) for s in shapes]
     n = sum(sizes)
     x = torch.randn(n, generator=torch.Generator().manual_seed(1))
@@ -102,10 +99,10 @@ def main(argv=None):
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--models", nargs="*", default=["resnet50", "bert-base"],
-                        choices=list(shapes_mod.MODELS), help="model-shape rows (none: skip)")
+                        choices=list(common.MODELS), help="model-shape rows (none: skip)")
     parser.add_argument("--model-density", type=float, default=0.01)
     parser.add_argument("--model-method", default="sampled", choices=["sampled", "exact"])
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "selection"))
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "selection" / "selection"))
     args = parser.parse_args(argv)
     if selection.native.library() is None:
         sys.exit(f"native kernel unavailable: {selection.native.unavailable_reason()}")
@@ -156,15 +153,12 @@ def main(argv=None):
                     == (row["n"], row["density"], row["threads"], "torch.topk"))
         row["speedup_vs_torch_topk"] = topk["median_s"] / row["median_s"]
     meta = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "machine": load("machine").machine_info(),
+            "machine": common.machine_info(),
             "hvd_topk": str(Path(selection.__file__).parent),
             "select_segments": hasattr(selection, "select_segments")}
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "model_rows": model_rows},
-                                                   indent=1))
     lines = ["# Selection speed", "", f"- command: `{meta['command']}`",
-             f"- machine: {load('machine').summary(meta['machine'])}",
+             f"- machine: {common.summary(meta['machine'])}",
              f"- date: {meta['machine']['date_utc']}; hvd_topk from {meta['hvd_topk']}", ""]
     if rows:
         lines += [
@@ -191,7 +185,8 @@ def main(argv=None):
                          f"{r['calls']} | {r['pairs']:,} | {r['median_s'] * 1e3:.2f} | {r['x_floor']:.1f} |")
         if not meta["select_segments"]:
             lines += ["", "(no tensor-scope row: this hvd_topk has no `selection.select_segments`)"]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    common.write_report(out.with_suffix(""), {"meta": meta, "rows": rows, "model_rows": model_rows},
+                        "\n".join(lines) + "\n")
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
 
 

@@ -4,7 +4,7 @@ The model is a real ResNet-50 (torchvision's architecture written out here, so t
 not needed: 161 parameter tensors, 25,557,032 parameters, the same as benchmarks/exchange.py)
 fed small synthetic images (``--image-size 32`` by default, batch ``--batch`` per rank) so that
 compute stays modest on a 2-core machine while the gradient is full-size. One rank per emulated
-host (hvd_topk.testing.emulated_hosts), one mpirun per (P, rate) over ssh, MPI over TCP only.
+host (tools/emulated_hosts.py), one mpirun per (P, rate) over ssh, MPI over TCP only.
 
 One timed step = ``zero_grad`` + forward + backward (Horovod / hvd_topk start exchanges from their
 hooks) + ``opt.step()`` (which synchronizes, then SGD with momentum). Ranks are aligned by an
@@ -14,7 +14,7 @@ allreduce of a scalar before each step; a step's time is the slowest rank's; med
 Methods: none, dense (hvd.DistributedOptimizer, no compression), fp16 (hvd.Compression.fp16),
 topk (hvd.DistributedOptimizer + hvd_topk.TopK(density=d), drop-in), and hvd_topk's error-feedback
 optimizer with a named exchange, built as benchmarks/exchange.py builds them
-(``exchange.make_optimizer``): topk-ef (allgather), topk-sar (sparse allreduce), topk-auto
+(``_common.make_optimizer``): topk-ef (allgather), topk-sar (sparse allreduce), topk-auto
 ("auto": its trial is added to the warm-up, so the timed steps run its choice), at
 ``--densities`` (default 1%).
 
@@ -23,7 +23,7 @@ Full run (about 3 min):
 Smoke run:
     .venv/bin/python benchmarks/training.py --ranks 2 --rates 1gbit --methods none dense topk-ef \\
         --steps 2 --warmup 1 --output-name training-smoke
-Results: benchmarks/results/<output-name>.json and .md (default output-name: training).
+Results: benchmarks/results/training/<output-name>.json and .md (default output-name: training).
 """
 
 import argparse
@@ -38,7 +38,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import exchange  # noqa: E402  (shared driver, shapes, labels)
+import _common as common  # noqa: E402  (the driver, shapes, methods, report pieces)
 
 
 def build_resnet50(torch):
@@ -92,7 +92,7 @@ def build_resnet50(torch):
 
     model = ResNet50()
     shapes = [tuple(p.shape) for p in model.parameters()]
-    assert shapes == [tuple(s) for s in exchange.resnet50_shapes()], "ResNet-50 shapes differ"
+    assert shapes == [tuple(s) for s in common.resnet50_shapes()], "ResNet-50 shapes differ"
     return model
 
 
@@ -117,27 +117,27 @@ def worker(args):
         hvd.allreduce(torch.zeros(1), name="bench.barrier", op=hvd.Sum)
 
     rows = []
-    for method in exchange.method_list(args.methods, args.densities):
+    for method in common.method_list(args.methods, args.densities):
         gc.collect()
         torch.manual_seed(0)
         model = build_resnet50(torch)
         name = method.partition("@")[0]
         inner = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        opt, comp = exchange.make_optimizer(method, inner, list(model.named_parameters()), args.topk_method,
-                                            hvd, hvd_topk)
+        opt, comp = common.make_optimizer(method, inner, list(model.named_parameters()), args.topk_method,
+                                          hvd, hvd_topk)
         opt = opt or inner
         if name != "none":
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         params = list(model.parameters())
         times, losses = [], []
-        warmup = exchange.warmup_steps(method, args.warmup)
+        warmup = common.warmup_steps(method, args.warmup)
         total = warmup + args.steps
         t_method = time.time()
         for step in range(total):
             x, y = batches[step % len(batches)]
             barrier()
             t0 = time.perf_counter()
-            exchange.zero_grad(opt, params)  # zero_grad(set_to_none=True)
+            common.zero_grad(opt, params)  # zero_grad(set_to_none=True)
             loss = loss_fn(model(x), y)
             loss.backward()
             opt.step()
@@ -155,17 +155,17 @@ def worker(args):
             agree = len(set(every)) == 1
         all_times = hvd.allgather(torch.tensor([times], dtype=torch.float64), name="bench.times")
         step_max = all_times.max(dim=0).values.tolist()
-        row = {"method": method, "label": exchange.label(method), "P": size,
+        row = {"method": method, "label": common.label(method), "P": size,
                "median_ms": 1e3 * statistics.median(step_max), "min_ms": 1e3 * min(step_max),
                "max_ms": 1e3 * max(step_max), "step_ms_slowest_rank": [1e3 * t for t in step_max],
                "rank0_ms": [1e3 * t for t in times], "losses_rank0": losses,
                "params_identical_across_ranks": agree, "wall_s": time.time() - t_method}
-        if name in exchange.TOPK_METHODS and name != "topk":
+        if name in common.TOPK_METHODS and name != "topk":
             row["compression_stats"] = opt.compression_stats()
         elif name == "topk":
             row["compression_stats"] = comp.stats()
         rows.append(row)
-        say(f"{exchange.label(method):>14}: median {row['median_ms']:8.1f} ms/step"
+        say(f"{common.label(method):>14}: median {row['median_ms']:8.1f} ms/step"
             f"{'' if agree in (None, True) else '   WARNING: parameters differ across ranks'}")
         del opt, inner, model, comp
     if rank == 0 and args.out:
@@ -189,27 +189,24 @@ def markdown(report):
     lines = [f"# Training step, ResNet-50 ({report['params']:,} parameters), synthetic "
              f"{s['image_size']}x{s['image_size']} images, batch {s['batch']} per rank", "",
              f"- command: `{report['command']}`",
-             f"- date: {report['date_utc']}; machine: {exchange.summary(m)}; load average at end "
+             f"- date: {report['date_utc']}; machine: {common.summary(m)}; load average at end "
              f"{report.get('loadavg_at_end')}",
              f"- one emulated host per rank (network namespace, tbf-shaped veth), mpirun over ssh, MPI "
              f"over TCP only; step = zero_grad(set_to_none=True) + forward + backward + opt.step() (SGD momentum 0.9); "
              f"{s['warmup']} warm-up + {s['steps']} timed steps, median of the slowest rank; "
              f"{s['threads']} torch thread(s) per rank; selection `{s.get('topk_method') or 'TopK default'}`",
-             f"- hvd_topk: `{(report['runs'][0].get('hvd_topk') or {}).get('default_topk') if report['runs'] else '?'}` "
-             f"(TopK() defaults) from {(report['runs'][0].get('hvd_topk') or {}).get('file') if report['runs'] else '?'}",
+             common.hvd_topk_line(report),
              "- `none` = the same step without any exchange (plain torch optimizer)", ""]
     for run in report["runs"]:
         ref = {r["method"]: r["median_ms"] for r in run["rows"]}
-        lines += [f"## P={run['P']}, {run['rate']} per host ({run['wall_s']:.0f} s wall)", "",
+        lines += [common.run_heading(run), "",
                   "| method | median ms/step | min-max ms | vs dense | vs fp16 | exchange overhead vs none | ranks agree |",
                   "|---|---:|---:|---:|---:|---:|---|"]
         for r in run["rows"]:
-            vd = f"{ref['dense'] / r['median_ms']:.2f}x" if "dense" in ref and r["method"] != "none" else "-"
-            vf = f"{ref['fp16'] / r['median_ms']:.2f}x" if "fp16" in ref and r["method"] != "none" else "-"
             ov = f"{r['median_ms'] - ref['none']:+.0f} ms" if "none" in ref and r["method"] != "none" else "-"
-            agree = r["params_identical_across_ranks"]
             lines.append(f"| {r['label']} | {r['median_ms']:.1f} | {r['min_ms']:.0f}-{r['max_ms']:.0f} | "
-                         f"{vd} | {vf} | {ov} | {'-' if agree is None else ('yes' if agree else 'NO')} |")
+                         f"{common.versus(ref, r, 'dense')} | {common.versus(ref, r, 'fp16')} | {ov} | "
+                         f"{common.agree(r['params_identical_across_ranks'])} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -217,15 +214,15 @@ def markdown(report):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    exchange.common_arguments(ap, densities=[0.01], pool=2, output_name="training")
+    common.common_arguments(ap, densities=[0.01], pool=2, output_name="training")
     ap.add_argument("--batch", type=int, default=8, help="per rank")
     ap.add_argument("--image-size", type=int, default=32)
     args = ap.parse_args(argv)
     if args.worker:
         worker(args)
     else:
-        exchange.driver(args, argv, worker_args=worker_args, script=__file__, benchmark="training",
-                        render=markdown)
+        common.driver(args, argv, worker_args=worker_args, script=__file__, benchmark="training",
+                      render=markdown)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A real two-host Horovod run on one machine: horovodrun -H and mpirun -H across emulated hosts.
 
-Sets up two emulated hosts (hvd_topk.testing.emulated_hosts: a network namespace each, eth0 shaped
+Sets up two emulated hosts (tools/emulated_hosts.py: a network namespace each, eth0 shaped
 to ``--rate`` (1 Gbit by default) on both ends, own hostname host0/host1, own sshd on port
 ``--ssh-port`` with a fresh key) plus a launcher namespace, then from the launcher runs the digits
 example with the error-feedback optimizer:
@@ -44,7 +44,8 @@ def rank_info_and_exec(cmd):
 
 def run_two_hosts(launchers=("horovodrun", "mpirun"), epochs=10, rate="1gbit", ssh_port=2222,
                   timeout=240, min_accuracy=0.90, extra=()):
-    from hvd_topk.testing import emulated_hosts as eh_mod
+    sys.path.insert(0, str(HERE))
+    from _common import emulated_hosts as eh_mod
 
     python = sys.executable
     venv_bin = str(Path(python).parent)

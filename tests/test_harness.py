@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from check_results import (failure_message, item_id, job_message, parse_rank_failures, parse_results,
+from results import (failure_message, item_id, job_message, parse_rank_failures, parse_results,
                            rank_failure_line, result_line, running_line, validate_names)
 from mpi import DIST, script_env
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hvd_topk.testing.emulated_hosts import list_namespaces, pid_of_name
+from tools.emulated_hosts import list_namespaces, pid_of_name
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "two_hosts.py"

@@ -1,0 +1,312 @@
+"""What the benchmarks share, so that each ``benchmarks/NAME.py`` is only its own experiment.
+
+- tooling: this repository's ``tools/`` (``launch``, ``machine``, ``emulated_hosts``, ``shapes``),
+  also when a benchmark measures an older hvd_topk through ``PYTHONPATH`` (the repository root is
+  on ``sys.path`` only while ``tools`` is imported, so ``import hvd_topk`` still finds that
+  checkout first);
+- model shapes: ResNet-50's and BERT-base's parameter shapes (``tools.shapes``);
+- the realistic step (what training does) and the methods exchange.py and training.py compare:
+  ``loss_constants``, ``forward``, ``zero_grad``, ``make_optimizer``, ``method_list``, ``label``,
+  ``warmup_steps``, ``stats_difference``;
+- launching: ``driver`` (one ``mpirun -H`` per (P, rate) across emulated hosts, for exchange.py
+  and training.py, with their shared options ``common_arguments``) and ``run_example`` (one local
+  ``mpirun`` of an example, for convergence.py and convergence_gpt.py);
+- report writing: ``write_report`` (PREFIX.json and PREFIX.md) and the Markdown pieces the
+  reports share (``hvd_topk_line``, ``run_heading``, ``versus``, ``agree``, ``fmt_s``).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RESULTS = HERE / "results"
+
+
+def _import_tools():
+    """This repository's ``tools`` package, without leaving the repository root first on
+    ``sys.path`` (an hvd_topk given by ``PYTHONPATH`` must stay the one imported)."""
+    if "tools" not in sys.modules:
+        sys.path.insert(0, str(REPO))
+        try:
+            import tools  # noqa: F401
+        finally:
+            sys.path.remove(str(REPO))
+    from tools import emulated_hosts, launch, machine, shapes
+    return emulated_hosts, launch, machine, shapes
+
+
+emulated_hosts, launch, machine, shapes = _import_tools()
+
+# ---- model shapes ------------------------------------------------------------------------------
+resnet50_shapes = shapes.resnet50_shapes
+model_shapes = shapes.model_shapes
+numel = shapes.numel
+MODELS = shapes.MODELS
+RESNET50_PARAMS = shapes.RESNET50["numel"]
+
+
+def machine_info():
+    """Where and when (``tools.machine.machine_info``), with this repository's git commit."""
+    return machine.machine_info(REPO)
+
+
+def summary(info):
+    return machine.summary(info)
+
+
+# ---- the realistic step and the methods compared -----------------------------------------------
+def loss_constants(shapes, pool, seed, torch):
+    """``pool`` sets of fixed random tensors c_p, one per shape: the realistic step's
+    ``loss = sum_p (p * c_p).sum()`` makes autograd deposit ``p.grad = c_p``."""
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(s, generator=g) for s in shapes] for _ in range(pool)]
+
+
+def forward(params, consts):
+    """``sum_p (p * c_p).sum()``: its backward allocates a fresh gradient for every parameter,
+    parameters created last first, as a model's backward does."""
+    loss = None
+    for p, c in zip(params, consts):
+        term = (p * c).sum()
+        loss = term if loss is None else loss + term
+    return loss
+
+
+def zero_grad(opt, params):
+    """``opt.zero_grad(set_to_none=True)``, or the same on bare parameters when there is no optimizer.
+
+    Horovod 0.28.1's ``DistributedOptimizer.zero_grad()`` takes no argument (it calls torch's,
+    whose default is ``set_to_none=True``): it is called plainly, and the gradients are then
+    dropped here as well, so that every mode starts its backward from ``p.grad is None``."""
+    if opt is not None:
+        try:
+            opt.zero_grad(set_to_none=True)
+        except TypeError:
+            opt.zero_grad()
+    for p in params:
+        p.grad = None
+
+
+TOPK_METHODS = {"topk": None, "topk-ef": "allgather", "topk-sar": "sparse_allreduce", "topk-auto": "auto",
+                "topk-ef-hier": "allgather", "topk-sar-hier": "sparse_allreduce"}
+AUTO_TRIAL_STEPS = 4 * (3 + 1)  # families x (settling + exchange_trial_steps), the most auto runs
+
+
+def warmup_steps(method, warmup):
+    """Untimed steps before ``method``'s timed ones: ``exchange="auto"``'s trial is added, so
+    the timed steps run the strategy it chose."""
+    return warmup + (AUTO_TRIAL_STEPS if method.startswith("topk-auto") else 0)
+
+
+def method_list(methods, densities):
+    out = []
+    for m in methods:
+        if m in TOPK_METHODS:
+            out += [f"{m}@{d:g}" for d in densities]
+        else:
+            out.append(m)
+    return out
+
+
+def label(m):
+    name, _, d = m.partition("@")
+    return f"{name} {float(d) * 100:g}%" if d else name
+
+
+def make_optimizer(method, inner, named, topk_method, hvd, hvd_topk, fp16_values=False):
+    """``method``'s distributed optimizer around ``inner`` (None for "none") and its TopK (or
+    None): the one construction exchange.py and training.py measure. Every hvd_topk method
+    names its exchange (``topk-auto``: "auto", whose trial the callers add to the warm-up)."""
+    name, _, d = method.partition("@")
+    kw = {} if topk_method is None else {"method": topk_method}
+    if fp16_values:
+        kw["fp16_values"] = True
+    if name == "none":
+        return None, None
+    if name == "dense":
+        return hvd.DistributedOptimizer(inner, named_parameters=named, compression=hvd.Compression.none), None
+    if name == "fp16":
+        return hvd.DistributedOptimizer(inner, named_parameters=named, compression=hvd.Compression.fp16), None
+    if name == "topk":
+        comp = hvd_topk.TopK(density=float(d), **kw)
+        return hvd.DistributedOptimizer(inner, named_parameters=named, compression=comp), comp
+    if name in TOPK_METHODS:
+        comp = hvd_topk.TopK(density=float(d), **kw)
+        return hvd_topk.DistributedOptimizer(inner, named_parameters=named, compression=comp,
+                                             exchange=TOPK_METHODS[name],
+                                             hierarchical=name.endswith("-hier")), comp
+    raise ValueError(f"unknown method {method}")
+
+
+def stats_difference(after, before):
+    """``after - before`` for the numeric running totals of ``compression_stats()``; other
+    entries (current density, bucket counts, lists) as in ``after``."""
+    if before is None:
+        return dict(after)
+    out = {}
+    for k, v in after.items():
+        b = before.get(k)
+        numeric = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if numeric and isinstance(b, (int, float)) and not k.startswith(("current_", "buckets_")):
+            out[k] = v - b
+        else:
+            out[k] = v
+    return out
+
+
+# ---- launching ---------------------------------------------------------------------------------
+def common_arguments(ap, densities, pool, output_name):
+    """The options exchange.py and training.py share (P, links, methods, steps, launch)."""
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"], help="tbf rate per host link, or none")
+    ap.add_argument("--methods", nargs="+", default=["none", "dense", "fp16", "topk", "topk-ef"],
+                    choices=["none", "dense", "fp16", *TOPK_METHODS])
+    ap.add_argument("--densities", type=float, nargs="+", default=densities)
+    ap.add_argument("--topk-method", default=None, help="TopK(method=...); default: TopK's default")
+    ap.add_argument("--fp16-values", action="store_true", help="TopK(fp16_values=True) for the topk methods")
+    ap.add_argument("--ranks-per-host", type=int, default=1,
+                    help="ranks per emulated host (P/L hosts); wire bytes are then per host link")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per method")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--pool", type=int, default=pool, help="pre-generated inputs cycled through")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--ssh-port", type=int, default=2222)
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds per mpirun")
+    ap.add_argument("--output-name", default=output_name)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+
+
+def driver(args, argv, *, worker_args, script, benchmark, render):
+    """Set up P emulated hosts per ``--ranks``, run ``script --worker`` under one mpirun per rate,
+    save ``results/<benchmark>/<output-name>.{json,md}`` (after every configuration, marked
+    partial until the last)."""
+    script = Path(script).resolve()
+    started = time.time()
+    info = machine_info()
+    runs = []
+
+    def save(partial):
+        return _save_report(args, argv, script, benchmark, render, info, started, runs, partial)
+
+    print(f"{benchmark} benchmark: ranks {args.ranks}, rates {args.rates}, methods "
+          f"{[label(m) for m in method_list(args.methods, args.densities)]}, {args.warmup} warm-up + "
+          f"{args.steps} timed steps", flush=True)
+    per_host = getattr(args, "ranks_per_host", 1)
+    for P in args.ranks:
+        if P % per_host:
+            raise SystemExit(f"P={P} is not a multiple of --ranks-per-host {per_host}")
+        with emulated_hosts.EmulatedHosts(P // per_host, rate=args.rates[0], sshd=True,
+                                          ssh_port=args.ssh_port) as eh:
+            for rate in args.rates:
+                eh.set_rate(rate)
+                out = eh.tmpdir / f"result-{P}-{rate}.json"
+                # PYTHONPATH set here (e.g. an older checkout to measure) goes first
+                pythonpath = ":".join(x for x in (os.environ.get("PYTHONPATH"), str(REPO)) if x)
+                os.environ["OMP_NUM_THREADS"] = str(args.threads)
+                # Horovod tuning set by the user (e.g. HOROVOD_CYCLE_TIME) reaches every rank
+                cmd = eh.mpirun_command([script, "--worker", *worker_args(args), "--out", out],
+                                        pythonpath=pythonpath, wdir=REPO, np=P, slots=per_host)
+                print(f"\n== P={P}, rate {rate}: {shlex.join(cmd)}", flush=True)
+                t0 = time.time()
+                rc, output = emulated_hosts.stream(eh.launcher_cmd(cmd), timeout=args.timeout)
+                if rc != 0 or not out.exists():
+                    raise SystemExit(f"mpirun failed (exit {rc}) for P={P} rate {rate}")
+                res = json.loads(out.read_text())
+                for row in res["rows"]:
+                    row["rate"] = rate
+                runs.append({"P": P, "rate": rate, "ranks_per_host": per_host, "hosts": res["hosts"], "rows": res["rows"],
+                             "wall_s": time.time() - t0, "mpirun": shlex.join(cmd),
+                             **{k: v for k, v in res.items() if k not in ("rows", "hosts")}})
+                save(partial=True)  # keep what is done if a later configuration fails
+    return save(partial=False)
+
+
+def _save_report(args, argv, script, benchmark, render, info, started, runs, partial):
+    report = {"benchmark": benchmark, "partial": partial,
+              "command": shlex.join([*[f"{k}={os.environ[k]}" for k in sorted(os.environ) if k.startswith("HOROVOD_")],
+                                     ".venv/bin/python", str(script.relative_to(REPO)), *argv]),
+              "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": info, "params": RESNET50_PARAMS, "tensors": len(resnet50_shapes()),
+              "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
+              "wall_s": time.time() - started, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
+              "runs": runs}
+    md = render(report)
+    if partial:
+        md = "(partial: the run has not finished)\n\n" + md
+    else:
+        print("\n" + md)
+    prefix = RESULTS / benchmark / args.output_name  # results/exchange/ or results/training/
+    write_report(prefix, report, md)
+    print(f"saved {prefix}.json and .md ({report['wall_s']:.0f} s"
+          f"{', partial' if partial else ''})", flush=True)
+    return report
+
+
+def run_example(np_, extra, seed, epochs, timeout, example):
+    """One local ``mpirun`` of ``example`` (``--epochs`` unless None) and its JSON result, with ``wall_s``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        length = [] if epochs is None else ["--epochs", str(epochs)]
+        cmd = launch.mpirun_command(np_, [example, "--quiet", "--json", str(out), *length, "--seed", str(seed), *extra])
+        t0 = time.perf_counter()
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) as proc:
+            try:
+                stdout, stderr = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+                raise RuntimeError(f"timed out after {timeout}s: {shlex.join(cmd)}") from None
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"exit {proc.returncode}: {shlex.join(cmd)}\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
+        result = json.loads(out.read_text())
+    result["wall_s"] = wall
+    return result
+
+
+# ---- report writing ----------------------------------------------------------------------------
+def write_report(prefix, data, md, json_default=None):
+    """``PREFIX.json`` (``data``, indented) and ``PREFIX.md`` (``md``), the folder made first."""
+    prefix = Path(prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{prefix}.json").write_text(json.dumps(data, indent=1, default=json_default) + "\n")
+    Path(f"{prefix}.md").write_text(md)
+
+
+def fmt_s(s):
+    """Seconds as ``12.3s`` or ``4m05.0s``."""
+    return f"{int(s // 60)}m{s % 60:04.1f}s" if s >= 60 else f"{s:.1f}s"
+
+
+def hvd_topk_line(report):
+    """``- hvd_topk: `TopK(...)` (TopK() defaults) from FILE``, from the first run's record."""
+    first = (report["runs"][0].get("hvd_topk") or {}) if report["runs"] else None
+    return (f"- hvd_topk: `{first.get('default_topk') if first is not None else '?'}` "
+            f"(TopK() defaults) from {first.get('file') if first is not None else '?'}")
+
+
+def run_heading(run, shape=""):
+    """``## P=4 (shape), 1gbit per host (12 s wall)``: one (P, rate) section of a report."""
+    return f"## P={run['P']}{shape}, {run['rate']} per host ({run['wall_s']:.0f} s wall)"
+
+
+def versus(ref, row, base):
+    """``base``'s median / ``row``'s as ``1.23x`` (``-`` for the ``none`` row or without ``base``)."""
+    return f"{ref[base] / row['median_ms']:.2f}x" if base in ref and row["method"] != "none" else "-"
+
+
+def agree(flag):
+    """A "ranks agree" cell: ``-`` (not checked), ``yes`` or ``NO``."""
+    return "-" if flag is None else ("yes" if flag else "NO")

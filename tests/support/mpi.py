@@ -1,0 +1,80 @@
+"""Run a script under ``mpirun -np N`` with a hard timeout, for the distributed tests."""
+
+import os
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from tools.launch import mpirun_command
+
+SUPPORT = Path(__file__).resolve().parent
+TESTS = SUPPORT.parent
+REPO = TESTS.parent
+DIST = TESTS / "dist"
+TIMEOUT_S = int(os.environ.get("HVD_TOPK_MPI_TIMEOUT", "240"))
+
+
+def script_env():
+    """This environment, with the repository, tests/support (the helpers: reference, results)
+    and tests/ first on PYTHONPATH (for every rank)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), str(SUPPORT), str(TESTS), env.get("PYTHONPATH")]))
+    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    return env
+
+
+@dataclass
+class MpiJob:
+    """How an mpirun job ended: ``returncode`` is None when it was killed after ``timeout`` s."""
+
+    cmd: list
+    returncode: object
+    stdout: str
+    stderr: str
+    timeout: float
+
+    @property
+    def timed_out(self):
+        return self.returncode is None
+
+    def problem(self):
+        """None when mpirun exited by itself, else a sentence saying it was killed."""
+        if self.timed_out:
+            return f"timed out after {self.timeout}s (a hang?) and was killed: {' '.join(self.cmd)}"
+        return None
+
+    def tail(self, chars=4000):
+        return (f"--- stdout (last {chars} characters)\n{self.stdout[-chars:]}\n"
+                f"--- stderr (last {chars} characters)\n{self.stderr[-chars:]}")
+
+
+def launch_mpi(np, script, *args, timeout=TIMEOUT_S):
+    """Run ``script`` on ``np`` ranks; a hang is killed, with every rank, after ``timeout`` seconds."""
+    cmd = mpirun_command(np, [script, *args], env_names=("OMP_NUM_THREADS", "PYTHONPATH"))
+    # A session of its own, so that a hang is ended with every rank mpirun started.
+    with subprocess.Popen(cmd, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True) as popen:
+        try:
+            stdout, stderr = popen.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(popen.pid, signal.SIGKILL)
+            stdout, stderr = popen.communicate()
+            return MpiJob(cmd, None, stdout, stderr, timeout)
+    return MpiJob(cmd, popen.returncode, stdout, stderr, timeout)
+
+
+def run_mpi(np, script, *args, timeout=TIMEOUT_S, expect_ok=True):
+    """Run and return the completed process; a hang is killed after ``timeout`` seconds.
+
+    A hang raises AssertionError carrying the output; so does, with ``expect_ok``, a non-zero
+    exit (any rank failing makes mpirun fail).
+    """
+    job = launch_mpi(np, script, *args, timeout=timeout)
+    if job.timed_out:
+        raise AssertionError(f"{job.problem()}\n--- stdout\n{job.stdout}\n--- stderr\n{job.stderr}")
+    proc = subprocess.CompletedProcess(job.cmd, job.returncode, job.stdout, job.stderr)
+    if expect_ok and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}: {' '.join(job.cmd)}\n--- stdout\n{proc.stdout}"
+                             f"\n--- stderr\n{proc.stderr}")
+    return proc

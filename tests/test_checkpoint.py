@@ -1,0 +1,23 @@
+"""hvd_topk/checkpoint.py, single process: saved residual names matched across torch.compile's
+prefix, the warning for dropped residuals."""
+
+import pytest
+
+
+def test_checkpoint_names_map_torch_compile_prefix():
+    from hvd_topk.checkpoint import match_names as _match_names
+
+    ours = ["fc.weight", "block.conv.weight"]
+    saved = {"_orig_mod.fc.weight": 1, "block._orig_mod.conv.weight": 2, "gone.weight": 3}
+    matched, dropped = _match_names(saved, ours)
+    assert matched == {"fc.weight": 1, "block.conv.weight": 2} and dropped == ["gone.weight"]
+    # and the reverse: plain names saved, compiled names here; an exact name wins
+    matched, dropped = _match_names({"fc.weight": 1, "_orig_mod.x": 2}, ["_orig_mod.fc.weight", "_orig_mod.x"])
+    assert matched == {"_orig_mod.fc.weight": 1, "_orig_mod.x": 2} and dropped == []
+
+
+def test_dropped_residuals_warn_once_listing_a_few():
+    from hvd_topk.checkpoint import warn_dropped as _warn_dropped
+
+    with pytest.warns(UserWarning, match=r"7 saved error-feedback residual\(s\).*a0, a1, a2, a3, a4 and 2 more"):
+        _warn_dropped([f"a{i}" for i in range(7)])

@@ -1,0 +1,196 @@
+"""hvd_topk/codec.py against numpy: decoding rank-ordered pairs into a bucket's tensors, encoding
+with error feedback (sent entries zeroed, a non-finite segment flagged), the per-gradient segment
+encoder and folder, the sparse allreduce's take, bucket scope."""
+
+import numpy as np
+import pytest
+import torch
+
+from hvd_topk import codec, native, selection, wire
+from samples import needs_native, sample, segment_truth
+
+
+def _ranked_pairs(world, k, n, dtype, seed=5):
+    """Each rank's k distinct indices (ascending, as the kernel sends them) and values."""
+    gen = torch.Generator().manual_seed(seed)
+    indices = torch.stack([torch.randperm(n, generator=gen)[:k].sort().values for _ in range(world)]).int()
+    return torch.randn(world, k, generator=gen).to(dtype), indices
+
+
+_DECODE_PATHS = [pytest.param("native", d, marks=needs_native, id=f"native-{d}".replace("torch.", ""))
+                 for d in (torch.float32, torch.float64)]  # the native kernel takes fp32/fp64 only
+_DECODE_PATHS += [pytest.param("torch", d, id=f"torch-{d}".replace("torch.", ""))
+                  for d in (torch.float32, torch.float64, torch.float16)]
+
+
+@pytest.mark.parametrize("world", [1, 3, 11])
+@pytest.mark.parametrize("path,dtype", _DECODE_PATHS)
+@pytest.mark.parametrize("div,mul", [(1.0, 1.0), (3.0, 1.0), (3.0, 3.0)])
+def test_decode_adds_ranks_in_order_into_each_tensor(path, dtype, div, mul, world):
+    """Rank-ordered adds of overlapping index sets into three tensors of one bucket (sizes
+    around the native kernel's 4096-entry chunk), scaled by mul / div: against numpy."""
+    k, sizes = 3000, [150, 7, 9000]
+    n = sum(sizes)
+    values, indices = _ranked_pairs(world, k, n, dtype)
+    layout = wire.Layout(k, dtype, torch.int32)
+    gathered = torch.cat([layout.pack(values[r], indices[r]) for r in range(world)])
+    dests = [torch.full((s,), float("nan"), dtype=dtype) for s in sizes]  # decode overwrites all
+    bounds = torch.tensor([0, 150, 157, 9157])
+    scale = mul if path == "native" else torch.tensor(mul, dtype=dtype)  # a tensor forces torch ops
+    codec.Codec.decode(gathered, layout, world, dests, bounds, div=div, mul=scale)
+    want = np.zeros(n, dtype=np.float64)
+    for r in range(world):
+        np.add.at(want, indices[r].numpy(), values[r].double().numpy())
+    want *= mul / div
+    tol = 1e-2 if dtype == torch.float16 else 1e-6
+    np.testing.assert_allclose(torch.cat(dests).double().numpy(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_of_16_bit_values_that_nearly_cancel_keeps_their_sum(dtype):
+    """Three ranks' values whose sum is small beside each of them, averaged (div=3): every
+    partial sum is exact in 16 bits, so one rounding (of the average) is all a decode may add.
+    Scaling each value before the sum rounds every term: 10 / 3 and -9.875 / 3 in bf16 leave
+    0.0312 where the average is 0.0417."""
+    values = torch.tensor([[10.0, -31.75], [-9.875, 10.5], [0.0, 10.0]], dtype=dtype)
+    indices = torch.tensor([[2, 5]] * 3, dtype=torch.int32)
+    layout = wire.Layout(2, dtype, torch.int32)
+    gathered = torch.cat([layout.pack(values[r], indices[r]) for r in range(3)])
+    dest = torch.full((8,), float("nan"), dtype=dtype)
+    codec.Codec.decode(gathered, layout, 3, [dest], torch.tensor([0, 8]), div=3.0)
+    want = np.zeros(8)
+    want[2], want[5] = 0.125 / 3, -11.25 / 3
+    np.testing.assert_allclose(dest.double().numpy(), want, rtol=2 ** -8, atol=0)
+
+
+@needs_native
+@pytest.mark.parametrize("bad", [[3, 10_000], [7, 3], [-1, 3], [5000, 10]])  # [5000, 10]: across chunks
+def test_decode_refuses_pairs_outside_the_bucket_or_out_of_order(bad):
+    layout = wire.Layout(2, torch.float32, torch.int32)
+    gathered = layout.pack(torch.ones(2), torch.tensor(bad, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="ranks disagree"):
+        codec.Codec.decode(gathered, layout, 1, [torch.zeros(10_000)], torch.tensor([0, 10_000]))
+
+
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_encode_zeroes_what_it_sent_and_flags_the_segment_with_nan(path):
+    """Error feedback in the codec: the sent entries of the buffer become 0, the rest stay;
+    a NaN is sent and flags its own segment only."""
+    if path == "native" and native.library() is None:
+        pytest.skip("native kernel did not build")
+    sizes = [3000, 500_000, 20_000]
+    x = sample("laplace", sum(sizes), seed=7)
+    x[3000 + 1234] = float("nan")
+    if path == "torch":  # a strided view is not native-eligible: the codec must use torch ops
+        x = torch.zeros(2 * x.numel())[::2].copy_(x)
+        assert not selection.native_ok(x)
+    before = x.clone()
+    plan = codec.Codec("exact").plan(sizes, 0.01, "tensor", x.dtype, torch.int32)
+    message = torch.empty(plan.layout.nbytes, dtype=torch.uint8)
+    encoded = codec.Codec("exact").encode(x, plan, message, zero_sent=True)
+    values, indices = plan.layout.unpack(message, 1)
+    sent = indices[0].long().numpy()
+    bad = encoded.nonfinite if isinstance(encoded.nonfinite, list) else encoded.nonfinite.nonzero().view(-1).tolist()
+    assert bad == [1]
+    assert 3000 + 1234 in sent.tolist()
+    want = before.numpy().copy()
+    want[sent] = 0
+    clean = np.r_[0:3000, 503_000:523_000]  # a flagged segment is wiped by the engine instead
+    np.testing.assert_array_equal(x.numpy()[clean], want[clean])
+    np.testing.assert_array_equal(values[0].numpy(), before.numpy()[sent])
+
+
+@needs_native
+@pytest.mark.parametrize("value_dtype", [torch.float32, torch.float16])
+def test_segment_encoder_folds_and_selects_each_segment_into_its_slots(value_dtype):
+    """The optimizer's per-gradient path: segment by segment, in any order, residual + gradient
+    is folded into the buffer, each segment's exact top-k of the sum lands in its own slots
+    of the message, and the buffer keeps the sum minus what was sent (numpy reference)."""
+    sizes = [20_000, 300_000, 5_000]  # in cache, folded first; out of cache, fused; all candidates
+    bounds = np.r_[0, np.cumsum(sizes)]
+    residual = sample("normal", sum(sizes), seed=3)
+    grads = [sample("laplace", n, seed=10 + i).view(n // 100, 100) for i, n in enumerate(sizes)]
+    x = residual.clone()
+    cod = codec.Codec("exact", fp16_values=value_dtype == torch.float16)
+    plan = cod.plan(sizes, 0.01, "tensor", x.dtype, torch.int32)
+    message = torch.empty(plan.layout.nbytes, dtype=torch.uint8)
+    encoder = cod.segment_encoder(x, plan, message, zero_sent=True)
+    assert cod.segment_encoder(x, plan, message, zero_sent=True) is encoder  # prepared once
+    for s in (2, 0, 1):
+        assert encoder(s, grads[s]) == (False, 0, 0)
+    cod.finish_segments(plan, message, x.dtype)
+    values, indices = plan.layout.unpack(message, 1)
+    total = residual.numpy() + torch.cat([g.reshape(-1) for g in grads]).numpy()
+    truth = segment_truth(torch.from_numpy(total), list(bounds), plan.ks)
+    for s in range(3):
+        got = indices[0, plan.slots[s]:plan.slots[s + 1]].long().numpy()
+        assert set(got.tolist()) == truth[s], s
+        assert np.all(np.diff(got) > 0) and bounds[s] <= got.min() and got.max() < bounds[s + 1]
+    sent = indices[0].long().numpy()
+    np.testing.assert_allclose(values[0].float().numpy(), total[sent], rtol=1e-3 if value_dtype == torch.float16 else 0)
+    want = total.copy()
+    want[sent] = 0
+    np.testing.assert_array_equal(x.numpy(), want)
+    with pytest.raises(ValueError, match="segment 1: expected a contiguous CPU torch.float32 gradient of 300000"):
+        encoder(1, torch.zeros(10))
+    with pytest.raises(ValueError, match="got torch.float64"):  # the kernel would read 8-byte values as 4
+        encoder(0, torch.zeros(sizes[0], dtype=torch.float64))
+    with pytest.raises(ValueError, match="contiguous"):
+        encoder(0, torch.zeros(2 * sizes[0])[::2])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_segment_folder_adds_each_segment_and_flags_nonfinite(dtype):
+    """A non-selecting rank's fold, one prepared segment at a time: x[segment] += g (numpy),
+    the flag set only for the segment whose sum is inf/nan, bad gradients refused."""
+    sizes = [5, 300_001, 17]
+    bounds = [0, 5, 300_006, 300_023]
+    x = sample("normal", sum(sizes), seed=8).to(dtype)
+    grads = [sample("laplace", n, seed=9 + i).to(dtype) for i, n in enumerate(sizes)]
+    grads[2][3] = float("inf")
+    want = x.numpy().copy() + np.concatenate([g.numpy() for g in grads])
+    folder = codec.Codec.segment_folder(x, bounds)
+    assert [folder(s, g) for s, g in enumerate(grads)] == [False, False, True]
+    np.testing.assert_array_equal(x.numpy(), want)
+    with pytest.raises(ValueError, match="segment 1: expected a contiguous CPU"):
+        folder(1, torch.zeros(10, dtype=dtype))
+    with pytest.raises(ValueError, match="contiguous"):
+        folder(0, torch.zeros(10, dtype=dtype)[::2])
+    other = torch.float64 if dtype == torch.float32 else torch.float32
+    with pytest.raises(ValueError, match=f"got {other}"):  # the kernel would misread its bytes
+        folder(0, torch.zeros(5, dtype=other))
+
+
+@pytest.mark.parametrize("path", [pytest.param("native", marks=needs_native), "torch"])
+@pytest.mark.parametrize("dtype,index_dtype", [(torch.float32, torch.int32), (torch.float64, torch.int64)])
+@pytest.mark.parametrize("zero", [True, False])
+def test_take_gathers_and_zeroes_the_positions(path, dtype, index_dtype, zero):
+    """What a non-selecting rank sends in the sparse allreduce: its residual at the leader's
+    positions, then (error feedback) those positions zeroed; numpy reference."""
+    x = sample("normal", 1_000_003, seed=4).to(dtype)
+    if path == "torch":  # strided: not native-eligible
+        x = torch.zeros(2 * x.numel(), dtype=dtype)[::2].copy_(x)
+    before = x.numpy().copy()
+    where = np.sort(np.random.default_rng(5).choice(x.numel(), 5000, replace=False))
+    out = torch.empty(5000, dtype=dtype)
+    codec.Codec.take(x, torch.from_numpy(where).to(index_dtype), out, zero=zero)
+    np.testing.assert_array_equal(out.numpy(), before[where])
+    want = before.copy()
+    if zero:
+        want[where] = 0
+    np.testing.assert_array_equal(x.numpy(), want)
+
+
+def test_bucket_scope_gives_one_k_for_the_whole_buffer():
+    """selection_scope="bucket": k = density x the bucket's size, spent where |x| is largest
+    (here all in the loud second tensor)."""
+    sizes = [10_000, 10_000]
+    x = torch.cat([sample("normal", 10_000, seed=1) * 1e-3, sample("normal", 10_000, seed=2)])
+    plan = codec.Codec("exact").plan(sizes, 0.01, "bucket", torch.float32, torch.int32)
+    assert plan.count == 200 and plan.sizes == [20_000]
+    message = torch.empty(plan.layout.nbytes, dtype=torch.uint8)
+    codec.Codec("exact").encode(x, plan, message)
+    _, indices = plan.layout.unpack(message, 1)
+    assert (indices >= 10_000).all()
+    assert set(indices[0].tolist()) == segment_truth(x, [0, 20_000], [200])[0]

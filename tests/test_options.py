@@ -1,0 +1,19 @@
+"""hvd_topk/options.py: the engine's options checked by type, single process."""
+
+import re
+
+import pytest
+
+
+@pytest.mark.parametrize("kwargs, error, text", [
+    ({"warmup_density": True}, TypeError, "warmup_density must be a number, got True"),
+    ({"momentum_correction": True}, TypeError, "momentum_correction must be a number, got True"),
+    ({"momentum_correction": "0.9"}, TypeError, "momentum_correction must be a number"),
+    ({"error_feedback": "yes"}, TypeError, "error_feedback must be True or False, got 'yes'"),
+    ({"dense_fallback": 0}, TypeError, "dense_fallback must be True or False, got 0"),
+])
+def test_engine_options_checked_by_type(kwargs, error, text):
+    from hvd_topk.options import Options
+
+    with pytest.raises(error, match=re.escape(text)):
+        Options(**kwargs)

@@ -1,0 +1,224 @@
+"""tools/ (tests' and benchmarks' tooling, outside the installed package): its pure parts, in one
+process (no root, no MPI job, no namespaces made): mpirun command lines, emulated-host
+names/addresses/host lists, the choice of leftovers to clean up by name prefix, machine info keys
+and the reference models' shapes."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from tools import emulated_hosts as eh_mod
+from tools import launch, machine, shapes
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ---- launch.mpirun_command ------------------------------------------------------------------
+@pytest.fixture
+def fake_mpirun(monkeypatch):
+    monkeypatch.setattr(launch.shutil, "which", lambda name: f"/usr/bin/{name}")
+
+
+def test_mpirun_command_flags_and_argv(fake_mpirun, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cmd = launch.mpirun_command(3, ["script.py", "--x", 1], python="/py")
+    assert cmd[:3] == ["/usr/bin/mpirun", "-np", "3"]
+    assert cmd[-4:] == ["/py", "script.py", "--x", "1"]
+    for flag in (["--oversubscribe"], ["--bind-to", "none"],
+                 ["--mca", "btl_vader_single_copy_mechanism", "none"], ["-x", "OMP_NUM_THREADS=1"]):
+        assert any(cmd[i:i + len(flag)] == flag for i in range(len(cmd))), flag
+    assert ("--allow-run-as-root" in cmd) == (os.geteuid() == 0)
+    assert launch.mpirun_command(1, ["s.py"])[-2] == sys.executable
+
+
+def test_mpirun_command_forwards_set_variables(fake_mpirun, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    cmd = launch.mpirun_command(2, ["s.py"], env_names=("OMP_NUM_THREADS", "PYTHONPATH"))
+    pairs = [cmd[i + 1] for i, a in enumerate(cmd) if a == "-x"]
+    assert pairs == ["OMP_NUM_THREADS", "PYTHONPATH"]
+
+
+def test_mpirun_command_passes_mca_pairs_before_the_program(fake_mpirun):
+    cmd = launch.mpirun_command(2, ["s.py"], python="/py", mca=[("mpi_yield_when_idle", 1), ("btl", "tcp,self")])
+    program = cmd.index("/py")
+    assert cmd[cmd.index("mpi_yield_when_idle") - 1:cmd.index("mpi_yield_when_idle") + 2] == \
+        ["--mca", "mpi_yield_when_idle", "1"]
+    assert cmd[cmd.index("tcp,self") - 2:cmd.index("tcp,self") + 1] == ["--mca", "btl", "tcp,self"]
+    assert cmd.index("tcp,self") < program
+    assert "mpi_yield_when_idle" not in launch.mpirun_command(2, ["s.py"])
+
+
+@pytest.mark.parametrize("np_", [0, -1, True, 1.5, "2"])
+def test_mpirun_command_rejects_bad_np(fake_mpirun, np_):
+    with pytest.raises(ValueError):
+        launch.mpirun_command(np_, ["s.py"])
+
+
+def test_mpirun_command_names_the_fix_without_mpirun(monkeypatch):
+    monkeypatch.setattr(launch.shutil, "which", lambda name: None)
+    with pytest.raises(RuntimeError, match="install.sh"):
+        launch.mpirun_command(2, ["s.py"])
+
+
+# ---- emulated hosts: names, addresses, commands (nothing is set up) ---------------------------
+def test_emulated_hosts_layout_before_entering():
+    eh = eh_mod.EmulatedHosts(3, rate="1gbit", net=123, tag="beef", ssh_port=2345)
+    base = f"hvdtk-{os.getpid()}-beef"
+    assert eh.base == base and eh.subnet == "10.123.0.0/24"
+    assert [h.ns for h in eh.hosts] == [f"{base}-h0", f"{base}-h1", f"{base}-h2"]
+    assert [h.ip for h in eh.hosts] == ["10.123.0.11", "10.123.0.12", "10.123.0.13"]
+    assert [h.hostname for h in eh.hosts] == ["host0", "host1", "host2"]
+    assert eh.launcher.ip == "10.123.0.2" and eh.bridge_ns == f"{base}-br"
+    assert eh.hostlist() == "host0:1,host1:1,host2:1"
+    assert eh.hostlist(slots=2, count=2) == "host0:2,host1:2"
+    # every name made by this object is recognised as this process's
+    for ns in [eh.bridge_ns, eh.launcher.ns, *(h.ns for h in eh.hosts)]:
+        assert eh_mod.pid_of_name(ns) == os.getpid()
+
+
+def test_emulated_hosts_rejects_no_hosts():
+    with pytest.raises(ValueError):
+        eh_mod.EmulatedHosts(0)
+
+
+def test_link_burst_is_one_millisecond_of_the_rate():
+    # hand-computed: 1 Gbit/s = 125,000,000 B/s -> 125,000 B in 1 ms; 10 Gbit -> 1,250,000 B
+    assert eh_mod.rate_bits("1gbit") == 1e9 and eh_mod.rate_bits("100mbit") == 1e8
+    assert eh_mod.rate_bits("2.5gbit") == 2.5e9 and eh_mod.rate_bits("500kbit") == 5e5
+    assert eh_mod.link_burst("1gbit") == 125_000 and eh_mod.link_burst("10gbit") == 1_250_000
+    assert eh_mod.link_burst("100mbit") == 32 * 1024  # 12,500 B: raised to the floor
+    for bad in ("1gbps", "fast", "", "1 gbit"):
+        with pytest.raises(ValueError, match="rate must look like"):
+            eh_mod.rate_bits(bad)
+    with pytest.raises(ValueError, match="rate must look like"):  # before anything is made
+        eh_mod.EmulatedHosts(2, rate="1gbps")
+    # an explicit burst is used as given; an unshaped link has none
+    assert eh_mod.EmulatedHosts(2, rate="1gbit", burst="4mb")._burst_for("1gbit") == "4mb"
+    assert eh_mod.EmulatedHosts(2, rate="1gbit")._burst_for("1gbit") == "125000b"
+    assert eh_mod.EmulatedHosts(2, rate="none")._burst_for("none") is None
+
+
+def test_emulated_hosts_command_wrappers():
+    eh = eh_mod.EmulatedHosts(2, net=101, tag="0a0a")
+    cmd = eh.host_cmd(1, ["hostname"])
+    assert cmd[:4] == ["ip", "netns", "exec", eh.hosts[1].ns] and cmd[-1] == "hostname"
+    assert "hostname host1 && exec \"$@\"" in cmd
+    assert eh.launcher_cmd(["ls"], hostname=False) == ["ip", "netns", "exec", eh.launcher.ns, "ls"]
+    assert "hostname launcher && exec \"$@\"" in eh.launcher_cmd(["ls"])
+
+
+def test_emulated_hosts_mpirun_command(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "5")
+    eh = eh_mod.EmulatedHosts(3, net=102, tag="0b0b")
+    eh.ssh_config = Path("/tmp/cfg")
+    cmd = eh.mpirun_command(["bench.py", "--worker"], np=2, python="/venv/bin/python",
+                            pythonpath="/repo", wdir="/repo")
+    assert cmd[:5] == ["mpirun", "-np", "2", "-H", "host0:1,host1:1"]
+    assert cmd[-3:] == ["/venv/bin/python", "bench.py", "--worker"]
+    assert "ssh -F /tmp/cfg" in cmd
+    assert cmd[cmd.index("btl_tcp_if_include") + 1] == "10.102.0.0/24"
+    xs = [cmd[i + 1] for i, a in enumerate(cmd) if a == "-x"]
+    assert xs[0].startswith("PATH=/venv/bin:")
+    assert {"PYTHONPATH=/repo", "OMP_NUM_THREADS=1", "HOROVOD_CYCLE_TIME"} <= set(xs)
+    assert cmd[cmd.index("--wdir") + 1] == "/repo"
+    assert eh.mpirun_command(["b.py"])[:3] == ["mpirun", "-np", "3"]
+    for bad in (0, 4, True):
+        with pytest.raises(ValueError):
+            eh.mpirun_command(["b.py"], np=bad)
+
+
+# ---- clean-up of leftovers by name prefix ----------------------------------------------------
+def test_pid_of_name():
+    assert eh_mod.pid_of_name("hvdtk-1234-ab12-h0") == 1234
+    assert eh_mod.pid_of_name("hvdtk-x-h0") is None
+    assert eh_mod.pid_of_name("other-1234-h0") is None
+
+
+def test_stale_names_choose_only_ours_of_dead_runs():
+    names = ["hvdtk-10-aa-h0", "hvdtk-10-aa-br", "hvdtk-20-bb-h0", "hvdtk-odd", "netns-30-cc", "x"]
+    alive = {10: False, 20: True}.get
+    assert eh_mod.stale_names(names, alive=alive) == ["hvdtk-10-aa-br", "hvdtk-10-aa-h0"]
+    assert eh_mod.stale_names(names, all_runs=True, alive=alive) == [
+        "hvdtk-10-aa-br", "hvdtk-10-aa-h0", "hvdtk-20-bb-h0", "hvdtk-odd"]
+
+
+def test_cleanup_stale_removes_dead_runs_leftovers_only(tmp_path):
+    etc, tmp = tmp_path / "netns", tmp_path / "tmp"
+    for d in (etc / "hvdtk-10-aa-h0", etc / "hvdtk-20-bb-h0", etc / "unrelated",
+              tmp / "hvdtk-10-aa-xyz", tmp / "hvdtk-20-bb-xyz", tmp / "other-10-aa"):
+        d.mkdir(parents=True)
+    removed_ns = []
+    removed = eh_mod.cleanup_stale(verbose=False, alive={10: False, 20: True}.get,
+                                   namespaces=["hvdtk-10-aa-br", "hvdtk-20-bb-br", "foreign"],
+                                   netns_etc=etc, tmp_root=tmp, remove=removed_ns.append)
+    assert removed_ns == ["hvdtk-10-aa-br", "hvdtk-10-aa-h0"]
+    assert removed == [*removed_ns, str(tmp / "hvdtk-10-aa-xyz")]
+    assert sorted(p.name for p in etc.iterdir()) == ["hvdtk-20-bb-h0", "unrelated"]
+    assert sorted(p.name for p in tmp.iterdir()) == ["hvdtk-20-bb-xyz", "other-10-aa"]
+
+
+def test_cleanup_stale_real_process_is_alive(tmp_path):
+    """This process is alive: nothing of a name carrying its pid is removed."""
+    (tmp_path / f"hvdtk-{os.getpid()}-ab-x").mkdir()
+    removed = eh_mod.cleanup_stale(verbose=False, namespaces=[f"hvdtk-{os.getpid()}-ab-h0"],
+                                   netns_etc=tmp_path / "none", tmp_root=tmp_path,
+                                   remove=lambda ns: pytest.fail(f"removed {ns}"))
+    assert removed == []
+
+
+# ---- machine info ----------------------------------------------------------------------------
+def test_machine_info_keys_and_values():
+    info = machine.machine_info(repo=REPO)
+    assert tuple(info) == machine.KEYS
+    assert info["cores"] == os.cpu_count() and info["python"].count(".") == 2
+    assert info["date_utc"].endswith("UTC")
+    assert info["git"] is None or len(info["git"].split("+")[0]) >= 7
+    line = machine.summary(info)
+    assert f"{info['cores']} cores" in line and "torch" in line
+
+
+def test_thread_cpu_split_by_hand():
+    before = {10: 1_000, 11: 5_000, 12: 7_000}
+    after = {10: 3_001_000, 11: 5_500_000, 13: 9_000_000}  # 12 ended, 13 started in between
+    assert machine.cpu_split(before, after, main=10) == (0.003, 0.005495)
+
+
+def test_thread_cpu_reads_schedstat(tmp_path):
+    for tid, text in ((7, "123456 99 3\n"), (8, "42 0 1\n"), (9, "")):
+        (tmp_path / str(tid)).mkdir()
+        (tmp_path / str(tid) / "schedstat").write_text(text)
+    assert machine.thread_cpu_ns(str(tmp_path)) == {7: 123456, 8: 42}  # 9: unreadable, skipped
+    assert machine.thread_cpu_ns(str(tmp_path / "missing")) == {}
+    if os.path.isdir("/proc/self/task"):  # Linux: the calling thread is among them
+        assert machine.main_thread_id() in machine.thread_cpu_ns()
+
+
+def test_machine_parsers():
+    lscpu = "Architecture: x86_64\nModel name:   AMD EPYC 7B13\nThread(s) per core:  2\n"
+    assert machine.parse_lscpu(lscpu) == {"cpu": "AMD EPYC 7B13", "threads_per_core": 2}
+    assert machine.parse_lscpu(None) == {"cpu": None, "threads_per_core": None}
+    assert machine.parse_meminfo("MemTotal:       25165824 kB\nMemFree: 1 kB\n") == 24.0
+    assert machine.parse_meminfo("") is None
+    assert machine.git_commit("/") is None or isinstance(machine.git_commit("/"), str)
+
+
+def test_summary_reads_old_keys():
+    """Results saved before the one helper used other key names; their reports still render."""
+    assert "AMD X, 2 cores" in machine.summary({"Model name": "AMD X", "cores": 2})
+
+
+# ---- reference model shapes ------------------------------------------------------------------
+def test_resnet50_and_bert_base_shapes():
+    r, b = shapes.resnet50_shapes(), shapes.bert_base_shapes()
+    assert (len(r), shapes.numel(r)) == (shapes.RESNET50["tensors"], shapes.RESNET50["numel"]) == (161, 25_557_032)
+    assert (len(b), shapes.numel(b)) == (shapes.BERT_BASE["tensors"], shapes.BERT_BASE["numel"]) == (199, 109_482_240)
+    named = dict(shapes.bert_base_named_shapes())
+    assert named["embeddings.word_embeddings.weight"] == (30522, 768)
+    assert named["encoder.layer.11.intermediate.dense.weight"] == (3072, 768)
+    assert named["encoder.layer.11.output.dense.weight"] == (768, 3072)
+    assert shapes.model_shapes("bert-base") == b
+    with pytest.raises(ValueError):
+        shapes.model_shapes("gpt")

@@ -1,0 +1,33 @@
+"""hvd_topk/_torch.py (what hvd_topk needs from PyTorch beyond its documented API), single
+process: compiled autograd detection, copy_all with and without torch._foreach_copy_."""
+
+import pytest
+import torch
+
+
+def test_compiled_autograd_detected():
+    import torch._dynamo
+
+    from hvd_topk._torch import compiled_autograd_active
+
+    assert not compiled_autograd_active()
+    torch._dynamo.config.compiled_autograd = True
+    try:
+        assert compiled_autograd_active()
+    finally:
+        torch._dynamo.config.compiled_autograd = False
+    assert not compiled_autograd_active()
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_copy_all_copies_each_pair_with_or_without_foreach(foreach, monkeypatch):
+    """``_torch.copy_all``: every destination takes its source (a channels_last one in its own
+    layout, a float64 source converted), through torch's foreach call or the loop."""
+    from hvd_topk import _torch
+    if not foreach:
+        monkeypatch.delattr(torch, "_foreach_copy_", raising=False)
+    dests = [torch.zeros(3), torch.zeros(2, 3, 2, 2).contiguous(memory_format=torch.channels_last)]
+    srcs = [torch.tensor([1.5, -2.0, 3.0], dtype=torch.float64), torch.arange(24.0).view(2, 3, 2, 2)]
+    _torch.copy_all(dests, srcs)
+    assert dests[0].tolist() == [1.5, -2.0, 3.0] and dests[0].dtype == torch.float32
+    assert torch.equal(dests[1], srcs[1]) and dests[1].is_contiguous(memory_format=torch.channels_last)
