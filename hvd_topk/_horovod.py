@@ -47,7 +47,8 @@ INSTALL_HINT = (
     "By hand: apt-get install libopenmpi-dev openmpi-bin cmake g++, install torch first, then\n"
     "    HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \\\n"
     "    pip install --no-build-isolation horovod==0.28.1\n"
-    "(with PyTorch >= 2.1 the compiler must use -std=c++17; see README 'Installing')."
+    "(with PyTorch >= 2.1 the compiler must use -std=c++17: Horovod 0.28.1 asks for -std=c++14;\n"
+    "see docs/install.md#installing-into-an-existing-environment for a g++ wrapper that fixes it)."
 )
 
 
