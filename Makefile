@@ -5,7 +5,7 @@ VENV ?= .venv
 NP ?= 2
 BIN := $(abspath $(VENV))/bin
 
-.PHONY: setup demo demo-gpt test test-unit test-distributed image-test two-hosts clean
+.PHONY: setup demo demo-gpt test test-slow test-unit test-distributed image-test two-hosts clean
 
 setup:
 	VENV=$(abspath $(VENV)) bash docker/install.sh
@@ -18,14 +18,20 @@ demo: setup
 demo-gpt: setup
 	PATH=$(BIN):$$PATH horovodrun -np $(NP) --gloo python examples/pytorch_gpt.py --optimizer topk-ef --exchange allgather --density 0.01 --adam local --warmup-steps 100 --warmup-density 1.0
 
+# `make test` is every test but those marked slow (training runs checked against accuracy and
+# loss bounds over several seeds, elastic runs, emulated hosts; minutes each), which
+# `make test-slow` runs; CI (.ci/run) runs both. test-unit + test-distributed = test.
 test: setup
-	$(BIN)/python -m pytest -v tests
+	$(BIN)/python -m pytest -v -m "not slow" tests
+
+test-slow: setup
+	$(BIN)/python -m pytest -v -m slow tests
 
 test-unit: setup
-	$(BIN)/python -m pytest -v -m "not distributed" tests
+	$(BIN)/python -m pytest -v -m "not distributed and not slow" tests
 
 test-distributed: setup
-	$(BIN)/python -m pytest -v -m distributed tests
+	$(BIN)/python -m pytest -v -m "distributed and not slow" tests
 
 # The Docker image, built without a Docker engine (podman/buildah on a debootstrap base), and
 # the distributed tests inside it.

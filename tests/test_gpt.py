@@ -3,7 +3,7 @@ below ln 256, an untrained byte model's loss) dense, with error feedback at 1% a
 autocast, and prints the line scripts read; and, at 150 steps, what makes Top-K work with Adam:
 at 0.1% hvd_topk.LocalAdamW and hvd_topk.FrozenVarianceAdamW stay near dense, and neither plain
 AdamW nor dropping error feedback does (300 and 1000 steps x 3 seeds:
-benchmarks/results/convergence-gpt-*; over 1000 steps only LocalAdamW holds, see the README)."""
+benchmarks/results/gpt/convergence-gpt-*; over 1000 steps only LocalAdamW holds, see the README)."""
 
 import json
 import math
@@ -32,6 +32,9 @@ def train(tmp_path, name, *args, steps=60):
 ])
 def test_gpt_learns_and_reports(tmp_path, name, args):
     result, proc = train(tmp_path, name, *args)
+    # 60 steps, seed 42, this machine (2026-11-25): dense 2.380, EF 1% 2.975, with bf16 2.975;
+    # the bound (4.545) is 1.6 nats above the worst, where seeds differ by about 0.01-0.02
+    # (the 150-step runs below; the benchmarks' 300-step runs): one seed is enough.
     assert result["final_val_loss"] < UNTRAINED - 1.0, result["history"]
     assert result["corpus_bytes"] == 1_000_000 and len(result["corpus_sha256"]) == 64
     last = [line for line in proc.stdout.splitlines() if line.strip()][-1]
@@ -46,12 +49,24 @@ FROZEN = ("--adam", "frozen-variance", "--freeze-step", "50", *START)
 LOCAL = ("--adam", "local", *START)
 
 
+@pytest.mark.timeout(900)  # six runs: 229 s on 2 shared cores, close to the default 300
 def test_adam_schemes_close_the_adamw_gap_at_0_1_percent(tmp_path):
-    """150 steps (the 300-step benchmark's warm-up and freeze halved). Measured on this machine,
-    2026-11-24: dense 2.199; LocalAdamW 2.280 (+3.7%), without error feedback 2.429 (+6.5% on
-    it); frozen variance 2.209 (+0.4%), without error feedback 2.412 (+9.7%); plain AdamW with
-    error feedback 3.035 (+38%). Deterministic for a given torch build (fixed seeds), so the
-    margins below only absorb other builds' rounding."""
+    """150 steps (the 300-step benchmark's warm-up and freeze halved), final validation loss.
+    Measured on this machine (AMD EPYC, 2 cores, torch 2.13.0+cpu; seed 42 on 2026-11-24,
+    43 and 44 on 2026-11-25 with `--seed`), and the ratios the bounds below are on:
+        seed                              42      43      44      ratio: mean, sd over seeds
+        dense                            2.199   2.1948  2.2051
+        LocalAdamW                       2.280   2.2660  2.2517  / dense        1.030, 0.008
+          without error feedback         2.429   2.4168  2.4086  / LocalAdamW   1.067, 0.002
+        FrozenVarianceAdamW              2.209   2.2185  2.2350  / dense        1.010, 0.005
+          without error feedback         2.412   2.4102  2.4123  / frozen       1.086, 0.006
+        plain AdamW, error feedback      3.035   2.9985  3.0122  / LocalAdamW   1.331, 0.007
+                                                                 / frozen       1.358, 0.014
+    Another CPU's rounding moves a run about as much as another seed does, so each bound sits
+    at least 5 standard deviations of that spread from the 3-seed mean, and one seed (42, the
+    default) is run: LocalAdamW within 7% of dense (5.0 sd; 6% was 3.7 sd, too close), frozen
+    variance within 6% (11 sd), each at least 4% worse without error feedback (12 and 7 sd) and
+    plain AdamW at least 10% worse than each (32 and 18 sd)."""
     loss = {name: train(tmp_path, name, *args, steps=150)[0]["final_val_loss"] for name, args in [
         ("dense", ("--compression", "none")),
         ("local", SPARSE + LOCAL),
@@ -60,7 +75,7 @@ def test_adam_schemes_close_the_adamw_gap_at_0_1_percent(tmp_path):
         ("frozen, no error feedback", SPARSE + FROZEN + ("--no-error-feedback",)),
         ("plain adamw", SPARSE),
     ]}
-    for scheme in ("local", "frozen"):
-        assert loss[scheme] < 1.06 * loss["dense"], (scheme, loss)
+    for scheme, near_dense in (("local", 1.07), ("frozen", 1.06)):
+        assert loss[scheme] < near_dense * loss["dense"], (scheme, loss)
         assert loss[f"{scheme}, no error feedback"] > 1.04 * loss[scheme], (scheme, loss)  # the residuals are live
         assert loss["plain adamw"] > 1.10 * loss[scheme], (scheme, loss)  # the optimizer is what closes it
