@@ -14,7 +14,7 @@ demo: setup
 	PATH=$(BIN):$$PATH horovodrun -np $(NP) --gloo python examples/pytorch_digits.py --compression topk --density 0.01
 
 # A small byte-level GPT on the standard library's sources, Top-K 1% with error feedback and
-# hvd_topk.FrozenVarianceAdamW (dense start, variance frozen at step 100) (~1-2 min).
+# hvd_topk.LocalAdamW (dense start over 100 steps) (~1-2 min).
 demo-gpt: setup
 	PATH=$(BIN):$$PATH horovodrun -np $(NP) --gloo python examples/pytorch_gpt.py --optimizer topk-ef --exchange allgather --density 0.01 --adam local --warmup-steps 100 --warmup-density 1.0
 
@@ -43,7 +43,7 @@ two-hosts: setup
 	$(BIN)/python benchmarks/two_hosts.py
 
 # Benchmarks: `make bench-NAME` runs benchmarks/NAME.py (selection, exchange, training,
-# convergence, scaling, overhead); each writes benchmarks/results/NAME.{json,md} (and a PNG where it plots).
+# convergence, scaling, overhead); each writes into its group folder of benchmarks/results/ (index: benchmarks/results/README.md).
 bench-%: setup
 	$(BIN)/python benchmarks/$*.py
 

@@ -8,7 +8,7 @@ ssh-keygen -A >/dev/null          # host keys are made per container, never ship
 mkdir -p /run/sshd
 if [ ! -s /root/.ssh/authorized_keys ]; then
   echo "hvd-sshd: warning: /root/.ssh/authorized_keys is missing or empty; mount the shared key" \
-       "directory at /root/.ssh (README: Docker image and multi-node)" >&2
+       "directory at /root/.ssh (docs/install.md#docker-image-and-multi-node)" >&2
 fi
 /usr/sbin/sshd -t "$@"
 echo "hvd-sshd: listening on port $(/usr/sbin/sshd -T "$@" | awk '$1 == "port" {print $2; exit}'), public-key login only" >&2
