@@ -109,7 +109,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
     if momentum_correction and any(g.get("momentum", 0) for g in optimizer.param_groups):
         warnings.warn("momentum_correction applies momentum before compression; the inner "
                       "optimizer's own momentum should be 0 (DGC), or momentum is applied twice")
-    names = _parameter_names(optimizer.param_groups, named_parameters)
+    names = _name_parameters(optimizer.param_groups, named_parameters)
     engine = TopKEngine(optimizer.param_groups, names, compression, options, op=op,
                         gradient_predivide_factor=gradient_predivide_factor,
                         backward_passes_per_step=backward_passes_per_step, process_set=process_set,
@@ -260,7 +260,7 @@ def _check_horovod_arguments(op, gradient_predivide_factor, passes):
     check_integer(passes, "backward_passes_per_step", 1)
 
 
-def _parameter_names(param_groups, named_parameters):
+def _name_parameters(param_groups, named_parameters):
     """Horovod's naming rules and errors, with unique names for unnamed parameters."""
     if named_parameters is not None:
         named_parameters = list(named_parameters)

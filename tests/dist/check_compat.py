@@ -459,7 +459,22 @@ def check_grads_readable_before_synchronize():
         opt.step()
 
 
+def check_parameter_names_attribute():
+    """Horovod's ``_parameter_names`` (its own tests and tools read it): ``{param: name}`` with the
+    names given, or unique generated ones that every rank spells alike."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    named = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                          named_parameters=model.named_parameters())
+    assert named._parameter_names == {p: n for n, p in model.named_parameters()}
+    unnamed = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    names = [unnamed._parameter_names[p] for p in model.parameters()]
+    assert len(set(names)) == len(names) == 4, names
+    every = harness.COMM.allgather(names)
+    assert all(other == names for other in every), every
+
+
 CHECKS = [
+    ("Horovod's _parameter_names", check_parameter_names_attribute),
     ("options refused", check_options_refused),
     ("checkpoint names: compiled to plain", lambda: check_names_across_compile(save_compiled=True)),
     ("checkpoint names: plain to compiled", lambda: check_names_across_compile(save_compiled=False)),
