@@ -62,7 +62,11 @@ def test_horovodrun_and_mpirun_across_two_emulated_hosts(tmp_path):
         # two ranks, on the two different emulated hosts
         assert sorted(run["ranks"]) == ["0", "1"], detail
         assert sorted(run["ranks"].values()) == ["host0", "host1"], detail
-        # the digits example trained across them: rank 0's final test accuracy
+        # the digits example trained across them: rank 0's final test accuracy. 90% is far under
+        # what this run reaches: the same example (EF 1%, 10 epochs, 2 ranks on one host) gave
+        # 97.49/98.89/96.94% with exchange="auto" and 96.66/98.05/97.77% pinned to allgather
+        # (seeds 42/43/44, 2026-11-25): mean 97.6, sd 0.8, the bound 6.7 points under the worst
+        # run and ~9 sd under the mean, so another CPU's rounding cannot decide it.
         assert run["test_acc"] is not None and run["test_acc"] > 0.90, detail
         assert run["metrics"]["optimizer"] == "topk-ef" and run["metrics"]["ranks"] == 2, detail
         # gradients really went over the shaped links (sparse: ~14 kB per step, 2 ranks)
