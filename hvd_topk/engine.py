@@ -314,7 +314,8 @@ class TopKEngine:
             b.reset()
         self.passes = dict.fromkeys(self.passes, 0)
         self.synchronized, self.should_synchronize = False, True
-        self.ctx, self.sparse.densified = None, []
+        self.ctx = None
+        self.sparse.forget()
         self.active.forget()  # a reset Horovod forgot it too
 
     # ---- state -----------------------------------------------------------------------------

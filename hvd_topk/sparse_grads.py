@@ -33,8 +33,12 @@ class SparseGradients:
             self.densified.append(p)
         p.grad = p.grad.to_dense()
 
+    def forget(self):
+        """Drop this step's list (the step is abandoned: its gradients are not handed back)."""
+        self.densified = []
+
     def restore(self):
         """After the exchange: each densified gradient back to sparse, as Horovod hands it over."""
         for p in self.densified:
             p.grad = p.grad.to_sparse()
-        self.densified = []
+        self.forget()
