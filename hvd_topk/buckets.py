@@ -294,14 +294,27 @@ class Bucket:
             flat.masked_fill_(mask, 0)
         return count
 
-    def hand_over(self, mode, shard=None):
+    def hand_over(self, mode, shard=None, decay=1.0):
         """Move the residual between the full buffer and the shard when the step's exchange
         switches between flat (``mode="flat"``) and hierarchical (``"hier"``, e.g. during
         ``exchange="auto"``'s trial), so nothing unsent is lost. Flat -> hierarchical: this
         step's gradients are added to the flat residual, which the host's reduce-scatter then
         carries into the shards (returns True: the buffer carries a residual this step).
         Hierarchical -> flat: this rank's shard residual (``shard``: its ``(lo, hi)``) goes
-        back into its part of the full buffer, which staged gradients and so is zeroed first."""
+        back into its part of the full buffer, which staged gradients and so is zeroed first.
+
+        ``decay`` (``Options.residual_decay``): then every residual (``acc``, ``shard``) is
+        multiplied by it, before this step's first fold. DGC's ``momentum`` is not unsent work
+        and keeps its own factor; where ``acc`` only stages gradients (hierarchical) the fold
+        overwrites it anyway."""
+        carry = self._hand_over(mode, shard)
+        if decay != 1.0:
+            for flat in (self.acc, self.shard):
+                if flat is not None:
+                    flat.mul_(decay)
+        return carry
+
+    def _hand_over(self, mode, shard):
         before, self.mode = self.mode, mode
         if mode == "hier":
             return before == "flat" and self.acc is not None

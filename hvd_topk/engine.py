@@ -111,7 +111,7 @@ class TopKEngine:
         self.family = None         # this step's exchange family (exchange= or auto's choice)
         self.active = exchange.ActiveRanks(f"{self.prefix}.active")  # hvd.join() probe
         self.sparse = SparseGradients(names, options.sparse_as_dense)
-        self.transform = None      # the inner optimizer's transform_local_gradient(p, grad), if any
+        self.transform = None      # the inner optimizer's transform_local_gradient(p, grad, ranks), if any
         self.used = {}             # bucket index -> strategy name of its last exchange
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                       for p in self.params] if self.member else []
@@ -138,7 +138,7 @@ class TopKEngine:
         if passes == self.passes_per_step:
             grad = p.grad
             if self.transform is not None:
-                self.transform(p, grad)
+                self.transform(p, grad, self.world)
             bucket, position = self.place[key]
             self._fold(bucket, position, grad)
             if bucket.complete():
@@ -225,7 +225,7 @@ class TopKEngine:
                                                             zero_sent=self.options.error_feedback)
         if bucket.sparse and self.options.error_feedback:
             shard = self.planner.shard(bucket) if self.hier is not None else None
-            current.carry = bucket.hand_over("hier" if current.hierarchical else "flat", shard)
+            current.carry = bucket.hand_over("hier" if current.hierarchical else "flat", shard, self.options.residual_decay)
         return current
 
     def _launch(self, bucket):

@@ -35,7 +35,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                          momentum_correction=0.0, warmup_steps=0, warmup_density=0.25,
                          min_numel=1024, fusion_bytes=64 * 1024 * 1024, dense_fallback=True,
                          selection_scope="tensor", grad_scaler=None, exchange="auto",
-                         exchange_trial_steps=3, exchange_recheck_steps=0, hierarchical="auto"):
+                         exchange_trial_steps=3, exchange_recheck_steps=0, hierarchical="auto",
+                         residual_decay=1.0):
     """Wrap ``optimizer`` so that gradients are exchanged as Top-K pairs with error feedback.
 
     Same signature and behaviour as ``hvd.DistributedOptimizer``: the result is an instance of
@@ -61,6 +62,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
         error_feedback (True): carry unsent entries to the next step. Turning it off loses them.
         momentum_correction (0.0): DGC momentum factor; set the inner optimizer's momentum to 0.
         warmup_steps (0), warmup_density (0.25): exponential density warm-up (DGC).
+        residual_decay (1.0): each step the residuals are multiplied by this before the new
+            gradient is added (a decayed accumulator, as in DeMo; 1.0 keeps everything).
         min_numel (1024): tensors with fewer elements go through a dense allreduce.
         fusion_bytes (64 MiB): dense-equivalent size of a sparse bucket.
         dense_fallback (True): send a bucket dense when a ring allreduce moves fewer bytes than
@@ -96,7 +99,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                       fusion_bytes=fusion_bytes, dense_fallback=dense_fallback,
                       selection_scope=selection_scope, sparse_as_dense=sparse_as_dense,
                       exchange=exchange, exchange_trial_steps=exchange_trial_steps,
-                      exchange_recheck_steps=exchange_recheck_steps, hierarchical=hierarchical)
+                      exchange_recheck_steps=exchange_recheck_steps, hierarchical=hierarchical,
+                      residual_decay=residual_decay)
     compression = _resolve_compression(compression)
     if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
         raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
@@ -126,7 +130,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
     wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
     setattr(wrapped, ENGINE, engine)
     # An inner optimizer that works on each rank's own gradient before the exchange (LocalAdamW)
-    # defines transform_local_gradient(param, grad).
+    # defines transform_local_gradient(param, grad, ranks): ranks' results will be averaged.
     engine.transform = getattr(wrapped, "transform_local_gradient", None)
     return wrapped
 

@@ -33,13 +33,15 @@ class ErrorFeedbackReference:
 
     acc = residual + grad (DGC: u = m*u + grad; v = v + u); send top-k of acc; residual = acc
     with the sent entries zeroed (and u's too); result = sum of sent pairs over ranks / ranks.
+    With ``decay`` (``residual_decay``): acc = decay * residual + grad.
 
     With ``leader`` (the sparse allreduce, ScaleCom's CLT-k) every rank sends its own acc at
     the positions of the *leader's* top-k instead of at its own.
     """
 
-    def __init__(self, ranks, momentum=0.0, error_feedback=True):
+    def __init__(self, ranks, momentum=0.0, error_feedback=True, decay=1.0):
         self.ranks, self.momentum, self.error_feedback = ranks, momentum, error_feedback
+        self.decay = np.float32(decay)
         self.residual = [dict() for _ in range(ranks)]
         self.u = [dict() for _ in range(ranks)]
 
@@ -65,9 +67,9 @@ class ErrorFeedbackReference:
                 acc = g.copy()
             elif self.momentum:
                 u = old(self.u) * np.float32(self.momentum) + g
-                acc = old(self.residual) + u
+                acc = old(self.residual) * self.decay + u
             else:
-                acc = old(self.residual) + g
+                acc = old(self.residual) * self.decay + g
             accs.append(acc)
             us.append(u)
         k = k_of(edges[-1], density)
