@@ -67,6 +67,12 @@ def parse_args(argv=None):
                         "frozen-variance: hvd_topk.FrozenVarianceAdamW, its variance frozen after "
                         "--freeze-step steps; with topk-ef and error feedback its beta1 moves into the "
                         "exchange (momentum_correction=0.9, betas (0, 0.95)), as 1-bit Adam does")
+    p.add_argument("--lr-in-residual", action="store_true",
+                   help="--adam local: the residual holds lr x update (LocalAdamW(lr_in_residual=True))")
+    p.add_argument("--global-variance", action="store_true",
+                   help="--adam local: normalise by the ranks' average gradient's variance (LocalAdamW(global_variance=True))")
+    p.add_argument("--residual-decay", type=float, default=1.0,
+                   help="topk-ef: residuals decay by this factor each step (default 1.0: none)")
     p.add_argument("--beta1", type=float, default=None,
                    help="Adam's beta1 (default 0.9; 0 with --adam local, and with frozen-variance + error feedback)")
     p.add_argument("--freeze-step", type=int, default=0, help="with --adam frozen-variance (e.g. = --warmup-steps)")
@@ -101,7 +107,7 @@ def parse_args(argv=None):
     if args.optimizer == "topk-ef" and args.compression != "topk":
         p.error("--optimizer topk-ef always compresses with TopK; use --compression topk")
     topk_ef_only = {"no_error_feedback": False, "selection_scope": "tensor", "exchange": "auto", "warmup_steps": 0,
-                    "min_numel": 1024}
+                    "min_numel": 1024, "residual_decay": 1.0}
     for name, default in topk_ef_only.items():
         if getattr(args, name) != default and args.optimizer != "topk-ef":
             p.error(f"--{name.replace('_', '-')} only applies to --optimizer topk-ef")
@@ -109,6 +115,8 @@ def parse_args(argv=None):
         p.error("--adam frozen-variance needs --freeze-step N > 0, and --freeze-step needs it")
     if args.adam == "local" and args.optimizer != "topk-ef":
         p.error("--adam local needs --optimizer topk-ef (hvd_topk.LocalAdamW runs inside hvd_topk.DistributedOptimizer)")
+    if (args.lr_in_residual or args.global_variance) and args.adam != "local":
+        p.error("--lr-in-residual and --global-variance need --adam local")
     if args.adam == "local" and args.clip:
         p.error("--adam local: the synchronized gradient is Adam's update; clipping it would shrink steps (use --clip 0)")
     if args.adam == "local" and args.amp == "fp16":
@@ -215,7 +223,8 @@ def make_optimizer(args, model, scaler):
     if args.adam == "frozen-variance":
         inner = hvd_topk.FrozenVarianceAdamW(groups, lr=args.lr, betas=(beta1, 0.95), freeze_step=args.freeze_step)
     elif args.adam == "local":
-        inner = hvd_topk.LocalAdamW(groups, lr=args.lr, betas=(beta1, 0.95))
+        inner = hvd_topk.LocalAdamW(groups, lr=args.lr, betas=(beta1, 0.95), lr_in_residual=args.lr_in_residual,
+                                    global_variance=args.global_variance)
     else:
         inner = torch.optim.AdamW(groups, lr=args.lr, betas=(beta1, 0.95))
     topk = hvd_topk.TopK(density=args.density) if args.compression == "topk" else None
@@ -225,6 +234,7 @@ def make_optimizer(args, model, scaler):
                                             selection_scope=args.selection_scope, exchange=args.exchange,
                                             warmup_steps=args.warmup_steps, warmup_density=args.warmup_density,
                                             min_numel=args.min_numel, grad_scaler=scaler,
+                                            residual_decay=args.residual_decay,
                                             momentum_correction=0.9 if momentum_in_exchange else 0.0)
         return opt, topk
     compression = topk or {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[args.compression]

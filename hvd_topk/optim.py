@@ -120,13 +120,41 @@ class LocalAdamW(torch.optim.Optimizer):
     moments; ``hvd.broadcast_optimizer_state`` gives every rank rank 0's.
 
     Args: as ``torch.optim.AdamW`` (decoupled weight decay, bias-corrected moments), but
-    ``betas`` defaults to ``(0.0, 0.999)``.
+    ``betas`` defaults to ``(0.0, 0.999)``, and:
+
+        lr_in_residual: the update handed to the exchange is already multiplied by this step's
+            ``lr`` (``lr * m_hat / (sqrt(v_hat) + eps)``), and ``step()`` applies the exchanged
+            result as it is. An entry that waits in the residual is then applied at the
+            learning rates of the steps it stands for, not at the (smaller, under a decaying
+            schedule) rate of the step that finally sends it (DeMo's and SparseLoCo's
+            convention; docs/adamw.md). A param-group option: a checkpoint carries it, and
+            one written without it loads as ``False``, matching the units of its residuals.
+        global_variance: normalise by an estimate of the variance of the *ranks' average*
+            gradient instead of this rank's own. Each rank's ``v`` holds its own batch's noise,
+            P times that of the average over P ranks, so where noise dominates (most entries,
+            late in training) a per-rank Adam step is sqrt(P) times smaller than dense AdamW's
+            and the average of P of them is no better than one rank training alone. With
+            this option ``v`` is replaced by ``mean^2 + (v - mean^2) / P``, where ``mean`` is an
+            EMA of the gradient with ``beta2``'s horizon (the signal) and ``v - mean^2`` the
+            noise; P is the number of ranks ``hvd_topk.DistributedOptimizer`` averages over
+            (it passes it with each gradient). No communication; one more buffer per parameter.
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.0, 0.999), eps=1e-8, weight_decay=1e-2):
+    def __init__(self, params, lr=1e-3, betas=(0.0, 0.999), eps=1e-8, weight_decay=1e-2, lr_in_residual=False,
+                 global_variance=False):
         _check_adam_options(lr, betas, eps, weight_decay)
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        for name, value in (("lr_in_residual", lr_in_residual), ("global_variance", global_variance)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      lr_in_residual=lr_in_residual, global_variance=global_variance))
         self._transformed = set()  # parameters whose gradient became an update this step
+
+    def _new_state(self, p, group):
+        state = _new_adam_state(self.state[p], p)
+        if group.get("global_variance", False):
+            state["grad_mean"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
 
     def _group_of(self, p):
         # load_state_dict replaces param_groups by a new list, add_param_group extends it
@@ -137,24 +165,38 @@ class LocalAdamW(torch.optim.Optimizer):
         return self._groups_by_param[p]
 
     @torch.no_grad()
-    def transform_local_gradient(self, p, grad):
+    def transform_local_gradient(self, p, grad, ranks=1):
         """Replace ``grad`` (this rank's gradient of ``p``) in place by this rank's Adam update
-        direction ``m_hat / (sqrt(v_hat) + eps)``, advancing the moments one step."""
+        direction ``m_hat / (sqrt(v_hat) + eps)`` (times ``lr`` with ``lr_in_residual``),
+        advancing the moments one step. ``ranks``: how many ranks' updates the exchange
+        averages (``global_variance``)."""
         group = self._group_of(p)
         beta1, beta2 = group["betas"]
-        state = self.state[p] or _new_adam_state(self.state[p], p)
+        state = self.state[p] or self._new_state(p, group)
         state["step"] += 1
         step = int(state["step"])
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         exp_avg.lerp_(grad, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        denom = (exp_avg_sq.sqrt() / (1 - beta2 ** step) ** 0.5).add_(group["eps"])
+        mean = state.get("grad_mean")  # kept from the first step on, whatever the world size
+        if mean is not None:
+            mean.lerp_(grad, 1 - beta2)
+        if mean is not None and ranks > 1:
+            bias2 = 1 - beta2 ** step
+            # v / P + (1 - 1/P) mean^2, both bias-corrected: >= 0, as v >= mean^2 (same weights)
+            denom = (exp_avg_sq / (bias2 * ranks)).addcmul_(mean, mean, value=(1 - 1 / ranks) / bias2 ** 2)
+            denom = denom.sqrt_().add_(group["eps"])
+        else:
+            denom = (exp_avg_sq.sqrt() / (1 - beta2 ** step) ** 0.5).add_(group["eps"])
         torch.div(exp_avg, denom, out=grad).div_(1 - beta1 ** step)
+        if group.get("lr_in_residual", False):
+            grad.mul_(group["lr"])
         self._transformed.add(p)
 
     @torch.no_grad()
     def step(self, closure=None):
-        """``p -= lr * (the exchanged update + weight_decay * p)``, decoupled as in AdamW."""
+        """``p -= lr * (the exchanged update + weight_decay * p)``, decoupled as in AdamW
+        (``p -= the exchanged update + lr * weight_decay * p`` with ``lr_in_residual``)."""
         loss = _evaluate(closure)
         for group in self.param_groups:
             for p in group["params"]:
@@ -166,10 +208,10 @@ class LocalAdamW(torch.optim.Optimizer):
                                            "not turn into an update: use it only as the inner optimizer of "
                                            "hvd_topk.DistributedOptimizer (not alone, not with "
                                            "hvd.DistributedOptimizer)")
-                    _new_adam_state(self.state[p], p)  # hvd.broadcast_optimizer_state initialising it
+                    self._new_state(p, group)  # hvd.broadcast_optimizer_state initialising it
                     continue
                 p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(p.grad, alpha=-group["lr"])
+                p.add_(p.grad, alpha=-1.0 if group.get("lr_in_residual", False) else -group["lr"])
         self._transformed.clear()
         return loss
 

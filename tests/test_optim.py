@@ -124,6 +124,60 @@ def test_local_adamw_on_one_rank_is_torch_adamw():
     np.testing.assert_allclose(ours_state["exp_avg_sq"].numpy(), torch_state["exp_avg_sq"].numpy(), rtol=1e-12)
 
 
+def test_local_adamw_lr_in_residual_on_one_rank_is_torch_adamw():
+    """lr_in_residual only moves where lr multiplies: with the whole update exchanged on one
+    rank it is still AdamW, under a changing learning rate too."""
+    p0, gs = np.random.default_rng(5).standard_normal((7, 5)), grads(6)
+    lrs = [LR * 0.5 ** i for i in range(len(gs))]
+
+    def schedule(make):
+        def build(ps):
+            opt = make(ps)
+            inner_step, steps = opt.step, iter(lrs)
+
+            def step():
+                for group in opt.param_groups:
+                    group["lr"] = next(steps)
+                if isinstance(opt, LocalAdamW):
+                    for q in ps:
+                        opt.transform_local_gradient(q, q.grad)
+                inner_step()
+            opt.step = step
+            return opt
+        return build
+
+    ours, _ = run(schedule(lambda ps: LocalAdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                                                  lr_in_residual=True)), p0, gs)
+    torch_, _ = run(schedule(lambda ps: torch.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)), p0, gs)
+    np.testing.assert_allclose(ours, torch_, rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="lr_in_residual must be True or False"):
+        LocalAdamW([torch.nn.Parameter(torch.zeros(2))], lr_in_residual=1)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 5])
+def test_local_adamw_global_variance_matches_numpy(ranks):
+    """global_variance: the update is m_hat / (sqrt(v_hat / P + (1 - 1/P) mean_hat^2) + eps),
+    written out in numpy with the gradient's EMA ``mean`` (beta2) and bias corrections; one
+    rank (P = 1) is plain LocalAdamW. Gradients with a common offset, so the signal term is live."""
+    b1, b2 = 0.5, 0.9
+    gen = np.random.default_rng(7)
+    gs = [gen.standard_normal((4, 3)) * 0.3 + 1.0 for _ in range(6)]
+    p = torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.float64))
+    opt = LocalAdamW([p], lr=LR, betas=(b1, b2), eps=EPS, weight_decay=0.0, global_variance=True)
+    m, v, mean = np.zeros((4, 3)), np.zeros((4, 3)), np.zeros((4, 3))
+    for t, g in enumerate(gs, start=1):
+        grad = torch.tensor(g)
+        opt.transform_local_gradient(p, grad, ranks)
+        m, v, mean = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g, b2 * mean + (1 - b2) * g
+        v_hat, mean_hat = v / (1 - b2 ** t), mean / (1 - b2 ** t)
+        want = m / (1 - b1 ** t) / (np.sqrt(v_hat / ranks + (1 - 1 / ranks) * mean_hat ** 2) + EPS)
+        np.testing.assert_allclose(grad.numpy(), want, rtol=1e-12, err_msg=f"step {t}")
+        opt._transformed.clear()
+    if ranks > 1:  # the noise term shrank: updates larger than one rank's Adam would give
+        plain = m / (1 - b1 ** 6) / (np.sqrt(v / (1 - b2 ** 6)) + EPS)
+        assert np.all(np.abs(grad.numpy()) > np.abs(plain))
+
+
 def test_local_adamw_alone_is_refused():
     """Stepping on a raw gradient (no hvd_topk.DistributedOptimizer in between) would be SGD at
     Adam's learning rate: refused. Horovod's broadcast_optimizer_state initialises state with a

@@ -72,7 +72,8 @@ def check_contract(label, steps=4, density=0.05, momentum_correction=0.0, error_
     # bucket scope selects exactly what tensor scope does)
     bucket_scope = options.get("selection_scope") == "bucket" and len(set(buckets.values())) == 1
     shadow = copy.deepcopy(model)
-    ref = ErrorFeedbackReference(size, momentum=momentum_correction, error_feedback=error_feedback)
+    ref = ErrorFeedbackReference(size, momentum=momentum_correction, error_feedback=error_feedback,
+                                 decay=options.get("residual_decay", 1.0))
     for step in range(steps):
         use_head2 = rank != drop_head2_on_rank
         x, y = batch(step, rank)
@@ -335,21 +336,32 @@ def check_bad_input():
         train(model, opt, 1)
 
 
-def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-3, wd=0.1):
+def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-3, wd=0.1,
+                      lr_in_residual=False, residual_decay=1.0, exchange="allgather", global_variance=False):
     """LocalAdamW: each rank's numpy Adam on its own gradient gives its update; the exchanged
     result is the error-feedback contract applied to those updates; the step is
     p * (1 - lr * wd) - lr * result on every rank. (A large eps: with a tiny one the first
-    updates are all +-1, and Top-K among ties would compare rounding, not the method.)"""
+    updates are all +-1, and Top-K among ties would compare rounding, not the method.)
+    ``lr_in_residual``: the update is lr_t * Adam's, the step p * (1 - lr * wd) - result; the
+    learning rate halves every step, so an entry applied at another step's rate shows.
+    ``global_variance``: v is replaced by v/P + (1 - 1/P) mean^2 (bias-corrected EMAs)."""
     rank, size = hvd.rank(), hvd.size()
     torch.manual_seed(0)
     model = Net()
-    inner = hvd_topk.LocalAdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd)
-    opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(), exchange="allgather",
-                                        compression=hvd_topk.TopK(density=density), min_numel=500)
+    inner = hvd_topk.LocalAdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd,
+                                lr_in_residual=lr_in_residual, global_variance=global_variance)
+    opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(), exchange=exchange,
+                                        compression=hvd_topk.TopK(density=density), min_numel=500,
+                                        residual_decay=residual_decay)
     shadow = copy.deepcopy(model)
-    ref = ErrorFeedbackReference(size)
+    ref = ErrorFeedbackReference(size, decay=residual_decay)
     moments = {}  # (rank, name) -> (m, v) in float64
+    base_lr = lr
     for step in range(steps):
+        if lr_in_residual:
+            lr = base_lr * 0.5 ** step
+            for group in opt.param_groups:
+                group["lr"] = lr
         x, y = batch(step, rank)
         shadow.load_state_dict(model.state_dict())
         shadow.zero_grad()
@@ -361,33 +373,45 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-
         for name, p in model.named_parameters():
             updates = []
             for r, g in enumerate(gather(dict(shadow.named_parameters())[name].grad.numpy().astype(np.float64))):
-                m, v = moments.get((r, name), (0.0, 0.0))
+                m, v, mean = moments.get((r, name), (0.0, 0.0, 0.0))
                 m, v = betas[0] * m + (1 - betas[0]) * g, betas[1] * v + (1 - betas[1]) * g * g
-                moments[(r, name)] = (m, v)
+                mean = betas[1] * mean + (1 - betas[1]) * g
+                moments[(r, name)] = (m, v, mean)
                 t = step + 1
-                updates.append(m / (1 - betas[0] ** t) / (np.sqrt(v / (1 - betas[1] ** t)) + eps))
+                v_hat, mean_hat = v / (1 - betas[1] ** t), mean / (1 - betas[1] ** t)
+                if global_variance and size > 1:
+                    v_hat = mean_hat ** 2 + (v_hat - mean_hat ** 2) / size
+                updates.append(m / (1 - betas[0] ** t) / (np.sqrt(v_hat) + eps)
+                               * (lr if lr_in_residual else 1.0))
             updates = np.stack(updates)
-            want = ref.sparse(name, updates, density) if p.numel() >= 500 else updates.mean(axis=0)
+            leader = step % size if exchange == "sparse_allreduce" else None  # one bucket: number 0
+            want = ref.sparse(name, updates, density, leader=leader) if p.numel() >= 500 else updates.mean(axis=0)
             np.testing.assert_allclose(p.grad.numpy(), want, rtol=1e-5, atol=1e-6,
                                        err_msg=f"local adamw: step {step} {name}")
         step_and_check_same(opt, model, f"local adamw: step {step}")
         for name, p in model.named_parameters():
-            np.testing.assert_allclose(p.detach().numpy(), before[name] * (1 - lr * wd) - lr * p.grad.numpy(),
+            applied = p.grad.numpy() * (1.0 if lr_in_residual else lr)
+            np.testing.assert_allclose(p.detach().numpy(), before[name] * (1 - lr * wd) - applied,
                                        rtol=1e-5, atol=1e-7, err_msg=f"local adamw: parameter {name}")
     with raises(ValueError, match="does not support loss scaling", what="LocalAdamW with a GradScaler"):
         hvd_topk.DistributedOptimizer(hvd_topk.LocalAdamW(Net().parameters()), grad_scaler=torch.amp.GradScaler("cpu"))
 
 
-def check_local_adamw_resume():
+def check_local_adamw_resume(**options):
     """LocalAdamW's moments and the residuals saved at step 3 (one state per rank) and loaded
-    into fresh objects, with another learning rate set by the checkpoint: bitwise equal at 6."""
+    into fresh objects, with another learning rate set by the checkpoint: bitwise equal at 6.
+    ``options``: LocalAdamW's ``lr_in_residual``, the optimizer's ``residual_decay``."""
+    lr_in_residual = options.pop("lr_in_residual", False)
+    global_variance = options.pop("global_variance", False)
+
     def build_local(seed=0, betas=(0.0, 0.95)):
         torch.manual_seed(seed)
         model = Net()
-        inner = hvd_topk.LocalAdamW(model.parameters(), lr=0.01, betas=betas, weight_decay=0.1)
+        inner = hvd_topk.LocalAdamW(model.parameters(), lr=0.01, betas=betas, weight_decay=0.1,
+                                    lr_in_residual=lr_in_residual, global_variance=global_variance)
         return model, hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
                                                     exchange="allgather", min_numel=500,
-                                                    compression=hvd_topk.TopK(density=0.05))
+                                                    compression=hvd_topk.TopK(density=0.05), **options)
     model, opt = build_local()
     train(model, opt, 3)
     for group in opt.param_groups:
@@ -442,6 +466,18 @@ CHECKS = [
     ("bad input", check_bad_input),
     ("LocalAdamW: Adam per rank, updates exchanged", check_local_adamw),
     ("LocalAdamW: checkpoint resume", check_local_adamw_resume),
+    ("LocalAdamW: lr in the residual, residual decay", lambda: check_local_adamw(
+        steps=5, lr_in_residual=True, residual_decay=0.9)),
+    ("LocalAdamW: lr in the residual, decay, sparse allreduce", lambda: check_local_adamw(
+        steps=5, lr_in_residual=True, residual_decay=0.9, exchange="sparse_allreduce")),
+    ("LocalAdamW: lr in the residual, decay, checkpoint resume", lambda: check_local_adamw_resume(
+        lr_in_residual=True, residual_decay=0.9)),
+    ("LocalAdamW: global variance", lambda: check_local_adamw(steps=5, global_variance=True)),
+    ("LocalAdamW: global variance, lr in the residual, checkpoint resume", lambda: check_local_adamw_resume(
+        lr_in_residual=True, global_variance=True)),
+    contract("residual decay", residual_decay=0.8, steps=5),
+    contract("residual decay, momentum correction, sparse allreduce", residual_decay=0.8,
+             momentum_correction=0.9, exchange="sparse_allreduce"),
 ]
 
 
