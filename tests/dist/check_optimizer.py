@@ -336,6 +336,23 @@ def check_bad_input():
         train(model, opt, 1)
 
 
+def check_plain_adam_warns():
+    """Error feedback in front of plain torch Adam/AdamW warns once, naming the LocalAdamW recipe;
+    the recipe itself, SGD, and Adam without error feedback do not warn."""
+    def recipe_warnings(make, **kwargs):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")  # once per place in the code, Python's default
+            for _ in range(2):
+                hvd_topk.DistributedOptimizer(make(Net().parameters()), exchange="allgather", **kwargs)
+        return [str(w.message) for w in caught if "LocalAdamW" in str(w.message)]
+    for cls in (torch.optim.Adam, torch.optim.AdamW):
+        got = recipe_warnings(cls)
+        assert len(got) == 1 and f"torch.optim.{cls.__name__}" in got[0] and "global_variance=True" in got[0], got
+    for make, kwargs in [(hvd_topk.LocalAdamW, {}), (lambda ps: torch.optim.SGD(ps, lr=0.1), {}),
+                         (torch.optim.AdamW, {"error_feedback": False})]:
+        assert recipe_warnings(make, **kwargs) == [], (make, kwargs)
+
+
 def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-3, wd=0.1,
                       lr_in_residual=False, residual_decay=1.0, exchange="allgather", global_variance=False):
     """LocalAdamW: each rank's numpy Adam on its own gradient gives its update; the exchanged
@@ -464,6 +481,7 @@ CHECKS = [
     ("broadcast optimizer state", check_broadcast_optimizer_state),
     ("non-finite gradient", check_nonfinite),
     ("bad input", check_bad_input),
+    ("plain Adam/AdamW warns, naming the recipe", check_plain_adam_warns),
     ("LocalAdamW: Adam per rank, updates exchanged", check_local_adamw),
     ("LocalAdamW: checkpoint resume", check_local_adamw_resume),
     ("LocalAdamW: lr in the residual, residual decay", lambda: check_local_adamw(
