@@ -22,6 +22,7 @@ benchmarks/results/gpt/convergence-gpt.
 
 import argparse
 import datetime
+import json
 import shlex
 import statistics
 import sys
@@ -36,6 +37,8 @@ from _common import fmt_s, machine_info, run_example, write_report  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "pytorch_gpt.py"
 EF = ["--optimizer", "topk-ef", "--exchange", "allgather"]  # the exchange pinned: auto may go dense
+GV = [*EF, "--adam", "local", "--lr-in-residual", "--global-variance"]
+START = ["--warmup-steps", "100", "--warmup-density", "1.0"]  # the dense start
 CONFIGS = {
     "dense": ("Horovod dense fp32", ["--compression", "none"]),
     "fp16": ("Horovod fp16", ["--compression", "fp16"]),
@@ -78,6 +81,22 @@ CONFIGS = {
                          [*EF, "--density", "0.01", "--adam", "local"]),
     "local-1%-beta1": ("hvd_topk 1%, EF, LocalAdamW with beta1 0.9, no dense start",
                        [*EF, "--density", "0.01", "--adam", "local", "--beta1", "0.9"]),
+    # the long-run recipe (issue 26): LocalAdamW normalising by the ranks' average's variance,
+    # lr inside the residual (docs/adamw.md)
+    "local-dense": ("LocalAdamW (beta1 0), dense exchange: no compression",
+                    ["--optimizer", "topk-ef", "--adam", "local", "--exchange", "dense"]),
+    "gv-dense": ("LocalAdamW (beta1 0), global variance, dense exchange: no compression",
+                 ["--optimizer", "topk-ef", "--adam", "local", "--global-variance", "--exchange", "dense"]),
+    "gv-1%": ("hvd_topk 1%, EF, LocalAdamW global variance + lr in residual, dense start over 100 steps",
+              [*GV, "--density", "0.01", *START]),
+    "gv-0.1%": ("hvd_topk 0.1%, EF, LocalAdamW global variance + lr in residual, dense start over 100 steps",
+                [*GV, "--density", "0.001", *START]),
+    "gv-1%-lean": ("hvd_topk 1%, the same, the start decaying from 25% instead of 100% (fewer bytes)",
+                   [*GV, "--density", "0.01", "--warmup-steps", "100", "--warmup-density", "0.25"]),
+    "gv-noef-1%": ("hvd_topk 1%, no EF, LocalAdamW global variance, the same start",
+                   [*EF, "--adam", "local", "--global-variance", "--no-error-feedback", "--density", "0.01", *START]),
+    "gv-1%-bf16": ("hvd_topk 1%, the gv-1% recipe under bf16 autocast", [*GV, "--density", "0.01", *START,
+                                                                         "--amp", "bf16"]),
 }
 DEFAULT = ["dense", "fp16", "ef-1%", "noef-1%", "ef-0.1%", "noef-0.1%"]
 FROZEN = ["dense", "dense-fv", "fv-1%", "fv-0.1%", "fv-noef-0.1%"]  # --configs for convergence-gpt-frozen-variance
@@ -91,15 +110,30 @@ def main(argv=None):
     ap.add_argument("--np", type=int, default=2)
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--out-prefix", type=Path, default=ROOT / "benchmarks" / "results" / "gpt" / "convergence-gpt")
+    ap.add_argument("--eval-every", type=int, default=None,
+                    help="validation every N steps (default: the example's 100); finer for steps-to-target")
+    ap.add_argument("--reuse", type=Path, nargs="+", default=[], metavar="JSON",
+                    help="earlier PREFIX.json files: a run with the same config, ARGS, steps and seed is taken "
+                         "from them instead of being run again (its command and date are kept)")
     args = ap.parse_args(argv)
+    extra = [] if args.eval_every is None else ["--eval-every", str(args.eval_every)]
+    earlier = {}
+    for path in args.reuse:
+        for r in json.loads(path.read_text())["runs"]:
+            earlier[(r["config"], r.get("args_used"), r["steps"], r["seed"])] = r
     command = shlex.join(["python", "benchmarks/convergence_gpt.py", *(sys.argv[1:] if argv is None else argv)])
     runs, started = [], time.perf_counter()
     plan = [(c, s) for c in args.configs for s in args.seeds]
     for i, (name, seed) in enumerate(plan, 1):
         print(f"[{i:2d}/{len(plan)}] {name:<18s} seed {seed} ... ", end="", flush=True)
-        r = run_example(args.np, ["--steps", str(args.steps), *CONFIGS[name][1]], seed, None, args.timeout,
-                        EXAMPLE)
-        r.update(config=name, seed=seed)
+        used = " ".join([*CONFIGS[name][1], *extra])
+        r = earlier.get((name, used, args.steps, seed))
+        if r is None:
+            r = run_example(args.np, ["--steps", str(args.steps), *CONFIGS[name][1], *extra], seed, None,
+                            args.timeout, EXAMPLE)
+            r.update(config=name, seed=seed, args_used=used)
+        else:
+            r = dict(r, reused=True)
         runs.append(r)
         elapsed = time.perf_counter() - started
         print(f"val loss {r['final_val_loss']:.4f}  ({r['wall_s']:.0f}s; ~{fmt_s(elapsed / i * (len(plan) - i))} left)",
@@ -112,6 +146,7 @@ def main(argv=None):
                      "mean": statistics.mean(losses), "std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
                      "min": min(losses), "max": max(losses), "bytes_ratio": ratio})
     dense = next((r["mean"] for r in rows if r["config"] == "dense"), None)
+    targets = steps_to_target(runs, args.configs, args.steps)
     info = machine_info()
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "command": command, "machine": info, "np": args.np, "steps": args.steps, "seeds": args.seeds,
@@ -131,11 +166,51 @@ def main(argv=None):
         vs = f"{100 * (r['mean'] / dense - 1):+.1f}%" if dense and r["config"] != "dense" else ""
         lines.append(f"| {r['label']} | `{r['args']}` | {r['mean']:.4f} ± {r['std']:.4f} | "
                      f"{r['min']:.4f}–{r['max']:.4f} | {vs} | {100 * r['bytes_ratio']:.2f}% |")
+    if targets:
+        half = args.steps // 2
+        lines += ["", f"Steps to target: the first validation step (every {args.eval_every or 100}) at which a run's "
+                  f"loss is at or below dense's mean loss at step {half} ({targets['target_half']:.4f}) and at step "
+                  f"{args.steps} ({targets['target_full']:.4f}); mean over seeds, and how many seeds got there.", "",
+                  f"| configuration | steps to dense@{half} | steps to dense@{args.steps} |", "|---|---:|---:|"]
+        for name in args.configs:
+            cells = [fmt_reach(targets[name][key]) for key in ("half", "full")]
+            lines.append(f"| {CONFIGS[name][0]} | {cells[0]} | {cells[1]} |")
+    reused = sum(bool(r.get("reused")) for r in runs)
+    if reused:
+        lines += ["", f"{reused} of the {len(runs)} runs were taken from `--reuse` files (same ARGS, steps and seed; "
+                  "each keeps its own date and git revision in the JSON)."]
     lines += ["", f"Plot: `{prefix.name}.png` (validation loss, mean over seeds, shaded min–max).", ""]
     write_report(prefix, {"meta": meta, "runs": runs, "summary": rows}, "\n".join(lines), json_default=str)
     plot(runs, args.configs, f"{prefix}.png", meta)
     print("\n".join(lines))
     return 0
+
+
+def steps_to_target(runs, configs, steps):
+    """Per config, the first validation step whose loss is <= dense's mean loss at steps/2 and
+    at steps, for each seed (None where never); {} without a dense config."""
+    dense = [r for r in runs if r["config"] == "dense"]
+    if not dense:
+        return {}
+
+    def dense_at(step):
+        values = [h["val_loss"] for r in dense for h in r["history"] if h["step"] == step]
+        return statistics.mean(values) if len(values) == len(dense) else None
+    out = {"target_half": dense_at(steps // 2), "target_full": dense_at(steps)}
+    if out["target_half"] is None:  # no evaluation at steps/2: the nearest one before it
+        half = max(h["step"] for h in dense[0]["history"] if h["step"] <= steps // 2)
+        out["target_half"] = dense_at(half)
+    for name in configs:
+        out[name] = {key: [next((h["step"] for h in r["history"] if h["val_loss"] <= out[f"target_{key}"]), None)
+                           for r in runs if r["config"] == name] for key in ("half", "full")}
+    return out
+
+
+def fmt_reach(reached):
+    got = [s for s in reached if s is not None]
+    if not got:
+        return f"not reached (0/{len(reached)})"
+    return f"{statistics.mean(got):.0f} ({len(got)}/{len(reached)})"
 
 
 def plot(runs, configs, path, meta):
