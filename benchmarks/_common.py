@@ -187,17 +187,18 @@ def common_arguments(ap, densities, pool, output_name):
     ap.add_argument("--out", help=argparse.SUPPRESS)
 
 
-def driver(args, argv, *, worker_args, script, benchmark, render):
+def driver(args, argv, *, worker_args, script, benchmark, render, model=None):
     """Set up P emulated hosts per ``--ranks``, run ``script --worker`` under one mpirun per rate,
     save ``results/<benchmark>/<output-name>.{json,md}`` (after every configuration, marked
-    partial until the last)."""
+    partial until the last). ``model``: ``(parameters, tensors)`` of what is measured (default
+    ResNet-50's)."""
     script = Path(script).resolve()
     started = time.time()
     info = machine_info()
     runs = []
 
     def save(partial):
-        return _save_report(args, argv, script, benchmark, render, info, started, runs, partial)
+        return _save_report(args, argv, script, benchmark, render, info, started, runs, partial, model)
 
     print(f"{benchmark} benchmark: ranks {args.ranks}, rates {args.rates}, methods "
           f"{[label(m) for m in method_list(args.methods, args.densities)]}, {args.warmup} warm-up + "
@@ -232,12 +233,13 @@ def driver(args, argv, *, worker_args, script, benchmark, render):
     return save(partial=False)
 
 
-def _save_report(args, argv, script, benchmark, render, info, started, runs, partial):
+def _save_report(args, argv, script, benchmark, render, info, started, runs, partial, model=None):
+    params, tensors = model or (RESNET50_PARAMS, len(resnet50_shapes()))
     report = {"benchmark": benchmark, "partial": partial,
               "command": shlex.join([*[f"{k}={os.environ[k]}" for k in sorted(os.environ) if k.startswith("HOROVOD_")],
                                      ".venv/bin/python", str(script.relative_to(REPO)), *argv]),
               "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": info, "params": RESNET50_PARAMS, "tensors": len(resnet50_shapes()),
+              "machine": info, "params": params, "tensors": tensors,
               "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
               "wall_s": time.time() - started, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
               "runs": runs}

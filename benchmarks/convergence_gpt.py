@@ -37,7 +37,8 @@ from _common import fmt_s, machine_info, run_example, write_report  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "pytorch_gpt.py"
 EF = ["--optimizer", "topk-ef", "--exchange", "allgather"]  # the exchange pinned: auto may go dense
-GV = [*EF, "--adam", "local", "--lr-in-residual", "--global-variance"]
+GV = [*EF, "--adam", "local"]  # LocalAdamW's defaults since 2026-11-25: lr in the residual, global variance
+OLD = ["--no-lr-in-residual", "--no-global-variance"]  # LocalAdamW as it was before (the rows measured then)
 START = ["--warmup-steps", "100", "--warmup-density", "1.0"]  # the dense start
 CONFIGS = {
     "dense": ("Horovod dense fp32", ["--compression", "none"]),
@@ -71,22 +72,22 @@ CONFIGS = {
                                 "--freeze-step", "100", "--warmup-steps", "150", "--warmup-density", "1.0"]),
     # hvd_topk.LocalAdamW: Adam on each rank's own gradient, its update exchanged (beta1 0 unless said)
     "local-1%": ("hvd_topk 1%, EF, LocalAdamW (beta1 0), dense start decaying over 100 steps",
-                 [*EF, "--density", "0.01", "--adam", "local", "--warmup-steps", "100", "--warmup-density", "1.0"]),
+                 [*EF, "--density", "0.01", "--adam", "local", *OLD, "--warmup-steps", "100", "--warmup-density", "1.0"]),
     "local-0.1%": ("hvd_topk 0.1%, EF, LocalAdamW (beta1 0), dense start decaying over 100 steps",
-                   [*EF, "--density", "0.001", "--adam", "local", "--warmup-steps", "100", "--warmup-density", "1.0"]),
+                   [*EF, "--density", "0.001", "--adam", "local", *OLD, "--warmup-steps", "100", "--warmup-density", "1.0"]),
     "local-noef-0.1%": ("hvd_topk 0.1%, no EF, LocalAdamW (beta1 0), the same start",
-                        [*EF, "--density", "0.001", "--no-error-feedback", "--adam", "local", "--warmup-steps",
+                        [*EF, "--density", "0.001", "--no-error-feedback", "--adam", "local", *OLD, "--warmup-steps",
                          "100", "--warmup-density", "1.0"]),
     "local-1%-nostart": ("hvd_topk 1%, EF, LocalAdamW (beta1 0), no dense start",
-                         [*EF, "--density", "0.01", "--adam", "local"]),
+                         [*EF, "--density", "0.01", "--adam", "local", *OLD]),
     "local-1%-beta1": ("hvd_topk 1%, EF, LocalAdamW with beta1 0.9, no dense start",
-                       [*EF, "--density", "0.01", "--adam", "local", "--beta1", "0.9"]),
+                       [*EF, "--density", "0.01", "--adam", "local", *OLD, "--beta1", "0.9"]),
     # the long-run recipe (issue 26): LocalAdamW normalising by the ranks' average's variance,
     # lr inside the residual (docs/adamw.md)
     "local-dense": ("LocalAdamW (beta1 0), dense exchange: no compression",
-                    ["--optimizer", "topk-ef", "--adam", "local", "--exchange", "dense"]),
+                    ["--optimizer", "topk-ef", "--adam", "local", *OLD, "--exchange", "dense"]),
     "gv-dense": ("LocalAdamW (beta1 0), global variance, dense exchange: no compression",
-                 ["--optimizer", "topk-ef", "--adam", "local", "--global-variance", "--exchange", "dense"]),
+                 ["--optimizer", "topk-ef", "--adam", "local", "--exchange", "dense"]),
     "gv-1%": ("hvd_topk 1%, EF, LocalAdamW global variance + lr in residual, dense start over 100 steps",
               [*GV, "--density", "0.01", *START]),
     "gv-0.1%": ("hvd_topk 0.1%, EF, LocalAdamW global variance + lr in residual, dense start over 100 steps",
@@ -94,7 +95,7 @@ CONFIGS = {
     "gv-1%-lean": ("hvd_topk 1%, the same, the start decaying from 25% instead of 100% (fewer bytes)",
                    [*GV, "--density", "0.01", "--warmup-steps", "100", "--warmup-density", "0.25"]),
     "gv-noef-1%": ("hvd_topk 1%, no EF, LocalAdamW global variance, the same start",
-                   [*EF, "--adam", "local", "--global-variance", "--no-error-feedback", "--density", "0.01", *START]),
+                   [*EF, "--adam", "local", "--no-lr-in-residual", "--no-error-feedback", "--density", "0.01", *START]),
     "gv-1%-bf16": ("hvd_topk 1%, the gv-1% recipe under bf16 autocast", [*GV, "--density", "0.01", *START,
                                                                          "--amp", "bf16"]),
 }

@@ -67,10 +67,14 @@ def parse_args(argv=None):
                         "frozen-variance: hvd_topk.FrozenVarianceAdamW, its variance frozen after "
                         "--freeze-step steps; with topk-ef and error feedback its beta1 moves into the "
                         "exchange (momentum_correction=0.9, betas (0, 0.95)), as 1-bit Adam does")
-    p.add_argument("--lr-in-residual", action="store_true",
-                   help="--adam local: the residual holds lr x update (LocalAdamW(lr_in_residual=True))")
-    p.add_argument("--global-variance", action="store_true",
-                   help="--adam local: normalise by the ranks' average gradient's variance (LocalAdamW(global_variance=True))")
+    p.add_argument("--lr-in-residual", action=argparse.BooleanOptionalAction, default=True,
+                   help="--adam local: the residual holds lr x update (default); --no-lr-in-residual: without lr "
+                        "(LocalAdamW(lr_in_residual=False), "
+                        "the recipe before 2026-11-25)")
+    p.add_argument("--global-variance", action=argparse.BooleanOptionalAction, default=True,
+                   help="--adam local: normalise by the ranks' average gradient's variance (default); "
+                        "--no-global-variance: by each rank's own (LocalAdamW(global_variance=False), "
+                        "the recipe before 2026-11-25)")
     p.add_argument("--residual-decay", type=float, default=1.0,
                    help="topk-ef: residuals decay by this factor each step (default 1.0: none)")
     p.add_argument("--beta1", type=float, default=None,
@@ -115,8 +119,8 @@ def parse_args(argv=None):
         p.error("--adam frozen-variance needs --freeze-step N > 0, and --freeze-step needs it")
     if args.adam == "local" and args.optimizer != "topk-ef":
         p.error("--adam local needs --optimizer topk-ef (hvd_topk.LocalAdamW runs inside hvd_topk.DistributedOptimizer)")
-    if (args.lr_in_residual or args.global_variance) and args.adam != "local":
-        p.error("--lr-in-residual and --global-variance need --adam local")
+    if not (args.lr_in_residual and args.global_variance) and args.adam != "local":
+        p.error("--no-lr-in-residual and --no-global-variance only apply to --adam local")
     if args.adam == "local" and args.clip:
         p.error("--adam local: the synchronized gradient is Adam's update; clipping it would shrink steps (use --clip 0)")
     if args.adam == "local" and args.amp == "fp16":

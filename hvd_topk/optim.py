@@ -122,14 +122,14 @@ class LocalAdamW(torch.optim.Optimizer):
     Args: as ``torch.optim.AdamW`` (decoupled weight decay, bias-corrected moments), but
     ``betas`` defaults to ``(0.0, 0.999)``, and:
 
-        lr_in_residual: the update handed to the exchange is already multiplied by this step's
+        lr_in_residual (True): the update handed to the exchange is already multiplied by this step's
             ``lr`` (``lr * m_hat / (sqrt(v_hat) + eps)``), and ``step()`` applies the exchanged
             result as it is. An entry that waits in the residual is then applied at the
             learning rates of the steps it stands for, not at the (smaller, under a decaying
             schedule) rate of the step that finally sends it (DeMo's and SparseLoCo's
             convention; docs/adamw.md). A param-group option: a checkpoint carries it, and
             one written without it loads as ``False``, matching the units of its residuals.
-        global_variance: normalise by an estimate of the variance of the *ranks' average*
+        global_variance (True): normalise by an estimate of the variance of the *ranks' average*
             gradient instead of this rank's own. Each rank's ``v`` holds its own batch's noise,
             P times that of the average over P ranks, so where noise dominates (most entries,
             late in training) a per-rank Adam step is sqrt(P) times smaller than dense AdamW's
@@ -140,8 +140,8 @@ class LocalAdamW(torch.optim.Optimizer):
             (it passes it with each gradient). No communication; one more buffer per parameter.
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.0, 0.999), eps=1e-8, weight_decay=1e-2, lr_in_residual=False,
-                 global_variance=False):
+    def __init__(self, params, lr=1e-3, betas=(0.0, 0.999), eps=1e-8, weight_decay=1e-2, lr_in_residual=True,
+                 global_variance=True):
         _check_adam_options(lr, betas, eps, weight_decay)
         for name, value in (("lr_in_residual", lr_in_residual), ("global_variance", global_variance)):
             if not isinstance(value, bool):

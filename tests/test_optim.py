@@ -163,7 +163,8 @@ def test_local_adamw_global_variance_matches_numpy(ranks):
     gen = np.random.default_rng(7)
     gs = [gen.standard_normal((4, 3)) * 0.3 + 1.0 for _ in range(6)]
     p = torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.float64))
-    opt = LocalAdamW([p], lr=LR, betas=(b1, b2), eps=EPS, weight_decay=0.0, global_variance=True)
+    opt = LocalAdamW([p], lr=LR, betas=(b1, b2), eps=EPS, weight_decay=0.0, lr_in_residual=False,
+                     global_variance=True)
     m, v, mean = np.zeros((4, 3)), np.zeros((4, 3)), np.zeros((4, 3))
     for t, g in enumerate(gs, start=1):
         grad = torch.tensor(g)
@@ -187,7 +188,7 @@ def test_local_adamw_alone_is_refused():
     p.grad = torch.zeros(3)
     opt.step()
     np.testing.assert_array_equal(p.detach().numpy(), np.ones(3))
-    assert set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq", "grad_mean"}  # global_variance (default)
     p.grad = torch.ones(3)
     with pytest.raises(RuntimeError, match="only as the inner optimizer of hvd_topk.DistributedOptimizer"):
         opt.step()

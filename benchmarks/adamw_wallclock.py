@@ -1,0 +1,297 @@
+#!/usr/bin/env python
+"""Wall-clock to target for AdamW: GPT-2-small's step time on shaped links, combined with the
+steps each scheme needs on the GPT example (benchmarks/convergence_gpt.py's results).
+
+Part 1, measured: the training step of a real GPT-2-small (124,439,808 parameters in 148
+tensors: 12 pre-norm blocks of width 768, 50,257-token embedding tied to the output head,
+1,024 positions; written out here) on ``--context`` tokens x ``--batch`` sequences per rank of
+synthetic tokens, one rank per emulated host (tools/emulated_hosts.py), one mpirun per (P, rate),
+MPI over TCP. A step = ``zero_grad(set_to_none=True)`` + forward + backward (the exchanges start
+from the gradient hooks) + ``opt.step()``; median of the slowest rank over ``--steps`` after
+``--warmup``. Methods: ``none`` (plain AdamW, no exchange), ``dense`` (hvd.DistributedOptimizer
+over AdamW), ``fp16`` (its fp16 compression), ``old`` (hvd_topk.DistributedOptimizer over
+LocalAdamW as before 2026-11-25: own variance, lr applied at send time) and ``recipe`` (today's
+LocalAdamW: global variance, lr in the residual), both Top-K at ``--density`` with the allgather
+(pinned, as the quality runs) and no dense start: the timed steps are the steady state.
+
+Part 2, modelled (labelled so in the report): time to reach dense AdamW's mean validation loss
+at N/2 and at N steps of the example = steps to target (from ``--convergence`` files, mean over
+seeds) x the measured step time, plus, for the Top-K schemes, the dense start's extra bytes
+counted as that many dense steps' extra time (``--start-dense-steps``: the dense-step
+equivalents of DGC's 100-step decay from 100% to 1%, from the runs' own byte counts). Dense
+fp32 and fp16 need N steps to reach dense's loss at N by definition (fp16 is assumed to train
+as fp32 does: at 300 steps the two are equal to 4 digits, ``convergence-gpt.md``).
+
+    .venv/bin/python benchmarks/adamw_wallclock.py                     # P=2, 1 and 10 Gbit
+    .venv/bin/python benchmarks/adamw_wallclock.py --render benchmarks/results/training/adamw-wallclock.json \\
+        --convergence benchmarks/results/gpt/convergence-gpt-gv-3000.json      # the model with other runs
+    .venv/bin/python benchmarks/adamw_wallclock.py --ranks 2 --rates 1gbit --steps 2 --warmup 1 \\
+        --output-name adamw-wallclock-smoke                            # quick check
+Results: benchmarks/results/training/<output-name>.{json,md} (default adamw-wallclock).
+"""
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import _common as common  # noqa: E402
+
+GPT2_SMALL = dict(vocab=50257, positions=1024, width=768, layers=12, heads=12)
+METHODS = ("none", "dense", "fp16", "old", "recipe")
+LABELS = {"none": "no exchange (AdamW)", "dense": "Horovod dense fp32", "fp16": "Horovod fp16",
+          "old": "hvd_topk, LocalAdamW as before", "recipe": "hvd_topk, LocalAdamW recipe"}
+
+
+def build_gpt2_small(torch, vocab, positions, width, layers, heads):
+    nn = torch.nn
+    F = torch.nn.functional
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+            self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+            self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, heads, width // heads).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, width)
+            x = x + self.proj(a)
+            return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+    class GPT2(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.pos = nn.Embedding(vocab, width), nn.Embedding(positions, width)
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.ln = nn.LayerNorm(width)
+
+        def forward(self, idx):
+            x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+            for block in self.blocks:
+                x = block(x)
+            return self.ln(x) @ self.tok.weight.t()  # the head tied to the embedding, as GPT-2
+
+    return GPT2()
+
+
+def make(method, model, density, hvd, hvd_topk, torch):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+    named = list(model.named_parameters())
+    if method in ("none", "dense", "fp16"):
+        inner = torch.optim.AdamW(groups, lr=3e-4, betas=(0.9, 0.95))
+        if method == "none":
+            return inner
+        comp = hvd.Compression.none if method == "dense" else hvd.Compression.fp16
+        return hvd.DistributedOptimizer(inner, named_parameters=named, compression=comp)
+    new = method == "recipe"
+    inner = hvd_topk.LocalAdamW(groups, lr=3e-4, betas=(0.0, 0.95), lr_in_residual=new, global_variance=new)
+    return hvd_topk.DistributedOptimizer(inner, named_parameters=named, exchange="allgather",
+                                         compression=hvd_topk.TopK(density=density))
+
+
+def worker(args):
+    import torch
+    import horovod.torch as hvd
+    import hvd_topk
+
+    torch.set_num_threads(args.threads)
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    names = hvd.allgather_object(os.uname().nodename)
+    g = torch.Generator().manual_seed(7 + rank)
+    tokens = [torch.randint(0, GPT2_SMALL["vocab"], (args.batch, args.context + 1), generator=g)
+              for _ in range(args.pool)]
+    rows = []
+    for method in args.gpt_methods:
+        gc.collect()
+        torch.manual_seed(0)
+        model = build_gpt2_small(torch, **GPT2_SMALL)
+        n_params, n_tensors = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
+        opt = make(method, model, args.density, hvd, hvd_topk, torch)
+        if method != "none":
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        params = list(model.parameters())
+        times, t_method = [], time.time()
+        for step in range(args.warmup + args.steps):
+            batch = tokens[step % len(tokens)]
+            hvd.allreduce(torch.zeros(1), name="bench.barrier", op=hvd.Sum)
+            t0 = time.perf_counter()
+            common.zero_grad(opt, params)
+            logits = model(batch[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+            dt = time.perf_counter() - t0
+            if step >= args.warmup:
+                times.append(dt)
+            say(f"  [{method}] step {step + 1}/{args.warmup + args.steps} {dt * 1e3:.0f} ms (rank 0), loss {loss.item():.3f}")
+        agree = None
+        if method != "none":
+            s = torch.tensor([float(sum(p.detach().double().sum() for p in params))], dtype=torch.float64)
+            agree = len(set(hvd.allgather(s, name="bench.check").tolist())) == 1
+        every = hvd.allgather(torch.tensor([times], dtype=torch.float64), name="bench.times").max(dim=0).values.tolist()
+        row = {"method": method, "label": LABELS[method], "P": size, "median_ms": 1e3 * statistics.median(every),
+               "min_ms": 1e3 * min(every), "max_ms": 1e3 * max(every), "step_ms_slowest_rank": [1e3 * t for t in every],
+               "params_identical_across_ranks": agree, "wall_s": time.time() - t_method,
+               "parameters": n_params, "tensors": n_tensors}
+        if method in ("old", "recipe"):
+            row["compression_stats"] = opt.compression_stats()
+        rows.append(row)
+        say(f"{LABELS[method]:>34}: median {row['median_ms']:8.1f} ms/step")
+        del opt, model
+    if rank == 0 and args.out:
+        Path(args.out).write_text(json.dumps({"hosts": names, "rows": rows, "hvd_topk": {
+            "version": hvd_topk.__version__, "file": hvd_topk.__file__}}, indent=1))
+
+
+def worker_args(args):
+    return ["--gpt-methods", *args.gpt_methods, "--density", str(args.density), "--steps", str(args.steps),
+            "--warmup", str(args.warmup), "--pool", str(args.pool), "--threads", str(args.threads),
+            "--batch", str(args.batch), "--context", str(args.context)]
+
+
+def to_target(report, args):
+    """The modelled part: seconds to dense's loss at N/2 and N per (P, rate, method)."""
+    out = []
+    for path in args.convergence:
+        conv = json.loads(Path(path).read_text())
+        steps = conv["meta"]["steps"]
+        dense_rows = [r for r in conv["runs"] if r["config"] == "dense"]
+        if not dense_rows:
+            continue
+
+        def dense_at(step):
+            return statistics.mean(h["val_loss"] for r in dense_rows for h in r["history"] if h["step"] == step)
+        targets = {"N/2": dense_at(steps // 2), "N": dense_at(steps)}
+        reach = {}
+        for config, method in ((args.old_config, "old"), (args.recipe_config, "recipe")):
+            runs = [r for r in conv["runs"] if r["config"] == config]
+            for key, target in targets.items():
+                got = [next((h["step"] for h in r["history"] if h["val_loss"] <= target), None) for r in runs]
+                reach[(method, key)] = (statistics.mean(got) if runs and None not in got else None, len(runs),
+                                        sum(x is not None for x in got))
+        for key in targets:
+            n = steps // 2 if key == "N/2" else steps
+            reach[("dense", key)] = reach[("fp16", key)] = (n, len(dense_rows), len(dense_rows))
+        out.append({"file": str(path), "steps": steps, "targets": targets,
+                    "reach": {f"{m} {k}": v for (m, k), v in reach.items()}})
+    return out
+
+
+def markdown(report):
+    s, m = report["settings"], report["machine"]
+    lines = [f"# Wall-clock to target for AdamW: GPT-2-small ({report['params']:,} parameters, "
+             f"{report['tensors']} tensors), {s['batch']} x {s['context']} tokens per rank", "",
+             f"- command: `{report['command']}`",
+             f"- date: {report['date_utc']}; machine: {common.summary(m)}; load average at end {report.get('loadavg_at_end')}",
+             "- one emulated host per rank (network namespace, tbf-shaped veth, burst 1 ms of the rate), mpirun over "
+             "ssh, MPI over TCP only; step = zero_grad(set_to_none=True) + forward + backward + opt.step(); "
+             f"{s['warmup']} warm-up + {s['steps']} timed steps, median of the slowest rank; {s['threads']} torch "
+             f"thread(s) per rank; Top-K at {s['density'] * 100:g}% with the allgather, steady state (no dense start)",
+             "- CPU only: compute is far slower than on a GPU, so the exchange is a smaller share of the step "
+             "than it would be there", ""]
+    for run in report["runs"]:
+        ref = {r["method"]: r["median_ms"] for r in run["rows"]}
+        lines += [common.run_heading(run), "", "| method | median ms/step | min-max ms | exchange overhead vs none "
+                  "| vs dense | vs fp16 | ranks agree | bytes vs dense fp32 |", "|---|---:|---:|---:|---:|---:|---|---:|"]
+        for r in run["rows"]:
+            ov = f"{r['median_ms'] - ref['none']:+.0f} ms" if "none" in ref and r["method"] != "none" else "-"
+            ratio = r.get("compression_stats", {}).get("bytes_ratio")
+            lines.append(f"| {r['label']} | {r['median_ms']:.0f} | {r['min_ms']:.0f}-{r['max_ms']:.0f} | {ov} | "
+                         f"{common.versus(ref, r, 'dense')} | {common.versus(ref, r, 'fp16')} | "
+                         f"{common.agree(r['params_identical_across_ranks'])} | "
+                         f"{'-' if ratio is None else f'{100 * ratio:.2f}%'} |")
+        lines.append("")
+    targets = report.get("to_target") or []
+    start = report["settings"]["start_dense_steps"]
+    for t in targets:
+        lines += [f"## Modelled: time to dense AdamW's loss, {t['steps']}-step schedule (`{Path(t['file']).name}`)", "",
+                  f"Steps to target: mean over seeds of the first validation step at or below dense's mean loss at "
+                  f"step {t['steps'] // 2} ({t['targets']['N/2']:.4f}) and {t['steps']} ({t['targets']['N']:.4f}). "
+                  f"Time = steps x the measured median step, plus {start:g} dense steps' extra time for the Top-K "
+                  "schemes' dense start. Not measured end to end: a model.", ""]
+        for run in report["runs"]:
+            ms = {r["method"]: r["median_ms"] for r in run["rows"]}
+            lines += [f"P={run['P']}, {run['rate']}:", "", "| method | to dense@N/2 | vs dense fp32 | vs fp16 | "
+                      "to dense@N | vs dense fp32 | vs fp16 |", "|---|---:|---:|---:|---:|---:|---:|"]
+            seconds, cells = {}, {}
+            for method in ("dense", "fp16", "old", "recipe"):
+                for key in ("N/2", "N"):
+                    steps, n, got = t["reach"][f"{method} {key}"]
+                    if steps is None or method not in ms:
+                        missing = n == 0 or method not in ms
+                        seconds[(method, key)] = None
+                        cells[(method, key)] = "-" if missing else f"not reached by every seed ({got}/{n})"
+                        continue
+                    sec = steps * ms[method] / 1e3
+                    if method in ("old", "recipe"):
+                        sec += start * (ms["dense"] - ms[method]) / 1e3
+                    seconds[(method, key)], cells[(method, key)] = sec, f"{sec / 60:.1f} min ({steps:.0f} steps)"
+            for method in ("dense", "fp16", "old", "recipe"):
+                row = []
+                for key in ("N/2", "N"):
+                    row.append(cells[(method, key)])
+                    row += [f"{seconds[(method, key)] / seconds[(base, key)]:.2f}x"
+                            if seconds[(method, key)] and seconds[(base, key)] else "-" for base in ("dense", "fp16")]
+                lines.append(f"| {LABELS[method]} | " + " | ".join(row) + " |")
+            lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.common_arguments(ap, densities=[0.01], pool=2, output_name="adamw-wallclock")
+    ap.set_defaults(ranks=[2], steps=4, warmup=2)
+    ap.add_argument("--gpt-methods", nargs="+", choices=METHODS, default=list(METHODS))
+    ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--batch", type=int, default=1, help="sequences per rank")
+    ap.add_argument("--context", type=int, default=128, help="tokens per sequence")
+    ap.add_argument("--convergence", nargs="*", default=[], help="convergence_gpt.py JSON files (steps to target)")
+    ap.add_argument("--old-config", default="local-1%")
+    ap.add_argument("--recipe-config", default="gv-1%")
+    ap.add_argument("--start-dense-steps", type=float, default=35.5,
+                    help="dense-step equivalents of the dense start (bytes of the 1000-step runs: "
+                         "(6.24% x 1000 - 2.79% x 1000) / (100% - 2.79%))")
+    ap.add_argument("--render", type=Path, metavar="JSON",
+                    help="only redo the report of an earlier run (its measured part) with these --convergence files")
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return
+    if args.render:
+        report = json.loads(args.render.read_text())
+        report["settings"]["start_dense_steps"] = args.start_dense_steps
+        report["to_target"] = to_target(report, args)
+        report["rendered_with"] = args.convergence
+        common.write_report(args.render.with_suffix(""), report, markdown(report))
+        print(markdown(report))
+        return
+    n = GPT2_SMALL
+    params = n["vocab"] * n["width"] + n["positions"] * n["width"] + 2 * n["width"] + \
+        n["layers"] * (12 * n["width"] ** 2 + 13 * n["width"])
+    tensors = 2 + 2 + n["layers"] * 12
+
+    def render(report):
+        report["to_target"] = to_target(report, args)
+        return markdown(report)
+    common.driver(args, argv, worker_args=worker_args, script=__file__, benchmark="training", render=render,
+                  model=(params, tensors))
+
+
+if __name__ == "__main__":
+    main()
