@@ -10,8 +10,10 @@ error feedback buys little (measurements: docs/adamw.md).
 ``LocalAdamW`` moves Adam before the exchange: each rank runs it on its own full gradient and
 Top-K with error feedback compresses the resulting update, which is summed linearly, as error
 feedback needs. Its ``beta1`` defaults to 0 (the residual already holds each entry's unsent
-past; a momentum on top delays updates once more, which cost quality). It is the best scheme
-measured so far on short runs, and still falls behind dense over long ones (docs/adamw.md).
+past; a momentum on top delays updates once more, which cost quality). By default it normalises
+by an estimate of the ranks' *average* gradient's variance (not its own batch's, which holds P
+times the noise) and keeps the learning rate inside the residual: over 1000 steps of the GPT
+example that took it from +11.5% to +3.0% of dense AdamW at 1% (docs/adamw.md).
 
 ``FrozenVarianceAdamW`` follows 1-bit Adam (Tang et al., 2021): AdamW whose second moment is
 frozen after a dense warm-up, so that the update is a fixed per-entry scaling of the momentum,
@@ -115,9 +117,9 @@ class LocalAdamW(torch.optim.Optimizer):
     ``synchronize()``, ``p.grad`` holds the averaged update, so do not clip it. No GradScaler
     (fp16 loss scaling would mix scales in the moments; use bf16 autocast). Each rank's
     ``exp_avg_sq`` follows its own gradients, so the moments differ between ranks (the
-    parameters do not): they hold one rank's batch noise, not the global batch's, so with many
-    ranks Adam's normalisation is that of a smaller batch. ``state_dict()`` holds this rank's
-    moments; ``hvd.broadcast_optimizer_state`` gives every rank rank 0's.
+    parameters do not): they hold one rank's batch noise, not the global batch's, which
+    ``global_variance`` corrects for. ``state_dict()`` holds this rank's moments;
+    ``hvd.broadcast_optimizer_state`` gives every rank rank 0's.
 
     Args: as ``torch.optim.AdamW`` (decoupled weight decay, bias-corrected moments), but
     ``betas`` defaults to ``(0.0, 0.999)``, and:
