@@ -49,6 +49,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--compression", choices=("none", "fp16", "topk"), default="topk")
     p.add_argument("--density", type=float, default=0.01, help="fraction sent by topk (default 0.01)")
+    p.add_argument("--fp16-values", action="store_true",
+                   help="topk: values travel as float16 (TopK(fp16_values=True)); topk-ef's dense fallback is then fp16 too")
     p.add_argument("--optimizer", choices=("horovod", "topk-ef"), default="horovod",
                    help="hvd.DistributedOptimizer (+ --compression) or hvd_topk.DistributedOptimizer")
     p.add_argument("--no-error-feedback", action="store_true", help="topk-ef without error feedback")
@@ -231,7 +233,7 @@ def make_optimizer(args, model, scaler):
                                     global_variance=args.global_variance)
     else:
         inner = torch.optim.AdamW(groups, lr=args.lr, betas=(beta1, 0.95))
-    topk = hvd_topk.TopK(density=args.density) if args.compression == "topk" else None
+    topk = hvd_topk.TopK(density=args.density, fp16_values=args.fp16_values) if args.compression == "topk" else None
     if args.optimizer == "topk-ef":
         opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=topk,
                                             error_feedback=not args.no_error_feedback,

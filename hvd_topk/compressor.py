@@ -169,7 +169,8 @@ class TopK(Compressor):
         method: ``"sampled"`` (default: threshold from a sample, one pass, exactly k entries,
             >= 95% of the true top-k) or ``"exact"`` (the same set as ``torch.topk``); see
             ``hvd_topk.selection``.
-        fp16_values: send values as float16 (halves the value bytes).
+        fp16_values: send values as float16 (halves the value bytes); in
+            ``hvd_topk.DistributedOptimizer`` a bucket sent dense is then sent in float16 too.
     """
 
     DEFAULT_DENSITY = 0.01

@@ -111,8 +111,10 @@ class ExchangePlanner:
             return chosen if self._sparse_bytes(chosen, bucket, codec_plan, world, family) < \
                 exchange.DenseAllreduce.wire_bytes(world, bucket.numel, 0, 0, 0, bucket.element_size) \
                 else exchange.DenseAllreduce
+        # with 16-bit values on the wire (TopK(fp16_values=True)) the dense fallback is 16-bit too
+        dense = exchange.DenseAllreduceFp16 if self.codec.fp16_values else exchange.DenseAllreduce
         layout = codec_plan.layout
-        return exchange.cheapest((exchange.DenseAllreduce, chosen), world, bucket.numel, codec_plan.count,
+        return exchange.cheapest((dense, chosen), world, bucket.numel, codec_plan.count,
                                  layout.value_itemsize, layout.index_itemsize, bucket.element_size)
 
     def _sparse_bytes(self, strategy, bucket, codec_plan, world, family):

@@ -16,12 +16,12 @@ from hvd_topk.schedule import DensitySchedule
 N = 10_000  # the weight's elements: k = 100 at 1%
 
 
-def planner(density=0.01, hier=None, **options):
+def planner(density=0.01, hier=None, codec=None, **options):
     weight, bias = torch.nn.Parameter(torch.zeros(100, 100)), torch.nn.Parameter(torch.zeros(100))
     options = Options(**options)
     buckets = make_buckets([weight, bias], {weight: "w", bias: "b"}, options.min_numel, options.fusion_bytes)
     schedule = DensitySchedule(density, options.warmup_steps, options.warmup_density)
-    return ExchangePlanner(options, buckets, Codec(), schedule, hier, process_set=None, name="test"), buckets
+    return ExchangePlanner(options, buckets, codec or Codec(), schedule, hier, process_set=None, name="test"), buckets
 
 
 def test_pinned_exchange_and_dense_fallback():
@@ -36,6 +36,20 @@ def test_pinned_exchange_and_dense_fallback():
     assert plan.strategy("allgather", sparse, wide, 2) is exchange.DenseAllreduce
     no_fallback, (sparse2, _) = planner(exchange="allgather", dense_fallback=False)
     assert no_fallback.strategy("allgather", sparse2, wide, 2) is exchange.AllgatherPairs
+
+
+def test_fp16_values_fall_back_to_a_16_bit_dense_allreduce():
+    """TopK(fp16_values=True): 6 bytes a pair (2 + 4), and the dense fallback is the fp16 ring:
+    2 (P-1)/P N 2 = 20,000 bytes at P=2, so 40% (4000 pairs, 24,000 bytes) goes dense, in 16
+    bits, and 30% (18,000 bytes) stays sparse; the small tensors stay fp32. (With fp32 values
+    40% stays sparse: 32,000 bytes against the fp32 ring's 40,000.)"""
+    plan, (sparse, dense) = planner(exchange="allgather", codec=Codec(fp16_values=True))
+    assert plan.strategy("allgather", sparse, plan.codec_plan(sparse, 0.4, "allgather"), 2) is \
+        exchange.DenseAllreduceFp16
+    assert plan.strategy("allgather", sparse, plan.codec_plan(sparse, 0.3, "allgather"), 2) is exchange.AllgatherPairs
+    fp32, (sparse32, _) = planner(exchange="allgather")
+    assert fp32.strategy("allgather", sparse32, fp32.codec_plan(sparse32, 0.4, "allgather"), 2) is exchange.AllgatherPairs
+    assert plan.strategy("allgather", dense, None, 2) is exchange.DenseAllreduce
 
 
 @pytest.mark.parametrize("family, world, want", [

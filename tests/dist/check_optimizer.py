@@ -42,7 +42,7 @@ def batch(step, rank, n=24, part=None):
     return x[part * half:(part + 1) * half], y[part * half:(part + 1) * half]
 
 
-def build(density=0.05, lr=0.1, momentum=0.9, seed=0, **options):
+def build(density=0.05, lr=0.1, momentum=0.9, seed=0, fp16_values=False, **options):
     """The test model and its optimizer; the allgather exchange unless ``exchange`` says
     otherwise (the default, "auto", would try several strategies in the first steps)."""
     options.setdefault("exchange", "allgather")
@@ -50,7 +50,8 @@ def build(density=0.05, lr=0.1, momentum=0.9, seed=0, **options):
     model = Net()
     inner = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
-                                        compression=hvd_topk.TopK(density=density), **options)
+                                        compression=hvd_topk.TopK(density=density, fp16_values=fp16_values),
+                                        **options)
     return model, opt
 
 
@@ -125,11 +126,15 @@ def check_contract(label, steps=4, density=0.05, momentum_correction=0.0, error_
     return model
 
 
-def check_dense_exchange(exchange):
+def check_dense_exchange(exchange, fallback=False):
     """exchange="dense" / "dense_fp16": every tensor is the plain average (fp16: within its
-    rounding), and nothing stays in the residuals."""
+    rounding), and nothing stays in the residuals. ``fallback``: the same result reached by
+    the allgather's dense fallback at 60% with TopK(fp16_values=True), which is 16-bit too."""
     size = hvd.size()
-    model, opt = build(min_numel=500, exchange=exchange)
+    if fallback:
+        model, opt = build(density=0.6, fp16_values=True, min_numel=500, exchange="allgather")
+    else:
+        model, opt = build(min_numel=500, exchange=exchange)
     shadow = copy.deepcopy(model)
     tol = dict(rtol=1e-6, atol=1e-7) if exchange == "dense" else dict(rtol=2e-3, atol=2e-4)
     for step in range(3):
@@ -472,6 +477,7 @@ CHECKS = [
     contract("bucket scope, warm-up, sum", selection_scope="bucket", warmup_steps=3, steps=5, op=hvd.Sum),
     ("dense exchange", lambda: check_dense_exchange("dense")),
     ("dense fp16 exchange", lambda: check_dense_exchange("dense_fp16")),
+    ("fp16 values: the dense fallback is fp16", lambda: check_dense_exchange("dense_fp16", fallback=True)),
     ("auto: trial, agreement, choice", check_auto),
     ("auto: dominated strategies not tried", check_auto_one_candidate),
     ("cost model goes dense", check_cost_model_goes_dense),
