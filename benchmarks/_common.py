@@ -21,6 +21,7 @@ import json
 import os
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -95,6 +96,21 @@ def zero_grad(opt, params):
             opt.zero_grad()
     for p in params:
         p.grad = None
+
+
+def rank_sums(hvd, torch, tensors):
+    """Every rank's float64 sum of ``tensors`` (parameters, exchanged gradients), rank order:
+    the benchmarks' check that ranks agree after distributed steps."""
+    s = torch.tensor([float(sum(t.detach().double().sum() for t in tensors))], dtype=torch.float64)
+    return hvd.allgather(s, name="bench.check").tolist()
+
+
+def slowest_rank_ms(hvd, torch, times):
+    """Each timed step's time on its slowest rank (``times``: this rank's, in seconds), with
+    their median, min and max, in ms: what a benchmark row reports."""
+    step_max = hvd.allgather(torch.tensor([times], dtype=torch.float64), name="bench.times").max(dim=0).values.tolist()
+    return {"median_ms": 1e3 * statistics.median(step_max), "min_ms": 1e3 * min(step_max),
+            "max_ms": 1e3 * max(step_max), "step_ms_slowest_rank": [1e3 * t for t in step_max]}
 
 
 TOPK_METHODS = {"topk": None, "topk-ef": "allgather", "topk-sar": "sparse_allreduce", "topk-auto": "auto",

@@ -33,7 +33,6 @@ Results: benchmarks/results/training/<output-name>.{json,md} (default adamw-wall
 import argparse
 import gc
 import json
-import math
 import os
 import statistics
 import sys
@@ -139,13 +138,8 @@ def worker(args):
             if step >= args.warmup:
                 times.append(dt)
             say(f"  [{method}] step {step + 1}/{args.warmup + args.steps} {dt * 1e3:.0f} ms (rank 0), loss {loss.item():.3f}")
-        agree = None
-        if method != "none":
-            s = torch.tensor([float(sum(p.detach().double().sum() for p in params))], dtype=torch.float64)
-            agree = len(set(hvd.allgather(s, name="bench.check").tolist())) == 1
-        every = hvd.allgather(torch.tensor([times], dtype=torch.float64), name="bench.times").max(dim=0).values.tolist()
-        row = {"method": method, "label": LABELS[method], "P": size, "median_ms": 1e3 * statistics.median(every),
-               "min_ms": 1e3 * min(every), "max_ms": 1e3 * max(every), "step_ms_slowest_rank": [1e3 * t for t in every],
+        agree = None if method == "none" else len(set(common.rank_sums(hvd, torch, params))) == 1
+        row = {"method": method, "label": LABELS[method], "P": size, **common.slowest_rank_ms(hvd, torch, times),
                "params_identical_across_ranks": agree, "wall_s": time.time() - t_method,
                "parameters": n_params, "tensors": n_tensors}
         if method in ("old", "recipe"):

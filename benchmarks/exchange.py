@@ -59,7 +59,6 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -67,8 +66,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (RESNET50_PARAMS, TOPK_METHODS, agree, common_arguments, driver, forward,  # noqa: E402
-                     hvd_topk_line, label, loss_constants, make_optimizer, method_list, resnet50_shapes,
-                     run_heading, stats_difference, summary, versus, warmup_steps, zero_grad)
+                     hvd_topk_line, label, loss_constants, make_optimizer, method_list, rank_sums, resnet50_shapes,
+                     run_heading, slowest_rank_ms, stats_difference, summary, versus, warmup_steps,
+                     zero_grad)
 
 GRAD_MODES = {
     "realistic": "realistic: zero_grad(set_to_none=True), forward, backward allocates fresh p.grad, "
@@ -165,8 +165,7 @@ def worker(args):
                 times.append(dt)
             if step == 0 and opt is not None:
                 # sanity: every rank holds the same exchanged gradient, and it is finite
-                s = torch.tensor([float(sum(p.grad.double().sum() for p in params))], dtype=torch.float64)
-                every = hvd.allgather(s, name="bench.check").tolist()
+                every = rank_sums(hvd, torch, [p.grad for p in params])
                 check = {"identical_across_ranks": len(set(every)) == 1,
                          "finite": all(map(np.isfinite, every))}
                 if not check["identical_across_ranks"] or not check["finite"]:
@@ -179,13 +178,9 @@ def worker(args):
             wire = torch.tensor([(c1[0] - c0[0]) / args.steps, (c1[1] - c0[1]) / args.steps], dtype=torch.float64)
         else:
             wire = torch.tensor([float("nan"), float("nan")], dtype=torch.float64)
-        all_times = hvd.allgather(torch.tensor([times], dtype=torch.float64), name="bench.times")
+        slowest = slowest_rank_ms(hvd, torch, times)
         all_wire = hvd.allgather(wire.view(1, 2), name="bench.wire")
-        step_max = all_times.max(dim=0).values.tolist()
-        row = {"method": method, "label": label(method), "P": size,
-               "median_ms": 1e3 * statistics.median(step_max),
-               "min_ms": 1e3 * min(step_max), "max_ms": 1e3 * max(step_max),
-               "step_ms_slowest_rank": [1e3 * t for t in step_max],
+        row = {"method": method, "label": label(method), "P": size, **slowest,
                "rank0_ms": [1e3 * t for t in times],
                "wire_tx_bytes_per_step_rank": float(all_wire[:, 0].mean()),
                "wire_rx_bytes_per_step_rank": float(all_wire[:, 1].mean()),

@@ -30,7 +30,6 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -148,16 +147,9 @@ def worker(args):
             say(f"  [{method}] step {step + 1}/{total} {'(warm-up) ' if step < warmup else ''}"
                 f"{dt * 1e3:.0f} ms (rank 0), loss {losses[-1]:.3f}")
         # parameters must agree across ranks after distributed steps
-        agree = None
-        if name != "none":
-            s = torch.tensor([float(sum(p.detach().double().sum() for p in model.parameters()))], dtype=torch.float64)
-            every = hvd.allgather(s, name="bench.check").tolist()
-            agree = len(set(every)) == 1
-        all_times = hvd.allgather(torch.tensor([times], dtype=torch.float64), name="bench.times")
-        step_max = all_times.max(dim=0).values.tolist()
+        agree = None if name == "none" else len(set(common.rank_sums(hvd, torch, model.parameters()))) == 1
         row = {"method": method, "label": common.label(method), "P": size,
-               "median_ms": 1e3 * statistics.median(step_max), "min_ms": 1e3 * min(step_max),
-               "max_ms": 1e3 * max(step_max), "step_ms_slowest_rank": [1e3 * t for t in step_max],
+               **common.slowest_rank_ms(hvd, torch, times),
                "rank0_ms": [1e3 * t for t in times], "losses_rank0": losses,
                "params_identical_across_ranks": agree, "wall_s": time.time() - t_method}
         if name in common.TOPK_METHODS and name != "topk":
