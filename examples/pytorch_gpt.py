@@ -123,6 +123,8 @@ def parse_args(argv=None):
         p.error("--adam local needs --optimizer topk-ef (hvd_topk.LocalAdamW runs inside hvd_topk.DistributedOptimizer)")
     if not (args.lr_in_residual and args.global_variance) and args.adam != "local":
         p.error("--no-lr-in-residual and --no-global-variance only apply to --adam local")
+    if not 0 < args.residual_decay <= 1:  # (NaN fails this too)
+        p.error(f"--residual-decay must be in (0, 1], got {args.residual_decay}")
     if args.adam == "local" and args.clip:
         p.error("--adam local: the synchronized gradient is Adam's update; clipping it would shrink steps (use --clip 0)")
     if args.adam == "local" and args.amp == "fp16":
