@@ -63,12 +63,17 @@ def parse_args(argv=None):
     p.add_argument("--min-numel", type=int, default=1024,
                    help="topk-ef: tensors with fewer elements go dense (e.g. 33000 keeps the embeddings "
                         "and the output head of the default model dense)")
-    p.add_argument("--adam", choices=("adamw", "local", "frozen-variance"), default="adamw",
+    p.add_argument("--adam", choices=("adamw", "local", "frozen-variance", "demo"), default="adamw",
                    help="local (topk-ef only): hvd_topk.LocalAdamW, Adam on each rank's own gradient and its "
                         "update exchanged (beta1 0 by default: error feedback carries the past); "
                         "frozen-variance: hvd_topk.FrozenVarianceAdamW, its variance frozen after "
                         "--freeze-step steps; with topk-ef and error feedback its beta1 moves into the "
-                        "exchange (momentum_correction=0.9, betas (0, 0.95)), as 1-bit Adam does")
+                        "exchange (momentum_correction=0.9, betas (0, 0.95)), as 1-bit Adam does; "
+                        "demo (topk-ef only): hvd_topk.DeMo, decoupled momentum in the residual, the sent "
+                        "average normalised (--demo-normalise) after the exchange")
+    p.add_argument("--demo-beta", type=float, default=0.999, help="--adam demo: the accumulator's decay")
+    p.add_argument("--demo-normalise", choices=hvd_topk.DeMo.NORMALISE, default="sign",
+                   help="--adam demo: sign (each sent entry moves by lr) or rms (the tensor's update has RMS lr)")
     p.add_argument("--lr-in-residual", action=argparse.BooleanOptionalAction, default=True,
                    help="--adam local: the residual holds lr x update (default); --no-lr-in-residual: without lr "
                         "(LocalAdamW(lr_in_residual=False), "
@@ -119,18 +124,24 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} only applies to --optimizer topk-ef")
     if (args.adam == "frozen-variance") != (args.freeze_step > 0):
         p.error("--adam frozen-variance needs --freeze-step N > 0, and --freeze-step needs it")
-    if args.adam == "local" and args.optimizer != "topk-ef":
-        p.error("--adam local needs --optimizer topk-ef (hvd_topk.LocalAdamW runs inside hvd_topk.DistributedOptimizer)")
+    if args.adam in ("local", "demo") and args.optimizer != "topk-ef":
+        p.error(f"--adam {args.adam} needs --optimizer topk-ef (it runs inside hvd_topk.DistributedOptimizer)")
+    if args.adam == "demo" and (args.residual_decay != 1.0 or args.no_error_feedback):
+        p.error("--adam demo: its accumulator decay is --demo-beta (not --residual-decay), and it needs error feedback")
+    if (args.demo_beta != 0.999 or args.demo_normalise != "sign") and args.adam != "demo":
+        p.error("--demo-beta and --demo-normalise only apply to --adam demo")
+    if not 0 < args.demo_beta <= 1:
+        p.error(f"--demo-beta must be in (0, 1], got {args.demo_beta}")
     if not (args.lr_in_residual and args.global_variance) and args.adam != "local":
         p.error("--no-lr-in-residual and --no-global-variance only apply to --adam local")
     if not 0 < args.residual_decay <= 1:  # (NaN fails this too)
         p.error(f"--residual-decay must be in (0, 1], got {args.residual_decay}")
-    if args.adam == "local" and args.clip:
-        p.error("--adam local: the synchronized gradient is Adam's update; clipping it would shrink steps (use --clip 0)")
-    if args.adam == "local" and args.amp == "fp16":
-        p.error("--adam local does not support the GradScaler of --amp fp16; use --amp bf16")
+    if args.adam in ("local", "demo") and args.clip:
+        p.error(f"--adam {args.adam}: the synchronized gradient is an update; clipping it would shrink steps (use --clip 0)")
+    if args.adam in ("local", "demo") and args.amp == "fp16":
+        p.error(f"--adam {args.adam} does not support the GradScaler of --amp fp16; use --amp bf16")
     if args.clip is None:
-        args.clip = 0.0 if args.adam == "local" else 1.0
+        args.clip = 0.0 if args.adam in ("local", "demo") else 1.0
     if args.beta1 is not None and not 0 <= args.beta1 < 1:
         p.error("--beta1 must be in [0, 1)")
     if args.amp == "fp16" and not torch.cuda.is_available():
@@ -233,6 +244,8 @@ def make_optimizer(args, model, scaler):
     elif args.adam == "local":
         inner = hvd_topk.LocalAdamW(groups, lr=args.lr, betas=(beta1, 0.95), lr_in_residual=args.lr_in_residual,
                                     global_variance=args.global_variance)
+    elif args.adam == "demo":
+        inner = hvd_topk.DeMo(groups, lr=args.lr, beta=args.demo_beta, normalise=args.demo_normalise)
     else:
         inner = torch.optim.AdamW(groups, lr=args.lr, betas=(beta1, 0.95))
     topk = hvd_topk.TopK(density=args.density, fp16_values=args.fp16_values) if args.compression == "topk" else None

@@ -158,13 +158,8 @@ class LocalAdamW(torch.optim.Optimizer):
             state["grad_mean"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
 
-    def _group_of(self, p):
-        # load_state_dict replaces param_groups by a new list, add_param_group extends it
-        key = (id(self.param_groups), len(self.param_groups))
-        if self.__dict__.get("_groups_key") != key:
-            self._groups_by_param = {q: g for g in self.param_groups for q in g["params"]}
-            self._groups_key = key
-        return self._groups_by_param[p]
+    def _init_state(self, p):
+        self._new_state(p, _group_of(self, p))
 
     @torch.no_grad()
     def transform_local_gradient(self, p, grad, ranks=1):
@@ -172,7 +167,7 @@ class LocalAdamW(torch.optim.Optimizer):
         direction ``m_hat / (sqrt(v_hat) + eps)`` (times ``lr`` with ``lr_in_residual``),
         advancing the moments one step. ``ranks``: how many ranks' updates the exchange
         averages (``global_variance``)."""
-        group = self._group_of(p)
+        group = _group_of(self, p)
         beta1, beta2 = group["betas"]
         state = self.state[p] or self._new_state(p, group)
         state["step"] += 1
@@ -202,20 +197,111 @@ class LocalAdamW(torch.optim.Optimizer):
         loss = _evaluate(closure)
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p not in self._transformed:
-                    if self.state[p] or p.grad.any():
-                        raise RuntimeError("LocalAdamW got a gradient that hvd_topk.DistributedOptimizer did "
-                                           "not turn into an update: use it only as the inner optimizer of "
-                                           "hvd_topk.DistributedOptimizer (not alone, not with "
-                                           "hvd.DistributedOptimizer)")
-                    self._new_state(p, group)  # hvd.broadcast_optimizer_state initialising it
+                if p.grad is None or not _check_transformed(self, p):
                     continue
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.add_(p.grad, alpha=-1.0 if group.get("lr_in_residual", False) else -group["lr"])
         self._transformed.clear()
         return loss
+
+
+class DeMo(torch.optim.Optimizer):
+    """DeMo's decoupled momentum (Peng et al., 2024) on hvd_topk's error feedback: each rank keeps
+    a decayed accumulator of ``lr x gradient`` (the engine's residual), Top-K sends its largest
+    entries and subtracts them, and every rank applies the *normalised* average of what was sent.
+
+    One step, per rank: ``acc = beta * acc + lr * g`` (the residual, decayed by the engine with
+    ``residual_decay = beta``); send the top-k of ``acc``; ``acc -= sent``; then on every rank
+    ``p *= 1 - lr * weight_decay`` and ``p -= lr * normalise(average of the sent parts)``. The
+    momentum is what stays in the accumulator: it never crosses the wire, so Adam-like
+    non-linearity (the normalisation) comes after the exchange, where it is the same on every
+    rank, and nothing normalises each rank's bursts apart (docs/adamw.md: why Adam needs care).
+
+    Args:
+        params, lr, weight_decay: as ``torch.optim.SGD`` with decoupled weight decay (AdamW's).
+        beta (0.999): the accumulator's decay, handed to ``hvd_topk.DistributedOptimizer`` as its
+            ``residual_decay`` (leave that at its default; a different value is refused).
+        normalise ("sign"): ``"sign"``, each entry of the average moves by ``lr`` (sign descent,
+            DeMo's choice; entries not sent this step stay); ``"rms"``, the average divided by
+            its root mean square over the whole tensor (so the tensor's update has RMS ``lr``).
+
+    Tuning: with sign descent only the sent entries move, by ``lr`` each; at density d they move
+    about once in ``1/d`` steps, so ``lr`` is the step an entry takes when it finally moves, not
+    AdamW's per-step rate. The small tensors that ``min_numel`` keeps dense have no residual and
+    so no momentum (sign descent on their average gradient). Use it only as the inner optimizer
+    of ``hvd_topk.DistributedOptimizer`` with error feedback. Measured on the GPT example:
+    docs/adamw.md.
+    """
+
+    NORMALISE = ("sign", "rms")
+
+    def __init__(self, params, lr=1e-3, beta=0.999, weight_decay=0.0, normalise="sign"):
+        _check_adam_options(lr, (0.0, beta), 0.0, weight_decay)
+        if not 0.0 < beta <= 1.0:
+            raise ValueError(f"beta must be in (0, 1], got {beta!r}")
+        if normalise not in self.NORMALISE:
+            raise ValueError(f"normalise must be one of {self.NORMALISE}, got {normalise!r}")
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, normalise=normalise))
+        self.residual_decay = float(beta)  # read by hvd_topk.DistributedOptimizer
+        self._transformed = set()
+
+    @torch.no_grad()
+    def transform_local_gradient(self, p, grad, ranks=1):
+        """``grad *= lr``: the accumulator holds lr-weighted gradients (an entry that waits is
+        applied at the rates of the steps it stands for)."""
+        grad.mul_(_group_of(self, p)["lr"])
+        self._transformed.add(p)
+
+    def _init_state(self, p):
+        """No per-parameter state: the momentum is the engine's residual."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """``p *= 1 - lr * weight_decay``, then ``p -= lr * normalise(exchanged average)``."""
+        loss = _evaluate(closure)
+        for group in self.param_groups:
+            lr = group["lr"]
+            for p in group["params"]:
+                if p.grad is None or not _check_transformed(self, p):
+                    continue
+                p.mul_(1 - lr * group["weight_decay"])
+                if group["normalise"] == "sign":
+                    p.add_(p.grad.sign(), alpha=-lr)
+                else:
+                    rms = float(p.grad.square().mean().sqrt())
+                    if rms > 0.0:
+                        p.add_(p.grad, alpha=-lr / rms)
+        self._transformed.clear()
+        return loss
+
+
+def _group_of(optimizer, p):
+    """``p``'s param group, from a table kept on the optimizer and rebuilt when ``load_state_dict``
+    replaced the groups or ``add_param_group`` added one. (Read through the instance each time:
+    ``hvd_topk.DistributedOptimizer``'s wrapper shares the optimizer's ``__dict__`` but gets its
+    own ``param_groups`` when a checkpoint is loaded.)"""
+    groups = optimizer.param_groups
+    key, table = optimizer.__dict__.get("_group_table", (None, None))
+    if key != (id(groups), len(groups)):
+        table = {q: g for g in groups for q in g["params"]}
+        optimizer.__dict__["_group_table"] = ((id(groups), len(groups)), table)
+    return table[p]
+
+
+def _check_transformed(optimizer, p):
+    """True if ``p.grad`` is an exchanged update that ``transform_local_gradient`` made this step.
+    A gradient that skipped it means the optimizer runs outside ``hvd_topk.DistributedOptimizer``
+    (RuntimeError); an all-zero one with no state is ``hvd.broadcast_optimizer_state``'s probe
+    step (state initialised, False)."""
+    if p in optimizer._transformed:
+        return True
+    if optimizer.state[p] or p.grad.any():
+        name = type(optimizer).__name__
+        raise RuntimeError(f"{name} got a gradient that hvd_topk.DistributedOptimizer did not turn into an "
+                           f"update: use it only as the inner optimizer of hvd_topk.DistributedOptimizer "
+                           "(not alone, not with hvd.DistributedOptimizer)")
+    optimizer._init_state(p)
+    return False
 
 
 def _evaluate(closure):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hvd_topk import FrozenVarianceAdamW, LocalAdamW
+from hvd_topk import DeMo, FrozenVarianceAdamW, LocalAdamW
 
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.1
 
@@ -191,4 +191,42 @@ def test_local_adamw_alone_is_refused():
     assert set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq", "grad_mean"}  # global_variance (default)
     p.grad = torch.ones(3)
     with pytest.raises(RuntimeError, match="only as the inner optimizer of hvd_topk.DistributedOptimizer"):
+        opt.step()
+
+
+def test_demo_on_one_rank_matches_numpy():
+    """hvd_topk.DeMo by itself (one rank, everything sent): p * (1 - lr wd) - lr * sign(lr g),
+    or with "rms" lr * g / rms(g), in float64 numpy."""
+    gs = grads(4)
+    for normalise in ("sign", "rms"):
+        p = torch.nn.Parameter(torch.tensor(np.ones((7, 5)), dtype=torch.float64))
+        opt = DeMo([p], lr=LR, weight_decay=WD, normalise=normalise)
+        want = np.ones((7, 5))
+        for g in gs:
+            p.grad = torch.tensor(g)
+            opt.transform_local_gradient(p, p.grad)  # what DistributedOptimizer's hook does
+            opt.step()
+            move = np.sign(g) if normalise == "sign" else g / np.sqrt(np.mean(g ** 2))
+            want = want * (1 - LR * WD) - LR * move
+        np.testing.assert_allclose(p.detach().numpy(), want, rtol=1e-12, err_msg=normalise)
+
+
+@pytest.mark.parametrize("kwargs,match", [({"beta": 0.0}, "beta"), ({"beta": 1.5}, "beta"),
+                                          ({"normalise": "l2"}, "normalise"), ({"lr": -1.0}, "lr"),
+                                          ({"weight_decay": float("nan")}, "weight_decay")])
+def test_demo_bad_options_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DeMo([torch.nn.Parameter(torch.zeros(2))], **kwargs)
+
+
+def test_demo_alone_is_refused():
+    """A raw gradient stepped without the exchange's transform is refused (as for LocalAdamW);
+    broadcast_optimizer_state's zero-gradient probe step leaves the parameter alone."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = DeMo([p], lr=0.1, weight_decay=0.5)
+    p.grad = torch.zeros(3)
+    opt.step()
+    np.testing.assert_array_equal(p.detach().numpy(), np.ones(3))
+    p.grad = torch.ones(3)
+    with pytest.raises(RuntimeError, match="DeMo got a gradient"):
         opt.step()

@@ -420,31 +420,41 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-
 
 
 def check_local_adamw_resume(**options):
-    """LocalAdamW's moments and the residuals saved at step 3 (one state per rank) and loaded
-    into fresh objects, with another learning rate set by the checkpoint: bitwise equal at 6.
-    ``options``: LocalAdamW's ``lr_in_residual``, the optimizer's ``residual_decay``."""
+    """LocalAdamW's moments and the residuals: ``check_inner_resume``, betas changed before the
+    save. ``options``: LocalAdamW's ``lr_in_residual``, ``global_variance``, the optimizer's
+    ``residual_decay``."""
     lr_in_residual = options.pop("lr_in_residual", False)
     global_variance = options.pop("global_variance", False)
+    check_inner_resume(lambda params: hvd_topk.LocalAdamW(params, lr=0.01, betas=(0.0, 0.95), weight_decay=0.1,
+                                                          lr_in_residual=lr_in_residual,
+                                                          global_variance=global_variance),
+                       {"betas": (0.5, 0.9)}, **options)
 
-    def build_local(seed=0, betas=(0.0, 0.95)):
+
+def check_inner_resume(make_inner, changed, **options):
+    """The inner optimizer's state and the residuals saved at step 3 (one state per rank) and
+    loaded into fresh objects, with param-group settings ``changed`` before the save (which the
+    checkpoint must carry): bitwise equal at step 6 to the run that never stopped."""
+    def build_inner(seed=0):
         torch.manual_seed(seed)
         model = Net()
-        inner = hvd_topk.LocalAdamW(model.parameters(), lr=0.01, betas=betas, weight_decay=0.1,
-                                    lr_in_residual=lr_in_residual, global_variance=global_variance)
-        return model, hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+        return model, hvd_topk.DistributedOptimizer(make_inner(model.parameters()),
+                                                    named_parameters=model.named_parameters(),
                                                     exchange="allgather", min_numel=500,
                                                     compression=hvd_topk.TopK(density=0.05), **options)
-    model, opt = build_local()
+
+    def change(opt):
+        for group in opt.param_groups:
+            group.update(changed)  # what a resumed run must keep using
+    model, opt = build_inner()
     train(model, opt, 3)
-    for group in opt.param_groups:
-        group["betas"] = (0.5, 0.9)  # what a resumed run must keep using
+    change(opt)
     train(model, opt, 3, start=3)
-    model_b, opt_b = build_local()
+    model_b, opt_b = build_inner()
     train(model_b, opt_b, 3)
-    for group in opt_b.param_groups:
-        group["betas"] = (0.5, 0.9)
+    change(opt_b)
     saved = copy.deepcopy({"model": model_b.state_dict(), "opt": opt_b.state_dict()})
-    model_c, opt_c = build_local(seed=123)
+    model_c, opt_c = build_inner(seed=123)
     train(model_c, opt_c, 1)  # already stepping when it loads the checkpoint
     model_c.load_state_dict(saved["model"])
     opt_c.load_state_dict(saved["opt"])
@@ -452,6 +462,53 @@ def check_local_adamw_resume(**options):
     for (name, a), c in zip(model.named_parameters(), model_c.parameters()):
         assert torch.equal(a, c), f"resume: {name} differs (max {float((a - c).abs().max())})"
     assert_same_on_all_ranks(next(model_c.parameters()).detach().numpy(), "resumed parameters")
+
+
+def check_demo(normalise="sign", exchange="allgather", steps=5, density=0.05, lr=0.05, beta=0.8, wd=0.1):
+    """DeMo: each rank's accumulator is beta * residual + lr_t * g (the error-feedback contract
+    with decay beta, fed lr-weighted gradients; the small tensors' average is plain), and every
+    rank applies p * (1 - lr_t * wd) - lr_t * normalise(result). The learning rate halves every
+    step, so an accumulator fed at another step's rate shows."""
+    rank, size = hvd.rank(), hvd.size()
+    torch.manual_seed(0)
+    model = Net()
+    inner = hvd_topk.DeMo(model.parameters(), lr=lr, beta=beta, weight_decay=wd, normalise=normalise)
+    opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(), exchange=exchange,
+                                        compression=hvd_topk.TopK(density=density), min_numel=500)
+    assert opt._hvd_topk.options.residual_decay == beta
+    shadow = copy.deepcopy(model)
+    ref = ErrorFeedbackReference(size, decay=beta)
+    for step in range(steps):
+        lr_t = lr * 0.5 ** step
+        for group in opt.param_groups:
+            group["lr"] = lr_t
+        x, y = batch(step, rank)
+        shadow.load_state_dict(model.state_dict())
+        shadow.zero_grad()
+        F.cross_entropy(shadow(x), y).backward()
+        before = {n: p.detach().numpy().astype(np.float32) for n, p in model.named_parameters()}
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        want = {}
+        for name, p in model.named_parameters():
+            fed = np.stack(gather(dict(shadow.named_parameters())[name].grad.numpy())) * np.float32(lr_t)
+            leader = step % size if exchange == "sparse_allreduce" else None  # one bucket: number 0
+            want[name] = ref.sparse(name, fed, density, leader=leader) if p.numel() >= 500 else fed.mean(axis=0)
+            np.testing.assert_allclose(p.grad.numpy(), want[name], rtol=1e-5, atol=1e-9,
+                                       err_msg=f"demo: step {step} {name}")
+        step_and_check_same(opt, model, f"demo: step {step}")
+        for name, p in model.named_parameters():
+            avg = p.grad.numpy().astype(np.float64)
+            if normalise == "sign":
+                move = np.sign(avg)
+            else:
+                rms = np.sqrt(np.mean(avg ** 2))
+                move = avg / rms if rms > 0 else avg
+            np.testing.assert_allclose(p.detach().numpy(), before[name] * (1 - lr_t * wd) - lr_t * move,
+                                       rtol=1e-5, atol=1e-7, err_msg=f"demo: parameter {name}")
+    with raises(ValueError, match="sets the residual decay itself", what="DeMo with another residual_decay"):
+        hvd_topk.DistributedOptimizer(hvd_topk.DeMo(Net().parameters(), beta=0.9), residual_decay=0.5)
 
 
 def contract(label, **options):
@@ -499,6 +556,10 @@ CHECKS = [
     ("LocalAdamW: global variance", lambda: check_local_adamw(steps=5, global_variance=True)),
     ("LocalAdamW: global variance, lr in the residual, checkpoint resume", lambda: check_local_adamw_resume(
         lr_in_residual=True, global_variance=True)),
+    ("DeMo: sign of the exchanged average", check_demo),
+    ("DeMo: rms normalisation, sparse allreduce", lambda: check_demo("rms", "sparse_allreduce")),
+    ("DeMo: checkpoint resume", lambda: check_inner_resume(
+        lambda params: hvd_topk.DeMo(params, lr=0.01, beta=0.9, weight_decay=0.1), {"lr": 0.005})),
     contract("residual decay", residual_decay=0.8, steps=5),
     contract("residual decay, momentum correction, sparse allreduce", residual_decay=0.8,
              momentum_correction=0.9, exchange="sparse_allreduce"),
