@@ -14,12 +14,36 @@
   hierarchical exchange needs (``hierarchical=`` of the optimizer).
 """
 
-import hvd_topk._horovod  # noqa: F401  a clear ImportError with install steps when Horovod is missing
-
-from hvd_topk.compressor import TopK  # noqa: E402
-from hvd_topk.hierarchy import init  # noqa: E402
-from hvd_topk.optim import DeMo, FrozenVarianceAdamW, LocalAdamW  # noqa: E402
-from hvd_topk.optimizer import DistributedOptimizer  # noqa: E402
+import importlib
 
 __version__ = "0.1.0"
 __all__ = ["TopK", "DistributedOptimizer", "LocalAdamW", "DeMo", "FrozenVarianceAdamW", "init", "__version__"]
+
+# Imported on first use, so that ``hvd_topk.ddp`` (torch.distributed only) works without Horovod;
+# the Horovod names raise ``hvd_topk._horovod``'s ImportError, with install steps, when it is missing.
+_LAZY = {"TopK": "hvd_topk.compressor", "init": "hvd_topk.hierarchy", "DistributedOptimizer": "hvd_topk.optimizer",
+         "LocalAdamW": "hvd_topk.optim", "DeMo": "hvd_topk.optim", "FrozenVarianceAdamW": "hvd_topk.optim"}
+_NO_HOROVOD = "importing horovod.torch failed"  # hvd_topk._horovod's message
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:  # a submodule (hvd_topk.exchange, ...), as an eager package would have it
+        try:
+            return importlib.import_module(f"hvd_topk.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"hvd_topk.{name}":
+                raise
+            raise AttributeError(f"module 'hvd_topk' has no attribute {name!r}") from None
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except ImportError as exc:
+        if not str(exc).startswith(_NO_HOROVOD):
+            raise
+        raise ImportError(str(exc)) from None  # the install steps, not importlib's frames
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted([*globals(), *_LAZY])

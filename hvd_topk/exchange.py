@@ -1,9 +1,10 @@
 """Exchange strategies: how one bucket's payload moves between ranks, and what it costs.
 
 Every strategy answers the cost question the same way for the optimizer, the benchmarks'
-scaling model and the tests: ``wire_bytes(world, numel, count, value_bytes, index_bytes,
-dense_bytes)`` is the bytes into one rank per exchange of a buffer of ``numel`` elements of
-which ``count`` pairs are selected (ring algorithms, the model Horovod's collectives follow).
+scaling model, the DDP hook and the tests: ``wire_bytes(world, numel, count, value_bytes,
+index_bytes, dense_bytes)`` (``hvd_topk.costs``) is the bytes into one rank per exchange of a
+buffer of ``numel`` elements of which ``count`` pairs are selected (ring algorithms, the model
+Horovod's collectives follow).
 The collectives themselves are started and finished by the engine (``hvd_topk.engine``)
 through the strategies' ``start``/``finish`` helpers.
 
@@ -33,7 +34,9 @@ to about ``b_dense / (b_i / 2 + b_v)`` = 67% for the sparse allreduce at any P.
 
 import torch
 
+from hvd_topk import costs
 from hvd_topk._horovod import allreduce_dtype, broadcast_root, hvd
+from hvd_topk.costs import cheapest  # noqa: F401  (re-exported: the planner's and benchmarks' name for it)
 
 
 class DenseAllreduce:
@@ -53,9 +56,7 @@ class DenseAllreduce:
     def wire_dtype(dtype):
         return allreduce_dtype(dtype)
 
-    @classmethod
-    def wire_bytes(cls, world, numel, count, value_bytes, index_bytes, dense_bytes):
-        return 2.0 * (world - 1) / world * numel * dense_bytes if world > 1 else 0.0
+    wire_bytes = staticmethod(costs.dense)
 
     @classmethod
     def start(cls, tensor, name, process_set, op, predivide=1.0, wire=None):
@@ -92,9 +93,7 @@ class DenseAllreduceFp16(DenseAllreduce):
     def wire_dtype(dtype):
         return torch.float16
 
-    @classmethod
-    def wire_bytes(cls, world, numel, count, value_bytes, index_bytes, dense_bytes):
-        return DenseAllreduce.wire_bytes(world, numel, count, value_bytes, index_bytes, 2)
+    wire_bytes = staticmethod(costs.dense_fp16)
 
 
 class AllgatherPairs:
@@ -103,9 +102,7 @@ class AllgatherPairs:
     name = "allgather"
     sparse = True
 
-    @staticmethod
-    def wire_bytes(world, numel, count, value_bytes, index_bytes, dense_bytes):
-        return (world - 1) * count * (value_bytes + index_bytes)
+    wire_bytes = staticmethod(costs.allgather)
 
     @staticmethod
     def start(message, name, process_set):
@@ -137,11 +134,7 @@ class SparseAllreduce:
         buckets of one step start from different ranks so the selection work is spread."""
         return (step + bucket_index) % world
 
-    @staticmethod
-    def wire_bytes(world, numel, count, value_bytes, index_bytes, dense_bytes):
-        if world <= 1:
-            return 0.0
-        return count * index_bytes + 2.0 * (world - 1) / world * (count + 1) * value_bytes
+    wire_bytes = staticmethod(costs.sparse_allreduce)
 
     @staticmethod
     def start_indices(indices, leader, name, process_set):
@@ -194,19 +187,7 @@ BY_NAME = {s.name: s for s in (DenseAllreduce, DenseAllreduceFp16, AllgatherPair
 CHOICES = ("auto", *BY_NAME)
 
 
-def cheapest(strategies, world, numel, count, value_bytes, index_bytes, dense_bytes):
-    """The strategy moving the fewest bytes into each rank (the first listed on a tie)."""
-    return min(strategies, key=lambda s: s.wire_bytes(world, numel, count, value_bytes, index_bytes,
-                                                      dense_bytes))
-
-
 def sparse_break_even(world_size, dense_bytes=4, value_bytes=4, index_bytes=4, strategy=AllgatherPairs):
-    """The density at which ``strategy`` moves as many bytes as a dense allreduce (derived
-    from the two strategies' ``wire_bytes``); 0 for one rank (sparse would only drop data)."""
-    if world_size <= 1:
-        return 0.0
-    per_element_dense = DenseAllreduce.wire_bytes(world_size, 1, 0, value_bytes, index_bytes, dense_bytes)
-    # wire_bytes is affine in the count: its slope is the cost of one pair
-    per_pair = (strategy.wire_bytes(world_size, 0, 2, value_bytes, index_bytes, dense_bytes)
-                - strategy.wire_bytes(world_size, 0, 1, value_bytes, index_bytes, dense_bytes))
-    return per_element_dense / per_pair
+    """The density at which ``strategy`` moves as many bytes as a dense allreduce
+    (``hvd_topk.costs.break_even``); 0 for one rank (sparse would only drop data)."""
+    return costs.break_even(world_size, strategy.wire_bytes, dense_bytes, value_bytes, index_bytes)

@@ -304,6 +304,18 @@ def _check_transformed(optimizer, p):
     return False
 
 
+def residual_decay_of(optimizer, residual_decay):
+    """The residual decay to use: an inner optimizer that owns it (``hvd_topk.DeMo``'s ``beta``,
+    its attribute ``residual_decay``) sets it unless the argument says otherwise."""
+    owned = getattr(optimizer, "residual_decay", None)
+    if owned is None or residual_decay == owned:
+        return residual_decay
+    if residual_decay != 1.0:
+        raise ValueError(f"residual_decay={residual_decay!r} but {type(optimizer).__name__} sets the residual "
+                         f"decay itself (beta={owned!r}); pass only one of them")
+    return owned
+
+
 def _evaluate(closure):
     """The loss of an optimizer step's closure (torch's convention), or None."""
     if closure is None:

@@ -18,6 +18,7 @@ from hvd_topk.compressor import TopK
 from hvd_topk import checkpoint
 from hvd_topk.checkpoint import STATE_KEY
 from hvd_topk.engine import TopKEngine
+from hvd_topk.optim import residual_decay_of
 from hvd_topk.options import Options
 from hvd_topk.selection import check_integer
 
@@ -101,7 +102,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
     if is_horovod_distributed_optimizer(optimizer):
         raise ValueError("optimizer is already a horovod DistributedOptimizer; wrap the plain "
                          "torch optimizer instead")
-    residual_decay = _residual_decay_of(optimizer, residual_decay)
+    residual_decay = residual_decay_of(optimizer, residual_decay)
     options = Options(error_feedback=error_feedback, momentum_correction=momentum_correction,
                       warmup_steps=warmup_steps, warmup_density=warmup_density, min_numel=min_numel,
                       fusion_bytes=fusion_bytes, dense_fallback=dense_fallback,
@@ -143,18 +144,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
     # defines transform_local_gradient(param, grad, ranks): ranks' results will be averaged.
     engine.transform = getattr(wrapped, "transform_local_gradient", None)
     return wrapped
-
-
-def _residual_decay_of(optimizer, residual_decay):
-    """The residual decay to use: an inner optimizer that owns it (``hvd_topk.DeMo``'s ``beta``,
-    its attribute ``residual_decay``) sets it unless the argument says otherwise."""
-    owned = getattr(optimizer, "residual_decay", None)
-    if owned is None or residual_decay == owned:
-        return residual_decay
-    if residual_decay != 1.0:
-        raise ValueError(f"residual_decay={residual_decay!r} but {type(optimizer).__name__} sets the residual "
-                         f"decay itself (beta={owned!r}); pass only one of them")
-    return owned
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):

@@ -8,8 +8,11 @@ import torch
 
 
 def test_missing_horovod_gives_install_instructions():
+    """``import hvd_topk`` works without Horovod (``hvd_topk.ddp`` needs only torch.distributed);
+    the first Horovod name used raises the install steps."""
     code = ("import sys; sys.modules['horovod'] = None; sys.modules['horovod.torch'] = None\n"
-            "import hvd_topk\n")
+            "import hvd_topk, hvd_topk.optim\n"
+            "hvd_topk.DistributedOptimizer\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()
