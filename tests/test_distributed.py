@@ -1,5 +1,6 @@
 """Scripts under tests/dist run as real Horovod jobs: mpirun -np 2 and -np 3 (odd sizes catch bugs;
-the sparse allreduce's also -np 4).
+the sparse allreduce's also -np 4); check_ddp.py (the DDP hook, no Horovod) under torchrun
+--nproc_per_node 2 and 3 with gloo.
 
 Each script checks every rank against an independent reference (numpy, fed with every rank's
 raw data through mpi4py), as a list of named checks (tests/dist/harness.py). Each check is one
@@ -22,7 +23,8 @@ from mpi import DIST, launch_mpi, script_env
 pytestmark = pytest.mark.distributed
 
 SCRIPTS = ["check_compressor.py", "check_optimizer.py", "check_checkpoint.py", "check_mismatch.py", "check_compat.py",
-           "check_amp.py", "check_process_sets.py", "check_join.py", "check_sparse_allreduce.py"]
+           "check_amp.py", "check_process_sets.py", "check_join.py", "check_sparse_allreduce.py", "check_ddp.py"]
+TORCHRUN = {"check_ddp.py"}  # launched by torchrun (torch.distributed), not mpirun
 NPS = (2, 3)
 MORE_NPS = {"check_sparse_allreduce.py": (4,)}  # the leader rotates over more ranks
 JOB = "(job)"  # the item for the job as a whole
@@ -63,7 +65,8 @@ _JOBS = {}
 def job(script, np_):
     """The (script, np) job, run once, on first use, with the hard timeout of tests/support/mpi.py."""
     if (script, np_) not in _JOBS:
-        _JOBS[script, np_] = launch_mpi(np_, DIST / script)
+        launcher = "torchrun" if script in TORCHRUN else "mpirun"
+        _JOBS[script, np_] = launch_mpi(np_, DIST / script, launcher=launcher)
     return _JOBS[script, np_]
 
 

@@ -14,9 +14,7 @@ the failing rank; the checks not run yet are reported missing by tests/test_dist
 ``python SCRIPT --list`` prints the check names, one a line, without starting MPI or Horovod.
 """
 
-import contextlib
 import os
-import re
 import sys
 import time
 import traceback
@@ -24,6 +22,7 @@ import traceback
 import numpy as np
 
 import horovod.torch as hvd
+from expect import raises  # noqa: F401  (the checks import it from here)
 from results import (rank_failure_line, result_line, running_line, validate_names)
 
 # MPI.COMM_WORLD, set by run(): importing mpi4py.MPI starts MPI, which --list must not do.
@@ -97,36 +96,6 @@ def _wait_for_all_ranks(control, name, rank):
             sys.stdout.flush()
             COMM.Abort(1)
         time.sleep(0.005)
-
-
-@contextlib.contextmanager
-def raises(expected, match=None, what=None):
-    """Like ``pytest.raises``: the block must raise ``expected`` (a type or a tuple of types).
-
-    ``match`` is a regular expression searched in ``str(exception)`` (``re.escape`` a literal
-    text); ``what`` prefixes the failure message. Any other exception propagates unchanged. The
-    context value's ``.value`` is the exception caught.
-    """
-    caught = _Caught()
-    prefix = f"{what}: " if what else ""
-    try:
-        yield caught
-    except expected as exc:
-        caught.value = exc
-        if match is not None and not re.search(match, str(exc)):
-            raise AssertionError(f"{prefix}{type(exc).__name__} raised, but its message {str(exc)!r} "
-                                 f"does not match {match!r}") from exc
-    else:
-        raise AssertionError(f"{prefix}did not raise {_type_names(expected)}")
-
-
-class _Caught:
-    value = None
-
-
-def _type_names(expected):
-    types = expected if isinstance(expected, tuple) else (expected,)
-    return " or ".join(t.__name__ for t in types)
 
 
 def gather(array):

@@ -1,8 +1,10 @@
-"""Run a script under ``mpirun -np N`` with a hard timeout, for the distributed tests."""
+"""Run a script under ``mpirun -np N`` (or ``torchrun --nproc_per_node N``) with a hard timeout,
+for the distributed tests."""
 
 import os
 import signal
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,9 +51,15 @@ class MpiJob:
                 f"--- stderr (last {chars} characters)\n{self.stderr[-chars:]}")
 
 
-def launch_mpi(np, script, *args, timeout=TIMEOUT_S):
-    """Run ``script`` on ``np`` ranks; a hang is killed, with every rank, after ``timeout`` seconds."""
-    cmd = mpirun_command(np, [script, *args], env_names=("OMP_NUM_THREADS", "PYTHONPATH"))
+def launch_mpi(np, script, *args, timeout=TIMEOUT_S, launcher="mpirun"):
+    """Run ``script`` on ``np`` ranks; a hang is killed, with every rank, after ``timeout`` seconds.
+    ``launcher``: ``"mpirun"`` (Horovod scripts) or ``"torchrun"`` (torch.distributed scripts,
+    ``--standalone``: a free port of its own)."""
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(np),
+               str(script), *args]
+    else:
+        cmd = mpirun_command(np, [script, *args], env_names=("OMP_NUM_THREADS", "PYTHONPATH"))
     # A session of its own, so that a hang is ended with every rank mpirun started.
     with subprocess.Popen(cmd, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, start_new_session=True) as popen:

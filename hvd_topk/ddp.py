@@ -1,0 +1,532 @@
+"""hvd_topk as a PyTorch DDP communication hook: Top-K with error feedback for ``torchrun`` users.
+
+Spelled as PyTorch's PowerSGD hook is::
+
+    import hvd_topk.ddp
+    state = hvd_topk.ddp.TopKState(process_group=None, density=0.01)
+    model.register_comm_hook(state, hvd_topk.ddp.topk_hook)
+
+No Horovod: the collectives are ``torch.distributed``'s (gloo or NCCL). Everything else is
+hvd_topk's own: the codec and native selection kernel (``hvd_topk.codec``), the density warm-up
+(``hvd_topk.schedule``), the cost model that chooses each bucket's exchange
+(``hvd_topk.costs``), and the inner optimizers that turn each rank's gradient into an update
+before the exchange (``hvd_topk.LocalAdamW``, ``hvd_topk.DeMo``; ``optimizer=``).
+
+Per DDP bucket and step (``topk_hook``):
+
+1. with ``optimizer=``, its ``transform_local_gradient`` turns each gradient into this rank's
+   update, in place;
+2. tensors of at least ``min_numel`` elements are folded into the bucket's residual
+   (``acc = decay * residual + grad``), their top-k (k = density x n per tensor) is selected and
+   zeroed in ``acc``, which keeps the rest for the next step; smaller tensors (biases, norms)
+   are averaged densely;
+3. the pairs travel by the bucket's exchange: an allgather of every rank's fixed-size message
+   (``all_gather_single``), or the sparse allreduce (a leader's indices broadcast, then
+   every rank's values there summed), or, where the cost model says a ring allreduce moves
+   fewer bytes (a dense start), a dense allreduce of ``acc``;
+4. every rank adds the ranks' pairs in rank order and divides by the world size: the bucket
+   DDP writes into ``p.grad`` is the same bits on every rank.
+
+Each bucket launches its collectives from the hook itself, in bucket order, and only decodes in
+the future's callback: no collective is chained from a callback, so several buckets never
+interleave their collectives differently on different ranks (PowerSGD's chained allreduces can,
+and abort on gloo with a size mismatch when a model has several buckets). The sparse allreduce
+waits for its broadcast inside the hook for the same reason.
+"""
+
+import hashlib
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from hvd_topk import costs
+from hvd_topk._torch import copy_all
+from hvd_topk.codec import Codec
+from hvd_topk.optim import residual_decay_of
+from hvd_topk.schedule import DensitySchedule
+from hvd_topk.selection import DEFAULT_METHOD, check_density, check_flag, check_integer, check_number
+from hvd_topk.wire import Layout, index_dtype_for
+
+EXCHANGES = ("auto", "allgather", "sparse_allreduce", "dense")
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+STATE_VERSION = 1
+
+
+class _Strategy:
+    """One way a bucket travels over ``torch.distributed``, and its bytes (``hvd_topk.costs``)."""
+
+    def __init__(self, name, sparse, wire_bytes):
+        self.name, self.sparse, self.wire_bytes = name, sparse, staticmethod(wire_bytes)
+
+
+DENSE = _Strategy("dense", False, costs.dense)
+DENSE_FP16 = _Strategy("dense_fp16", False, costs.dense_fp16)
+ALLGATHER = _Strategy("allgather", True, costs.allgather)
+SPARSE_ALLREDUCE = _Strategy("sparse_allreduce", True, costs.sparse_allreduce)
+
+
+class TopKState:
+    """Everything ``topk_hook`` keeps between steps: the options, each bucket's residual, the
+    step counter and statistics. Pass it to ``DistributedDataParallel.register_comm_hook``.
+
+    Tune (in order of what matters most):
+        density (0.01): fraction of each tensor's entries sent per step (k = density x n).
+            1% matches dense accuracy on our CNN examples; 0.1% needs a warm-up.
+        error_feedback (True): keep what was not sent and add it back next step. Without it
+            the entries not sent are lost (and training is clearly worse).
+        warmup_steps (0), warmup_density (0.25): DGC's exponential density warm-up from
+            ``warmup_density`` to ``density`` over that many steps. ``warmup_density=1.0`` over
+            100 steps is the dense start of the AdamW recipe (docs/ddp.md); while the density
+            is high the cost model sends buckets dense anyway.
+        optimizer (None): an inner optimizer that works on each rank's own gradient before the
+            exchange (``hvd_topk.LocalAdamW``: the AdamW recipe; ``hvd_topk.DeMo``). Its
+            ``transform_local_gradient`` runs in the hook; call its ``step()`` as usual.
+            ``hvd_topk.DeMo``'s ``beta`` becomes ``residual_decay``.
+        exchange ("auto"): ``"allgather"`` (every rank's pairs, bytes grow with P),
+            ``"sparse_allreduce"`` (a rotating leader's positions, every rank's values summed
+            there; bytes independent of P: the one for many ranks), ``"dense"``, or ``"auto"``:
+            per bucket and step, the one the cost model says moves the fewest bytes into each
+            rank (a model, not a timing: on a fast network dense may be faster even so; pin one
+            for quality experiments). Sparse buckets go dense where that moves fewer bytes.
+        fp16_values (False): send values as float16 (6 bytes a pair instead of 8); the dense
+            fallback then runs in float16 too.
+        min_numel (1024): tensors with fewer elements are averaged densely (biases, norms:
+            cheap and sensitive).
+        residual_decay (1.0): multiply every residual by this each step before the gradient is
+            added (stale work fades; 1.0 keeps everything).
+        method ("sampled"): the selection kernel (``"exact"``: exact top-k, slower).
+
+    Internal: ``process_group`` (default: the global group), ``world_size``, ``rank``, the
+    buckets' layouts and residuals (by DDP bucket index; DDP rebuilds its buckets after the first
+    step, and the residuals follow their parameters into the new layout).
+
+    Statistics: ``stats()``: steps, bytes handed to the network against a dense fp32 allreduce
+    of the same tensors (totals over the run, so a dense start counts), elements selected,
+    buckets per exchange, non-finite resets.
+
+    Checkpoints: ``state_dict()`` holds this rank's residuals by parameter name, which needs
+    ``named_parameters=model.named_parameters()``; ``load_state_dict`` restores them (a state
+    saved by another rank or world size restarts them from zero, with a warning).
+    """
+
+    def __init__(self, process_group=None, density=0.01, *, error_feedback=True, warmup_steps=0,
+                 warmup_density=0.25, optimizer=None, exchange="auto", fp16_values=False, min_numel=1024,
+                 residual_decay=1.0, method=DEFAULT_METHOD, named_parameters=None):
+        # tune
+        self.density = check_density(density)
+        self.error_feedback = check_flag(error_feedback, "error_feedback")
+        self.schedule = DensitySchedule(self.density, warmup_steps, warmup_density)
+        if optimizer is not None and not callable(getattr(optimizer, "transform_local_gradient", None)):
+            raise TypeError("optimizer must define transform_local_gradient(param, grad, ranks) "
+                            f"(hvd_topk.LocalAdamW, hvd_topk.DeMo), got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        if exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+        self.exchange = exchange
+        self.fp16_values = check_flag(fp16_values, "fp16_values")
+        self.min_numel = check_integer(min_numel, "min_numel", 0)
+        decay = residual_decay_of(optimizer, check_number(residual_decay, "residual_decay"))
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"residual_decay must be in (0, 1], got {decay!r}")
+        if decay != 1.0 and not self.error_feedback:
+            raise ValueError("residual_decay needs error_feedback=True (without it there is no residual)")
+        self.residual_decay = decay
+        self.codec = Codec(method, fp16_values)
+        # internal
+        self.process_group = process_group
+        self.world_size = self.rank = None       # read at the first hook (the group exists by then)
+        self.names = {p: n for n, p in named_parameters} if named_parameters is not None else None
+        self.iteration = 0
+        self.layouts = {}                       # DDP bucket index -> _Layout
+        self.retired = []                       # layouts DDP replaced this step (their residuals move)
+        self.pending = {}                       # name -> residual loaded before its bucket was seen
+        self.checked = False
+        # statistics
+        self._stats = dict(steps=0, bytes_sent=0, bytes_dense=0, elements_total=0, elements_selected=0,
+                           nonfinite_resets=0)
+        self._by_strategy = {}
+
+    # ---- statistics --------------------------------------------------------------------
+    def stats(self):
+        """Totals since the start (or since ``load_state_dict``): ``bytes_ratio`` is bytes handed
+        to the network over a dense fp32 allreduce's, averaged over the whole run."""
+        out = dict(self._stats)
+        out["bytes_ratio"] = out["bytes_sent"] / out["bytes_dense"] if out["bytes_dense"] else 0.0
+        out["density"] = out["elements_selected"] / out["elements_total"] if out["elements_total"] else 0.0
+        out["current_density"] = self.schedule.density(self.iteration)
+        out["buckets_by_exchange"] = dict(self._by_strategy)
+        out["world_size"] = self.world_size
+        return out
+
+    def _count(self, strategy, **amounts):
+        for key, value in amounts.items():
+            self._stats[key] += value
+        self._by_strategy[strategy.name] = self._by_strategy.get(strategy.name, 0) + 1
+
+    # ---- checkpoints -------------------------------------------------------------------
+    def state_dict(self):
+        """This rank's residuals by parameter name, the step, rank and world size."""
+        if self.names is None:
+            raise ValueError("TopKState.state_dict() needs parameter names: build the state with "
+                             "named_parameters=model.named_parameters()")
+        residuals = dict(self.pending)
+        for layout in self.layouts.values():
+            for p, segment in layout.residual_segments():
+                residuals[self.names[p]] = segment.detach().clone()
+        return {"version": STATE_VERSION, "iteration": self.iteration, "rank": self.rank,
+                "world_size": self.world_size, "density": self.density, "residuals": residuals}
+
+    def load_state_dict(self, state):
+        """Restore ``state_dict()``'s output: the step always; the residuals when the state was
+        saved by this rank in a job of this size (otherwise they restart from zero, with a
+        warning: each rank's residual is its own unsent work)."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ValueError(f"not a hvd_topk.ddp.TopKState state_dict (version {STATE_VERSION})")
+        if self.names is None:
+            raise ValueError("TopKState.load_state_dict() needs parameter names: build the state with "
+                             "named_parameters=model.named_parameters()")
+        known = set(self.names.values())
+        unknown = sorted(set(state["residuals"]) - known)
+        if unknown:
+            raise ValueError(f"the checkpoint holds residuals of parameters this model does not have: {unknown[:5]}")
+        rank, world = _group_rank_and_size(self.process_group)
+        self.iteration = int(state["iteration"])
+        for layout in self.layouts.values():
+            layout.clear()
+        self.pending = {}
+        if (state["rank"], state["world_size"]) != (rank, world):
+            warnings.warn(f"hvd_topk.ddp: this state was saved by rank {state['rank']} of {state['world_size']}; "
+                          f"this is rank {rank} of {world}: the residuals start from zero (the step is kept)")
+            return
+        self.pending = {name: t.detach().clone() for name, t in state["residuals"].items()}
+        for layout in self.layouts.values():
+            layout.adopt(self.pending, self.names)
+
+    # ---- per bucket ----------------------------------------------------------------------
+    def _layout(self, bucket):
+        """The bucket's ``_Layout`` (made at its first step, and again when DDP rebuilt it; the
+        residuals move with their parameters)."""
+        params = bucket.parameters()
+        layout = self.layouts.get(bucket.index())
+        if layout is not None and layout.matches(params):
+            return layout
+        fresh = _Layout(params, bucket.gradients(), bucket.buffer(), self.min_numel, self.error_feedback)
+        sources = [*self.retired, *self.layouts.values()]
+        if bucket.index() == 0:
+            # a step's first bucket with a new layout: DDP rebuilt all of them (after its first
+            # step); the old ones stay until the step ends, the later buckets take from them too
+            self.retired, self.layouts = list(self.layouts.values()), {}
+        for old in sources:
+            fresh.take_residuals_from(old)
+        if self.names is not None and self.pending:
+            fresh.adopt(self.pending, self.names)
+        self.layouts[bucket.index()] = fresh
+        return fresh
+
+    def _first_hook(self, bucket):
+        """Once: the group, and a check that every rank wraps the same model (a different model,
+        or a process group that is not DDP's, fails on every rank with one message)."""
+        if not dist.is_initialized():
+            raise RuntimeError("hvd_topk.ddp: torch.distributed is not initialised")
+        self.rank, self.world_size = _group_rank_and_size(self.process_group)
+        if self.rank < 0:
+            raise RuntimeError("hvd_topk.ddp: this rank is not in TopKState's process_group; pass "
+                               "the group DDP uses (process_group= of DistributedDataParallel)")
+        buffer = bucket.buffer()
+        if buffer.dtype not in DTYPES:
+            raise TypeError(f"hvd_topk.ddp: gradients of dtype {buffer.dtype} are not supported "
+                            f"(supported: {', '.join(str(d) for d in DTYPES)})")
+        shapes = repr([tuple(p.shape) for p in bucket.parameters()]) + str(buffer.dtype)
+        digest = int.from_bytes(hashlib.sha256(shapes.encode()).digest()[:7], "big")
+        mine = torch.tensor([digest, buffer.numel()], dtype=torch.int64, device=buffer.device)
+        every = torch.empty(self.world_size * 2, dtype=torch.int64, device=buffer.device)
+        _all_gather(every, mine, self.process_group)
+        every = every.view(self.world_size, 2).cpu()
+        if bool((every != every[0]).any()):
+            raise RuntimeError("hvd_topk.ddp: ranks disagree on the first bucket's parameters (numel per rank: "
+                               f"{every[:, 1].tolist()}): a different model, or a TopKState process_group that "
+                               "is not the one DDP reduces over")
+        self.checked = True
+
+
+def register(model, state, hook=None):
+    """``model.register_comm_hook(state, hook or topk_hook)``, after checking that ``state``
+    reduces over the process group ``model`` (a ``DistributedDataParallel``) uses."""
+    mine = state.process_group if state.process_group is not None else dist.group.WORLD
+    theirs = getattr(model, "process_group", None)
+    if theirs is not None and mine is not theirs and dist.get_process_group_ranks(mine) != \
+            dist.get_process_group_ranks(theirs):
+        raise ValueError(f"TopKState's process group (ranks {dist.get_process_group_ranks(mine)}) is not the one "
+                         f"DistributedDataParallel reduces over (ranks {dist.get_process_group_ranks(theirs)}): "
+                         "pass TopKState(process_group=model.process_group)")
+    model.register_comm_hook(state, hook or topk_hook)
+    return state
+
+
+class _Layout:
+    """One DDP bucket as the hook sees it: which parameters are sparse (floating point, at least
+    ``min_numel`` elements) and where they sit in DDP's flat buffer, this bucket's residual (one
+    flat buffer over its sparse parameters), and buffers reused every step."""
+
+    def __init__(self, params, grads, buffer, min_numel, error_feedback):
+        self.params = list(params)
+        self.key = [id(p) for p in self.params]
+        base = buffer.storage_offset()
+        spans = [(g.storage_offset() - base, g.numel()) for g in grads]
+        self.sparse = [i for i, p in enumerate(self.params) if p.numel() >= min_numel]
+        self.dense = [i for i in range(len(self.params)) if i not in set(self.sparse)]
+        self.spans = spans
+        self.sizes = [spans[i][1] for i in self.sparse]
+        self.bounds = torch.tensor([0, *torch.tensor(self.sizes, dtype=torch.int64).cumsum(0).tolist()],
+                                   dtype=torch.int64)
+        self.numel = int(self.bounds[-1])
+        self.dense_numel = sum(spans[i][1] for i in self.dense)
+        kw = dict(dtype=buffer.dtype, device=buffer.device)
+        self.acc = torch.zeros(self.numel, **kw)  # the residual (error feedback) or a staging copy
+        self.dense_buffer = torch.empty(self.dense_numel, **kw)
+        self.error_feedback = error_feedback
+        self.plans = {}     # density -> codec plan
+        self.messages = {}  # (purpose, bytes) -> reusable uint8 buffer
+
+    def matches(self, params):
+        return [id(p) for p in params] == self.key
+
+    def segments(self, flat, which):
+        """Views of ``flat`` (DDP's buffer) at the parameters ``which`` (indices into params)."""
+        return [flat[self.spans[i][0]:self.spans[i][0] + self.spans[i][1]] for i in which]
+
+    def acc_segments(self):
+        return [self.acc[int(a):int(b)] for a, b in zip(self.bounds, self.bounds[1:])]
+
+    def residual_segments(self):
+        if not self.error_feedback:
+            return []
+        return [(self.params[i], seg) for i, seg in zip(self.sparse, self.acc_segments())]
+
+    def take_residuals_from(self, old):
+        """Copy the residuals of parameters ``old`` also held (DDP rebuilt its buckets)."""
+        if not self.error_feedback:
+            return
+        theirs = {id(p): seg for p, seg in old.residual_segments()}
+        for p, seg in self.residual_segments():
+            if id(p) in theirs:
+                seg.copy_(theirs[id(p)])
+
+    def adopt(self, pending, names):
+        """Take loaded residuals (by parameter name) for this bucket's parameters."""
+        for p, seg in self.residual_segments():
+            got = pending.pop(names.get(p), None)
+            if got is not None:
+                if got.shape != seg.shape and got.numel() != seg.numel():
+                    raise ValueError(f"residual of {names.get(p)!r}: {got.numel()} elements, the parameter has "
+                                     f"{seg.numel()}")
+                seg.copy_(got.reshape(-1))
+
+    def clear(self):
+        self.acc.zero_()
+
+    def plan(self, codec, density):
+        plan = self.plans.get(density)
+        if plan is None:
+            if len(self.plans) > 8:  # a warm-up walks through many densities
+                self.plans.clear()
+            plan = self.plans[density] = codec.plan(self.sizes, density, "tensor", self.acc.dtype,
+                                                   index_dtype_for(self.numel))
+        return plan
+
+    def message(self, purpose, nbytes):
+        key = (purpose, nbytes)
+        out = self.messages.get(key)
+        if out is None:
+            if len(self.messages) > 8:
+                self.messages.clear()
+            out = self.messages[key] = torch.empty(nbytes, dtype=torch.uint8, device=self.acc.device)
+        return out
+
+
+def topk_hook(state, bucket):
+    """DDP communication hook: Top-K with error feedback for one bucket (``TopKState``).
+
+    Returns a future of the bucket's averaged result, which DDP writes into ``p.grad``."""
+    if not state.checked:
+        state._first_hook(bucket)
+    buffer = bucket.buffer()
+    world = state.world_size
+    if state.optimizer is not None:
+        for p, g in zip(bucket.parameters(), bucket.gradients()):
+            state.optimizer.transform_local_gradient(p, g, world)
+    layout = state._layout(bucket)
+    step = state.iteration
+    if bucket.is_last():
+        state.iteration += 1
+        state._stats["steps"] += 1
+        state.retired = []
+    group = state.process_group
+    element = buffer.element_size()
+    state._stats["bytes_dense"] += buffer.numel() * 4
+    state._stats["elements_total"] += buffer.numel()
+    futures = []
+    if layout.dense:  # the small tensors: a plain average
+        copy_all([layout.dense_buffer[a:b] for a, b in _edges([layout.spans[i][1] for i in layout.dense])],
+                 layout.segments(buffer, layout.dense))
+        futures.append(_allreduce(layout.dense_buffer, group))
+        state._stats["bytes_sent"] += layout.dense_numel * element
+        state._stats["elements_selected"] += layout.dense_numel
+    if layout.sparse:
+        _fold(state, layout, buffer)
+        futures.append(_exchange_sparse(state, layout, bucket.index(), step, buffer))
+    if world == 1 or not futures:
+        return _done(buffer, layout, [f.wait() for f in futures], world)
+    return torch.futures.collect_all(futures).then(
+        lambda fut: _done(buffer, layout, [f.value() for f in fut.value()], world))
+
+
+def _done(buffer, layout, results, world):
+    """The bucket's result: the dense part's average written back; the sparse part was decoded
+    in place by its own callback."""
+    if layout.dense:
+        dense = results[0][0] if isinstance(results[0], list) else results[0]
+        dense.div_(world)
+        copy_all(layout.segments(buffer, layout.dense),
+                 [dense[a:b] for a, b in _edges([layout.spans[i][1] for i in layout.dense])])
+    return buffer
+
+
+def _fold(state, layout, buffer):
+    """``acc = decay * residual + grad`` over the sparse parameters (a staging copy without
+    error feedback)."""
+    grads = layout.segments(buffer, layout.sparse)
+    accs = layout.acc_segments()
+    if not state.error_feedback:
+        copy_all(accs, grads)
+        return
+    if state.residual_decay != 1.0:
+        layout.acc.mul_(state.residual_decay)
+    torch._foreach_add_(accs, grads)
+
+
+def _choose(state, layout, plan, world):
+    value_bytes, index_bytes = plan.layout.value_itemsize, plan.layout.index_itemsize
+    sparse = {"allgather": (ALLGATHER,), "sparse_allreduce": (SPARSE_ALLREDUCE,), "dense": (),
+              "auto": (ALLGATHER, SPARSE_ALLREDUCE)}[state.exchange]
+    dense = DENSE_FP16 if state.fp16_values else DENSE
+    if not sparse:
+        return dense
+    element = layout.acc.element_size()
+    return costs.cheapest((*sparse, dense), world, layout.numel, plan.count, value_bytes, index_bytes, element)
+
+
+def _exchange_sparse(state, layout, index, step, buffer):
+    """Start the sparse part's exchange; a future that decodes it into ``buffer``."""
+    world, group = state.world_size, state.process_group
+    plan = layout.plan(state.codec, state.schedule.density(step))
+    strategy = _choose(state, layout, plan, world) if world > 1 else ALLGATHER
+    dests = layout.segments(buffer, layout.sparse)
+    if not strategy.sparse:
+        # the whole accumulator goes (a dense start): nothing stays behind
+        wire = layout.acc if strategy is DENSE else layout.acc.to(torch.float16)
+        state._count(strategy, bytes_sent=wire.numel() * wire.element_size(), elements_selected=layout.numel)
+        fut = _allreduce(wire, group)
+
+        def dense_done(f):
+            total = f.value()[0] if isinstance(f.value(), list) else f.value()
+            copy_all(dests, [total[int(a):int(b)].to(buffer.dtype).div_(world)
+                             for a, b in zip(layout.bounds, layout.bounds[1:])])
+            layout.acc.zero_()
+        return fut.then(dense_done)
+    if strategy is SPARSE_ALLREDUCE:
+        return _sparse_allreduce(state, layout, plan, index, step, dests)
+    message = layout.message("send", plan.layout.nbytes)
+    encoded = state.codec.encode(layout.acc, plan, message, zero_sent=state.error_feedback)
+    _wipe(state, layout, encoded.nonfinite)
+    gathered = layout.message("gathered", plan.layout.nbytes * world)
+    state._count(strategy, bytes_sent=plan.layout.nbytes, elements_selected=plan.count)
+    if world == 1:
+        gathered.copy_(message)
+        fut = torch.futures.Future()
+        fut.set_result(gathered)
+    else:
+        fut = _all_gather(gathered, message, group, async_op=True).get_future()
+
+    def gathered_done(f):
+        Codec.decode(gathered, plan.layout, world, dests, layout.bounds, div=world)
+    return fut.then(gathered_done)
+
+
+def _sparse_allreduce(state, layout, plan, index, step, dests):
+    """ScaleCom's cyclic local top-k over torch.distributed: the leader's positions broadcast
+    (waited for here, so that no collective is started from a callback), every rank's ``acc``
+    there summed with one more slot flagging inf/nan anywhere."""
+    world, group = state.world_size, state.process_group
+    leader = (step + index) % world
+    message = layout.message("send", plan.layout.nbytes)
+    values, indices = plan.layout.views(message)
+    sums = layout.message("values", (plan.count + 1) * values.element_size()).view(values.dtype)
+    if state.rank == leader:
+        encoded = state.codec.encode(layout.acc, plan, message, zero_sent=state.error_feedback)
+        bad = encoded.nonfinite
+    dist.broadcast(indices, src=dist.get_global_rank(group, leader) if group is not None else leader,
+                   group=group)
+    if state.rank != leader:
+        out = values if values.dtype == layout.acc.dtype else plan.value_scratch(layout.acc.dtype)
+        Codec.take(layout.acc, indices, out, zero=state.error_feedback)
+        if out is not values:
+            values.copy_(out)
+        bad = _nonfinite_segments(layout)
+    _wipe(state, layout, bad)
+    sums[:-1].copy_(values)
+    sums[-1] = 1.0 if bad else 0.0
+    state._count(SPARSE_ALLREDUCE, elements_selected=plan.count,
+                 bytes_sent=plan.count * plan.layout.index_itemsize + (plan.count + 1) * values.element_size())
+    fut = _allreduce(sums, group)
+
+    def summed_done(f):
+        values.copy_(sums[:-1])
+        Codec.decode(message, plan.layout, 1, dests, layout.bounds, div=world)
+        if float(sums[-1]) > 0:  # inf/nan on some rank: every rank's result shows it
+            for d in dests:
+                d.fill_(float("nan"))
+    return fut.then(summed_done)
+
+
+def _nonfinite_segments(layout):
+    if bool(torch.isfinite(layout.acc).all()):
+        return []
+    return [s for s, seg in enumerate(layout.acc_segments()) if not bool(torch.isfinite(seg).all())]
+
+
+def _wipe(state, layout, bad):
+    """Residual segments that held inf/nan start again from zero (the values still went out)."""
+    if torch.is_tensor(bad):
+        bad = bad.nonzero().view(-1).tolist() if bad.dim() else ([0] if bool(bad) else [])
+    if not bad or not state.error_feedback:
+        return
+    segments = layout.acc_segments()
+    for s in bad:
+        segments[s].zero_()
+    state._stats["nonfinite_resets"] += len(bad)
+
+
+def _all_gather(out, tensor, group, async_op=False):
+    """``all_gather_single`` (torch >= 2.13; ``all_gather_into_tensor`` before, now deprecated)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, tensor, group=group, async_op=async_op)
+
+
+def _allreduce(tensor, group):
+    return dist.all_reduce(tensor, group=group, async_op=True).get_future()
+
+
+def _edges(sizes):
+    start = 0
+    for n in sizes:
+        yield start, start + n
+        start += n
+
+
+def _group_rank_and_size(group):
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+__all__ = ["TopKState", "topk_hook", "register"]

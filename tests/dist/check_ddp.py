@@ -1,0 +1,319 @@
+"""hvd_topk.ddp (the DDP communication hook) checked step by step against numpy references.
+
+Run: PYTHONPATH=.:tests/support:tests torchrun --standalone --nproc_per_node 2 (or 3)
+tests/dist/check_ddp.py  (``--list`` prints the names of its checks). gloo, CPU.
+
+Every rank computes its own raw gradient on a copy of the model without DDP; the ranks' raw
+gradients are gathered and fed to ``reference.ErrorFeedbackReference`` (numpy), which gives
+the averaged result DDP must leave in ``p.grad``; the ranks must hold the same bits.
+"""
+
+import copy
+import warnings
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hvd_topk
+import hvd_topk.ddp
+from expect import raises
+from reference import ErrorFeedbackReference, dgc_density, k_of
+from torchrun_harness import assert_same_on_all_ranks, gather, run
+
+MIN_NUMEL = 500  # the three weights (3840, 960, 960 elements) sparse; the biases dense
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(40, 96)
+        self.fc2 = torch.nn.Linear(96, 10)
+        self.head2 = torch.nn.Linear(96, 10)
+
+    def forward(self, x, use_head2=True):
+        h = torch.relu(self.fc1(x))
+        out = self.fc2(h)
+        return out + self.head2(h) if use_head2 else out
+
+
+def batch(step, rank, part=0, n=24):
+    gen = torch.Generator().manual_seed(1000 * step + 10 * rank + part)
+    return torch.randn(n, 40, generator=gen), torch.randint(0, 10, (n,), generator=gen)
+
+
+def build(bucket_cap_mb=25, seed=0, ddp_kwargs=None, **state_kwargs):
+    torch.manual_seed(seed)
+    model = Net()
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, **(ddp_kwargs or {}))
+    state_kwargs.setdefault("min_numel", MIN_NUMEL)
+    state_kwargs.setdefault("named_parameters", model.named_parameters())
+    state = hvd_topk.ddp.TopKState(**state_kwargs)
+    hvd_topk.ddp.register(ddp, state)
+    return model, ddp, state
+
+
+def buckets_of(state):
+    """{parameter name: (DDP bucket index, that bucket's sparse parameters' names)}: which
+    tensors DDP put together (its choice, read from the state's layouts)."""
+    out = {}
+    for index, layout in state.layouts.items():
+        members = [state.names[layout.params[i]] for i in layout.sparse]
+        for p in layout.params:
+            out[state.names[p]] = (index, members)
+    return out
+
+
+def chosen(exchange, world, sizes, density):
+    """The cost model written out by hand (fp32 values, int32 indices): which exchange a bucket
+    of sparse tensors ``sizes`` takes. Bytes into each rank: a ring allreduce 2 (P-1)/P n 4,
+    the allgather (P-1) k 8, the sparse allreduce k 4 + 2 (P-1)/P (k+1) 4; the fewest wins
+    (the allgather first on a tie, dense last)."""
+    n, k = sum(sizes), sum(k_of(s, density) for s in sizes)
+    cost = {"allgather": (world - 1) * k * 8, "sparse_allreduce": k * 4 + 2 * (world - 1) / world * (k + 1) * 4}
+    candidates = ["allgather", "sparse_allreduce"] if exchange == "auto" else [exchange]
+    best = min(candidates, key=lambda name: cost[name])
+    return "dense" if 2 * (world - 1) / world * n * 4 < cost[best] else best
+
+
+def check_reference(exchange="allgather", bucket_cap_mb=25, steps=4, density=0.05, warmup_steps=0,
+                    warmup_density=0.25, error_feedback=True, residual_decay=1.0, accumulate=1,
+                    unused_on_rank=None, ddp_kwargs=None, amp=False):
+    """Every step's p.grad against the numpy error-feedback contract; same bits on every rank.
+    ``accumulate``: micro-batches per step, all but the last under ``no_sync()``.
+    ``unused_on_rank``: that rank skips head2 (find_unused_parameters=True)."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    model, ddp, state = build(bucket_cap_mb, exchange=exchange, density=density, warmup_steps=warmup_steps,
+                              warmup_density=warmup_density, error_feedback=error_feedback,
+                              residual_decay=residual_decay, ddp_kwargs=ddp_kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    shadow = copy.deepcopy(model)
+    ref = ErrorFeedbackReference(size, error_feedback=error_feedback, decay=residual_decay)
+    for step in range(steps):
+        use_head2 = rank != unused_on_rank
+        shadow.load_state_dict(model.state_dict())
+        shadow.zero_grad()
+        opt.zero_grad(set_to_none=True)
+        for part in range(accumulate):
+            x, y = batch(step, rank, part)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                F.cross_entropy(shadow(x, use_head2), y).backward()
+            if part < accumulate - 1:
+                with ddp.no_sync():
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                        F.cross_entropy(ddp(x, use_head2), y).backward()
+            else:
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                    F.cross_entropy(ddp(x, use_head2), y).backward()
+        members = buckets_of(state)
+        d = dgc_density(step, density, warmup_steps, warmup_density)
+        for name, p in model.named_parameters():
+            g = shadow.get_parameter(name).grad
+            mine = (g if g is not None else torch.zeros_like(p)).numpy()
+            grads = np.stack(gather(mine))
+            index, sparse_names = members[name]
+            if p.numel() < MIN_NUMEL:
+                want = grads.mean(axis=0)
+            else:
+                sizes = [model.get_parameter(n).numel() for n in sparse_names]
+                how = chosen(exchange, size, sizes, d) if size > 1 else "allgather"
+                leader = (step + index) % size if how == "sparse_allreduce" else None
+                want = ref.sparse(name, grads, 1.0 if how == "dense" else d, leader=leader)
+            np.testing.assert_allclose(p.grad.numpy(), want, rtol=1e-5, atol=1e-6,
+                                       err_msg=f"step {step} {name} (bucket {index})")
+            assert_same_on_all_ranks(p.grad.numpy(), f"step {step} {name}")
+        opt.step()
+    assert state.stats()["steps"] == steps
+    return state
+
+
+def check_several_buckets():
+    state = check_reference(bucket_cap_mb=0.005, steps=4)
+    assert len(state.layouts) >= 2, f"expected several DDP buckets, got {len(state.layouts)}"
+
+
+def check_stats():
+    """bytes_ratio: the run's message bytes over dense fp32 bytes, counted by hand."""
+    state = check_reference(steps=3, density=0.05)
+    k = k_of(3840, 0.05) + k_of(960, 0.05) * 2
+    sent = 3 * (k * 8 + (96 + 10 + 10) * 4)  # pairs (8 bytes each, a multiple of 8) + dense biases
+    dense = 3 * sum(p.numel() for p in Net().parameters()) * 4
+    got = state.stats()
+    assert got["bytes_sent"] == sent and got["bytes_dense"] == dense, got
+    assert abs(got["bytes_ratio"] - sent / dense) < 1e-12, got
+
+
+def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.0, 0.95), eps=1e-3, wd=0.1):
+    """The AdamW recipe through DDP: each rank's numpy Adam (global variance: v/P + (1-1/P)
+    mean^2, lr inside) on its own gradient, the error-feedback contract on those updates, and
+    inner.step() applying p * (1 - lr wd) - result."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(model)
+    inner = hvd_topk.LocalAdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd)
+    state = hvd_topk.ddp.TopKState(density=density, optimizer=inner, min_numel=MIN_NUMEL, exchange="allgather")
+    ddp.register_comm_hook(state, hvd_topk.ddp.topk_hook)
+    shadow = copy.deepcopy(model)
+    ref = ErrorFeedbackReference(size)
+    moments = {}
+    for step in range(steps):
+        x, y = batch(step, rank)
+        shadow.load_state_dict(model.state_dict())
+        shadow.zero_grad()
+        F.cross_entropy(shadow(x), y).backward()
+        before = {n: p.detach().numpy().astype(np.float64) for n, p in model.named_parameters()}
+        inner.zero_grad(set_to_none=True)
+        F.cross_entropy(ddp(x), y).backward()
+        for name, p in model.named_parameters():
+            updates = []
+            for r, g in enumerate(gather(shadow.get_parameter(name).grad.numpy().astype(np.float64))):
+                m, v, mean = moments.get((r, name), (0.0, 0.0, 0.0))
+                m, v = betas[0] * m + (1 - betas[0]) * g, betas[1] * v + (1 - betas[1]) * g * g
+                mean = betas[1] * mean + (1 - betas[1]) * g
+                moments[(r, name)] = (m, v, mean)
+                t = step + 1
+                v_hat, mean_hat = v / (1 - betas[1] ** t), mean / (1 - betas[1] ** t)
+                if size > 1:
+                    v_hat = mean_hat ** 2 + (v_hat - mean_hat ** 2) / size
+                updates.append(lr * m / (1 - betas[0] ** t) / (np.sqrt(v_hat) + eps))
+            updates = np.stack(updates)
+            want = ref.sparse(name, updates, density) if p.numel() >= MIN_NUMEL else updates.mean(axis=0)
+            np.testing.assert_allclose(p.grad.numpy(), want, rtol=1e-5, atol=1e-7, err_msg=f"step {step} {name}")
+        inner.step()
+        for name, p in model.named_parameters():
+            np.testing.assert_allclose(p.detach().numpy(), before[name] * (1 - lr * wd) - p.grad.numpy(),
+                                       rtol=1e-5, atol=1e-7, err_msg=f"parameter {name}")
+        assert_same_on_all_ranks(p.detach().numpy(), f"parameters after step {step}")
+
+
+def train(ddp, opt, steps, start=0):
+    rank = dist.get_rank()
+    for step in range(start, start + steps):
+        x, y = batch(step, rank)
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+
+
+def check_resume(bucket_cap_mb=0.005, **state_kwargs):
+    """Model, optimizer and TopKState saved at step 3 and loaded into fresh objects (a new DDP,
+    which starts from its initial buckets again): bitwise equal at step 7 to the run that never
+    stopped; residuals restored by name."""
+    def fresh(seed=0):
+        model, ddp, state = build(bucket_cap_mb, seed=seed, density=0.05, warmup_steps=2, warmup_density=0.5,
+                                  exchange="allgather", **state_kwargs)
+        return model, ddp, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), state
+    model, ddp, opt, state = fresh()
+    train(ddp, opt, 7)
+    model_b, ddp_b, opt_b, state_b = fresh()
+    train(ddp_b, opt_b, 3)
+    saved = copy.deepcopy({"model": model_b.state_dict(), "opt": opt_b.state_dict(), "topk": state_b.state_dict()})
+    assert saved["topk"]["iteration"] == 3 and any(float(r.abs().sum()) for r in saved["topk"]["residuals"].values())
+    model_c, ddp_c, opt_c, state_c = fresh(seed=123)
+    model_c.load_state_dict(saved["model"])
+    opt_c.load_state_dict(saved["opt"])
+    state_c.load_state_dict(saved["topk"])
+    train(ddp_c, opt_c, 4, start=3)
+    for (name, a), c in zip(model.named_parameters(), model_c.parameters()):
+        assert torch.equal(a, c), f"resume: {name} differs (max {float((a - c).abs().max())})"
+    mine, theirs = state.state_dict()["residuals"], state_c.state_dict()["residuals"]
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[n], theirs[n]) for n in mine)
+    # saved on another rank: residuals restart from zero, with a warning; the step is kept
+    other = copy.deepcopy(saved["topk"])
+    other["rank"] = (dist.get_rank() + 1) % dist.get_world_size()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state_c.load_state_dict(other)
+    assert any("residuals start from zero" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert state_c.iteration == 3 and all(float(r.abs().sum()) == 0 for r in state_c.state_dict()["residuals"].values())
+
+
+def check_nonfinite():
+    """An inf in one rank's gradient reaches every rank's result (GradScaler would skip the step
+    everywhere), that rank's residual is reset, and the next step is finite again. With the
+    sparse allreduce the culprit is not the leader: its flag slot carries the news."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    for exchange, culprit in (("allgather", 0), ("sparse_allreduce", size - 1)):
+        model, ddp, state = build(exchange=exchange, density=0.05)
+        x, y = batch(0, rank)
+        handle = model.fc1.weight.register_hook(
+            lambda g: g.index_fill(1, torch.tensor([3]), float("inf")) if rank == culprit else g)
+        F.cross_entropy(ddp(x), y).backward()
+        handle.remove()
+        assert not bool(torch.isfinite(model.fc1.weight.grad).all()), f"{exchange}: inf did not reach rank {rank}"
+        residual = state.state_dict()["residuals"]["fc1.weight"]
+        assert bool(torch.isfinite(residual).all()), f"{exchange}: residual kept inf"
+        assert state.stats()["nonfinite_resets"] == (1 if rank == culprit else 0), state.stats()
+        model.zero_grad(set_to_none=True)
+        x, y = batch(1, rank)
+        F.cross_entropy(ddp(x), y).backward()
+        assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()), f"{exchange}: step after"
+
+
+def check_bad_input():
+    P = hvd_topk.ddp.TopKState
+    for kwargs, error, match in [({"density": 0.0}, ValueError, "density"), ({"density": 1.5}, ValueError, "density"),
+                                 ({"density": "0.01"}, TypeError, "density"),
+                                 ({"exchange": "ring"}, ValueError, "exchange must be one of"),
+                                 ({"optimizer": torch.optim.SGD(Net().parameters(), lr=0.1)}, TypeError,
+                                  "transform_local_gradient"),
+                                 ({"residual_decay": 0.0}, ValueError, "residual_decay"),
+                                 ({"residual_decay": 0.9, "error_feedback": False}, ValueError, "needs error_feedback"),
+                                 ({"warmup_steps": -1}, ValueError, "warmup_steps")]:
+        with raises(error, match=match, what=str(kwargs)):
+            P(**kwargs)
+    # a process group that is not DDP's
+    solo = dist.new_group([0])
+    model = Net()
+    ddp = DDP(model)
+    with raises(ValueError, match="process group", what="register with another group"):
+        hvd_topk.ddp.register(ddp, P(process_group=solo))
+    # checkpointing without names
+    with raises(ValueError, match="named_parameters", what="state_dict without names"):
+        P().state_dict()
+    # an unsupported dtype
+    with raises(TypeError, match="not supported", what="integer bucket"):
+        P()._first_hook(_FakeBucket(torch.zeros(4, dtype=torch.int32)))
+
+
+class _FakeBucket:
+    """What ``TopKState._first_hook`` reads of a DDP bucket."""
+
+    def __init__(self, buffer):
+        self._buffer = buffer
+
+    def buffer(self):
+        return self._buffer
+
+    def parameters(self):
+        return [self._buffer]
+
+
+CHECKS = [
+    ("allgather, one bucket", check_reference),
+    ("allgather, several buckets", check_several_buckets),
+    ("sparse allreduce, several buckets", lambda: check_reference("sparse_allreduce", bucket_cap_mb=0.005)),
+    ("auto, dense start (warm-up from 1.0)", lambda: check_reference("auto", steps=5, warmup_steps=4,
+                                                                     warmup_density=1.0)),
+    ("no error feedback", lambda: check_reference(error_feedback=False)),
+    ("residual decay", lambda: check_reference(residual_decay=0.8)),
+    ("no_sync accumulation", lambda: check_reference(accumulate=2)),
+    ("find_unused_parameters, rank 1 skips a layer", lambda: check_reference(
+        unused_on_rank=1, ddp_kwargs={"find_unused_parameters": True})),
+    ("static_graph, gradient_as_bucket_view", lambda: check_reference(
+        bucket_cap_mb=0.005, ddp_kwargs={"static_graph": True, "gradient_as_bucket_view": True})),
+    ("bf16 autocast", lambda: check_reference(amp=True)),
+    ("statistics: bytes over the run", check_stats),
+    ("LocalAdamW recipe", check_local_adamw),
+    ("checkpoint resume, several buckets", check_resume),
+    ("checkpoint resume, one bucket, decay", lambda: check_resume(bucket_cap_mb=25, residual_decay=0.9)),
+    ("non-finite gradient", check_nonfinite),
+    ("bad input", check_bad_input),
+]
+
+
+if __name__ == "__main__":
+    run(CHECKS)
