@@ -46,7 +46,7 @@ from hvd_topk.codec import Codec
 from hvd_topk.optim import residual_decay_of
 from hvd_topk.schedule import DensitySchedule
 from hvd_topk.selection import DEFAULT_METHOD, check_density, check_flag, check_integer, check_number
-from hvd_topk.wire import Layout, index_dtype_for
+from hvd_topk.wire import index_dtype_for
 
 EXCHANGES = ("auto", "allgather", "sparse_allreduce", "dense")
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
