@@ -271,12 +271,17 @@ def _save_report(args, argv, script, benchmark, render, info, started, runs, par
     return report
 
 
-def run_example(np_, extra, seed, epochs, timeout, example):
-    """One local ``mpirun`` of ``example`` (``--epochs`` unless None) and its JSON result, with ``wall_s``."""
+def run_example(np_, extra, seed, epochs, timeout, example, launcher="mpirun"):
+    """One local ``mpirun`` (or ``torchrun --standalone``) of ``example`` (``--epochs`` unless None)
+    and its JSON result, with ``wall_s``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         length = [] if epochs is None else ["--epochs", str(epochs)]
-        cmd = launch.mpirun_command(np_, [example, "--quiet", "--json", str(out), *length, "--seed", str(seed), *extra])
+        argv = [str(example), "--quiet", "--json", str(out), *length, "--seed", str(seed), *extra]
+        if launcher == "torchrun":
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(np_), *argv]
+        else:
+            cmd = launch.mpirun_command(np_, argv)
         t0 = time.perf_counter()
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               start_new_session=True) as proc:

@@ -2,7 +2,9 @@
 """Convergence on the transformer workload (examples/pytorch_gpt.py, AdamW): dense, Horovod fp16,
 hvd_topk 1% and 0.1% with and without error feedback, over several seeds, at a fixed step budget.
 
-Every run is ``mpirun -np 2 python examples/pytorch_gpt.py --quiet --json OUT --steps N --seed S ARGS``.
+Every run is ``mpirun -np 2 python examples/pytorch_gpt.py --quiet --json OUT --steps N --seed S ARGS``;
+the ``ddp-*`` configs run ``torchrun --standalone --nproc_per_node 2 examples/ddp_gpt.py ...`` (the
+same model, corpus and batches through DistributedDataParallel and a communication hook).
 
     .venv/bin/python benchmarks/convergence_gpt.py                     # 6 configs x 3 seeds x 300 steps
     .venv/bin/python benchmarks/convergence_gpt.py --configs dense dense-fv fv-1% fv-0.1% fv-noef-0.1% \
@@ -107,6 +109,19 @@ CONFIGS = {
     "gv-1%-bf16": ("hvd_topk 1%, the gv-1% recipe under bf16 autocast", [*GV, "--density", "0.01", *START,
                                                                          "--amp", "bf16"]),
 }
+# torchrun + DDP (examples/ddp_gpt.py, the same model and data): no hook, PowerSGD, hvd_topk's hook
+DDP_EXAMPLE = ROOT / "examples" / "ddp_gpt.py"
+DDP_CONFIGS = {
+    "ddp-dense": ("DDP, no hook (dense fp32 AdamW)", ["--hook", "none"]),
+    "ddp-fp16": ("DDP, PyTorch's fp16 hook", ["--hook", "fp16"]),
+    "ddp-powersgd-r2": ("DDP, PowerSGD rank 2 (dense for the first 100 steps)", ["--hook", "powersgd", "--powersgd-rank", "2"]),
+    "ddp-powersgd-r4": ("DDP, PowerSGD rank 4 (dense for the first 100 steps)", ["--hook", "powersgd", "--powersgd-rank", "4"]),
+    "ddp-topk-1%": ("DDP, hvd_topk hook 1%, LocalAdamW recipe, dense start over 100 steps",
+                    ["--hook", "topk", "--density", "0.01"]),
+    "ddp-topk-1%-fp16v": ("DDP, hvd_topk hook 1%, the recipe with 16-bit values",
+                          ["--hook", "topk", "--density", "0.01", "--fp16-values"]),
+}
+CONFIGS.update(DDP_CONFIGS)
 DEFAULT = ["dense", "fp16", "ef-1%", "noef-1%", "ef-0.1%", "noef-0.1%"]
 FROZEN = ["dense", "dense-fv", "fv-1%", "fv-0.1%", "fv-noef-0.1%"]  # --configs for convergence-gpt-frozen-variance
 
@@ -138,8 +153,9 @@ def main(argv=None):
         used = " ".join([*CONFIGS[name][1], *extra])
         r = earlier.get((name, used, args.steps, seed))
         if r is None:
+            ddp = name in DDP_CONFIGS
             r = run_example(args.np, ["--steps", str(args.steps), *CONFIGS[name][1], *extra], seed, None,
-                            args.timeout, EXAMPLE)
+                            args.timeout, DDP_EXAMPLE if ddp else EXAMPLE, "torchrun" if ddp else "mpirun")
             r.update(config=name, seed=seed, args_used=used)
         else:
             r = dict(r, reused=True)

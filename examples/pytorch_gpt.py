@@ -29,20 +29,17 @@ the optimizer's statistics; its last line is ``final validation loss: X.XXXX``.
 """
 
 import argparse
-import hashlib
 import json
-import math
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import horovod.torch as hvd
 import hvd_topk
+from gpt_model import GPT, batches, evaluate, load_corpus, lr_at, split  # the model and data, shared with ddp_gpt.py
 
 
 def parse_args(argv=None):
@@ -154,81 +151,6 @@ def parse_args(argv=None):
     return args
 
 
-def load_corpus(limit_bytes):
-    """The standard library's .py files, sorted by relative path, concatenated, cut to the limit."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    chunks, total = [], 0
-    for path in sorted(root.rglob("*.py"), key=lambda q: q.relative_to(root).as_posix()):
-        if "site-packages" in path.parts:
-            continue
-        try:
-            data = path.read_bytes()
-        except OSError:
-            continue
-        chunks.append(data)
-        total += len(data)
-        if total >= limit_bytes:
-            break
-    text = b"".join(chunks)[:int(limit_bytes)]
-    if len(text) < 100_000:
-        raise SystemExit(f"only {len(text)} bytes of Python sources under {root}: no corpus")
-    return torch.frombuffer(bytearray(text), dtype=torch.uint8).long(), hashlib.sha256(text).hexdigest()
-
-
-class Block(nn.Module):
-    def __init__(self, width, heads):
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-
-    def forward(self, x, mask):
-        h = self.norm1(x)
-        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
-        return x + self.mlp(self.norm2(x))
-
-
-class GPT(nn.Module):
-    """Byte-level decoder: 256 tokens in, next-byte logits out."""
-
-    def __init__(self, context, width, layers, heads):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(256, width), nn.Embedding(context, width)
-        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
-        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, 256)
-        self.register_buffer("mask", torch.triu(torch.ones(context, context, dtype=torch.bool), 1),
-                             persistent=False)
-
-    def forward(self, idx):
-        t = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
-        for block in self.blocks:
-            x = block(x, self.mask[:t, :t])
-        return self.head(self.norm(x))
-
-
-def split(data, pieces=100):
-    """(train, validation): the corpus cut into ``pieces`` equal runs, every tenth held out, so
-    both halves draw from every part of the library, not the last files alone."""
-    runs = torch.tensor_split(data, pieces)
-    return torch.cat([r for i, r in enumerate(runs) if i % 10 != 9]), torch.cat(runs[9::10])
-
-
-def batches(data, context, batch_size, generator):
-    starts = torch.randint(0, len(data) - context - 1, (batch_size,), generator=generator)
-    x = torch.stack([data[s:s + context] for s in starts.tolist()])
-    y = torch.stack([data[s + 1:s + context + 1] for s in starts.tolist()])
-    return x, y
-
-
-def lr_at(step, args):
-    warm = max(1, int(args.lr_warmup * args.steps))
-    if step < warm:
-        return args.lr * (step + 1) / warm
-    progress = (step - warm) / max(1, args.steps - warm)
-    return args.lr * 0.5 * (1 + math.cos(math.pi * progress))
-
-
 def make_optimizer(args, model, scaler):
     """(the distributed optimizer, the TopK instance it compresses with, or None)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -260,21 +182,6 @@ def make_optimizer(args, model, scaler):
         return opt, topk
     compression = topk or {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[args.compression]
     return hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=compression), topk
-
-
-def evaluate(model, val, args, device, autocast):
-    """Mean loss over fixed validation batches (the same on every rank)."""
-    gen = torch.Generator().manual_seed(1234)
-    model.eval()
-    total = 0.0
-    with torch.no_grad():
-        for _ in range(args.eval_batches):
-            x, y = batches(val, args.context, args.batch_size, gen)
-            with autocast():
-                logits = model(x.to(device))
-            total += F.cross_entropy(logits.float().reshape(-1, 256), y.to(device).reshape(-1)).item()
-    model.train()
-    return total / args.eval_batches
 
 
 def bytes_per_step(model, args, opt, topk):
