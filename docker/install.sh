@@ -65,11 +65,11 @@ INSTALL=("${PIP[@]}" install --no-compile)
 
 # ---- 3. Python dependencies ----------------------------------------------------------------
 mkdir -p "$CACHE/wheels"
-log "pip: $TORCH_SPEC numpy mpi4py pytest scikit-learn matplotlib"
+log "pip: $TORCH_SPEC numpy mpi4py pytest scikit-learn matplotlib lightning"
 "${INSTALL[@]}" setuptools wheel packaging
 # mpi4py compiles against OpenMPI; --find-links picks the wheel cached by an earlier run.
 "${INSTALL[@]}" --find-links "$CACHE/wheels" "$TORCH_SPEC" numpy mpi4py pytest pytest-timeout \
-  scikit-learn cloudpickle psutil pyyaml matplotlib
+  scikit-learn cloudpickle psutil pyyaml matplotlib "lightning>=2.4,<3"
 if ! ls "$CACHE"/wheels/mpi4py-*.whl >/dev/null 2>&1; then
   "${PIP[@]}" wheel --no-deps --find-links "$CACHE/wheels" -w "$CACHE/wheels" mpi4py || true
 fi
