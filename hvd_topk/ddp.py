@@ -42,10 +42,10 @@ import torch.distributed as dist
 
 from hvd_topk import costs
 from hvd_topk._torch import copy_all
-from hvd_topk.codec import Codec
+from hvd_topk.codec import Codec, Encoded
 from hvd_topk.optim import residual_decay_of
 from hvd_topk.schedule import DensitySchedule
-from hvd_topk.selection import DEFAULT_METHOD, check_density, check_flag, check_integer, check_number
+from hvd_topk.selection import DEFAULT_METHOD, check_density, check_flag, check_integer, check_number, native_ok
 from hvd_topk.wire import index_dtype_for
 
 EXCHANGES = ("auto", "allgather", "sparse_allreduce", "dense")
@@ -374,7 +374,6 @@ def topk_hook(state, bucket):
         state._stats["bytes_sent"] += layout.dense_numel * element
         state._stats["elements_selected"] += layout.dense_numel
     if layout.sparse:
-        _fold(state, layout, buffer)
         futures.append(_exchange_sparse(state, layout, bucket.index(), step, buffer))
     if world == 1 or not futures:
         return _done(buffer, layout, [f.wait() for f in futures], world)
@@ -393,17 +392,31 @@ def _done(buffer, layout, results, world):
     return buffer
 
 
-def _fold(state, layout, buffer):
+def _fold(state, layout, buffer, plan=None, message=None):
     """``acc = decay * residual + grad`` over the sparse parameters (a staging copy without
-    error feedback)."""
+    error feedback). With ``plan`` and ``message`` (the allgather's send buffer) on the CPU
+    native path, each gradient is folded in and its top-k selected into the message in the same
+    pass over memory (``hvd_topk.codec.SegmentEncoder``, as the Horovod optimizer's hooks do);
+    returns the ``Encoded`` report then, None otherwise."""
     grads = layout.segments(buffer, layout.sparse)
+    if state.error_feedback and state.residual_decay != 1.0:
+        layout.acc.mul_(state.residual_decay)
+    if plan is not None and state.error_feedback and native_ok(layout.acc) and buffer.dtype == layout.acc.dtype:
+        encoder = state.codec.segment_encoder(layout.acc, plan, message, zero_sent=True)
+        bad, repasses, filled = [], 0, 0
+        for s, grad in enumerate(grads):
+            nonfinite, extra, fill = encoder(s, grad)
+            if nonfinite:
+                bad.append(s)
+            repasses, filled = repasses + extra, filled + fill
+        Codec.finish_segments(plan, message, layout.acc.dtype)
+        return Encoded(bad, repasses, filled)
     accs = layout.acc_segments()
     if not state.error_feedback:
         copy_all(accs, grads)
-        return
-    if state.residual_decay != 1.0:
-        layout.acc.mul_(state.residual_decay)
-    torch._foreach_add_(accs, grads)
+    else:
+        torch._foreach_add_(accs, grads)
+    return None
 
 
 def _choose(state, layout, plan, world):
@@ -423,6 +436,9 @@ def _exchange_sparse(state, layout, index, step, buffer):
     plan = layout.plan(state.codec, state.schedule.density(step))
     strategy = _choose(state, layout, plan, world) if world > 1 else ALLGATHER
     dests = layout.segments(buffer, layout.sparse)
+    if strategy is ALLGATHER:
+        return _allgather(state, layout, plan, dests, buffer)
+    _fold(state, layout, buffer)
     if not strategy.sparse:
         # the whole accumulator goes (a dense start): nothing stays behind
         wire = layout.acc if strategy is DENSE else layout.acc.to(torch.float16)
@@ -435,13 +451,19 @@ def _exchange_sparse(state, layout, index, step, buffer):
                              for a, b in zip(layout.bounds, layout.bounds[1:])])
             layout.acc.zero_()
         return fut.then(dense_done)
-    if strategy is SPARSE_ALLREDUCE:
-        return _sparse_allreduce(state, layout, plan, index, step, dests)
+    return _sparse_allreduce(state, layout, plan, index, step, dests)
+
+
+def _allgather(state, layout, plan, dests, buffer):
+    """Every rank's fixed-size message of pairs, gathered; decoded in rank order."""
+    world, group = state.world_size, state.process_group
     message = layout.message("send", plan.layout.nbytes)
-    encoded = state.codec.encode(layout.acc, plan, message, zero_sent=state.error_feedback)
+    encoded = _fold(state, layout, buffer, plan, message)
+    if encoded is None:
+        encoded = state.codec.encode(layout.acc, plan, message, zero_sent=state.error_feedback)
     _wipe(state, layout, encoded.nonfinite)
     gathered = layout.message("gathered", plan.layout.nbytes * world)
-    state._count(strategy, bytes_sent=plan.layout.nbytes, elements_selected=plan.count)
+    state._count(ALLGATHER, bytes_sent=plan.layout.nbytes, elements_selected=plan.count)
     if world == 1:
         gathered.copy_(message)
         fut = torch.futures.Future()

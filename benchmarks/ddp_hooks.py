@@ -1,0 +1,245 @@
+#!/usr/bin/env python
+"""DDP communication hooks on emulated hosts: no hook, PyTorch's fp16 and PowerSGD hooks, and
+hvd_topk's, on a real model's tensor shapes, one rank per host with a shaped link.
+
+One ``torchrun`` per host and method (``--nnodes P --node_rank i``, static rendezvous at host 0,
+gloo over the emulated links; tools/emulated_hosts.py). A step = ``zero_grad(set_to_none=True)``,
+forward, a real backward into fresh gradients (``loss = sum_p (p * c_p).sum()`` over the model's
+shapes: autograd deposits a fresh ``p.grad`` per parameter, in reverse order, and DDP's buckets
+are reduced as they fill), ``opt.step()`` (SGD); the median over ``--steps`` of the slowest
+rank's step, after ``--warmup`` steps (DDP rebuilds its buckets after the first; PowerSGD
+starts compressing at step 2, its minimum). ``none`` is the same step without DDP: what the
+others add to it is their exchange overhead. Methods:
+
+- ``none``: no DDP, no exchange; ``ddp``: DDP's default allreduce (fp32, 25 MB buckets);
+- ``fp16``: PyTorch's ``fp16_compress_hook``;
+- ``powersgd-rR``: PowerSGD rank R (``PowerSGDState(matrix_approximation_rank=R,
+  start_powerSGD_iter=2)``, one DDP bucket: with several its chained allreduces abort on gloo);
+- ``topk``: ``hvd_topk.ddp.TopKState(density=--density)`` (``exchange="auto"``: the cost model's
+  choice per bucket), DDP's 25 MB buckets.
+
+CPU only: PowerSGD's matrix products cost far less on a GPU. With P = 4 the 4 ranks share this
+machine's 2 cores.
+
+    sudo .venv/bin/python benchmarks/ddp_hooks.py                          # P 2 and 4, 1 and 10 Gbit
+    sudo .venv/bin/python benchmarks/ddp_hooks.py --ranks 2 --rates 1gbit --steps 3 --warmup 3 \\
+        --output-name ddp-hooks-smoke                                      # quick check
+Results: benchmarks/results/exchange/<output-name>.{json,md} (default ddp-hooks-resnet50).
+"""
+
+import argparse
+import json
+import math
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import _common as common  # noqa: E402
+
+METHODS = ("none", "ddp", "fp16", "powersgd-r1", "powersgd-r2", "powersgd-r4", "topk")
+PORT = 29511
+
+
+# ---- one rank ----------------------------------------------------------------------------------
+def worker(args):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hvd_topk.ddp
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    shapes = common.model_shapes(args.model)
+    consts = common.loss_constants(shapes, args.pool, seed=rank, torch=torch)
+
+    class Shapes(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            gen = torch.Generator().manual_seed(0)
+            self.params = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(s, generator=gen) * 0.01)
+                                                 for s in shapes)
+
+        def forward(self, cs):
+            return common.forward(list(self.params), cs)
+
+    model = Shapes()
+    method, state = args.method, None
+    runner = model
+    if method != "none":
+        one_bucket = method.startswith("powersgd")
+        runner = DDP(model, bucket_cap_mb=1e5 if one_bucket else 25)
+        if method == "fp16":
+            runner.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif one_bucket:
+            state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=int(method.split("-r")[1]),
+                                           start_powerSGD_iter=2)
+            runner.register_comm_hook(state, powersgd.powerSGD_hook)
+        elif method == "topk":
+            state = hvd_topk.ddp.TopKState(density=args.density)
+            hvd_topk.ddp.register(runner, state)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    times = []
+    for step in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        runner(consts[step % args.pool]).backward()
+        opt.step()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    every = [None] * size
+    dist.all_gather_object(every, (times, float(sum(p.detach().double().sum() for p in model.parameters()))))
+    if rank == 0:
+        slowest = [max(t[i] for t, _ in every) for i in range(args.steps)]
+        sums = [s for _, s in every]
+        row = {"method": method, "median_ms": 1e3 * statistics.median(slowest), "min_ms": 1e3 * min(slowest),
+               "max_ms": 1e3 * max(slowest), "step_ms_slowest_rank": [1e3 * t for t in slowest],
+               "ranks_agree": method == "none" or all(s == sums[0] for s in sums),
+               "mb_per_rank_step": bytes_sent(method, shapes, state) / 1e6}
+        Path(args.out).write_text(json.dumps(row))
+    dist.destroy_process_group()
+
+
+def bytes_sent(method, shapes, state):
+    """Bytes each rank hands to the network per step: DDP fp32 / fp16 the whole model; PowerSGD
+    rank r (n + m) r floats per matrix it compresses (viewed n x m, at least 2x smaller: its
+    ``min_compression_rate``), the rest dense; hvd_topk's own count (its last step's share)."""
+    n = common.numel(shapes)
+    if method == "none":
+        return 0
+    if method == "ddp":
+        return 4 * n
+    if method == "fp16":
+        return 2 * n
+    if method.startswith("powersgd"):
+        r, total = int(method.split("-r")[1]), 0
+        for s in shapes:
+            rows = s[0]
+            cols = max(1, math.prod(s) // rows)
+            size = rows * cols
+            low = len(s) > 1 and (rows + cols) * min(r, rows, cols) * 2 < size
+            total += 4 * ((rows + cols) * min(r, rows, cols) if low else size)
+        return total
+    st = state.stats()
+    return st["bytes_sent"] / max(1, st["steps"])
+
+
+# ---- the driver --------------------------------------------------------------------------------
+def run_method(eh, P, method, args, out):
+    """One torchrun per emulated host; all of them together are one job."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), GLOO_SOCKET_IFNAME="eth0",
+               PYTHONPATH=":".join(x for x in (os.environ.get("PYTHONPATH"), str(common.REPO)) if x))
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(P), "--nproc_per_node", "1",
+            "--master_addr", eh.hosts[0].ip, "--master_port", str(PORT)]
+    worker_argv = [str(Path(__file__).resolve()), "--worker", "--method", method, "--model", args.model,
+                   "--density", str(args.density), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--pool", str(args.pool), "--threads", str(args.threads), "--out", str(out)]
+    procs = [subprocess.Popen(eh.host_cmd(i, [*argv, "--node_rank", str(i), *worker_argv]), env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=common.REPO)
+             for i in range(P)]
+    outputs = []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=args.timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise SystemExit(f"{method} at P={P} timed out after {args.timeout}s")
+    if not out.exists():
+        raise SystemExit(f"{method} at P={P} failed:\n" + "\n".join(o[-3000:] for o in outputs))
+    return json.loads(out.read_text()), shlex.join([*argv, "--node_rank", "I", *worker_argv])
+
+
+def render(report):
+    lines = ["# DDP communication hooks on emulated hosts (CPU only)", "",
+             f"Date (UTC): {report['date_utc']}  ",
+             f"Machine: {common.summary(report['machine'])}  ",
+             f"Command: `{report['command']}`  ",
+             f"Model shapes: {report['model']} ({report['params']:,} parameters in {report['tensors']} tensors); "
+             f"{report['settings']['warmup']} warm-up + {report['settings']['steps']} timed steps, median of the "
+             "slowest rank; one rank per emulated host (tbf-shaped link, burst 1 ms of the rate); "
+             "torch.distributed gloo; PowerSGD in one DDP bucket, the others in DDP's 25 MB buckets.",
+             "", "Overhead = step - the `none` step (the same forward, backward and SGD step without DDP). "
+             "CPU only: PowerSGD's matrix products are far cheaper on a GPU.", ""]
+    for run in report["runs"]:
+        rows = {r["method"]: r for r in run["rows"]}
+        base = rows.get("none", {}).get("median_ms")
+        lines += [f"## P = {run['P']}, {run['rate']}" + (" (4 ranks share 2 cores)" if run["P"] > 2 else ""), "",
+                  "| method | step ms (median, min-max) | overhead ms | MB per rank and step | ranks agree |",
+                  "|---|---:|---:|---:|---|"]
+        for m, r in rows.items():
+            over = "" if base is None or m == "none" else f"{r['median_ms'] - base:+.1f}"
+            lines.append(f"| {m} | {r['median_ms']:.1f} ({r['min_ms']:.0f}-{r['max_ms']:.0f}) | {over} | "
+                         f"{r['mb_per_rank_step']:.2f} | {'yes' if r['ranks_agree'] else 'NO'} |")
+        if base is not None and "topk" in rows:
+            ours = rows["topk"]["median_ms"] - base
+            for peer in ("fp16", "powersgd-r4"):
+                if peer in rows:
+                    theirs = rows[peer]["median_ms"] - base
+                    lines.append("")
+                    lines.append(f"Overhead ratio {peer} / topk: {theirs:.1f} / {ours:.1f} ms = "
+                                 f"{theirs / ours if ours > 0 else float('inf'):.1f}x")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"])
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--model", default="resnet50", choices=sorted(common.MODELS))
+    ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--pool", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--output-name", default=None)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--method", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    if args.warmup < 3:
+        ap.error("--warmup must be >= 3 (DDP rebuilds its buckets after step 1; PowerSGD compresses from step 2)")
+    name = args.output_name or f"ddp-hooks-{args.model}"
+    info, started, runs = common.machine_info(), time.time(), []
+    shapes = common.model_shapes(args.model)
+    report = {}
+    for P in args.ranks:
+        with common.emulated_hosts.EmulatedHosts(P, rate=args.rates[0], sshd=False) as eh:
+            for rate in args.rates:
+                eh.set_rate(rate)
+                rows = []
+                for method in args.methods:
+                    print(f"P={P} {rate} {method} ... ", end="", flush=True)
+                    row, cmd = run_method(eh, P, method, args, eh.tmpdir / f"{P}-{rate}-{method}.json")
+                    row["torchrun"] = cmd
+                    rows.append(row)
+                    print(f"{row['median_ms']:.1f} ms", flush=True)
+                runs.append({"P": P, "rate": rate, "rows": rows})
+                report = {"benchmark": "ddp_hooks", "command": shlex.join([".venv/bin/python", "benchmarks/ddp_hooks.py",
+                                                                           *(sys.argv[1:] if argv is None else argv)]),
+                          "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "machine": info,
+                          "model": args.model, "params": common.numel(shapes), "tensors": len(shapes),
+                          "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "out", "method")},
+                          "wall_s": time.time() - started, "runs": runs}
+                common.write_report(common.RESULTS / "exchange" / name, report, render(report))
+    print(render(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
