@@ -16,7 +16,9 @@ others add to it is their exchange overhead. Methods:
 - ``powersgd-rR``: PowerSGD rank R (``PowerSGDState(matrix_approximation_rank=R,
   start_powerSGD_iter=2)``, one DDP bucket: with several its chained allreduces abort on gloo);
 - ``topk``: ``hvd_topk.ddp.TopKState(density=--density)`` (``exchange="auto"``: the cost model's
-  choice per bucket), DDP's 25 MB buckets.
+  choice per bucket), DDP's 25 MB buckets;
+- ``topk-view``: the same with ``gradient_as_bucket_view=True`` (not DDP's default: the gradients
+  are views of the buckets, which saves DDP two copies of the model's gradients per step).
 
 CPU only: PowerSGD's matrix products cost far less on a GPU. With P = 4 the 4 ranks share this
 machine's 2 cores.
@@ -43,7 +45,7 @@ sys.path.insert(0, str(HERE))
 
 import _common as common  # noqa: E402
 
-METHODS = ("none", "ddp", "fp16", "powersgd-r1", "powersgd-r2", "powersgd-r4", "topk")
+METHODS = ("none", "ddp", "fp16", "powersgd-r1", "powersgd-r2", "powersgd-r4", "topk", "topk-view")
 PORT = 29511
 
 
@@ -78,14 +80,14 @@ def worker(args):
     runner = model
     if method != "none":
         one_bucket = method.startswith("powersgd")
-        runner = DDP(model, bucket_cap_mb=1e5 if one_bucket else 25)
+        runner = DDP(model, bucket_cap_mb=1e5 if one_bucket else 25, gradient_as_bucket_view=method.endswith("-view"))
         if method == "fp16":
             runner.register_comm_hook(None, default_hooks.fp16_compress_hook)
         elif one_bucket:
             state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=int(method.split("-r")[1]),
                                            start_powerSGD_iter=2)
             runner.register_comm_hook(state, powersgd.powerSGD_hook)
-        elif method == "topk":
+        elif method.startswith("topk"):
             state = hvd_topk.ddp.TopKState(density=args.density)
             hvd_topk.ddp.register(runner, state)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
