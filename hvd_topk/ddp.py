@@ -45,7 +45,8 @@ from hvd_topk._torch import copy_all
 from hvd_topk.codec import Codec, Encoded
 from hvd_topk.optim import residual_decay_of
 from hvd_topk.schedule import DensitySchedule
-from hvd_topk.selection import DEFAULT_METHOD, check_density, check_flag, check_integer, check_number, native_ok
+from hvd_topk.selection import (DEFAULT_METHOD, check_density, check_flag, check_integer, check_number,
+                                check_residual_decay, native_ok)
 from hvd_topk.wire import index_dtype_for
 
 EXCHANGES = ("auto", "allgather", "sparse_allreduce", "dense")
@@ -126,12 +127,8 @@ class TopKState:
         self.exchange = exchange
         self.fp16_values = check_flag(fp16_values, "fp16_values")
         self.min_numel = check_integer(min_numel, "min_numel", 0)
-        decay = residual_decay_of(optimizer, check_number(residual_decay, "residual_decay"))
-        if not 0.0 < decay <= 1.0:
-            raise ValueError(f"residual_decay must be in (0, 1], got {decay!r}")
-        if decay != 1.0 and not self.error_feedback:
-            raise ValueError("residual_decay needs error_feedback=True (without it there is no residual)")
-        self.residual_decay = decay
+        self.residual_decay = check_residual_decay(
+            residual_decay_of(optimizer, check_number(residual_decay, "residual_decay")), self.error_feedback)
         self.codec = Codec(method, fp16_values)
         # internal
         self.process_group = process_group

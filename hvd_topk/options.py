@@ -5,7 +5,7 @@ import dataclasses
 import numbers
 
 from hvd_topk import exchange
-from hvd_topk.selection import check_density, check_flag, check_integer, check_number
+from hvd_topk.selection import check_density, check_flag, check_integer, check_number, check_residual_decay
 
 SCOPES = ("tensor", "bucket")
 HIERARCHICAL = ("auto", True, False)
@@ -78,11 +78,7 @@ class Options:
         if m and not self.error_feedback:
             raise ValueError("momentum_correction needs error_feedback=True")
         check_density(self.warmup_density, "warmup_density")
-        decay = check_number(self.residual_decay, "residual_decay")
-        if not 0.0 < decay <= 1.0:
-            raise ValueError(f"residual_decay must be in (0, 1], got {decay!r}")
-        if decay != 1.0 and not self.error_feedback:
-            raise ValueError("residual_decay needs error_feedback=True (without it there is no residual)")
+        check_residual_decay(self.residual_decay, self.error_feedback)
         check_choice(self.selection_scope, "selection_scope", SCOPES)
         check_choice(self.exchange, "exchange", exchange.CHOICES)
         # True == 1 in Python: an integer 1 or 0 would pass a plain ``in`` test

@@ -70,6 +70,17 @@ def check_integer(value, name, low):
     return int(value)
 
 
+def check_residual_decay(decay, error_feedback):
+    """``residual_decay`` as a float in (0, 1]; a decay other than 1 needs error feedback (without
+    it there is no residual)."""
+    value = check_number(decay, "residual_decay")
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"residual_decay must be in (0, 1], got {decay!r}")
+    if value != 1.0 and not error_feedback:
+        raise ValueError("residual_decay needs error_feedback=True (without it there is no residual)")
+    return value
+
+
 def check_method(method):
     if not isinstance(method, str):
         raise TypeError(f"method must be a string, one of {METHODS}, got {method!r}")
