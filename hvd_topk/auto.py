@@ -14,7 +14,8 @@ time casting. So, per job:
 2. **Trial** (``Trial``): each remaining family runs ``trial_steps`` real training steps (plus
    one to settle after each switch); the time from one ``synchronize()`` to the next is the
    measure, i.e. the whole step the user runs. The median per family is averaged over the
-   ranks with one allreduce, so every rank takes the same, fastest, family.
+   ranks with one allreduce (the transport's: ``agree``), so every rank takes the same,
+   fastest, family.
 3. The choice holds until the world size changes (Horovod elastic) or, with
    ``recheck_steps``, that many steps have passed; then the trial runs again.
 
@@ -26,8 +27,6 @@ import sys
 import time
 
 import torch
-
-from hvd_topk._horovod import hvd
 
 FAMILIES = ("dense", "dense_fp16", "allgather", "sparse_allreduce")
 HIER = "hier_"  # prefix of the hierarchical families (hvd_topk.hierarchy)
@@ -51,13 +50,14 @@ class Trial:
     Args:
         candidates: family names to try, in a fixed order (the same on every rank).
         trial_steps: measured steps per candidate (after one settling step each).
-        process_set, name: where and under which name the one decision allreduce runs.
+        agree: the transport's one decision collective: a float64 tensor of this rank's
+            medians in, the ranks' average out (Horovod's allreduce, or torch.distributed's).
     """
 
-    def __init__(self, candidates, trial_steps, process_set, name):
+    def __init__(self, candidates, trial_steps, agree):
         self.candidates = list(candidates)
         self.trial_steps = trial_steps
-        self.process_set, self.name = process_set, name
+        self.agree = agree
         self.times = {c: [] for c in self.candidates}
         self.position = 0          # steps run since the trial started
         self.last_end = None       # perf_counter at the previous synchronize's end
@@ -89,8 +89,7 @@ class Trial:
             return False
         mine = [statistics.median(self.times[c]) if self.times[c] else float("inf")
                 for c in self.candidates]
-        agreed = hvd.allreduce(torch.tensor(mine, dtype=torch.float64), name=self.name,
-                               op=hvd.Average, process_set=self.process_set)
+        agreed = self.agree(torch.tensor(mine, dtype=torch.float64))
         self.medians = dict(zip(self.candidates, agreed.tolist()))
         self.choice = min(self.candidates, key=lambda c: (self.medians[c], self.candidates.index(c)))
         self.decided_at = step
@@ -125,7 +124,7 @@ def propose(assignments, byte_counts):
     return chosen
 
 
-def announce(text):
+def announce(text, rank):
     """One line on rank 0's stderr (the choice is made once per job shape)."""
-    if hvd.rank() == 0:
+    if rank == 0:
         print(f"hvd_topk: {text}", file=sys.stderr, flush=True)

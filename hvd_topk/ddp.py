@@ -40,7 +40,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from hvd_topk import costs
+from hvd_topk import auto, costs
 from hvd_topk._torch import copy_all
 from hvd_topk.codec import Codec, Encoded
 from hvd_topk.optim import residual_decay_of
@@ -49,7 +49,8 @@ from hvd_topk.selection import (DEFAULT_METHOD, check_density, check_flag, check
                                 check_residual_decay, native_ok)
 from hvd_topk.wire import index_dtype_for
 
-EXCHANGES = ("auto", "allgather", "sparse_allreduce", "dense")
+EXCHANGES = ("auto", "allgather", "sparse_allreduce", "dense", "dense_fp16")
+TRIAL_FROM_STEP = 2  # DDP rebuilds its buckets after its first step: measure from the third
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 STATE_VERSION = 1
 
@@ -86,10 +87,15 @@ class TopKState:
             ``hvd_topk.DeMo``'s ``beta`` becomes ``residual_decay``.
         exchange ("auto"): ``"allgather"`` (every rank's pairs, bytes grow with P),
             ``"sparse_allreduce"`` (a rotating leader's positions, every rank's values summed
-            there; bytes independent of P: the one for many ranks), ``"dense"``, or ``"auto"``:
-            per bucket and step, the one the cost model says moves the fewest bytes into each
-            rank (a model, not a timing: on a fast network dense may be faster even so; pin one
-            for quality experiments). Sparse buckets go dense where that moves fewer bytes.
+            there; bytes independent of P: the one for many ranks), ``"dense"``,
+            ``"dense_fp16"``, or ``"auto"``: once the density warm-up is over (and DDP has
+            rebuilt its buckets), each family the cost model proposes runs
+            ``exchange_trial_steps`` (3) real steps (plus one to settle), the ranks average
+            their median step times with one allreduce and all keep the fastest
+            (``hvd_topk.auto``, the Horovod optimizer's trial); on a fast network that may be
+            dense, which is the point. Before that, the family moving the fewest bytes. Pin
+            one for quality experiments on one host. A sparse family still sends a bucket
+            dense where a ring allreduce moves fewer bytes.
         fp16_values (False): send values as float16 (6 bytes a pair instead of 8); the dense
             fallback then runs in float16 too.
         min_numel (1024): tensors with fewer elements are averaged densely (biases, norms:
@@ -112,8 +118,8 @@ class TopKState:
     """
 
     def __init__(self, process_group=None, density=0.01, *, error_feedback=True, warmup_steps=0,
-                 warmup_density=0.25, optimizer=None, exchange="auto", fp16_values=False, min_numel=1024,
-                 residual_decay=1.0, method=DEFAULT_METHOD, named_parameters=None):
+                 warmup_density=0.25, optimizer=None, exchange="auto", exchange_trial_steps=3, fp16_values=False,
+                 min_numel=1024, residual_decay=1.0, method=DEFAULT_METHOD, named_parameters=None):
         # tune
         self.density = check_density(density)
         self.error_feedback = check_flag(error_feedback, "error_feedback")
@@ -125,6 +131,7 @@ class TopKState:
         if exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
         self.exchange = exchange
+        self.exchange_trial_steps = check_integer(exchange_trial_steps, "exchange_trial_steps", 1)
         self.fp16_values = check_flag(fp16_values, "fp16_values")
         self.min_numel = check_integer(min_numel, "min_numel", 0)
         self.residual_decay = check_residual_decay(
@@ -139,6 +146,9 @@ class TopKState:
         self.retired = []                       # layouts DDP replaced this step (their residuals move)
         self.pending = {}                       # name -> residual loaded before its bucket was seen
         self.checked = False
+        self.family = None                      # this step's exchange family (see _begin_step)
+        self.trial = None                       # exchange="auto": hvd_topk.auto.Trial, once started
+        self.trial_started = None               # the step it started at
         # statistics
         self._stats = dict(steps=0, bytes_sent=0, bytes_dense=0, elements_total=0, elements_selected=0,
                            nonfinite_resets=0)
@@ -154,6 +164,9 @@ class TopKState:
         out["current_density"] = self.schedule.density(self.iteration)
         out["buckets_by_exchange"] = dict(self._by_strategy)
         out["world_size"] = self.world_size
+        out["exchange"], out["exchange_family"] = self.exchange, self.family
+        if self.trial is not None:
+            out["exchange_reason"] = self.trial.reason()
         return out
 
     def _count(self, strategy, **amounts):
@@ -220,6 +233,39 @@ class TopKState:
             fresh.adopt(self.pending, self.names)
         self.layouts[bucket.index()] = fresh
         return fresh
+
+    def _begin_step(self, step):
+        """At a step's first bucket: this step's exchange family. Under ``"auto"`` the measured
+        trial counts the step before (its time is first bucket to first bucket) and may decide
+        (one blocking allreduce, here, before any of this step's collectives: every rank
+        reaches it at the same step)."""
+        if self.exchange != "auto":
+            self.family = self.exchange
+            return
+        density = self.schedule.density(step)
+        if self.world_size <= 1 or density != self.schedule.target or step < TRIAL_FROM_STEP:
+            self.family = None  # the fewest bytes, bucket by bucket
+            return
+        if self.trial is None:
+            self._start_trial(density)
+        elif self.trial.step_done(step) and self.rank == 0:
+            auto.announce(f"exchange={self.trial.choice} for {self.world_size} ranks ({self.trial.reason()})", 0)
+        self.family = self.trial.family()
+
+    def _start_trial(self, density):
+        families = ("dense", "dense_fp16", "allgather", "sparse_allreduce")
+        assignments, byte_counts = {}, {}
+        for family in families:
+            chosen = [_choose(self, layout, layout.plan(self.codec, density), self.world_size, family)
+                      for layout in self.layouts.values() if layout.sparse]
+            assignments[family] = tuple(s.name for s, _ in chosen)
+            byte_counts[family] = sum(cost for _, cost in chosen)
+        self.trial = auto.Trial(auto.propose(assignments, byte_counts), self.exchange_trial_steps, self._agree)
+        self.trial_started = self.iteration
+
+    def _agree(self, medians):
+        dist.all_reduce(medians, group=self.process_group)
+        return medians / self.world_size
 
     def _first_hook(self, bucket):
         """Once: the group, and a check that every rank wraps the same model (a different model,
@@ -355,6 +401,8 @@ def topk_hook(state, bucket):
             state.optimizer.transform_local_gradient(p, g, world)
     layout = state._layout(bucket)
     step = state.iteration
+    if bucket.index() == 0:
+        state._begin_step(step)
     if bucket.is_last():
         state.iteration += 1
         state._stats["steps"] += 1
@@ -416,22 +464,24 @@ def _fold(state, layout, buffer, plan=None, message=None):
     return None
 
 
-def _choose(state, layout, plan, world):
-    value_bytes, index_bytes = plan.layout.value_itemsize, plan.layout.index_itemsize
-    sparse = {"allgather": (ALLGATHER,), "sparse_allreduce": (SPARSE_ALLREDUCE,), "dense": (),
-              "auto": (ALLGATHER, SPARSE_ALLREDUCE)}[state.exchange]
-    dense = DENSE_FP16 if state.fp16_values else DENSE
-    if not sparse:
-        return dense
-    element = layout.acc.element_size()
-    return costs.cheapest((*sparse, dense), world, layout.numel, plan.count, value_bytes, index_bytes, element)
+def _choose(state, layout, plan, world, family):
+    """``(strategy, its bytes into one rank)`` for the bucket's sparse part under ``family``
+    (None: the fewest bytes of all); a sparse family goes dense where that moves fewer bytes."""
+    sizes = (world, layout.numel, plan.count, plan.layout.value_itemsize, plan.layout.index_itemsize,
+             layout.acc.element_size())
+    fallback = DENSE_FP16 if state.fp16_values else DENSE
+    options = {"dense": (DENSE,), "dense_fp16": (DENSE_FP16,), "allgather": (ALLGATHER, fallback),
+               "sparse_allreduce": (SPARSE_ALLREDUCE, fallback),
+               None: (ALLGATHER, SPARSE_ALLREDUCE, fallback)}[family]
+    strategy = costs.cheapest(options, *sizes)
+    return strategy, strategy.wire_bytes(*sizes)
 
 
 def _exchange_sparse(state, layout, index, step, buffer):
     """Start the sparse part's exchange; a future that decodes it into ``buffer``."""
     world, group = state.world_size, state.process_group
     plan = layout.plan(state.codec, state.schedule.density(step))
-    strategy = _choose(state, layout, plan, world) if world > 1 else ALLGATHER
+    strategy = _choose(state, layout, plan, world, state.family)[0] if world > 1 else ALLGATHER
     dests = layout.segments(buffer, layout.sparse)
     if strategy is ALLGATHER:
         return _allgather(state, layout, plan, dests, buffer)

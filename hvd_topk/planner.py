@@ -14,10 +14,11 @@ talking:
   buffer or, for a hierarchical family, over this rank's shard of it.
 
 It knows nothing of Horovod's collectives beyond the trial's one decision allreduce
-(``auto.Trial``), which is what lets a second transport reuse it.
+(``_agree``, handed to ``auto.Trial``); the DDP hook runs the same trial over torch.distributed.
 """
 
 from hvd_topk import auto, exchange, hierarchy
+from hvd_topk._horovod import hvd
 from hvd_topk.buckets import BucketStep
 
 
@@ -69,10 +70,14 @@ class ExchangePlanner:
             assignments[f] = (hierarchical, tuple(s.name for s in strategies))
         byte_counts = {f: self.modelled_bytes(f, density, world) for f in self.families}
         candidates = auto.propose(assignments, byte_counts)
-        self.trial = auto.Trial(candidates, self.options.exchange_trial_steps, self.process_set, self.name)
+        self.trial = auto.Trial(candidates, self.options.exchange_trial_steps, self._agree)
         self.trial_world = world
         if self.trial.choice is not None:
-            auto.announce(f"exchange={self.trial.choice} for {world} ranks ({self.trial.reason()})")
+            auto.announce(f"exchange={self.trial.choice} for {world} ranks ({self.trial.reason()})", hvd.rank())
+
+    def _agree(self, medians):
+        """The trial's decision: every rank's medians averaged by one Horovod allreduce."""
+        return hvd.allreduce(medians, name=self.name, op=hvd.Average, process_set=self.process_set)
 
     def step_done(self, step, world):
         """End of a step's ``synchronize()``: the trial counts the step (and may decide)."""
@@ -80,7 +85,7 @@ class ExchangePlanner:
                 or self.schedule.density(step) != self.schedule.target:
             return
         if self.trial.step_done(step):
-            auto.announce(f"exchange={self.trial.choice} for {world} ranks ({self.trial.reason()})")
+            auto.announce(f"exchange={self.trial.choice} for {world} ranks ({self.trial.reason()})", hvd.rank())
 
     def forget_trial(self):
         """Measure again from here (a restored checkpoint: every rank restarts alike)."""
