@@ -15,8 +15,9 @@ others add to it is their exchange overhead. Methods:
 - ``fp16``: PyTorch's ``fp16_compress_hook``;
 - ``powersgd-rR``: PowerSGD rank R (``PowerSGDState(matrix_approximation_rank=R,
   start_powerSGD_iter=2)``, one DDP bucket: with several its chained allreduces abort on gloo);
-- ``topk``: ``hvd_topk.ddp.TopKState(density=--density)`` (``exchange="auto"``: the cost model's
-  choice per bucket), DDP's 25 MB buckets;
+- ``topk``: ``hvd_topk.ddp.TopKState(density=--density)``, DDP's 25 MB buckets; its default
+  ``exchange="auto"`` runs its measured trial in extra warm-up steps, so the timed steps use the
+  family it chose (named in the table);
 - ``topk-view``: the same with ``gradient_as_bucket_view=True`` (not DDP's default: the gradients
   are views of the buckets, which saves DDP two copies of the model's gradients per step).
 
@@ -92,13 +93,18 @@ def worker(args):
             hvd_topk.ddp.register(runner, state)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     times = []
-    for step in range(args.warmup + args.steps):
+    # exchange="auto": its measured trial (after DDP's rebuild, up to 4 families x (1 + 3) steps)
+    # runs in the warm-up, so that the timed steps use the family it chose
+    warmup = args.warmup + (hvd_topk.ddp.TRIAL_FROM_STEP + 4 * 4 + 1 if method.startswith("topk") else 0)
+    for step in range(warmup + args.steps):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         runner(consts[step % args.pool]).backward()
         opt.step()
-        if step >= args.warmup:
+        if step >= warmup:
             times.append(time.perf_counter() - t0)
+        elif step == warmup - 1 and method.startswith("topk"):
+            state.bytes_before_timing = state.stats()["bytes_sent"]
     every = [None] * size
     dist.all_gather_object(every, (times, float(sum(p.detach().double().sum() for p in model.parameters()))))
     if rank == 0:
@@ -107,15 +113,19 @@ def worker(args):
         row = {"method": method, "median_ms": 1e3 * statistics.median(slowest), "min_ms": 1e3 * min(slowest),
                "max_ms": 1e3 * max(slowest), "step_ms_slowest_rank": [1e3 * t for t in slowest],
                "ranks_agree": method == "none" or all(s == sums[0] for s in sums),
-               "mb_per_rank_step": bytes_sent(method, shapes, state) / 1e6}
+               "mb_per_rank_step": bytes_sent(method, shapes, state, args.steps) / 1e6}
+        if method.startswith("topk"):
+            st = state.stats()
+            row["exchange"] = st["exchange_family"]
+            row["exchange_reason"] = st.get("exchange_reason")
         Path(args.out).write_text(json.dumps(row))
     dist.destroy_process_group()
 
 
-def bytes_sent(method, shapes, state):
+def bytes_sent(method, shapes, state, steps):
     """Bytes each rank hands to the network per step: DDP fp32 / fp16 the whole model; PowerSGD
     rank r (n + m) r floats per matrix it compresses (viewed n x m, at least 2x smaller: its
-    ``min_compression_rate``), the rest dense; hvd_topk's own count (its last step's share)."""
+    ``min_compression_rate``), the rest dense; hvd_topk's own count over the timed steps."""
     n = common.numel(shapes)
     if method == "none":
         return 0
@@ -132,8 +142,7 @@ def bytes_sent(method, shapes, state):
             low = len(s) > 1 and (rows + cols) * min(r, rows, cols) * 2 < size
             total += 4 * ((rows + cols) * min(r, rows, cols) if low else size)
         return total
-    st = state.stats()
-    return st["bytes_sent"] / max(1, st["steps"])
+    return (state.stats()["bytes_sent"] - state.bytes_before_timing) / steps
 
 
 # ---- the driver --------------------------------------------------------------------------------
@@ -181,8 +190,12 @@ def render(report):
                   "|---|---:|---:|---:|---|"]
         for m, r in rows.items():
             over = "" if base is None or m == "none" else f"{r['median_ms'] - base:+.1f}"
-            lines.append(f"| {m} | {r['median_ms']:.1f} ({r['min_ms']:.0f}-{r['max_ms']:.0f}) | {over} | "
+            name = f"{m} (auto chose {r['exchange']})" if r.get("exchange") else m
+            lines.append(f"| {name} | {r['median_ms']:.1f} ({r['min_ms']:.0f}-{r['max_ms']:.0f}) | {over} | "
                          f"{r['mb_per_rank_step']:.2f} | {'yes' if r['ranks_agree'] else 'NO'} |")
+        reasons = [f"{m}: {r['exchange_reason']}" for m, r in rows.items() if r.get("exchange_reason")]
+        if reasons:
+            lines += ["", "auto's trial: " + "; ".join(reasons)]
         if base is not None and "topk" in rows:
             ours = rows["topk"]["median_ms"] - base
             for peer in ("fp16", "powersgd-r4"):
