@@ -1,7 +1,9 @@
 """The README's "Without Horovod: torchrun + DDP" file runs as written under
-``torchrun --nproc_per_node 2`` and sends what the hand count says: 1% of each of the two weight
-matrices and of the first bias (1024 elements: not below ``min_numel``) as 8-byte pairs, the
-last bias (10 elements) dense."""
+``torchrun --nproc_per_node 2``: it trains, ``exchange="auto"`` ends on one of its families,
+and the bytes it reports lie between the hand count of a step sent sparse (1% of each of the
+two weight matrices and of the first bias, 1024 elements, not below ``min_numel``, as 8-byte
+pairs; the last bias, 10 elements, dense) and a dense fp32 step's: the trial ran dense steps,
+so the run's average is above the sparse count (check_ddp.py checks the counts step by step)."""
 
 import re
 import subprocess
@@ -39,9 +41,10 @@ def test_readme_ddp_lines_run_under_torchrun(tmp_path):
     if proc.returncode != 0 and aborted_at_exit(proc):
         proc = torchrun(script, tmp_path)  # once more: the abort is torch's, at shutdown, and rare
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-    got = re.search(r"bytes sent vs dense fp32: ([0-9.]+)%", proc.stdout)
+    got = re.search(r"exchange: (\w+); bytes sent vs dense fp32: ([0-9.]+)%", proc.stdout)
     assert got, proc.stdout
+    assert got.group(1) in ("dense", "dense_fp16", "allgather", "sparse_allreduce"), got.group(0)
     k = round(0.01 * 256 * 1024) + round(0.01 * 1024) + round(0.01 * 1024 * 10)  # k = round(density n) per tensor
     dense_params = 256 * 1024 + 1024 + 1024 * 10 + 10
-    expected = (8 * k + 4 * 10) / (4 * dense_params)
-    assert abs(float(got.group(1)) / 100 - expected) < 0.00005, (got.group(1), expected)
+    sparse_step = (8 * k + 4 * 10) / (4 * dense_params)
+    assert sparse_step < float(got.group(2)) / 100 < 1.0, (got.group(0), sparse_step)

@@ -1,0 +1,291 @@
+"""The DDP hook's transport (``hvd_topk.ddp``): one DDP bucket as the hook sees it
+(``BucketLayout``: which tensors are sparse, where they sit in DDP's flat buffer, their residual)
+and how its parts travel over ``torch.distributed``: the small tensors averaged by one allreduce
+(``average_dense``), the sparse part by the allgather of fixed-size messages, the sparse
+allreduce, or a dense allreduce of the accumulator (``exchange_sparse``, the strategy from
+``choose``). Every collective is started here, from the hook, in bucket order; the futures'
+callbacks only decode (why: ``hvd_topk.ddp``'s docstring).
+
+The functions take the hook's ``TopKState`` for what it holds (codec, options, world, group,
+this step's family, statistics).
+"""
+
+import torch
+import torch.distributed as dist
+
+from hvd_topk import costs
+from hvd_topk._torch import copy_all
+from hvd_topk.codec import Codec, Encoded
+from hvd_topk.selection import native_ok
+from hvd_topk.wire import index_dtype_for
+
+
+class _Strategy:
+    """One way a bucket travels over ``torch.distributed``, and its bytes (``hvd_topk.costs``)."""
+
+    def __init__(self, name, sparse, wire_bytes):
+        self.name, self.sparse, self.wire_bytes = name, sparse, staticmethod(wire_bytes)
+
+
+DENSE = _Strategy("dense", False, costs.dense)
+DENSE_FP16 = _Strategy("dense_fp16", False, costs.dense_fp16)
+ALLGATHER = _Strategy("allgather", True, costs.allgather)
+SPARSE_ALLREDUCE = _Strategy("sparse_allreduce", True, costs.sparse_allreduce)
+
+
+class BucketLayout:
+    """One DDP bucket as the hook sees it: which parameters are sparse (floating point, at least
+    ``min_numel`` elements) and where they sit in DDP's flat buffer, this bucket's residual (one
+    flat buffer over its sparse parameters), and buffers reused every step."""
+
+    def __init__(self, params, grads, buffer, min_numel, error_feedback):
+        self.params = list(params)
+        self.key = [id(p) for p in self.params]
+        base = buffer.storage_offset()
+        spans = [(g.storage_offset() - base, g.numel()) for g in grads]
+        self.sparse = [i for i, p in enumerate(self.params) if p.numel() >= min_numel]
+        self.dense = [i for i in range(len(self.params)) if i not in set(self.sparse)]
+        self.spans = spans
+        self.sizes = [spans[i][1] for i in self.sparse]
+        self.bounds = torch.tensor([0, *torch.tensor(self.sizes, dtype=torch.int64).cumsum(0).tolist()],
+                                   dtype=torch.int64)
+        self.numel = int(self.bounds[-1])
+        self.dense_numel = sum(spans[i][1] for i in self.dense)
+        kw = dict(dtype=buffer.dtype, device=buffer.device)
+        self.acc = torch.zeros(self.numel, **kw)  # the residual (error feedback) or a staging copy
+        self.dense_buffer = torch.empty(self.dense_numel, **kw)
+        self.error_feedback = error_feedback
+        self.plans = {}     # density -> codec plan
+        self.messages = {}  # (purpose, bytes) -> reusable uint8 buffer
+
+    def matches(self, params):
+        return [id(p) for p in params] == self.key
+
+    def segments(self, flat, which):
+        """Views of ``flat`` (DDP's buffer) at the parameters ``which`` (indices into params)."""
+        return [flat[self.spans[i][0]:self.spans[i][0] + self.spans[i][1]] for i in which]
+
+    def acc_segments(self):
+        return [self.acc[int(a):int(b)] for a, b in zip(self.bounds, self.bounds[1:])]
+
+    def residual_segments(self):
+        if not self.error_feedback:
+            return []
+        return [(self.params[i], seg) for i, seg in zip(self.sparse, self.acc_segments())]
+
+    def take_residuals_from(self, old):
+        """Copy the residuals of parameters ``old`` also held (DDP rebuilt its buckets)."""
+        if not self.error_feedback:
+            return
+        theirs = {id(p): seg for p, seg in old.residual_segments()}
+        for p, seg in self.residual_segments():
+            if id(p) in theirs:
+                seg.copy_(theirs[id(p)])
+
+    def adopt(self, pending, names):
+        """Take loaded residuals (by parameter name) for this bucket's parameters."""
+        for p, seg in self.residual_segments():
+            got = pending.pop(names.get(p), None)
+            if got is not None:
+                if got.shape != seg.shape and got.numel() != seg.numel():
+                    raise ValueError(f"residual of {names.get(p)!r}: {got.numel()} elements, the parameter has "
+                                     f"{seg.numel()}")
+                seg.copy_(got.reshape(-1))
+
+    def clear(self):
+        self.acc.zero_()
+
+    def plan(self, codec, density):
+        plan = self.plans.get(density)
+        if plan is None:
+            if len(self.plans) > 8:  # a warm-up walks through many densities
+                self.plans.clear()
+            plan = self.plans[density] = codec.plan(self.sizes, density, "tensor", self.acc.dtype,
+                                                   index_dtype_for(self.numel))
+        return plan
+
+    def message(self, purpose, nbytes):
+        key = (purpose, nbytes)
+        out = self.messages.get(key)
+        if out is None:
+            if len(self.messages) > 8:
+                self.messages.clear()
+            out = self.messages[key] = torch.empty(nbytes, dtype=torch.uint8, device=self.acc.device)
+        return out
+
+
+def average_dense(state, layout, buffer):
+    """Start the allreduce of the bucket's small tensors (a plain average; ``finish`` divides)."""
+    copy_all([layout.dense_buffer[a:b] for a, b in _edges([layout.spans[i][1] for i in layout.dense])],
+             layout.segments(buffer, layout.dense))
+    state._stats["bytes_sent"] += layout.dense_numel * buffer.element_size()
+    state._stats["elements_selected"] += layout.dense_numel
+    return _allreduce(layout.dense_buffer, state.process_group)
+
+
+def finish(buffer, layout, results, world):
+    """The bucket's result: the dense part's average written back; the sparse part was decoded
+    in place by its own callback."""
+    if layout.dense:
+        dense = results[0][0] if isinstance(results[0], list) else results[0]
+        dense.div_(world)
+        copy_all(layout.segments(buffer, layout.dense),
+                 [dense[a:b] for a, b in _edges([layout.spans[i][1] for i in layout.dense])])
+    return buffer
+
+
+def _fold(state, layout, buffer, plan=None, message=None):
+    """``acc = decay * residual + grad`` over the sparse parameters (a staging copy without
+    error feedback). With ``plan`` and ``message`` (the allgather's send buffer) on the CPU
+    native path, each gradient is folded in and its top-k selected into the message in the same
+    pass over memory (``hvd_topk.codec.SegmentEncoder``, as the Horovod optimizer's hooks do);
+    returns the ``Encoded`` report then, None otherwise."""
+    grads = layout.segments(buffer, layout.sparse)
+    if state.error_feedback and state.residual_decay != 1.0:
+        layout.acc.mul_(state.residual_decay)
+    if plan is not None and state.error_feedback and native_ok(layout.acc) and buffer.dtype == layout.acc.dtype:
+        encoder = state.codec.segment_encoder(layout.acc, plan, message, zero_sent=True)
+        bad, repasses, filled = [], 0, 0
+        for s, grad in enumerate(grads):
+            nonfinite, extra, fill = encoder(s, grad)
+            if nonfinite:
+                bad.append(s)
+            repasses, filled = repasses + extra, filled + fill
+        Codec.finish_segments(plan, message, layout.acc.dtype)
+        return Encoded(bad, repasses, filled)
+    accs = layout.acc_segments()
+    if not state.error_feedback:
+        copy_all(accs, grads)
+    else:
+        torch._foreach_add_(accs, grads)
+    return None
+
+
+def choose(state, layout, plan, world, family):
+    """``(strategy, its bytes into one rank)`` for the bucket's sparse part under ``family``
+    (None: the fewest bytes of all); a sparse family goes dense where that moves fewer bytes."""
+    sizes = (world, layout.numel, plan.count, plan.layout.value_itemsize, plan.layout.index_itemsize,
+             layout.acc.element_size())
+    fallback = DENSE_FP16 if state.fp16_values else DENSE
+    options = {"dense": (DENSE,), "dense_fp16": (DENSE_FP16,), "allgather": (ALLGATHER, fallback),
+               "sparse_allreduce": (SPARSE_ALLREDUCE, fallback),
+               None: (ALLGATHER, SPARSE_ALLREDUCE, fallback)}[family]
+    strategy = costs.cheapest(options, *sizes)
+    return strategy, strategy.wire_bytes(*sizes)
+
+
+def exchange_sparse(state, layout, index, step, buffer):
+    """Start the sparse part's exchange; a future that decodes it into ``buffer``."""
+    world, group = state.world_size, state.process_group
+    plan = layout.plan(state.codec, state.schedule.density(step))
+    strategy = choose(state, layout, plan, world, state.family)[0] if world > 1 else ALLGATHER
+    dests = layout.segments(buffer, layout.sparse)
+    if strategy is ALLGATHER:
+        return _allgather(state, layout, plan, dests, buffer)
+    _fold(state, layout, buffer)
+    if not strategy.sparse:
+        # the whole accumulator goes (a dense start): nothing stays behind
+        wire = layout.acc if strategy is DENSE else layout.acc.to(torch.float16)
+        state._count(strategy, bytes_sent=wire.numel() * wire.element_size(), elements_selected=layout.numel)
+        fut = _allreduce(wire, group)
+
+        def dense_done(f):
+            total = f.value()[0] if isinstance(f.value(), list) else f.value()
+            copy_all(dests, [total[int(a):int(b)].to(buffer.dtype).div_(world)
+                             for a, b in zip(layout.bounds, layout.bounds[1:])])
+            layout.acc.zero_()
+        return fut.then(dense_done)
+    return _sparse_allreduce(state, layout, plan, index, step, dests)
+
+
+def _allgather(state, layout, plan, dests, buffer):
+    """Every rank's fixed-size message of pairs, gathered; decoded in rank order."""
+    world, group = state.world_size, state.process_group
+    message = layout.message("send", plan.layout.nbytes)
+    encoded = _fold(state, layout, buffer, plan, message)
+    if encoded is None:
+        encoded = state.codec.encode(layout.acc, plan, message, zero_sent=state.error_feedback)
+    _wipe(state, layout, encoded.nonfinite)
+    gathered = layout.message("gathered", plan.layout.nbytes * world)
+    state._count(ALLGATHER, bytes_sent=plan.layout.nbytes, elements_selected=plan.count)
+    if world == 1:
+        gathered.copy_(message)
+        fut = torch.futures.Future()
+        fut.set_result(gathered)
+    else:
+        fut = all_gather(gathered, message, group, async_op=True).get_future()
+
+    def gathered_done(f):
+        Codec.decode(gathered, plan.layout, world, dests, layout.bounds, div=world)
+    return fut.then(gathered_done)
+
+
+def _sparse_allreduce(state, layout, plan, index, step, dests):
+    """ScaleCom's cyclic local top-k over torch.distributed: the leader's positions broadcast
+    (waited for here, so that no collective is started from a callback), every rank's ``acc``
+    there summed with one more slot flagging inf/nan anywhere."""
+    world, group = state.world_size, state.process_group
+    leader = (step + index) % world
+    message = layout.message("send", plan.layout.nbytes)
+    values, indices = plan.layout.views(message)
+    sums = layout.message("values", (plan.count + 1) * values.element_size()).view(values.dtype)
+    if state.rank == leader:
+        encoded = state.codec.encode(layout.acc, plan, message, zero_sent=state.error_feedback)
+        bad = encoded.nonfinite
+    dist.broadcast(indices, src=dist.get_global_rank(group, leader) if group is not None else leader,
+                   group=group)
+    if state.rank != leader:
+        out = values if values.dtype == layout.acc.dtype else plan.value_scratch(layout.acc.dtype)
+        Codec.take(layout.acc, indices, out, zero=state.error_feedback)
+        if out is not values:
+            values.copy_(out)
+        bad = _nonfinite_segments(layout)
+    _wipe(state, layout, bad)
+    sums[:-1].copy_(values)
+    sums[-1] = 1.0 if bad else 0.0
+    state._count(SPARSE_ALLREDUCE, elements_selected=plan.count,
+                 bytes_sent=plan.count * plan.layout.index_itemsize + (plan.count + 1) * values.element_size())
+    fut = _allreduce(sums, group)
+
+    def summed_done(f):
+        values.copy_(sums[:-1])
+        Codec.decode(message, plan.layout, 1, dests, layout.bounds, div=world)
+        if float(sums[-1]) > 0:  # inf/nan on some rank: every rank's result shows it
+            for d in dests:
+                d.fill_(float("nan"))
+    return fut.then(summed_done)
+
+
+def _nonfinite_segments(layout):
+    if bool(torch.isfinite(layout.acc).all()):
+        return []
+    return [s for s, seg in enumerate(layout.acc_segments()) if not bool(torch.isfinite(seg).all())]
+
+
+def _wipe(state, layout, bad):
+    """Residual segments that held inf/nan start again from zero (the values still went out)."""
+    if torch.is_tensor(bad):
+        bad = bad.nonzero().view(-1).tolist() if bad.dim() else ([0] if bool(bad) else [])
+    if not bad or not state.error_feedback:
+        return
+    segments = layout.acc_segments()
+    for s in bad:
+        segments[s].zero_()
+    state._stats["nonfinite_resets"] += len(bad)
+
+
+def all_gather(out, tensor, group, async_op=False):
+    """``all_gather_single`` (torch >= 2.13; ``all_gather_into_tensor`` before, now deprecated)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, tensor, group=group, async_op=async_op)
+
+
+def _allreduce(tensor, group):
+    return dist.all_reduce(tensor, group=group, async_op=True).get_future()
+
+
+def _edges(sizes):
+    start = 0
+    for n in sizes:
+        yield start, start + n
+        start += n
