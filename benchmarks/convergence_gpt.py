@@ -188,7 +188,10 @@ def main(argv=None):
              f"hvd_topk git {info.get('git')}  ",
              f"Command: `{command}`  ",
              f"Each run: `mpirun -np {args.np} python examples/pytorch_gpt.py --quiet --json OUT --steps {args.steps} "
-             f"--seed SEED ARGS` (the example's defaults otherwise); seeds {', '.join(map(str, args.seeds))}; "
+             f"--seed SEED ARGS`"
+             + (f" (`ddp-*` rows: `torchrun --standalone --nproc_per_node {args.np} examples/ddp_gpt.py ...`)"
+                if any(c in DDP_CONFIGS for c in args.configs) else "")
+             + f" (the example's defaults otherwise); seeds {', '.join(map(str, args.seeds))}; "
              f"total wall time {fmt_s(meta['total_wall_s'])}.", "",
              "| configuration | ARGS | final validation loss, mean ± std | min–max | vs dense | bytes vs dense fp32 |",
              "|---|---|---|---|---:|---:|"]
