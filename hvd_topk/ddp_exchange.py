@@ -44,7 +44,7 @@ class BucketLayout:
         base = buffer.storage_offset()
         spans = [(g.storage_offset() - base, g.numel()) for g in grads]
         self.sparse = [i for i, p in enumerate(self.params) if p.numel() >= min_numel]
-        self.dense = [i for i in range(len(self.params)) if i not in set(self.sparse)]
+        self.dense = [i for i, p in enumerate(self.params) if p.numel() < min_numel]
         self.spans = spans
         self.sizes = [spans[i][1] for i in self.sparse]
         self.bounds = torch.tensor([0, *torch.tensor(self.sizes, dtype=torch.int64).cumsum(0).tolist()],
@@ -87,7 +87,7 @@ class BucketLayout:
         for p, seg in self.residual_segments():
             got = pending.pop(names.get(p), None)
             if got is not None:
-                if got.shape != seg.shape and got.numel() != seg.numel():
+                if got.numel() != seg.numel():
                     raise ValueError(f"residual of {names.get(p)!r}: {got.numel()} elements, the parameter has "
                                      f"{seg.numel()}")
                 seg.copy_(got.reshape(-1))
