@@ -182,10 +182,15 @@ class TopKState:
         if self.names is None:
             raise ValueError("TopKState.load_state_dict() needs parameter names: build the state with "
                              "named_parameters=model.named_parameters()")
-        known = set(self.names.values())
-        unknown = sorted(set(state["residuals"]) - known)
+        # checked whole before anything is applied: a checkpoint that does not fit changes nothing
+        sizes = {name: p.numel() for p, name in self.names.items()}
+        unknown = sorted(set(state["residuals"]) - set(sizes))
         if unknown:
             raise ValueError(f"the checkpoint holds residuals of parameters this model does not have: {unknown[:5]}")
+        wrong = [f"{n} ({t.numel()} elements, the parameter has {sizes[n]})"
+                 for n, t in state["residuals"].items() if t.numel() != sizes[n]]
+        if wrong:
+            raise ValueError(f"the checkpoint's residuals do not fit this model's parameters: {wrong[:5]}")
         rank, world = _group_rank_and_size(self.process_group)
         self.iteration = int(state["iteration"])
         for layout in self.layouts.values():

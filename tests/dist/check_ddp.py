@@ -301,6 +301,17 @@ def check_bad_input():
     # an unsupported dtype
     with raises(TypeError, match="not supported", what="integer bucket"):
         P()._first_hook(_FakeBucket(torch.zeros(4, dtype=torch.int32)))
+    # checkpoints that do not fit: a parameter this model lacks, a residual of another size
+    model, ddp, state = build(exchange="allgather")
+    train(ddp, torch.optim.SGD(model.parameters(), lr=0.1), 1)
+    saved = state.state_dict()
+    with raises(ValueError, match="does not have", what="unknown parameter"):
+        state.load_state_dict({**saved, "residuals": {**saved["residuals"], "fc9.weight": torch.zeros(3)}})
+    with raises(ValueError, match="do not fit", what="residual of another size"):
+        state.load_state_dict({**saved, "residuals": {**saved["residuals"], "fc1.weight": torch.zeros(3)}})
+    after = state.state_dict()  # refused whole: nothing applied
+    assert after["iteration"] == saved["iteration"] == 1
+    assert all(torch.equal(after["residuals"][n], saved["residuals"][n]) for n in saved["residuals"])
 
 
 class _FakeBucket:
