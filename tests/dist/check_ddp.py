@@ -277,6 +277,38 @@ def check_nonfinite():
         assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()), f"{exchange}: step after"
 
 
+def check_join():
+    """Uneven inputs under DDP's ``Join``: rank r runs 3 + r steps; a joined rank's DDP runs the
+    hook on zero buckets (its residual still sends). The truth: the same job with even inputs,
+    where the ranks that have run out take steps of zero loss instead (zero gradients through
+    the same hook, in the same order). The last rank to join ends bitwise where that run ends,
+    and Join leaves every rank with its parameters."""
+    from torch.distributed.algorithms.join import Join
+    rank, size = dist.get_rank(), dist.get_world_size()
+    last = 3 + size - 1
+
+    def run(joined):
+        model, ddp, state = build(exchange="allgather", bucket_cap_mb=0.005)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        mine = 3 + rank
+        if joined:
+            with Join([ddp]):
+                train(ddp, opt, mine)
+        else:
+            for step in range(last):
+                x, y = batch(step, rank)
+                opt.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(ddp(x), y)
+                (loss if step < mine else loss * 0.0).backward()
+                opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+    uneven, even = run(True), run(False)
+    assert_same_on_all_ranks(torch.cat([p.reshape(-1) for p in uneven]).numpy(), "parameters after Join")
+    if rank == size - 1:
+        for a, b in zip(uneven, even):
+            assert torch.equal(a, b), f"Join differs from zero-gradient steps (max {float((a - b).abs().max())})"
+
+
 def check_bad_input():
     P = hvd_topk.ddp.TopKState
     for kwargs, error, match in [({"density": 0.0}, ValueError, "density"), ({"density": 1.5}, ValueError, "density"),
@@ -348,6 +380,7 @@ CHECKS = [
     ("checkpoint resume, several buckets", check_resume),
     ("checkpoint resume, one bucket, decay", lambda: check_resume(bucket_cap_mb=25, residual_decay=0.9)),
     ("non-finite gradient", check_nonfinite),
+    ("Join: uneven inputs", check_join),
     ("bad input", check_bad_input),
 ]
 
