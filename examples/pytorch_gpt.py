@@ -123,8 +123,11 @@ def parse_args(argv=None):
         p.error("--adam frozen-variance needs --freeze-step N > 0, and --freeze-step needs it")
     if args.adam in ("local", "demo") and args.optimizer != "topk-ef":
         p.error(f"--adam {args.adam} needs --optimizer topk-ef (it runs inside hvd_topk.DistributedOptimizer)")
-    if args.adam == "demo" and (args.residual_decay != 1.0 or args.no_error_feedback):
-        p.error("--adam demo: its accumulator decay is --demo-beta (not --residual-decay), and it needs error feedback")
+    if args.adam == "demo" and args.residual_decay != 1.0:
+        p.error("--adam demo: its accumulator decay is --demo-beta, not --residual-decay")
+    if args.adam == "demo" and args.no_error_feedback and args.demo_beta != 1.0:
+        p.error("--adam demo --no-error-feedback: without error feedback there is no accumulator to decay; "
+                "pass --demo-beta 1.0")
     if (args.demo_beta != 0.999 or args.demo_normalise != "sign") and args.adam != "demo":
         p.error("--demo-beta and --demo-normalise only apply to --adam demo")
     if not 0 < args.demo_beta <= 1:
