@@ -213,6 +213,39 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.0, 0.95), eps=1e-
         assert_same_on_all_ranks(p.detach().numpy(), f"parameters after step {step}")
 
 
+def check_demo(steps=4, density=0.05, lr=0.05, beta=0.8, wd=0.1):
+    """DeMo through the hook: the accumulator is beta * residual + lr * g (TopKState takes DeMo's
+    beta as its residual decay), and inner.step() applies p * (1 - lr wd) - lr * sign(result)."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(model)
+    inner = hvd_topk.DeMo(model.parameters(), lr=lr, beta=beta, weight_decay=wd)
+    state = hvd_topk.ddp.TopKState(density=density, optimizer=inner, min_numel=MIN_NUMEL, exchange="allgather")
+    assert state.residual_decay == beta
+    ddp.register_comm_hook(state, hvd_topk.ddp.topk_hook)
+    shadow = copy.deepcopy(model)
+    ref = ErrorFeedbackReference(size, decay=beta)
+    for step in range(steps):
+        x, y = batch(step, rank)
+        shadow.load_state_dict(model.state_dict())
+        shadow.zero_grad()
+        F.cross_entropy(shadow(x), y).backward()
+        before = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+        inner.zero_grad(set_to_none=True)
+        F.cross_entropy(ddp(x), y).backward()
+        for name, p in model.named_parameters():
+            fed = np.stack(gather(shadow.get_parameter(name).grad.numpy())) * np.float32(lr)
+            want = ref.sparse(name, fed, density) if p.numel() >= MIN_NUMEL else fed.mean(axis=0)
+            np.testing.assert_allclose(p.grad.numpy(), want, rtol=1e-5, atol=1e-9, err_msg=f"step {step} {name}")
+        inner.step()
+        for name, p in model.named_parameters():
+            np.testing.assert_allclose(p.detach().numpy(), before[name] * (1 - lr * wd) - lr * np.sign(p.grad.numpy()),
+                                       rtol=1e-5, atol=1e-7, err_msg=f"parameter {name}")
+        assert_same_on_all_ranks(torch.cat([q.detach().reshape(-1) for q in model.parameters()]).numpy(),
+                                 f"parameters after step {step}")
+
+
 def train(ddp, opt, steps, start=0):
     rank = dist.get_rank()
     for step in range(start, start + steps):
@@ -377,6 +410,7 @@ CHECKS = [
     ("bf16 autocast", lambda: check_reference(amp=True)),
     ("statistics: bytes over the run", check_stats),
     ("LocalAdamW recipe", check_local_adamw),
+    ("DeMo through optimizer=", check_demo),
     ("checkpoint resume, several buckets", check_resume),
     ("checkpoint resume, one bucket, decay", lambda: check_resume(bucket_cap_mb=25, residual_decay=0.9)),
     ("non-finite gradient", check_nonfinite),
