@@ -19,6 +19,7 @@ prints progress and validation loss, bytes per step against a dense fp32 allredu
 """
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -201,6 +202,8 @@ def main(argv=None):
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1, default=str))
         print(f"final validation loss: {result['final_val_loss']:.4f}", flush=True)
+    del ddp, state
+    gc.collect()  # DDP gone before the group: torch 2.13 + gloo may abort at exit otherwise (docs/ddp.md)
     dist.destroy_process_group()
     return result
 
