@@ -33,7 +33,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hvd_topk.ddp
-from gpt_model import GPT, batches, evaluate, load_corpus, lr_at, split
+from gpt_model import (GPT, add_training_arguments, batches, check_training_arguments, evaluate, load_corpus,
+                       lr_at, split)
 from hvd_topk.optim import LocalAdamW
 
 
@@ -54,25 +55,12 @@ def parse_args(argv=None):
                    help="--hook powersgd: vanilla allreduce for this many steps first (its own dense start)")
     p.add_argument("--bucket-cap-mb", type=float, default=None,
                    help="DDP's bucket size (default: one bucket for powersgd, which gloo needs; DDP's 25 MB otherwise)")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
-    p.add_argument("--context", type=int, default=128)
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--lr-warmup", type=float, default=0.1, help="fraction of --steps for the LR warm-up")
-    p.add_argument("--weight-decay", type=float, default=0.1)
+    add_training_arguments(p)
     p.add_argument("--clip", type=float, default=None, help="gradient norm clipping (default 1.0; off with --adam local)")
     p.add_argument("--amp", choices=("none", "bf16"), default="none", help="bf16 autocast")
-    p.add_argument("--corpus-mb", type=float, default=4.0)
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--eval-batches", type=int, default=16)
-    p.add_argument("--seed", type=int, default=42)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--json", metavar="PATH", help="write the final metrics here (rank 0)")
-    p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
+    check_training_arguments(p, args)
     if args.adam is None:
         args.adam = "local" if args.hook == "topk" else "adamw"
     if args.adam == "local" and args.hook != "topk":
@@ -81,8 +69,8 @@ def parse_args(argv=None):
         args.clip = 0.0 if args.adam == "local" else 1.0
     if args.adam == "local" and args.clip:
         p.error("--adam local: the synchronized gradient is Adam's update; clipping it would shrink steps")
-    if args.steps < 1 or args.eval_every < 1 or args.powersgd_rank < 1 or args.warmup_steps < 0:
-        p.error("--steps, --eval-every and --powersgd-rank must be positive, --warmup-steps >= 0")
+    if args.powersgd_rank < 1 or args.warmup_steps < 0:
+        p.error("--powersgd-rank must be positive, --warmup-steps >= 0")
     if args.powersgd_start < 2:
         p.error("--powersgd-start must be >= 2 (DDP rebuilds its buckets after the first step)")
     return args

@@ -99,3 +99,33 @@ def evaluate(model, val, args, device, autocast):
             total += F.cross_entropy(logits.float().reshape(-1, 256), y.to(device).reshape(-1)).item()
     model.train()
     return total / args.eval_batches
+
+
+def add_training_arguments(p):
+    """The model, corpus, schedule and evaluation options both GPT examples take."""
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr-warmup", type=float, default=0.1, help="fraction of --steps for the LR warm-up")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--corpus-mb", type=float, default=4.0, help="bytes of the corpus used, MB")
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-batches", type=int, default=16)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--json", metavar="PATH", help="write the final metrics here (rank 0)")
+    p.add_argument("--quiet", action="store_true", help="only the final summary")
+
+
+def check_training_arguments(p, args):
+    """Usage errors (``p.error``) for the options of ``add_training_arguments``."""
+    for name in ("steps", "batch_size", "context", "width", "layers", "heads", "eval_every", "eval_batches"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be a positive integer")
+    if args.width % args.heads:
+        p.error("--width must be a multiple of --heads")
+    if args.lr <= 0 or not 0 <= args.lr_warmup < 1 or args.corpus_mb <= 0:
+        p.error("--lr and --corpus-mb must be positive, --lr-warmup in [0, 1)")

@@ -39,7 +39,9 @@ import torch.nn.functional as F
 
 import horovod.torch as hvd
 import hvd_topk
-from gpt_model import GPT, batches, evaluate, load_corpus, lr_at, split  # the model and data, shared with ddp_gpt.py
+# the model, data and their options, shared with ddp_gpt.py
+from gpt_model import (GPT, add_training_arguments, batches, check_training_arguments, evaluate, load_corpus,
+                       lr_at, split)
 
 
 def parse_args(argv=None):
@@ -84,34 +86,14 @@ def parse_args(argv=None):
     p.add_argument("--beta1", type=float, default=None,
                    help="Adam's beta1 (default 0.9; 0 with --adam local, and with frozen-variance + error feedback)")
     p.add_argument("--freeze-step", type=int, default=0, help="with --adam frozen-variance (e.g. = --warmup-steps)")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
-    p.add_argument("--context", type=int, default=128)
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--lr-warmup", type=float, default=0.1, help="fraction of --steps for the LR warm-up")
-    p.add_argument("--weight-decay", type=float, default=0.1)
+    add_training_arguments(p)
     p.add_argument("--clip", type=float, default=None,
                    help="gradient norm clipping of the synchronized gradient (default 1.0; 0: off; off with "
                         "--adam local, whose synchronized 'gradient' is Adam's update)")
     p.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none",
                    help="autocast: bf16 (CPU) or fp16 (CUDA, with torch.amp.GradScaler)")
-    p.add_argument("--corpus-mb", type=float, default=4.0, help="bytes of the corpus used, MB")
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--eval-batches", type=int, default=16)
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--json", metavar="PATH", help="write the final metrics here (rank 0)")
-    p.add_argument("--quiet", action="store_true", help="only the final summary")
     args = p.parse_args(argv)
-    for name in ("steps", "batch_size", "context", "width", "layers", "heads", "eval_every", "eval_batches"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be a positive integer")
-    if args.width % args.heads:
-        p.error("--width must be a multiple of --heads")
-    if args.lr <= 0 or not 0 <= args.lr_warmup < 1 or args.corpus_mb <= 0:
-        p.error("--lr and --corpus-mb must be positive, --lr-warmup in [0, 1)")
+    check_training_arguments(p, args)
     if args.optimizer == "topk-ef" and args.compression != "topk":
         p.error("--optimizer topk-ef always compresses with TopK; use --compression topk")
     topk_ef_only = {"no_error_feedback": False, "selection_scope": "tensor", "exchange": "auto", "warmup_steps": 0,
