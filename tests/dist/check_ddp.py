@@ -20,23 +20,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hvd_topk
 import hvd_topk.ddp
 from expect import raises
+from nets import Net
 from reference import ErrorFeedbackReference, dgc_density, k_of
 from torchrun_harness import assert_same_on_all_ranks, gather, run
 
 MIN_NUMEL = 500  # the three weights (3840, 960, 960 elements) sparse; the biases dense
-
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(40, 96)
-        self.fc2 = torch.nn.Linear(96, 10)
-        self.head2 = torch.nn.Linear(96, 10)
-
-    def forward(self, x, use_head2=True):
-        h = torch.relu(self.fc1(x))
-        out = self.fc2(h)
-        return out + self.head2(h) if use_head2 else out
 
 
 def batch(step, rank, part=0, n=24):

@@ -15,22 +15,8 @@ import torch.nn.functional as F
 import horovod.torch as hvd
 import hvd_topk
 from harness import assert_same_on_all_ranks, gather, raises, raw_then_synchronize, run, step_and_check_same
+from nets import Net
 from reference import ErrorFeedbackReference, dgc_density, k_of
-
-
-class Net(torch.nn.Module):
-    """Two big weights (sparse path) and small biases (dense path); head2 is optional."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(40, 96)
-        self.fc2 = torch.nn.Linear(96, 10)
-        self.head2 = torch.nn.Linear(96, 10)
-
-    def forward(self, x, use_head2=True):
-        h = torch.relu(self.fc1(x))
-        out = self.fc2(h)
-        return out + self.head2(h) if use_head2 else out
 
 
 def batch(step, rank, n=24, part=None):

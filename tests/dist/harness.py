@@ -17,37 +17,24 @@ the failing rank; the checks not run yet are reported missing by tests/test_dist
 import os
 import sys
 import time
-import traceback
 
 import numpy as np
 
 import horovod.torch as hvd
+from check_runner import listed, run_checks, say as _say
 from expect import raises  # noqa: F401  (the checks import it from here)
-from results import (rank_failure_line, result_line, running_line, validate_names)
 
 # MPI.COMM_WORLD, set by run(): importing mpi4py.MPI starts MPI, which --list must not do.
 COMM = None
 SYNC_TIMEOUT_S = float(os.environ.get("HVD_TOPK_CHECK_SYNC_TIMEOUT", "60"))
 
 
-def _say(text, stream=None):
-    stream = stream or sys.stdout
-    stream.write(text + "\n")
-    stream.flush()
-
-
 def run(checks, argv=None, init=None):
     """Run every ``(name, function)`` in ``checks`` on every rank (see the module docstring).
     ``init``: what starts Horovod (``hvd.init``; e.g. ``hvd_topk.init``)."""
     checks = list(checks)
-    names = validate_names(name for name, _ in checks)
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv == ["--list"]:
-        for name in names:
-            print(name)
+    if listed(checks, sys.argv[1:] if argv is None else list(argv)):
         return
-    if argv:
-        sys.exit(f"usage: {sys.argv[0]} [--list]  (got {argv})")
 
     global COMM
     from mpi4py import MPI  # initialise MPI before Horovod so both share it
@@ -55,31 +42,10 @@ def run(checks, argv=None, init=None):
     COMM = MPI.COMM_WORLD
     control = COMM.Dup()  # the harness's messages never pair with a check's own mpi4py calls
     (init or hvd.init)()
-    rank, size = hvd.rank(), hvd.size()
-    failed = []
-    for name, check in checks:
-        _say(running_line(rank, name))
-        error = None
-        try:
-            check()
-        except KeyboardInterrupt:
-            raise
-        except BaseException:
-            error = traceback.format_exc()
-            _say(f"[rank {rank}] FAILED {name}\n{error}", sys.stderr)
-            _say(rank_failure_line(name, rank, error))
-        _wait_for_all_ranks(control, name, rank)
-        errors = control.allgather(error)
-        if any(e is not None for e in errors):
-            failed.append(name)
-        if rank == 0:
-            _say(result_line(name, errors))
+    rank = hvd.rank()
+    failed = run_checks(checks, rank, hvd.size(), lambda name: _wait_for_all_ranks(control, name, rank),
+                        control.allgather)
     control.Free()
-    if rank == 0:
-        if failed:
-            _say(f"{len(failed)} of {len(checks)} checks FAILED on {size} ranks: {failed}")
-        else:
-            _say(f"OK on {size} ranks ({len(checks)} checks)")
     if failed:
         sys.exit(1)
 

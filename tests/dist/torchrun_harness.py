@@ -12,64 +12,39 @@ without starting anything.
 import datetime
 import os
 import sys
-import traceback
 
 import numpy as np
 import torch.distributed as dist
 
-from results import rank_failure_line, result_line, running_line, validate_names
+from check_runner import listed, run_checks, say
 
 SYNC_TIMEOUT_S = float(os.environ.get("HVD_TOPK_CHECK_SYNC_TIMEOUT", "60"))
 CONTROL = None  # the harness's own gloo group, set by run()
 
 
-def _say(text, stream=None):
-    stream = stream or sys.stdout
-    stream.write(text + "\n")
-    stream.flush()
-
-
 def run(checks, argv=None):
     global CONTROL
     checks = list(checks)
-    names = validate_names(name for name, _ in checks)
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv == ["--list"]:
-        for name in names:
-            print(name)
+    if listed(checks, sys.argv[1:] if argv is None else list(argv)):
         return
-    if argv:
-        sys.exit(f"usage: {sys.argv[0]} [--list]  (got {argv})")
     dist.init_process_group("gloo")
     CONTROL = dist.new_group(backend="gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
-    failed = []
-    for name, check in checks:
-        _say(running_line(rank, name))
-        error = None
-        try:
-            check()
-        except KeyboardInterrupt:
-            raise
-        except BaseException:
-            error = traceback.format_exc()
-            _say(f"[rank {rank}] FAILED {name}\n{error}", sys.stderr)
-            _say(rank_failure_line(name, rank, error))
+
+    def wait_for_all(name):
         try:
             dist.monitored_barrier(CONTROL, timeout=datetime.timedelta(seconds=SYNC_TIMEOUT_S))
         except RuntimeError as exc:
-            _say(f"[rank {rank}] check {name!r}: not every rank finished it within {SYNC_TIMEOUT_S:g}s "
-                 f"(a rank stuck in a collective after another failed?); ending the job: {exc}", sys.stderr)
+            say(f"[rank {rank}] check {name!r}: not every rank finished it within {SYNC_TIMEOUT_S:g}s "
+                f"(a rank stuck in a collective after another failed?); ending the job: {exc}", sys.stderr)
             os._exit(1)
+
+    def allgather(error):
         errors = [None] * size
         dist.all_gather_object(errors, error, group=CONTROL)
-        if any(e is not None for e in errors):
-            failed.append(name)
-        if rank == 0:
-            _say(result_line(name, errors))
-    if rank == 0:
-        _say(f"{len(failed)} of {len(checks)} checks FAILED on {size} ranks: {failed}" if failed
-             else f"OK on {size} ranks ({len(checks)} checks)")
+        return errors
+
+    failed = run_checks(checks, rank, size, wait_for_all, allgather)
     dist.destroy_process_group()
     # os._exit, not sys.exit: with torch 2.13 and gloo, a process that trained through DDP aborts
     # now and then while the interpreter shuts down ("terminate called without an active
