@@ -279,7 +279,7 @@ def run_example(np_, extra, seed, epochs, timeout, example, launcher="mpirun"):
         length = [] if epochs is None else ["--epochs", str(epochs)]
         argv = [str(example), "--quiet", "--json", str(out), *length, "--seed", str(seed), *extra]
         if launcher == "torchrun":
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(np_), *argv]
+            cmd = launch.torchrun_command(np_, argv)
         else:
             cmd = launch.mpirun_command(np_, argv)
         t0 = time.perf_counter()

@@ -7,11 +7,11 @@ so the run's average is above the sparse count (check_ddp.py checks the counts s
 
 import re
 import subprocess
-import sys
 
 import pytest
 
 from mpi import REPO, script_env
+from tools.launch import torchrun_command
 
 pytestmark = pytest.mark.distributed
 
@@ -23,8 +23,8 @@ def readme_ddp_block():
 
 
 def torchrun(script, cwd):
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(script)], env=script_env(), capture_output=True, text=True, timeout=240, cwd=cwd)
+    return subprocess.run(torchrun_command(2, [script]), env=script_env(), capture_output=True, text=True,
+                          timeout=240, cwd=cwd)
 
 
 def aborted_at_exit(proc):

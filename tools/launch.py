@@ -1,4 +1,4 @@
-"""The ``mpirun`` command line every local multi-rank job uses (tests, benchmarks).
+"""The ``mpirun`` and ``torchrun`` command lines every local multi-rank job uses (tests, benchmarks).
 
 One place for the flags this project needs on one machine: ``--oversubscribe`` (more ranks
 than cores), ``--bind-to none`` (ranks sharing cores must not be pinned to the same one), no
@@ -42,3 +42,17 @@ def mpirun_command(np, argv, *, env_names=("OMP_NUM_THREADS",), python=None, mca
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
     return cmd + [python or sys.executable, *map(str, argv)]
+
+
+def torchrun_command(np, argv, *, python=None):
+    """``python -m torch.distributed.run --standalone ... ARGV...`` as a list: ``np`` processes on
+    this machine, a free rendezvous port of their own.
+
+    ``--local-addr 127.0.0.1``: without it torchrun hands the workers this machine's host name as
+    the store's address, and where that name does not resolve (a container whose name is not in
+    /etc/hosts, as in ``make image-test``) every worker retries it until the job is killed.
+    """
+    if isinstance(np, bool) or not isinstance(np, int) or np < 1:
+        raise ValueError(f"np must be an integer >= 1, got {np!r}")
+    return [python or sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
+            "--nproc_per_node", str(np), *map(str, argv)]

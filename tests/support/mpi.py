@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.launch import mpirun_command
+from tools.launch import mpirun_command, torchrun_command
 
 SUPPORT = Path(__file__).resolve().parent
 TESTS = SUPPORT.parent
@@ -54,10 +54,9 @@ class MpiJob:
 def launch_mpi(np, script, *args, timeout=TIMEOUT_S, launcher="mpirun"):
     """Run ``script`` on ``np`` ranks; a hang is killed, with every rank, after ``timeout`` seconds.
     ``launcher``: ``"mpirun"`` (Horovod scripts) or ``"torchrun"`` (torch.distributed scripts,
-    ``--standalone``: a free port of its own)."""
+    tools/launch.py's command line)."""
     if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(np),
-               str(script), *args]
+        cmd = torchrun_command(np, [script, *args])
     else:
         cmd = mpirun_command(np, [script, *args], env_names=("OMP_NUM_THREADS", "PYTHONPATH"))
     # A session of its own, so that a hang is ended with every rank mpirun started.
