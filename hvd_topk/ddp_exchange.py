@@ -178,7 +178,9 @@ def exchange_sparse(state, layout, index, step, buffer):
     """Start the sparse part's exchange; a future that decodes it into ``buffer``."""
     world, group = state.world_size, state.process_group
     plan = layout.plan(state.codec, state.schedule.density(step))
-    strategy = choose(state, layout, plan, world, state.family)[0] if world > 1 else ALLGATHER
+    # a rank alone (world 1) does what the smallest job would: dense during a dense start,
+    # sparse after, so that a one-GPU run trains, and counts bytes, as a 2-rank job does
+    strategy = choose(state, layout, plan, max(world, 2), state.family)[0]
     dests = layout.segments(buffer, layout.sparse)
     if strategy is ALLGATHER:
         return _allgather(state, layout, plan, dests, buffer)

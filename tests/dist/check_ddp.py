@@ -1,7 +1,9 @@
 """hvd_topk.ddp (the DDP communication hook) checked step by step against numpy references.
 
 Run: PYTHONPATH=.:tests/support:tests torchrun --standalone --nproc_per_node 2 (or 3)
-tests/dist/check_ddp.py  (``--list`` prints the names of its checks). gloo, CPU.
+tests/dist/check_ddp.py  (``--list`` prints the names of its checks). gloo, on the CPU, or
+with ``HVD_TOPK_CHECK_DEVICE=cuda`` the model and its gradients on the GPU (every rank on
+``cuda:LOCAL_RANK % device count``; gloo moves CUDA tensors through the host).
 
 Every rank computes its own raw gradient on a copy of the model without DDP; the ranks' raw
 gradients are gathered and fed to ``reference.ErrorFeedbackReference`` (numpy), which gives
@@ -9,6 +11,7 @@ the averaged result DDP must leave in ``p.grad``; the ranks must hold the same b
 """
 
 import copy
+import os
 import warnings
 
 import numpy as np
@@ -25,16 +28,25 @@ from reference import ErrorFeedbackReference, dgc_density, k_of
 from torchrun_harness import assert_same_on_all_ranks, gather, run
 
 MIN_NUMEL = 500  # the three weights (3840, 960, 960 elements) sparse; the biases dense
+DEVICE = torch.device(os.environ.get("HVD_TOPK_CHECK_DEVICE", "cpu"))
+if DEVICE.type == "cuda":
+    DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    torch.cuda.set_device(DEVICE)
+
+
+def host(tensor):
+    """A tensor's values as a numpy array, wherever the tensor lives."""
+    return tensor.detach().cpu().numpy()
 
 
 def batch(step, rank, part=0, n=24):
     gen = torch.Generator().manual_seed(1000 * step + 10 * rank + part)
-    return torch.randn(n, 40, generator=gen), torch.randint(0, 10, (n,), generator=gen)
+    return torch.randn(n, 40, generator=gen).to(DEVICE), torch.randint(0, 10, (n,), generator=gen).to(DEVICE)
 
 
 def build(bucket_cap_mb=25, seed=0, ddp_kwargs=None, **state_kwargs):
     torch.manual_seed(seed)
-    model = Net()
+    model = Net().to(DEVICE)
     ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, **(ddp_kwargs or {}))
     state_kwargs.setdefault("min_numel", MIN_NUMEL)
     state_kwargs.setdefault("named_parameters", model.named_parameters())
@@ -91,21 +103,21 @@ def check_reference(exchange="allgather", bucket_cap_mb=25, steps=4, density=0.0
         opt.zero_grad(set_to_none=True)
         for part in range(accumulate):
             x, y = batch(step, rank, part)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=amp):
                 F.cross_entropy(shadow(x, use_head2), y).backward()
             if part < accumulate - 1:
                 with ddp.no_sync():
-                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                    with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=amp):
                         F.cross_entropy(ddp(x, use_head2), y).backward()
             else:
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=amp):
                     F.cross_entropy(ddp(x, use_head2), y).backward()
         members = buckets_of(state)
         d = dgc_density(step, density, warmup_steps, warmup_density)
         families.append(state.family)
         for name, p in model.named_parameters():
             g = shadow.get_parameter(name).grad
-            mine = (g if g is not None else torch.zeros_like(p)).numpy()
+            mine = host(g if g is not None else torch.zeros_like(p))
             grads = np.stack(gather(mine))
             index, sparse_names = members[name]
             if p.numel() < MIN_NUMEL:
@@ -116,12 +128,45 @@ def check_reference(exchange="allgather", bucket_cap_mb=25, steps=4, density=0.0
                 leader = (step + index) % size if how == "sparse_allreduce" else None
                 want = ref.sparse(name, grads, 1.0 if how.startswith("dense") else d, leader=leader)
             fp16 = p.numel() >= MIN_NUMEL and how == "dense_fp16"  # summed in float16
-            np.testing.assert_allclose(p.grad.numpy(), want, rtol=3e-3 if fp16 else 1e-5, atol=1e-4 if fp16 else 1e-6,
+            np.testing.assert_allclose(host(p.grad), want, rtol=3e-3 if fp16 else 1e-5, atol=1e-4 if fp16 else 1e-6,
                                        err_msg=f"step {step} {name} (bucket {index}, {state.family})")
-            assert_same_on_all_ranks(p.grad.numpy(), f"step {step} {name}")
+            assert_same_on_all_ranks(host(p.grad), f"step {step} {name}")
         opt.step()
     assert state.stats()["steps"] == steps
     return state, families
+
+
+def check_alone(steps=3, density=0.05):
+    """A rank alone in its process group (world size 1: one GPU, or each rank a DDP of its own):
+    the hook still compresses with error feedback, completes each bucket at once, and p.grad is
+    the numpy contract for one rank, under each exchange."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    groups = [dist.new_group([r]) for r in range(size)]  # every rank makes every group
+    for exchange in ("allgather", "sparse_allreduce", "auto"):
+        torch.manual_seed(rank)
+        model = Net().to(DEVICE)
+        ddp = DDP(model, process_group=groups[rank])
+        state = hvd_topk.ddp.TopKState(process_group=groups[rank], density=density, min_numel=MIN_NUMEL,
+                                       exchange=exchange)
+        hvd_topk.ddp.register(ddp, state)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        shadow = copy.deepcopy(model)
+        ref = ErrorFeedbackReference(1)
+        for step in range(steps):
+            shadow.load_state_dict(model.state_dict())
+            shadow.zero_grad()
+            x, y = batch(step, rank)
+            F.cross_entropy(shadow(x), y).backward()
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(ddp(x), y).backward()
+            for name, p in model.named_parameters():
+                g = host(shadow.get_parameter(name).grad)
+                want = ref.sparse(name, g[None], density) if p.numel() >= MIN_NUMEL else g
+                np.testing.assert_allclose(host(p.grad), want, rtol=1e-5, atol=1e-6,
+                                           err_msg=f"{exchange}, step {step}, {name}")
+            opt.step()
+        got = state.stats()
+        assert got["steps"] == steps and got["bytes_ratio"] < 0.2, got
 
 
 def check_several_buckets():
@@ -163,7 +208,7 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.0, 0.95), eps=1e-
     inner.step() applying p * (1 - lr wd) - result."""
     rank, size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(DEVICE)
     ddp = DDP(model)
     inner = hvd_topk.LocalAdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd)
     state = hvd_topk.ddp.TopKState(density=density, optimizer=inner, min_numel=MIN_NUMEL, exchange="allgather")
@@ -176,12 +221,12 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.0, 0.95), eps=1e-
         shadow.load_state_dict(model.state_dict())
         shadow.zero_grad()
         F.cross_entropy(shadow(x), y).backward()
-        before = {n: p.detach().numpy().astype(np.float64) for n, p in model.named_parameters()}
+        before = {n: host(p).astype(np.float64) for n, p in model.named_parameters()}
         inner.zero_grad(set_to_none=True)
         F.cross_entropy(ddp(x), y).backward()
         for name, p in model.named_parameters():
             updates = []
-            for r, g in enumerate(gather(shadow.get_parameter(name).grad.numpy().astype(np.float64))):
+            for r, g in enumerate(gather(host(shadow.get_parameter(name).grad).astype(np.float64))):
                 m, v, mean = moments.get((r, name), (0.0, 0.0, 0.0))
                 m, v = betas[0] * m + (1 - betas[0]) * g, betas[1] * v + (1 - betas[1]) * g * g
                 mean = betas[1] * mean + (1 - betas[1]) * g
@@ -193,12 +238,12 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.0, 0.95), eps=1e-
                 updates.append(lr * m / (1 - betas[0] ** t) / (np.sqrt(v_hat) + eps))
             updates = np.stack(updates)
             want = ref.sparse(name, updates, density) if p.numel() >= MIN_NUMEL else updates.mean(axis=0)
-            np.testing.assert_allclose(p.grad.numpy(), want, rtol=1e-5, atol=1e-7, err_msg=f"step {step} {name}")
+            np.testing.assert_allclose(host(p.grad), want, rtol=1e-5, atol=1e-7, err_msg=f"step {step} {name}")
         inner.step()
         for name, p in model.named_parameters():
-            np.testing.assert_allclose(p.detach().numpy(), before[name] * (1 - lr * wd) - p.grad.numpy(),
+            np.testing.assert_allclose(host(p), before[name] * (1 - lr * wd) - host(p.grad),
                                        rtol=1e-5, atol=1e-7, err_msg=f"parameter {name}")
-        assert_same_on_all_ranks(p.detach().numpy(), f"parameters after step {step}")
+        assert_same_on_all_ranks(host(p), f"parameters after step {step}")
 
 
 def check_demo(steps=4, density=0.05, lr=0.05, beta=0.8, wd=0.1):
@@ -206,7 +251,7 @@ def check_demo(steps=4, density=0.05, lr=0.05, beta=0.8, wd=0.1):
     beta as its residual decay), and inner.step() applies p * (1 - lr wd) - lr * sign(result)."""
     rank, size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(DEVICE)
     ddp = DDP(model)
     inner = hvd_topk.DeMo(model.parameters(), lr=lr, beta=beta, weight_decay=wd)
     state = hvd_topk.ddp.TopKState(density=density, optimizer=inner, min_numel=MIN_NUMEL, exchange="allgather")
@@ -219,18 +264,18 @@ def check_demo(steps=4, density=0.05, lr=0.05, beta=0.8, wd=0.1):
         shadow.load_state_dict(model.state_dict())
         shadow.zero_grad()
         F.cross_entropy(shadow(x), y).backward()
-        before = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+        before = {n: host(p).copy() for n, p in model.named_parameters()}
         inner.zero_grad(set_to_none=True)
         F.cross_entropy(ddp(x), y).backward()
         for name, p in model.named_parameters():
-            fed = np.stack(gather(shadow.get_parameter(name).grad.numpy())) * np.float32(lr)
+            fed = np.stack(gather(host(shadow.get_parameter(name).grad))) * np.float32(lr)
             want = ref.sparse(name, fed, density) if p.numel() >= MIN_NUMEL else fed.mean(axis=0)
-            np.testing.assert_allclose(p.grad.numpy(), want, rtol=1e-5, atol=1e-9, err_msg=f"step {step} {name}")
+            np.testing.assert_allclose(host(p.grad), want, rtol=1e-5, atol=1e-9, err_msg=f"step {step} {name}")
         inner.step()
         for name, p in model.named_parameters():
-            np.testing.assert_allclose(p.detach().numpy(), before[name] * (1 - lr * wd) - lr * np.sign(p.grad.numpy()),
+            np.testing.assert_allclose(host(p), before[name] * (1 - lr * wd) - lr * np.sign(host(p.grad)),
                                        rtol=1e-5, atol=1e-7, err_msg=f"parameter {name}")
-        assert_same_on_all_ranks(torch.cat([q.detach().reshape(-1) for q in model.parameters()]).numpy(),
+        assert_same_on_all_ranks(host(torch.cat([q.detach().reshape(-1) for q in model.parameters()])),
                                  f"parameters after step {step}")
 
 
@@ -285,7 +330,7 @@ def check_nonfinite():
         model, ddp, state = build(exchange=exchange, density=0.05)
         x, y = batch(0, rank)
         handle = model.fc1.weight.register_hook(
-            lambda g: g.index_fill(1, torch.tensor([3]), float("inf")) if rank == culprit else g)
+            lambda g: g.index_fill(1, torch.tensor([3], device=g.device), float("inf")) if rank == culprit else g)
         F.cross_entropy(ddp(x), y).backward()
         handle.remove()
         assert not bool(torch.isfinite(model.fc1.weight.grad).all()), f"{exchange}: inf did not reach rank {rank}"
@@ -324,7 +369,7 @@ def check_join():
                 opt.step()
         return [p.detach().clone() for p in model.parameters()]
     uneven, even = run(True), run(False)
-    assert_same_on_all_ranks(torch.cat([p.reshape(-1) for p in uneven]).numpy(), "parameters after Join")
+    assert_same_on_all_ranks(host(torch.cat([p.reshape(-1) for p in uneven])), "parameters after Join")
     if rank == size - 1:
         for a, b in zip(uneven, even):
             assert torch.equal(a, b), f"Join differs from zero-gradient steps (max {float((a - b).abs().max())})"
@@ -344,7 +389,7 @@ def check_bad_input():
             P(**kwargs)
     # a process group that is not DDP's
     solo = dist.new_group([0])
-    model = Net()
+    model = Net().to(DEVICE)
     ddp = DDP(model)
     with raises(ValueError, match="process group", what="register with another group"):
         hvd_topk.ddp.register(ddp, P(process_group=solo))
@@ -404,6 +449,7 @@ CHECKS = [
     ("non-finite gradient", check_nonfinite),
     ("Join: uneven inputs", check_join),
     ("bad input", check_bad_input),
+    ("a rank alone in its group (world size 1)", check_alone),
 ]
 
 
