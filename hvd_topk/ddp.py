@@ -126,6 +126,7 @@ class TopKState:
         # internal
         self.process_group = process_group
         self.world_size = self.rank = None       # read at the first hook (the group exists by then)
+        self.device = None                      # the gradients' device, read at the first hook
         self.names = {p: n for n, p in named_parameters} if named_parameters is not None else None
         self.iteration = 0
         self.layouts = {}                       # DDP bucket index -> _Layout
@@ -240,7 +241,7 @@ class TopKState:
             return
         if self.trial is None:
             self._start_trial(density)
-        elif self.trial.step_done(step) and self.rank == 0:
+        elif self._timed(self.trial).step_done(step) and self.rank == 0:
             auto.announce(f"exchange={self.trial.choice} for {self.world_size} ranks ({self.trial.reason()})", 0)
         self.family = self.trial.family()
 
@@ -255,9 +256,20 @@ class TopKState:
         self.trial = auto.Trial(auto.propose(assignments, byte_counts), self.exchange_trial_steps, self._agree)
         self.trial_started = self.iteration
 
+    def _timed(self, trial):
+        """The trial, once a CUDA step's kernels have finished: the hook runs as soon as backward
+        has queued them, so without a synchronisation while the trial times steps, host time
+        would measure the queueing, not the step. Never after the trial."""
+        if trial.choice is None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return trial
+
     def _agree(self, medians):
+        """The ranks' mean of each family's median, over the group's own device (NCCL takes no
+        CPU tensors)."""
+        medians = medians.to(self.device)
         dist.all_reduce(medians, group=self.process_group)
-        return medians / self.world_size
+        return medians.cpu() / self.world_size
 
     def _first_hook(self, bucket):
         """Once: the group, and a check that every rank wraps the same model (a different model,
@@ -269,6 +281,7 @@ class TopKState:
             raise RuntimeError("hvd_topk.ddp: this rank is not in TopKState's process_group; pass "
                                "the group DDP uses (process_group= of DistributedDataParallel)")
         buffer = bucket.buffer()
+        self.device = buffer.device
         if buffer.dtype not in DTYPES:
             raise TypeError(f"hvd_topk.ddp: gradients of dtype {buffer.dtype} are not supported "
                             f"(supported: {', '.join(str(d) for d in DTYPES)})")
@@ -325,8 +338,10 @@ def topk_hook(state, bucket):
         futures.append(exchange.average_dense(state, layout, buffer))
     if layout.sparse:
         futures.append(exchange.exchange_sparse(state, layout, bucket.index(), step, buffer))
-    if world == 1 or not futures:
-        return exchange.finish(buffer, layout, [f.wait() for f in futures], world)
+    if world == 1 or not futures:  # nothing in flight: done now, handed back as DDP wants it
+        done = torch.futures.Future()
+        done.set_result(exchange.finish(buffer, layout, [f.wait() for f in futures], world))
+        return done
     return torch.futures.collect_all(futures).then(
         lambda fut: exchange.finish(buffer, layout, [f.value() for f in fut.value()], world))
 

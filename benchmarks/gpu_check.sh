@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU checks, in one go, on a machine with a CUDA GPU and PyTorch (nothing is downloaded:
+# everything comes from this repository; Horovod is not needed):
+#   1. tests/test_cuda.py: selection, the codec and the DDP hook's 20 numpy-checked steps
+#      (tests/dist/check_ddp.py, 2 and 3 ranks sharing the GPU over gloo) on the GPU;
+#   2. benchmarks/cuda_selection.py: selection and codec timings at ResNet-50 / BERT-base shapes;
+#   3. examples/ddp_gpt.py on the GPU (NCCL, one rank) with each DDP hook: none, fp16,
+#      PowerSGD rank 4, hvd_topk's (the LocalAdamW recipe at 1%), 1000 steps, lr 1e-2.
+# Run from the repository root:  OUT=DIR HVD_TOPK_GIT=COMMIT bash benchmarks/gpu_check.sh
+# Writes DIR/log.txt, DIR/cuda-selection.{json,md}, DIR/gpt-1gpu.json.
+set -uo pipefail
+OUT=${OUT:-/tmp/hvd_topk_gpu}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONPATH="$PWD:$PWD/tests/support:$PWD/tests" PYTHONUNBUFFERED=1 HVD_TOPK_GIT=${HVD_TOPK_GIT:-?}
+LOG="$OUT/log.txt"
+STEPS=${GPT_STEPS:-1000}
+status=0
+step() { echo "=== $* ($(date -u +%H:%M:%S))" | tee -a "$LOG"; }
+
+step environment
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  $PY -c "import torch, platform; print('python', platform.python_version(), 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+  $PY -m hvd_topk.native 2>&1 | tail -2; } >> "$LOG" 2>&1
+
+step "tests/test_cuda.py"
+timeout 300 $PY -m pytest -v -p no:cacheprovider tests/test_cuda.py >> "$LOG" 2>&1 || status=1
+tail -3 "$LOG"
+
+step "benchmarks/cuda_selection.py"
+timeout 180 $PY benchmarks/cuda_selection.py --out "$OUT/cuda-selection" >> "$LOG" 2>&1 || status=1
+tail -2 "$LOG"
+
+step "examples/ddp_gpt.py on the GPU, $STEPS steps, each hook"
+runs=$(mktemp -d)
+for hook in none fp16 powersgd topk; do
+  timeout 240 $PY -m torch.distributed.run --standalone --local-addr 127.0.0.1 --nproc_per_node 1 \
+    examples/ddp_gpt.py --device cuda --hook "$hook" --steps "$STEPS" --lr 1e-2 --quiet \
+    --json "$runs/$hook.json" >> "$LOG" 2>&1 || status=1
+  tail -1 "$LOG"
+done
+$PY - "$runs" "$OUT/gpt-1gpu.json" <<'EOF' >> "$LOG" 2>&1 || status=1
+import json, sys
+from pathlib import Path
+runs = {p.stem: json.loads(p.read_text()) for p in sorted(Path(sys.argv[1]).glob("*.json"))}
+Path(sys.argv[2]).write_text(json.dumps(runs, indent=1))
+for hook, r in runs.items():
+    print(f"{hook}: final validation loss {r['final_val_loss']:.4f}, {r['seconds']:.1f} s, "
+          f"bytes {100 * r['bytes_ratio']:.2f}% of dense")
+EOF
+tail -4 "$LOG"
+step "done, status $status"
+exit $status
