@@ -338,12 +338,23 @@ def topk_hook(state, bucket):
         futures.append(exchange.average_dense(state, layout, buffer))
     if layout.sparse:
         futures.append(exchange.exchange_sparse(state, layout, bucket.index(), step, buffer))
-    if world == 1 or not futures:  # nothing in flight: done now, handed back as DDP wants it
-        done = torch.futures.Future()
-        done.set_result(exchange.finish(buffer, layout, [f.wait() for f in futures], world))
-        return done
-    return torch.futures.collect_all(futures).then(
-        lambda fut: exchange.finish(buffer, layout, [f.value() for f in fut.value()], world))
+    # The bucket's future is device-aware on a GPU, so that DDP's stream waits for the work done
+    # where it is completed. That work runs on whatever stream is current in the thread that
+    # completes the last exchange (a callback of a CUDA future runs on a stream of torch's pool),
+    # so it first waits for every exchange's own work: ``wait()`` on a completed future joins its
+    # streams to the current one; ``value()`` would not (collect_all's future is a CPU one).
+    out = torch.futures.Future(devices=[buffer.device] if buffer.device.type == "cuda" else None)
+    if world == 1 or not futures:  # nothing in flight: done now
+        out.set_result(exchange.finish(buffer, layout, [f.wait() for f in futures], world))
+        return out
+
+    def done(collected):
+        try:
+            out.set_result(exchange.finish(buffer, layout, [f.wait() for f in collected.value()], world))
+        except Exception as error:  # noqa: BLE001  (DDP raises it from its wait)
+            out.set_exception(error)
+    torch.futures.collect_all(futures).add_done_callback(done)
+    return out
 
 
 def _group_rank_and_size(group):
