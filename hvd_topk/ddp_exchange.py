@@ -233,7 +233,7 @@ def _sparse_allreduce(state, layout, plan, index, step, dests):
     sums = layout.message("values", (plan.count + 1) * values.element_size()).view(values.dtype)
     if state.rank == leader:
         encoded = state.codec.encode(layout.acc, plan, message, zero_sent=state.error_feedback)
-        bad = encoded.nonfinite
+        bad = _flagged(encoded.nonfinite)
     dist.broadcast(indices, src=dist.get_global_rank(group, leader) if group is not None else leader,
                    group=group)
     if state.rank != leader:
@@ -264,10 +264,16 @@ def _nonfinite_segments(layout):
     return [s for s, seg in enumerate(layout.acc_segments()) if not bool(torch.isfinite(seg).all())]
 
 
+def _flagged(bad):
+    """The segments an encode flagged, as a list (the torch-ops path reports a bool tensor)."""
+    if torch.is_tensor(bad):
+        return bad.nonzero().view(-1).tolist() if bad.dim() else ([0] if bool(bad) else [])
+    return bad
+
+
 def _wipe(state, layout, bad):
     """Residual segments that held inf/nan start again from zero (the values still went out)."""
-    if torch.is_tensor(bad):
-        bad = bad.nonzero().view(-1).tolist() if bad.dim() else ([0] if bool(bad) else [])
+    bad = _flagged(bad)
     if not bad or not state.error_feedback:
         return
     segments = layout.acc_segments()
