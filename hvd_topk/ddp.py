@@ -338,13 +338,13 @@ def topk_hook(state, bucket):
         futures.append(exchange.average_dense(state, layout, buffer))
     if layout.sparse:
         futures.append(exchange.exchange_sparse(state, layout, bucket.index(), step, buffer))
-    # The bucket's future is device-aware on a GPU, so that DDP's stream waits for the work done
-    # where it is completed. That work runs on whatever stream is current in the thread that
-    # completes the last exchange (a callback of a CUDA future runs on a stream of torch's pool),
-    # so it first waits for every exchange's own work: ``wait()`` on a completed future joins its
-    # streams to the current one; ``value()`` would not (collect_all's future is a CPU one).
-    out = torch.futures.Future(devices=[buffer.device] if buffer.device.type == "cuda" else None)
-    if world == 1 or not futures:  # nothing in flight: done now
+    # On the CPU the bucket finishes when its last exchange does, on that exchange's thread, while
+    # backward goes on. On a GPU every exchange has been waited for in the hook already
+    # (exchange.after says why): the bucket finishes here, on backward's stream, and its future
+    # is device-aware so that DDP's stream waits for that work.
+    on_gpu = buffer.device.type == "cuda"
+    out = torch.futures.Future(devices=[buffer.device] if on_gpu else None)
+    if world == 1 or not futures or on_gpu:  # nothing left in flight (a GPU: see exchange.after)
         out.set_result(exchange.finish(buffer, layout, [f.wait() for f in futures], world))
         return out
 

@@ -196,7 +196,7 @@ def exchange_sparse(state, layout, index, step, buffer):
             copy_all(dests, [total[int(a):int(b)].to(buffer.dtype).div_(world)
                              for a, b in zip(layout.bounds, layout.bounds[1:])])
             layout.acc.zero_()
-        return fut.then(dense_done)
+        return after(fut, dense_done, layout.acc.device)
     return _sparse_allreduce(state, layout, plan, index, step, dests)
 
 
@@ -219,7 +219,7 @@ def _allgather(state, layout, plan, dests, buffer):
 
     def gathered_done(f):
         Codec.decode(gathered, plan.layout, world, dests, layout.bounds, div=world)
-    return fut.then(gathered_done)
+    return after(fut, gathered_done, layout.acc.device)
 
 
 def _sparse_allreduce(state, layout, plan, index, step, dests):
@@ -255,7 +255,7 @@ def _sparse_allreduce(state, layout, plan, index, step, dests):
         if float(sums[-1]) > 0:  # inf/nan on some rank: every rank's result shows it
             for d in dests:
                 d.fill_(float("nan"))
-    return fut.then(summed_done)
+    return after(fut, summed_done, layout.acc.device)
 
 
 def _nonfinite_segments(layout):
@@ -280,6 +280,24 @@ def _wipe(state, layout, bad):
     for s in bad:
         segments[s].zero_()
     state._stats["nonfinite_resets"] += len(bad)
+
+
+def after(fut, callback, device):
+    """A future of ``callback(fut)``, run once the collective behind ``fut`` is done.
+
+    On the CPU: ``fut.then(callback)``, run when the collective ends while backward goes on.
+    On a GPU the hook waits for the collective and runs the callback itself, on the stream
+    backward uses (NCCL: the wait is a stream dependency, the host does not block; gloo: the
+    host waits). A collective's callbacks run on other threads and, for CUDA futures, on
+    streams of torch's pool: run that way on an H200 (2026-11-26, gloo), the sparse part of a
+    bucket now and then reached DDP before its decode had (cause not pinned down), so on a GPU
+    nothing of the hook runs outside its own stream."""
+    if device.type != "cuda":
+        return fut.then(callback)
+    fut.wait()
+    done = torch.futures.Future(devices=[device])
+    done.set_result(callback(fut))
+    return done
 
 
 def all_gather(out, tensor, group, async_op=False):
