@@ -115,6 +115,8 @@ CONFIGS = {
                              "--demo-beta", "1.0"]),
     "gv-1%-lr1e-2": ("hvd_topk 1%, the gv-1% recipe (LocalAdamW) at lr 1e-2", [*GV, "--density", "0.01", *START,
                                                                                  "--lr", "1e-2"]),
+    "gv-1%-lr1e-2-fp16v": ("hvd_topk 1%, the gv-1% recipe (LocalAdamW) at lr 1e-2, 16-bit values",
+                           [*GV, "--density", "0.01", *START, "--lr", "1e-2", "--fp16-values"]),
     "gv-0.1%-lr1e-2": ("hvd_topk 0.1%, the gv recipe (LocalAdamW) at lr 1e-2", [*GV, "--density", "0.001", *START,
                                                                                 "--lr", "1e-2"]),
     "gv-noef-1%-lr1e-2": ("hvd_topk 1%, LocalAdamW without error feedback at lr 1e-2",
