@@ -164,7 +164,7 @@ def to_target(report, args):
     for path in args.convergence:
         conv = json.loads(Path(path).read_text())
         steps = conv["meta"]["steps"]
-        dense_rows = [r for r in conv["runs"] if r["config"] == "dense"]
+        dense_rows = [r for r in conv["runs"] if r["config"] == args.dense_config]
         if not dense_rows:
             continue
 
@@ -214,6 +214,9 @@ def markdown(report):
     start = report["settings"]["start_dense_steps"]
     for t in targets:
         lines += [f"## Modelled: time to dense AdamW's loss, {t['steps']}-step schedule (`{Path(t['file']).name}`)", "",
+                  f"Target config `{report['settings'].get('dense_config', 'dense')}`, Top-K rows from "
+                  f"`{report['settings'].get('recipe_config', 'gv-1%')}` (the step time measured above for the "
+                  "recipe). "
                   f"Steps to target: mean over seeds of the first validation step at or below dense's mean loss at "
                   f"step {t['steps'] // 2} ({t['targets']['N/2']:.4f}) and {t['steps']} ({t['targets']['N']:.4f}). "
                   f"Time = steps x the measured median step, plus {start:g} dense steps' extra time for the Top-K "
@@ -256,6 +259,8 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=1, help="sequences per rank")
     ap.add_argument("--context", type=int, default=128, help="tokens per sequence")
     ap.add_argument("--convergence", nargs="*", default=[], help="convergence_gpt.py JSON files (steps to target)")
+    ap.add_argument("--dense-config", default="dense",
+                    help="the --convergence files' config that sets the target (e.g. dense-lr1e-2)")
     ap.add_argument("--old-config", default="local-1%")
     ap.add_argument("--recipe-config", default="gv-1%")
     ap.add_argument("--start-dense-steps", type=float, default=35.5,
@@ -263,6 +268,8 @@ def main(argv=None):
                          "(6.24% x 1000 - 2.79% x 1000) / (100% - 2.79%))")
     ap.add_argument("--render", type=Path, metavar="JSON",
                     help="only redo the report of an earlier run (its measured part) with these --convergence files")
+    ap.add_argument("--render-to", type=Path, metavar="PREFIX",
+                    help="with --render: write PREFIX.{json,md} instead of overwriting the earlier run's files")
     args = ap.parse_args(argv)
     if args.worker:
         worker(args)
@@ -272,7 +279,8 @@ def main(argv=None):
         report["settings"]["start_dense_steps"] = args.start_dense_steps
         report["to_target"] = to_target(report, args)
         report["rendered_with"] = args.convergence
-        common.write_report(args.render.with_suffix(""), report, markdown(report))
+        report["settings"].update(dense_config=args.dense_config, recipe_config=args.recipe_config)
+        common.write_report(args.render_to or args.render.with_suffix(""), report, markdown(report))
         print(markdown(report))
         return
     n = GPT2_SMALL
