@@ -142,12 +142,12 @@ class Codec:
     def plan(self, sizes, density, scope, dtype, index_dtype):
         return Plan(sizes, density, scope, self.value_dtype(dtype), index_dtype)
 
-    def encode(self, x, plan, message, zero_sent=False):
+    def encode(self, x, plan, message, zero_sent=False, seed=None):
         """Select ``plan``'s pairs of the flat buffer ``x`` into ``message`` (uint8,
         ``plan.layout.nbytes``). ``zero_sent``: zero the sent entries of ``x`` (error feedback).
         Inf/nan always count as the largest magnitudes, so they are sent and reach the average;
         the segments holding them are reported, and what they hold afterwards is for the caller
-        to wipe."""
+        to wipe. ``seed`` (``selection.sample_seed``): the torch-ops path's sample."""
         values, indices = plan.layout.views(message)
         if native_ok(x):
             out = values if values.dtype == x.dtype else plan.value_scratch(x.dtype)
@@ -158,7 +158,7 @@ class Codec:
             bad = plan.nonfinite.nonzero().view(-1).tolist() if result.nonfinite else []
             encoded = Encoded(bad, result.passes - len(plan.sizes), result.filled)
         else:
-            got_values, got_indices, bad = selection.select_segments_torch(x, plan.sizes, plan.ks, self.method)
+            got_values, got_indices, bad = selection.select_segments_torch(x, plan.sizes, plan.ks, self.method, seed)
             values.copy_(got_values)
             indices.copy_(got_indices)
             if zero_sent:  # x - x == 0 exactly; repeated fill-up slots subtract 0

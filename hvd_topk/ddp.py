@@ -345,12 +345,16 @@ def topk_hook(state, bucket):
     on_gpu = buffer.device.type == "cuda"
     out = torch.futures.Future(devices=[buffer.device] if on_gpu else None)
     if world == 1 or not futures or on_gpu:  # nothing left in flight (a GPU: see exchange.after)
-        out.set_result(exchange.finish(buffer, layout, [f.wait() for f in futures], world))
+        for f in futures:
+            f.wait()
+        out.set_result(exchange.finish(buffer, layout, world))
         return out
 
     def done(collected):
         try:
-            out.set_result(exchange.finish(buffer, layout, [f.wait() for f in collected.value()], world))
+            for f in collected.value():
+                f.wait()  # raises what the exchange raised
+            out.set_result(exchange.finish(buffer, layout, world))
         except Exception as error:  # noqa: BLE001  (DDP raises it from its wait)
             out.set_exception(error)
     torch.futures.collect_all(futures).add_done_callback(done)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from hvd_topk import costs
 from hvd_topk._torch import copy_all
 from hvd_topk.codec import Codec, Encoded
-from hvd_topk.selection import native_ok
+from hvd_topk.selection import native_ok, sample_seed
 from hvd_topk.wire import index_dtype_for
 
 
@@ -54,9 +54,16 @@ class BucketLayout:
         kw = dict(dtype=buffer.dtype, device=buffer.device)
         self.acc = torch.zeros(self.numel, **kw)  # the residual (error feedback) or a staging copy
         self.dense_buffer = torch.empty(self.dense_numel, **kw)
+        self._dense_gathered = None  # every rank's dense_buffer, one after another
         self.error_feedback = error_feedback
         self.plans = {}     # density -> codec plan
         self.messages = {}  # (purpose, bytes) -> reusable uint8 buffer
+
+    def dense_gathered(self, world):
+        if self._dense_gathered is None or self._dense_gathered.numel() != world * self.dense_numel:
+            self._dense_gathered = torch.empty(world * self.dense_numel, dtype=self.dense_buffer.dtype,
+                                               device=self.dense_buffer.device)
+        return self._dense_gathered
 
     def matches(self, params):
         return [id(p) for p in params] == self.key
@@ -115,22 +122,36 @@ class BucketLayout:
 
 
 def average_dense(state, layout, buffer):
-    """Start the allreduce of the bucket's small tensors (a plain average; ``finish`` divides)."""
+    """Start gathering the bucket's small tensors from every rank (``finish`` averages them).
+
+    Gathered and summed here in rank order rather than allreduced: a ring allreduce sums each
+    element in an order set by where it sits in the buffer, and DDP lays its buckets out again
+    after the first step (and a resumed job starts from the first layout), so at 3 ranks and more
+    the same gradients could average to results a bit apart, and resume would not be bitwise.
+    These tensors are small (below ``min_numel``): the gather's extra bytes do not count."""
     copy_all([layout.dense_buffer[a:b] for a, b in _edges([layout.spans[i][1] for i in layout.dense])],
              layout.segments(buffer, layout.dense))
     state._stats["bytes_sent"] += layout.dense_numel * buffer.element_size()
     state._stats["elements_selected"] += layout.dense_numel
-    return _allreduce(layout.dense_buffer, state.process_group)
+    if state.world_size == 1:
+        done = torch.futures.Future()
+        done.set_result(layout.dense_buffer)
+        return done
+    gathered = layout.dense_gathered(state.world_size)
+    return all_gather(gathered, layout.dense_buffer, state.process_group, async_op=True).get_future()
 
 
-def finish(buffer, layout, results, world):
-    """The bucket's result: the dense part's average written back; the sparse part was decoded
-    in place by its own callback."""
+def finish(buffer, layout, world):
+    """The bucket's result: the dense part's average, summed in rank order, written back; the
+    sparse part was decoded in place by its own callback."""
     if layout.dense:
-        dense = results[0][0] if isinstance(results[0], list) else results[0]
-        dense.div_(world)
+        rows = layout.dense_gathered(world).view(world, -1) if world > 1 else layout.dense_buffer.view(1, -1)
+        total = layout.dense_buffer.copy_(rows[0])
+        for r in range(1, world):
+            total.add_(rows[r])
+        total.div_(world)
         copy_all(layout.segments(buffer, layout.dense),
-                 [dense[a:b] for a, b in _edges([layout.spans[i][1] for i in layout.dense])])
+                 [total[a:b] for a, b in _edges([layout.spans[i][1] for i in layout.dense])])
     return buffer
 
 
@@ -183,7 +204,7 @@ def exchange_sparse(state, layout, index, step, buffer):
     strategy = choose(state, layout, plan, max(world, 2), state.family)[0]
     dests = layout.segments(buffer, layout.sparse)
     if strategy is ALLGATHER:
-        return _allgather(state, layout, plan, dests, buffer)
+        return _allgather(state, layout, plan, dests, buffer, sample_seed(step, index))
     _fold(state, layout, buffer)
     if not strategy.sparse:
         # the whole accumulator goes (a dense start): nothing stays behind
@@ -200,13 +221,13 @@ def exchange_sparse(state, layout, index, step, buffer):
     return _sparse_allreduce(state, layout, plan, index, step, dests)
 
 
-def _allgather(state, layout, plan, dests, buffer):
+def _allgather(state, layout, plan, dests, buffer, seed):
     """Every rank's fixed-size message of pairs, gathered; decoded in rank order."""
     world, group = state.world_size, state.process_group
     message = layout.message("send", plan.layout.nbytes)
     encoded = _fold(state, layout, buffer, plan, message)
     if encoded is None:
-        encoded = state.codec.encode(layout.acc, plan, message, zero_sent=state.error_feedback)
+        encoded = state.codec.encode(layout.acc, plan, message, zero_sent=state.error_feedback, seed=seed)
     _wipe(state, layout, encoded.nonfinite)
     gathered = layout.message("gathered", plan.layout.nbytes * world)
     state._count(ALLGATHER, bytes_sent=plan.layout.nbytes, elements_selected=plan.count)
@@ -232,7 +253,8 @@ def _sparse_allreduce(state, layout, plan, index, step, dests):
     values, indices = plan.layout.views(message)
     sums = layout.message("values", (plan.count + 1) * values.element_size()).view(values.dtype)
     if state.rank == leader:
-        encoded = state.codec.encode(layout.acc, plan, message, zero_sent=state.error_feedback)
+        encoded = state.codec.encode(layout.acc, plan, message, zero_sent=state.error_feedback,
+                                     seed=sample_seed(step, index))
         bad = _flagged(encoded.nonfinite)
     dist.broadcast(indices, src=dist.get_global_rank(group, leader) if group is not None else leader,
                    group=group)

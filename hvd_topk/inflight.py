@@ -27,6 +27,7 @@ from hvd_topk import exchange, hierarchy
 from hvd_topk._horovod import allreduce_dtype, hvd
 from hvd_topk.buckets import BucketStep
 from hvd_topk.codec import Encoded
+from hvd_topk.selection import sample_seed
 
 # the stages at which synchronize() advances every bucket, in this order, before decoding any
 ADVANCE_STAGES = ("host", "indices", "cross")
@@ -115,7 +116,8 @@ class _FlatSparse:
             ctx.codec.finish_segments(plan, message, bucket.dtype)
             encoded = Encoded(current.nonfinite, current.repasses, current.filled)
         elif current.selects:
-            encoded = ctx.codec.encode(bucket.acc, plan, message, zero_sent=ef)
+            encoded = ctx.codec.encode(bucket.acc, plan, message, zero_sent=ef,
+                                       seed=sample_seed(ctx.step, bucket.index))
         if current.selects:
             current.nonfinite = encoded.nonfinite
             if ef:
@@ -289,7 +291,8 @@ class HierarchicalExchange:
             self.current = BucketStep(plan, strategy, message, None, topo.cross_rank == leader, leader,
                                       unchecked=True)
             if self.current.selects:
-                encoded = ctx.codec.encode(residual, plan, message, zero_sent=ef)
+                encoded = ctx.codec.encode(residual, plan, message, zero_sent=ef,
+                                           seed=sample_seed(ctx.step, bucket.index))
                 self.current.nonfinite = encoded.nonfinite
                 self._wipe_shard(residual, encoded.nonfinite)
             self.residual = residual
@@ -297,7 +300,8 @@ class HierarchicalExchange:
             self.stage = "indices"
             self.handle = strategy.start_indices(indices, leader, self.name + ".cross", topo.cross)
         else:
-            encoded = ctx.codec.encode(residual, plan, message, zero_sent=ef)
+            encoded = ctx.codec.encode(residual, plan, message, zero_sent=ef,
+                                       seed=sample_seed(ctx.step, bucket.index))
             self._wipe_shard(residual, encoded.nonfinite)
             self.stage, self.handle = "cross", strategy.start(message, self.name + ".cross", topo.cross)
         self.times["selection"] = time.perf_counter() - t0

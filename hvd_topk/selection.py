@@ -224,20 +224,31 @@ def select_exact_torch(flat, k):
 _generators = {}
 
 
-def _generator(device):
-    """hvd_topk's own random generator on ``device`` (the user's RNG stream is left alone)."""
+def _generator(device, seed=None):
+    """hvd_topk's own random generator on ``device`` (the user's RNG stream is left alone),
+    restarted from ``seed`` when one is given."""
     key = str(device)
     gen = _generators.get(key)
     if gen is None:
         gen = _generators[key] = torch.Generator(device=device).manual_seed(0x5EED)
+    if seed is not None:
+        gen.manual_seed((0x5EED + seed) % 2 ** 63)
     return gen
 
 
-def _positions(n, device):
-    """Fresh random sample positions on every call, drawn on the tensor's device (no host
-    sync). A fixed set of positions could keep missing a structured gradient's large values
-    step after step, as the native kernel once did."""
-    return torch.randint(n, (SAMPLE,), generator=_generator(device), device=device)
+def sample_seed(step, bucket_index):
+    """The sampled torch-ops selection's seed for one bucket at one step: fresh positions every
+    step, yet the same ones in a run resumed from a checkpoint (its step counter is saved), so
+    that resume stays bitwise where the sample decides (a segment short of candidates, or over
+    its candidate capacity). The native kernel's result never depends on its sample."""
+    return step * 65_537 + bucket_index
+
+
+def _positions(n, device, seed=None):
+    """Random sample positions, drawn on the tensor's device (no host sync): fresh on every call,
+    or from ``seed``. A fixed set of positions could keep missing a structured gradient's large
+    values step after step, as the native kernel once did."""
+    return torch.randint(n, (SAMPLE,), generator=_generator(device, seed), device=device)
 
 
 def threshold_rank(n, k, sample=SAMPLE):
@@ -248,14 +259,14 @@ def threshold_rank(n, k, sample=SAMPLE):
     return None if r >= sample else int(r)
 
 
-def select_sampled_torch(flat, k):
+def select_sampled_torch(flat, k, seed=None):
     """Sampled top-k with torch ops only: no host synchronisation, fixed-size results."""
     n = flat.numel()
     r = threshold_rank(n, k) if n > SMALL else None
     if r is None:
         return select_exact_torch(flat, k)
-    magnitude = flat.abs().nan_to_num_(nan=math.inf)  # NaN counts as largest, as in torch.topk
-    sample = magnitude[_positions(n, flat.device)]
+    magnitude = flat.abs().nan_to_num_(nan=math.inf, posinf=math.inf)  # NaN counts as largest, as in torch.topk
+    sample = magnitude[_positions(n, flat.device, seed)]
     threshold = torch.kthvalue(sample, SAMPLE - r).values  # the r-th largest (1-based)
     capacity = min(n, int(1.5 * r * n / SAMPLE) + 16)  # expected count x 1.5
     candidates = torch.nonzero_static(magnitude >= threshold, size=capacity, fill_value=-1).view(-1)
@@ -270,7 +281,7 @@ def select_sampled_torch(flat, k):
     return values, indices
 
 
-def select_segments_torch(x, sizes, ks, method=DEFAULT_METHOD):
+def select_segments_torch(x, sizes, ks, method=DEFAULT_METHOD, seed=None):
     """Top-k of every segment of ``x`` with torch ops: ``(values, indices, nonfinite)``.
 
     ``sizes``/``ks`` are Python lists (static per bucket): segment ``s`` holds the next
@@ -281,12 +292,13 @@ def select_segments_torch(x, sizes, ks, method=DEFAULT_METHOD):
     inside their segments with two stable sorts, so a bucket costs one set of kernels however
     many tensors it holds. A segment that gets fewer than k candidates (rare) repeats its
     largest entry with value 0 (adding 0 changes nothing). ``exact`` runs ``torch.topk`` per
-    segment.
+    segment. ``seed``: draw the sample from it (``sample_seed``) rather than from where the
+    generator stands.
     """
     check_method(method)
     device, nseg = x.device, len(sizes)
     if nseg == 1:
-        values, indices = select(x, ks[0], method)
+        values, indices = select(x, ks[0], method, seed)
         return values, indices, (~torch.isfinite(values)).any().view(1)
     starts = [0]
     for n in sizes:
@@ -297,14 +309,14 @@ def select_segments_torch(x, sizes, ks, method=DEFAULT_METHOD):
         indices = torch.cat([i + b for (_, i), b in zip(parts, starts)])
         bad = torch.stack([(~torch.isfinite(v)).any() for v, _ in parts])
         return values, indices, bad
-    magnitude = x.abs().nan_to_num_(nan=math.inf)  # NaN counts as largest, as in torch.topk
+    magnitude = x.abs().nan_to_num_(nan=math.inf, posinf=math.inf)  # NaN counts as largest, as in torch.topk
     per = max(1024, SAMPLE // nseg)  # sample entries per segment
     ranks, caps = [], []
     for n, k in zip(sizes, ks):
         r = threshold_rank(n, k, per) if n > 2 * per else None
         ranks.append(per if r is None else r)  # r = per: the sample's smallest, replaced below
         caps.append(n if r is None else min(n, int(1.5 * r * n / per) + 16))
-    gen = _generator(device)
+    gen = _generator(device, seed)
     size_t = torch.tensor(sizes, device=device, dtype=torch.float64)
     start_t = torch.tensor(starts[:-1], device=device)
     pos = (torch.rand(nseg, per, generator=gen, device=device, dtype=torch.float64) * size_t[:, None]).long()
@@ -345,7 +357,7 @@ def select_segments_torch(x, sizes, ks, method=DEFAULT_METHOD):
     return values, indices, bad
 
 
-def select(flat, k, method=DEFAULT_METHOD):
+def select(flat, k, method=DEFAULT_METHOD, seed=None):
     """``(values, indices)`` of the k largest |flat| (indices int64; ``flat`` is not changed)."""
     check_method(method)
     if k >= flat.numel():
@@ -359,4 +371,4 @@ def select(flat, k, method=DEFAULT_METHOD):
         return values, indices
     if method == "exact":
         return select_exact_torch(flat, k)
-    return select_sampled_torch(flat, k)
+    return select_sampled_torch(flat, k, seed)

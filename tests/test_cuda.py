@@ -117,6 +117,17 @@ def test_encode_then_decode_of_three_ranks_is_the_numpy_average(device, dtype):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("np_", [2, 3])
+def test_ddp_hook_checks_on_the_torch_ops_path(np_, monkeypatch):
+    """tests/dist/check_ddp.py with the native kernel off (``HVD_TOPK_NATIVE=0``): the selection,
+    encode, take and decode a GPU runs, here on the CPU, against the same numpy checks. (It found
+    what the first GPU run found, and more: +inf left unflagged, layout-dependent sums.)"""
+    monkeypatch.setenv("HVD_TOPK_NATIVE", "0")
+    job = launch_mpi(np_, DIST / "check_ddp.py", launcher="torchrun")
+    assert job.returncode == 0 and f"OK on {np_} ranks" in job.stdout, job.tail()
+
+
+@pytest.mark.distributed
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device here")
 @pytest.mark.parametrize("np_", [2, 3])
 def test_ddp_hook_checks_on_cuda(np_, monkeypatch):
@@ -125,3 +136,26 @@ def test_ddp_hook_checks_on_cuda(np_, monkeypatch):
     monkeypatch.setenv("HVD_TOPK_CHECK_DEVICE", "cuda")
     job = launch_mpi(np_, DIST / "check_ddp.py", launcher="torchrun")
     assert job.returncode == 0 and f"OK on {np_} ranks" in job.stdout, job.tail()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_encode_flags_the_segments_holding_inf_or_nan(device, dtype):
+    """Segments holding +inf, -inf or NaN are flagged (their residuals are
+    wiped by the caller), the finite ones are not; the non-finite entries are sent. (The torch
+    path once turned +inf into the largest finite value before looking for it, so a segment of
+    infinities went unflagged: on the CPU in bf16, and on every GPU.)"""
+    c = codec.Codec("sampled")
+    x = bucket(dtype, device)
+    starts = [0, *np.cumsum(SIZES)]
+    where = {"+inf": int(starts[1]) + 5, "-inf": int(starts[2]) + 9, "nan": int(starts[4]) + 100}
+    x[where["+inf"]], x[where["-inf"]], x[where["nan"]] = float("inf"), -float("inf"), float("nan")
+    plan = c.plan(SIZES, DENSITY, "tensor", dtype, torch.int32)
+    message = torch.empty(plan.layout.nbytes, dtype=torch.uint8, device=device)
+    flagged = c.encode(x, plan, message, zero_sent=True).nonfinite
+    flagged = flagged.nonzero().view(-1).tolist() if torch.is_tensor(flagged) else sorted(flagged)
+    assert flagged == [1, 2, 4], flagged
+    values, indices = plan.layout.views(message)
+    sent = dict(zip(indices.cpu().tolist(), values.double().cpu().tolist()))
+    assert sent[where["+inf"]] == float("inf") and sent[where["-inf"]] == -float("inf")
+    assert np.isnan(sent[where["nan"]])
