@@ -44,9 +44,10 @@ def mpirun_command(np, argv, *, env_names=("OMP_NUM_THREADS",), python=None, mca
     return cmd + [python or sys.executable, *map(str, argv)]
 
 
-def torchrun_command(np, argv, *, python=None):
+def torchrun_command(np, argv, *, python=None, options=()):
     """``python -m torch.distributed.run --standalone ... ARGV...`` as a list: ``np`` processes on
-    this machine, a free rendezvous port of their own.
+    this machine, a free rendezvous port of their own; ``options``: more of torchrun's own
+    (e.g. ``("--max-restarts", "1")``).
 
     ``--local-addr 127.0.0.1``: without it torchrun hands the workers this machine's host name as
     the store's address, and where that name does not resolve (a container whose name is not in
@@ -55,4 +56,4 @@ def torchrun_command(np, argv, *, python=None):
     if isinstance(np, bool) or not isinstance(np, int) or np < 1:
         raise ValueError(f"np must be an integer >= 1, got {np!r}")
     return [python or sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
-            "--nproc_per_node", str(np), *map(str, argv)]
+            "--nproc_per_node", str(np), *map(str, options), *map(str, argv)]
