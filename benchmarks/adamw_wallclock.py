@@ -197,7 +197,10 @@ def markdown(report):
              f"{s['warmup']} warm-up + {s['steps']} timed steps, median of the slowest rank; {s['threads']} torch "
              f"thread(s) per rank; Top-K at {s['density'] * 100:g}% with the allgather, steady state (no dense start)",
              "- CPU only: compute is far slower than on a GPU, so the exchange is a smaller share of the step "
-             "than it would be there", ""]
+             "than it would be there"]
+    if report.get("rendered_command"):
+        lines.append(f"- modelled part re-rendered from the measured steps above: `{report['rendered_command']}`")
+    lines.append("")
     for run in report["runs"]:
         ref = {r["method"]: r["median_ms"] for r in run["rows"]}
         lines += [common.run_heading(run), "", "| method | median ms/step | min-max ms | exchange overhead vs none "
@@ -279,6 +282,7 @@ def main(argv=None):
         report["settings"]["start_dense_steps"] = args.start_dense_steps
         report["to_target"] = to_target(report, args)
         report["rendered_with"] = args.convergence
+        report["rendered_command"] = "python benchmarks/adamw_wallclock.py " + " ".join(argv)
         report["settings"].update(dense_config=args.dense_config, recipe_config=args.recipe_config)
         common.write_report(args.render_to or args.render.with_suffix(""), report, markdown(report))
         print(markdown(report))
