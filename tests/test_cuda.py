@@ -1,7 +1,7 @@
-"""The torch-ops paths a GPU runs (selection, the codec's encode and decode, the DDP hook), on
-every device this machine has: ``cpu`` always, ``cuda`` where a GPU is present (skipped
-elsewhere; on the CPU these same tests check the test logic and the torch paths the CUDA code
-shares). The truth is numpy: each segment's k largest magnitudes, the error-feedback contract.
+"""The torch-ops paths a GPU runs (selection, the codec's encode and decode, the DDP hook and the
+Horovod optimizer), on every device this machine has: ``cpu`` always, ``cuda`` where a GPU is
+present (skipped elsewhere; on the CPU these same tests check the test logic and, with the
+native kernel off, the torch paths the CUDA code shares). The truth is numpy: each segment's k largest magnitudes, the error-feedback contract.
 
 On a GPU machine: ``python -m pytest tests/test_cuda.py`` (benchmarks/gpu_check.sh runs it)."""
 
@@ -125,6 +125,16 @@ def test_ddp_hook_checks_on_the_torch_ops_path(np_, monkeypatch):
     monkeypatch.setenv("HVD_TOPK_NATIVE", "0")
     job = launch_mpi(np_, DIST / "check_ddp.py", launcher="torchrun")
     assert job.returncode == 0 and f"OK on {np_} ranks" in job.stdout, job.tail()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("script", ["check_optimizer.py", "check_sparse_allreduce.py"])
+def test_horovod_checks_on_the_torch_ops_path(script, monkeypatch):
+    """The Horovod optimizer's contract checks (mpirun -np 3) with the native kernel off: the
+    torch-ops selection, encode and decode its GPU path runs, against the same numpy truth."""
+    monkeypatch.setenv("HVD_TOPK_NATIVE", "0")
+    job = launch_mpi(3, DIST / script)
+    assert job.returncode == 0 and "OK on 3 ranks" in job.stdout, job.tail()
 
 
 @pytest.mark.distributed

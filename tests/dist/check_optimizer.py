@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import horovod.torch as hvd
 import hvd_topk
+from hvd_topk import native
 from harness import assert_same_on_all_ranks, gather, raises, raw_then_synchronize, run, step_and_check_same
 from nets import Net
 from reference import ErrorFeedbackReference, dgc_density, k_of
@@ -77,9 +78,15 @@ def check_contract(label, steps=4, density=0.05, momentum_correction=0.0, error_
         big = [name for name, p in model.named_parameters() if p.numel() >= 500]
         if bucket_scope:  # one top-k over the one bucket holding every big tensor, laid out in
             # reverse registration order; fc2 and head2 get equal gradients, and equal
-            # magnitudes at the k-th go to the earlier position, in the kernel as in numpy
+            # magnitudes at the k-th go to the earlier position, in the kernel as in numpy;
+            # torch.topk (the torch-ops path: HVD_TOPK_NATIVE=0, GPUs) breaks such ties its own
+            # way, read from what the residuals lost
             leader = (step + buckets[big[-1]]) % size if sparse_allreduce else None
-            shared = ref.sparse_bucket(big[::-1], grads, d, average=op == hvd.Average, leader=leader)
+            sent = None
+            if native.library() is None and error_feedback:
+                res = opt.state_dict()["hvd_topk"]["residuals"]
+                sent = gather(np.concatenate([res[n].numpy().reshape(-1) for n in big[::-1]]) == 0)
+            shared = ref.sparse_bucket(big[::-1], grads, d, average=op == hvd.Average, leader=leader, sent=sent)
         for name, p in model.named_parameters():
             if name in big:
                 leader = (step + buckets[name]) % size if sparse_allreduce else None

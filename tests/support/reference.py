@@ -49,10 +49,15 @@ class ErrorFeedbackReference:
         """One tensor's exchanged result (k = density x its size: selection_scope="tensor")."""
         return self.sparse_bucket([name], {name: per_rank_grads}, density, average, leader)[name]
 
-    def sparse_bucket(self, names, grads, density, average=True, leader=None):
+    def sparse_bucket(self, names, grads, density, average=True, leader=None, sent=None):
         """The exchanged results of tensors that share one top-k (selection_scope="bucket"):
         k = density x their total size, taken over their accumulators laid end to end.
-        ``grads[name]`` is every rank's raw gradient; returns ``{name: result}``."""
+        ``grads[name]`` is every rank's raw gradient; returns ``{name: result}``.
+
+        Equal magnitudes at the k-th go to the earlier position (numpy's stable order, as the
+        native kernel does). ``sent`` (per rank, a bool per entry: what the implementation sent)
+        accepts its own choice among those tied entries instead (torch.topk's, on the torch-ops
+        path); everything above the k-th must still be sent, nothing below it, k in all."""
         shapes = {n: grads[n][0].shape for n in names}
         sizes = [grads[n][0].size for n in names]
         edges = np.cumsum([0] + sizes)
@@ -73,7 +78,8 @@ class ErrorFeedbackReference:
             accs.append(acc)
             us.append(u)
         k = k_of(edges[-1], density)
-        keeps = [np.argsort(-np.abs(acc), kind="stable")[:k] for acc in accs]
+        keeps = {r: _keep(accs[r], k, None if sent is None else sent[r])
+                 for r in (range(self.ranks) if leader is None else [leader])}
         for r in range(self.ranks):
             acc, u = accs[r], us[r]
             keep = keeps[r if leader is None else leader]
@@ -98,3 +104,20 @@ def dgc_density(step, target, warmup_steps, start=0.25):
     if step >= warmup_steps:
         return target
     return max(start, target) * (target / max(start, target)) ** (step / warmup_steps)
+
+
+def _keep(acc, k, sent=None):
+    """Positions of the k largest |acc|: ties at the k-th broken by position (numpy's stable
+    order), or, given ``sent``, as the implementation broke them (checked to be a top-k)."""
+    a = np.abs(acc)
+    order = np.argsort(-a, kind="stable")
+    if sent is None:
+        return order[:k]
+    kth = a[order[k - 1]]
+    above, tied = np.flatnonzero(a > kth), np.flatnonzero(a == kth)
+    chosen = tied[np.asarray(sent)[tied]]
+    if len(above) + len(chosen) != k:
+        raise AssertionError(f"not a top-{k}: {len(above)} above the k-th magnitude {kth}, "
+                             f"{len(chosen)} of the {len(tied)} tied at it sent")
+    return np.concatenate([above, chosen])
+
