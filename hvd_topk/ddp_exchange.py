@@ -145,11 +145,13 @@ def finish(buffer, layout, world):
     """The bucket's result: the dense part's average, summed in rank order, written back; the
     sparse part was decoded in place by its own callback."""
     if layout.dense:
-        rows = layout.dense_gathered(world).view(world, -1) if world > 1 else layout.dense_buffer.view(1, -1)
-        total = layout.dense_buffer.copy_(rows[0])
-        for r in range(1, world):
-            total.add_(rows[r])
-        total.div_(world)
+        total = layout.dense_buffer  # one rank: already its own average
+        if world > 1:
+            rows = layout.dense_gathered(world).view(world, -1)
+            total.copy_(rows[0])
+            for row in rows[1:]:
+                total.add_(row)
+            total.div_(world)
         copy_all(layout.segments(buffer, layout.dense),
                  [total[a:b] for a, b in _edges([layout.spans[i][1] for i in layout.dense])])
     return buffer

@@ -4,23 +4,20 @@ last checkpoint (model, optimizer and each rank's TopKState) and finish. The tru
 job run without the crash: the final parameters must be equal bit for bit (tests/dist/
 ddp_elastic_train.py saves after every step; a residual not restored would change them)."""
 
-import subprocess
-
 import pytest
 import torch
 
-from mpi import DIST, script_env
-from tools.launch import torchrun_command
+from mpi import DIST, launch_mpi
 
 pytestmark = pytest.mark.distributed
 
 
 def train(out, *extra):
     out.mkdir()
-    cmd = torchrun_command(2, [DIST / "ddp_elastic_train.py", out, *extra], options=("--max-restarts", "1"))
-    proc = subprocess.run(cmd, env=script_env(), capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc.stdout, torch.load(out / "final.pt")
+    job = launch_mpi(2, DIST / "ddp_elastic_train.py", out, *extra, launcher="torchrun",
+                     torchrun_options=("--max-restarts", "1"))
+    assert job.returncode == 0, job.problem() or job.tail()
+    return job.stdout, torch.load(out / "final.pt")
 
 
 def test_a_crashed_worker_restarts_from_the_checkpoint_bitwise(tmp_path):

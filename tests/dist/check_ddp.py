@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hvd_topk
 import hvd_topk.ddp
 from expect import raises
+import nets
 from nets import Net
 from reference import ErrorFeedbackReference, dgc_density, k_of
 from torchrun_harness import assert_same_on_all_ranks, gather, run
@@ -40,8 +41,7 @@ def host(tensor):
 
 
 def batch(step, rank, part=0, n=24):
-    gen = torch.Generator().manual_seed(1000 * step + 10 * rank + part)
-    return torch.randn(n, 40, generator=gen).to(DEVICE), torch.randint(0, 10, (n,), generator=gen).to(DEVICE)
+    return nets.batch(step, rank, part, n, DEVICE)
 
 
 def build(bucket_cap_mb=25, seed=0, ddp_kwargs=None, **state_kwargs):

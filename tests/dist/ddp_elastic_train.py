@@ -24,14 +24,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hvd_topk.ddp
-from nets import Net
+from nets import Net, batch
 
 STEPS = 6
-
-
-def batch(step, rank, n=24):
-    gen = torch.Generator().manual_seed(1000 * step + 10 * rank)
-    return torch.randn(n, 40, generator=gen), torch.randint(0, 10, (n,), generator=gen)
 
 
 def init_process_group(attempt):

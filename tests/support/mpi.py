@@ -4,7 +4,6 @@ for the distributed tests."""
 import os
 import signal
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,12 +50,12 @@ class MpiJob:
                 f"--- stderr (last {chars} characters)\n{self.stderr[-chars:]}")
 
 
-def launch_mpi(np, script, *args, timeout=TIMEOUT_S, launcher="mpirun"):
+def launch_mpi(np, script, *args, timeout=TIMEOUT_S, launcher="mpirun", torchrun_options=()):
     """Run ``script`` on ``np`` ranks; a hang is killed, with every rank, after ``timeout`` seconds.
     ``launcher``: ``"mpirun"`` (Horovod scripts) or ``"torchrun"`` (torch.distributed scripts,
-    tools/launch.py's command line)."""
+    tools/launch.py's command line, with ``torchrun_options``)."""
     if launcher == "torchrun":
-        cmd = torchrun_command(np, [script, *args])
+        cmd = torchrun_command(np, [script, *args], options=torchrun_options)
     else:
         cmd = mpirun_command(np, [script, *args], env_names=("OMP_NUM_THREADS", "PYTHONPATH"))
     # A session of its own, so that a hang is ended with every rank mpirun started.

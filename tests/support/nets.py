@@ -1,5 +1,6 @@
 """The small model of the distributed checks (tests/dist): two big weights (the sparse path),
-small biases (the dense path) and an optional second head; no Horovod, no torch.distributed."""
+small biases (the dense path) and an optional second head, and the inputs the DDP scripts feed
+it; no Horovod, no torch.distributed."""
 
 import torch
 
@@ -17,3 +18,10 @@ class Net(torch.nn.Module):
         h = torch.relu(self.fc1(x))
         out = self.fc2(h)
         return out + self.head2(h) if use_head2 else out
+
+
+def batch(step, rank, part=0, n=24, device=None):
+    """Rank ``rank``'s micro-batch ``part`` at ``step`` for ``Net``: the same on every run."""
+    gen = torch.Generator().manual_seed(1000 * step + 10 * rank + part)
+    x, y = torch.randn(n, 40, generator=gen), torch.randint(0, 10, (n,), generator=gen)
+    return (x, y) if device is None else (x.to(device), y.to(device))
