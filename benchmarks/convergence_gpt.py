@@ -132,6 +132,13 @@ CONFIGS = {
                             "--lr", "1e-2"]),
     "demo-1%-rms": ("hvd_topk 1%, DeMo (rms, beta 0.999, lr 3e-3), the same dense start",
                     [*EF, "--adam", "demo", "--demo-normalise", "rms", "--density", "0.01", *START]),
+    "gv-1%-lr1e-2-fp16v-bf16": ("hvd_topk 1%, the recommended scheme (recipe at lr 1e-2, 16-bit values) under bf16 autocast",
+                                [*GV, "--density", "0.01", *START, "--lr", "1e-2", "--fp16-values", "--amp", "bf16"]),
+    "gv-1%-lr1.5e-2-fp16v": ("hvd_topk 1%, the recipe at lr 1.5e-2, 16-bit values",
+                             [*GV, "--density", "0.01", *START, "--lr", "1.5e-2", "--fp16-values"]),
+    "gv-1%-lr7e-3-fp16v": ("hvd_topk 1%, the recipe at lr 7e-3, 16-bit values",
+                           [*GV, "--density", "0.01", *START, "--lr", "7e-3", "--fp16-values"]),
+    "dense-lr7e-3": ("Horovod dense fp32, AdamW at lr 7e-3", ["--compression", "none", "--lr", "7e-3"]),
     "gv-1%-bf16": ("hvd_topk 1%, the gv-1% recipe under bf16 autocast", [*GV, "--density", "0.01", *START,
                                                                          "--amp", "bf16"]),
 }
