@@ -139,6 +139,12 @@ CONFIGS = {
     "gv-1%-lr7e-3-fp16v": ("hvd_topk 1%, the recipe at lr 7e-3, 16-bit values",
                            [*GV, "--density", "0.01", *START, "--lr", "7e-3", "--fp16-values"]),
     "dense-lr7e-3": ("Horovod dense fp32, AdamW at lr 7e-3", ["--compression", "none", "--lr", "7e-3"]),
+    "ls4-4%-lr1e-2-fp16v": ("hvd_topk.LocalSteps: 4 AdamW steps per rank, then the model change at 4%, 16-bit values, "
+                            "outer SGD lr 1.0, dense start over 100 steps, lr 1e-2 (the recipe's bytes)",
+                            [*EF, "--sync-every", "4", "--density", "0.04", *START, "--lr", "1e-2", "--fp16-values"]),
+    "ls4-4%-nesterov-lr1e-2-fp16v": ("hvd_topk.LocalSteps as ls4-4%, outer Nesterov SGD lr 0.7 momentum 0.9 (DiLoCo)",
+                                     [*EF, "--sync-every", "4", "--density", "0.04", *START, "--lr", "1e-2",
+                                      "--fp16-values", "--outer-lr", "0.7", "--outer-momentum", "0.9", "--nesterov"]),
     "gv-1%-bf16": ("hvd_topk 1%, the gv-1% recipe under bf16 autocast", [*GV, "--density", "0.01", *START,
                                                                          "--amp", "bf16"]),
 }

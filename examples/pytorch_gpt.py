@@ -83,6 +83,14 @@ def parse_args(argv=None):
                         "the recipe before 2026-11-25)")
     p.add_argument("--residual-decay", type=float, default=1.0,
                    help="topk-ef: residuals decay by this factor each step (default 1.0: none)")
+    p.add_argument("--sync-every", type=int, default=1,
+                   help="topk-ef with --adam adamw: hvd_topk.LocalSteps, each rank takes this many AdamW steps "
+                        "alone, then the model change goes through Top-K with error feedback (DiLoCo / "
+                        "SparseLoCo); --density is per synchronisation, --warmup-steps counts steps (the "
+                        "outer optimizer gets --warmup-steps / --sync-every synchronisations)")
+    p.add_argument("--outer-lr", type=float, default=1.0, help="--sync-every: the outer SGD's learning rate")
+    p.add_argument("--outer-momentum", type=float, default=0.0, help="--sync-every: the outer SGD's momentum")
+    p.add_argument("--nesterov", action="store_true", help="--sync-every: Nesterov outer momentum (DiLoCo)")
     p.add_argument("--beta1", type=float, default=None,
                    help="Adam's beta1 (default 0.9; 0 with --adam local, and with frozen-variance + error feedback)")
     p.add_argument("--freeze-step", type=int, default=0, help="with --adam frozen-variance (e.g. = --warmup-steps)")
@@ -116,6 +124,12 @@ def parse_args(argv=None):
         p.error(f"--demo-beta must be in (0, 1], got {args.demo_beta}")
     if not (args.lr_in_residual and args.global_variance) and args.adam != "local":
         p.error("--no-lr-in-residual and --no-global-variance only apply to --adam local")
+    if args.sync_every < 1:
+        p.error(f"--sync-every must be >= 1, got {args.sync_every}")
+    if args.sync_every > 1 and (args.optimizer != "topk-ef" or args.adam != "adamw"):
+        p.error("--sync-every H > 1 needs --optimizer topk-ef --adam adamw (hvd_topk.LocalSteps runs plain AdamW)")
+    if (args.outer_lr != 1.0 or args.outer_momentum or args.nesterov) and args.sync_every == 1:
+        p.error("--outer-lr, --outer-momentum and --nesterov only apply with --sync-every H > 1")
     if not 0 < args.residual_decay <= 1:  # (NaN fails this too)
         p.error(f"--residual-decay must be in (0, 1], got {args.residual_decay}")
     if args.adam in ("local", "demo") and args.clip:
@@ -156,6 +170,15 @@ def make_optimizer(args, model, scaler):
     else:
         inner = torch.optim.AdamW(groups, lr=args.lr, betas=(beta1, 0.95))
     topk = hvd_topk.TopK(density=args.density, fp16_values=args.fp16_values) if args.compression == "topk" else None
+    if args.sync_every > 1:
+        opt = hvd_topk.LocalSteps(inner, named_parameters=model.named_parameters(), sync_every=args.sync_every,
+                                  compression=topk, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+                                  nesterov=args.nesterov, error_feedback=not args.no_error_feedback,
+                                  selection_scope=args.selection_scope, exchange=args.exchange,
+                                  warmup_steps=args.warmup_steps // args.sync_every,
+                                  warmup_density=args.warmup_density, min_numel=args.min_numel,
+                                  residual_decay=args.residual_decay)
+        return opt, topk
     if args.optimizer == "topk-ef":
         opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=topk,
                                             error_feedback=not args.no_error_feedback,

@@ -5,6 +5,8 @@
 - ``hvd_topk.DistributedOptimizer``: same signature as ``hvd.DistributedOptimizer``, with error
   feedback, fused packed exchange, a dense path where sparse does not pay, checkpointable state
   and ``compression_stats()``.
+- ``hvd_topk.LocalSteps``: each rank steps alone (plain AdamW) and every ``sync_every`` steps
+  the model change goes through Top-K with error feedback (DiLoCo / SparseLoCo).
 - ``hvd_topk.LocalAdamW``: the inner optimizer for Top-K with Adam: Adam runs on each rank's
   own gradient and its update is what gets compressed (``hvd_topk.optim``, limits documented);
   ``hvd_topk.DeMo``: DeMo's decoupled momentum (the residual is the momentum, the sent average
@@ -17,11 +19,12 @@
 import importlib
 
 __version__ = "0.1.0"
-__all__ = ["TopK", "DistributedOptimizer", "LocalAdamW", "DeMo", "FrozenVarianceAdamW", "init", "__version__"]
+__all__ = ["TopK", "DistributedOptimizer", "LocalSteps", "LocalAdamW", "DeMo", "FrozenVarianceAdamW", "init", "__version__"]
 
 # Imported on first use, so that ``hvd_topk.ddp`` (torch.distributed only) works without Horovod;
 # the Horovod names raise ``hvd_topk._horovod``'s ImportError, with install steps, when it is missing.
 _LAZY = {"TopK": "hvd_topk.compressor", "init": "hvd_topk.hierarchy", "DistributedOptimizer": "hvd_topk.optimizer",
+         "LocalSteps": "hvd_topk.local_steps",
          "LocalAdamW": "hvd_topk.optim", "DeMo": "hvd_topk.optim", "FrozenVarianceAdamW": "hvd_topk.optim"}
 _NO_HOROVOD = "importing horovod.torch failed"  # hvd_topk._horovod's message
 

@@ -23,7 +23,8 @@ from mpi import DIST, launch_mpi, script_env
 pytestmark = pytest.mark.distributed
 
 SCRIPTS = ["check_compressor.py", "check_optimizer.py", "check_checkpoint.py", "check_mismatch.py", "check_compat.py",
-           "check_amp.py", "check_process_sets.py", "check_join.py", "check_sparse_allreduce.py", "check_ddp.py"]
+           "check_amp.py", "check_process_sets.py", "check_join.py", "check_sparse_allreduce.py", "check_ddp.py",
+           "check_local_steps.py"]
 TORCHRUN = {"check_ddp.py"}  # launched by torchrun (torch.distributed), not mpirun
 NPS = (2, 3)
 MORE_NPS = {"check_sparse_allreduce.py": (4,)}  # the leader rotates over more ranks

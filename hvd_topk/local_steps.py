@@ -1,0 +1,214 @@
+"""``hvd_topk.LocalSteps``: each rank steps alone, and every H steps the model change goes
+through Top-K with error feedback (DiLoCo, Douillard et al. 2023; SparseLoCo, 2025).
+
+Between synchronisations every rank runs the user's optimizer (plain ``torch.optim.AdamW``) on
+its own gradients: nothing is exchanged and Adam's moments stay local, so they never need to
+agree. Every ``sync_every`` steps each rank's model change since the last synchronisation,
+``anchor - p`` (the "pseudo-gradient"), is handed to an outer ``hvd_topk.DistributedOptimizer``
+over the anchors (the shared weights): Top-K with error feedback (``residual_decay`` below 1 is
+SparseLoCo's decayed error buffer), any exchange strategy (allgather, sparse allreduce, auto,
+hierarchical), then an outer SGD step on the anchors, after which every rank's model is reset
+to them. The anchors change only by the exchanged average, so every rank holds the same bits
+after each synchronisation; between two of them the replicas differ.
+
+Bytes: one Top-K exchange per ``sync_every`` steps, so ``compression_stats()["bytes_ratio"]``
+(against a dense allreduce every step) is about the density's ratio divided by ``sync_every``.
+
+Tuning (what the papers and our runs say; docs/adamw.md has the measurements):
+
+- ``sync_every`` (H): more steps between synchronisations send fewer bytes and let the replicas
+  drift further apart; with small per-rank batches keep it small (4-32).
+- ``outer_lr`` 1.0 with ``outer_momentum`` 0 averages the replicas' sent change (plain local
+  SGD / SparseLoCo); DiLoCo uses 0.7 with Nesterov momentum 0.9 (``nesterov=True``).
+- ``density``: per synchronisation, so at equal bytes it can be H times the per-step recipe's.
+- ``warmup_steps`` of the outer optimizer count synchronisations, not steps.
+"""
+
+from contextlib import contextmanager
+
+import torch
+
+from hvd_topk._horovod import OPTIMIZER_MODULE, hvd, is_horovod_distributed_optimizer
+from hvd_topk.compressor import TopK
+from hvd_topk.optimizer import ENGINE, DistributedOptimizer, _name_parameters
+from hvd_topk.selection import check_integer
+
+LOCAL = "_hvd_topk_local"          # the one attribute LocalSteps adds to the user's optimizer
+STATE_KEY = "hvd_topk_local_steps"  # its section of state_dict(): anchors and the outer optimizer
+PHASE_KEY = "hvd_topk_local_step"   # param group 0: steps since the last synchronisation
+
+# The outer DistributedOptimizer's keyword options that make sense here; the others (op,
+# backward_passes_per_step, grad_scaler, momentum_correction, ...) act on gradients, which never
+# reach the outer optimizer.
+OUTER_OPTIONS = frozenset({"error_feedback", "residual_decay", "warmup_steps", "warmup_density", "min_numel",
+                           "fusion_bytes", "dense_fallback", "selection_scope", "exchange", "exchange_trial_steps",
+                           "exchange_recheck_steps", "hierarchical", "groups"})
+
+
+class LocalStepsState:
+    """What ``LocalSteps`` keeps beside the user's optimizer.
+
+    Tune: ``sync_every``. Internal: ``params`` (trained, in the optimizer's order), ``anchors``
+    (the shared weights at the last synchronisation, one per parameter, identical on every
+    rank), ``outer`` (the ``hvd_topk.DistributedOptimizer`` over the anchors, with SGD at
+    ``outer_lr``). Statistics: ``steps`` taken on this rank (for ``compression_stats``)."""
+
+    def __init__(self, params, anchors, outer, sync_every):
+        self.params, self.anchors, self.outer = params, anchors, outer
+        self.sync_every = sync_every
+        self.steps = 0
+
+
+def LocalSteps(optimizer, named_parameters=None, *, sync_every, compression=TopK, outer_lr=1.0,
+               outer_momentum=0.0, nesterov=False, process_set=hvd.global_process_set, **options):
+    """Wrap ``optimizer`` so that each rank takes ``sync_every`` steps alone between exchanges.
+
+    The result is an instance of the user's optimizer class (as ``hvd_topk.DistributedOptimizer``
+    is), sharing its state: LR schedulers, ``hvd.broadcast_optimizer_state`` and ``zero_grad``
+    work as before. ``loss.backward(); opt.step()`` steps locally; every ``sync_every``-th
+    ``step()`` also exchanges the model change and resets the model to the shared weights.
+    ``synchronize()`` and ``skip_synchronize()`` exist (gradients are local: nothing to wait
+    for), so code written for the DistributedOptimizer runs unchanged.
+
+    Args:
+        optimizer: a plain torch optimizer (``torch.optim.AdamW``). hvd_topk's inner optimizers
+            (``LocalAdamW``, ``DeMo``, ``FrozenVarianceAdamW``) work on exchanged gradients and
+            are refused.
+        named_parameters: as in Horovod; the names the anchors are exchanged under.
+        sync_every: steps between synchronisations (H >= 1; 1 exchanges the change every step).
+        compression: ``hvd_topk.TopK(density=...)`` for the model change.
+        outer_lr, outer_momentum, nesterov: the outer SGD on the anchors.
+        process_set: as in Horovod.
+        options: the outer ``hvd_topk.DistributedOptimizer``'s keywords that apply to a model
+            change: ``error_feedback``, ``residual_decay``, ``warmup_steps`` (in
+            synchronisations), ``warmup_density``, ``min_numel``, ``fusion_bytes``,
+            ``dense_fallback``, ``selection_scope``, ``exchange``, ``exchange_trial_steps``,
+            ``exchange_recheck_steps``, ``hierarchical``, ``groups``.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if hasattr(optimizer, ENGINE) or hasattr(optimizer, LOCAL) or is_horovod_distributed_optimizer(optimizer):
+        raise ValueError("optimizer is already distributed (hvd_topk or Horovod); wrap the plain torch optimizer")
+    if type(optimizer).__module__ == "hvd_topk.optim":
+        raise ValueError(f"hvd_topk.{type(optimizer).__name__} works on exchanged gradients; LocalSteps runs the "
+                         "optimizer on each rank's own gradients: use torch.optim.AdamW (or any plain optimizer)")
+    unknown = sorted(set(options) - OUTER_OPTIONS)
+    if unknown:
+        raise TypeError(f"LocalSteps got option(s) {', '.join(unknown)} that act on gradients, which it does not "
+                        f"exchange; it takes {', '.join(sorted(OUTER_OPTIONS))}")
+    sync_every = check_integer(sync_every, "sync_every", 1)
+    for value, name in ((outer_lr, "outer_lr"), (outer_momentum, "outer_momentum")):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number, got {value!r}")
+    if not outer_lr > 0:
+        raise ValueError(f"outer_lr must be > 0, got {outer_lr!r}")
+    if not 0 <= outer_momentum < 1:
+        raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
+    if nesterov and not outer_momentum:
+        raise ValueError("nesterov=True needs outer_momentum > 0")
+    names = _name_parameters(optimizer.param_groups, named_parameters)
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    # requires_grad so that the outer optimizer exchanges them; they never enter autograd
+    anchors = [p.detach().clone().requires_grad_(True) for p in params]
+    outer = DistributedOptimizer(torch.optim.SGD(anchors, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov),
+                                 named_parameters=[(names[p], a) for p, a in zip(params, anchors)],
+                                 compression=compression, process_set=process_set, **options)
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_LocalSteps.__dict__))
+    # hvd.broadcast_optimizer_state initialises a fresh optimizer's state with the inner step()
+    # for classes of Horovod's optimizer module (hvd_topk._horovod, item 2)
+    cls.__module__ = OPTIMIZER_MODULE
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
+    setattr(wrapped, LOCAL, LocalStepsState(params, anchors, outer, sync_every))
+    return wrapped
+
+
+class _LocalSteps(torch.optim.Optimizer):
+    """Methods copied into the dynamic subclass of the user's optimizer."""
+
+    @property
+    def local_step(self):
+        """Steps since the last synchronisation (0 right after one). A param-group option, so
+        checkpoints and ``hvd.broadcast_optimizer_state`` carry it."""
+        return self.param_groups[0].get(PHASE_KEY, 0)
+
+    def step(self, closure=None):
+        local = getattr(self, LOCAL)
+        if self.local_step == 0:
+            # A period starts from the shared weights. Taken from the model (identical on every
+            # rank here: just reset to the anchors, or broadcast by the user before training,
+            # or restored by hvd.elastic), so a broadcast after construction needs nothing more.
+            with torch.no_grad():
+                for a, p in zip(local.anchors, local.params):
+                    a.copy_(p)
+        loss = super(self.__class__, self).step(closure)
+        local.steps += 1
+        phase = self.local_step + 1
+        if phase == local.sync_every:
+            self._synchronise_model()
+            phase = 0
+        self.param_groups[0][PHASE_KEY] = phase
+        return loss
+
+    def _synchronise_model(self):
+        """The model change through the outer optimizer, then every replica reset to the anchors."""
+        local = getattr(self, LOCAL)
+        with torch.no_grad():
+            for p, a in zip(local.params, local.anchors):
+                if a.grad is None:
+                    a.grad = torch.empty_like(a)
+                torch.sub(a, p, out=a.grad)  # the pseudo-gradient: how far this rank moved
+            local.outer.step()  # Top-K + error feedback, the exchange, SGD on the anchors
+            for p, a in zip(local.params, local.anchors):
+                p.copy_(a)
+
+    def synchronize(self):
+        """Nothing to wait for: gradients stay on their rank (the model is exchanged in step())."""
+
+    @contextmanager
+    def skip_synchronize(self):
+        yield
+
+    def state_dict(self):
+        """The user's optimizer's state (with the phase in its param groups) plus, under
+        ``"hvd_topk_local_steps"``, the anchors and the outer optimizer's state (residuals are per
+        rank: save one file per rank for a bitwise resume)."""
+        local = getattr(self, LOCAL)
+        state = super(self.__class__, self).state_dict()
+        state[STATE_KEY] = {"anchors": [a.detach().clone() for a in local.anchors],
+                            "outer": local.outer.state_dict()}
+        return state
+
+    def load_state_dict(self, state_dict):
+        """A checkpoint without the local-steps section (a plain optimizer's) starts a new
+        period: the anchors are taken from the model at the next ``step()``."""
+        local = getattr(self, LOCAL)
+        state_dict = dict(state_dict)
+        ours = state_dict.pop(STATE_KEY, None)
+        if ours is not None:
+            anchors = ours["anchors"]
+            if len(anchors) != len(local.anchors) or any(a.shape != b.shape for a, b in zip(anchors, local.anchors)):
+                raise ValueError("the checkpoint's local-steps anchors do not match this optimizer's parameters "
+                                 f"({len(anchors)} saved, {len(local.anchors)} here, or their shapes differ)")
+        super(self.__class__, self).load_state_dict(state_dict)
+        if ours is None:
+            self.param_groups[0][PHASE_KEY] = 0
+            return
+        with torch.no_grad():
+            for a, saved in zip(local.anchors, ours["anchors"]):
+                a.copy_(saved)
+        local.outer.load_state_dict(ours["outer"])
+
+    def compression_stats(self, reset=False):
+        """The outer optimizer's statistics, with bytes compared to a dense allreduce at every
+        step: ``steps`` (this rank's, since construction or the last reset), ``syncs``,
+        ``bytes_dense`` and ``bytes_ratio`` over steps."""
+        local = getattr(self, LOCAL)
+        out = local.outer.compression_stats(reset=reset)
+        syncs, steps = out["steps"], local.steps
+        per_sync = out["bytes_dense"] / syncs if syncs else 0.0
+        out.update(syncs=syncs, steps=steps, bytes_dense=per_sync * steps)
+        out["bytes_ratio"] = out["bytes_sent"] / out["bytes_dense"] if out["bytes_dense"] else 0.0
+        if reset:
+            local.steps = 0
+        return out

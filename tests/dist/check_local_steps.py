@@ -1,0 +1,195 @@
+"""hvd_topk.LocalSteps checked step by step against an independent reference.
+
+Run: PYTHONPATH=.:tests/support:tests/dist mpirun -np 2 (or 3) python tests/dist/check_local_steps.py
+(``--list`` prints the names of its checks).
+
+The reference simulates every rank: a shadow copy of each rank's parameters stepped by a fresh
+torch optimizer of the same class on that rank's gathered gradients (torch.optim is not under
+test here), and at each synchronisation the model change through the numpy error-feedback
+contract (tests/support/reference.py) and the outer SGD written out in numpy.
+"""
+
+import copy
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import horovod.torch as hvd
+import hvd_topk
+from harness import assert_same_on_all_ranks, gather, raises, run
+from nets import Net, batch
+from reference import ErrorFeedbackReference
+
+MIN_NUMEL = 500  # the weights (3840, 960, 960 entries) go sparse, the biases dense
+
+
+def build(make_inner, sync_every, seed=0, density=0.05, **options):
+    options.setdefault("exchange", "allgather")
+    torch.manual_seed(seed)
+    model = Net()
+    opt = hvd_topk.LocalSteps(make_inner(model.parameters()), named_parameters=model.named_parameters(),
+                              sync_every=sync_every, compression=hvd_topk.TopK(density=density),
+                              min_numel=MIN_NUMEL, **options)
+    return model, opt
+
+
+def train(model, opt, steps, start=0):
+    for step in range(start, start + steps):
+        x, y = batch(step, hvd.rank())
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def sgd():
+    return lambda params: torch.optim.SGD(params, lr=0.1)
+
+
+def adamw():
+    return lambda params: torch.optim.AdamW(params, lr=0.01, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def check_reference(make_inner, sync_every=3, steps=8, density=0.05, outer_lr=1.0, outer_momentum=0.0,
+                    nesterov=False, residual_decay=1.0, exchange="allgather"):
+    """Every step: this rank's parameters equal its simulated replica; after every
+    synchronisation every rank holds the same bits, the anchors stepped by the numpy outer SGD
+    on the error-feedback contract's average of the ranks' model changes."""
+    rank, size = hvd.rank(), hvd.size()
+    model, opt = build(make_inner, sync_every, density=density, outer_lr=outer_lr, outer_momentum=outer_momentum,
+                       nesterov=nesterov, residual_decay=residual_decay, exchange=exchange)
+    names = [n for n, _ in model.named_parameters()]
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    replicas = [[start[n].clone().requires_grad_(True) for n in names] for _ in range(size)]
+    inners = [make_inner(r) for r in replicas]
+    anchor = {n: start[n].numpy().astype(np.float32) for n in names}
+    buf = {n: np.zeros_like(anchor[n]) for n in names}
+    ref = ErrorFeedbackReference(size, decay=residual_decay)
+    syncs = 0
+    for step in range(steps):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        grads = {n: gather(p.grad.numpy()) for n, p in model.named_parameters()}
+        opt.step()
+        for r in range(size):
+            for i, n in enumerate(names):
+                replicas[r][i].grad = torch.from_numpy(grads[n][r].copy())
+            inners[r].step()
+        if (step + 1) % sync_every == 0:
+            leader = syncs % size if exchange == "sparse_allreduce" else None  # one bucket: number 0
+            for i, n in enumerate(names):
+                change = np.stack([anchor[n] - replicas[r][i].detach().numpy() for r in range(size)])
+                avg = ref.sparse(n, change, density, leader=leader) if change[0].size >= MIN_NUMEL \
+                    else change.mean(axis=0, dtype=np.float64).astype(np.float32)
+                if outer_momentum:
+                    buf[n] = np.float32(outer_momentum) * buf[n] + avg
+                    avg = avg + np.float32(outer_momentum) * buf[n] if nesterov else buf[n]
+                anchor[n] = anchor[n] - np.float32(outer_lr) * avg
+                for r in range(size):
+                    with torch.no_grad():
+                        replicas[r][i].copy_(torch.from_numpy(anchor[n]))
+            syncs += 1
+            for n, p in model.named_parameters():
+                assert_same_on_all_ranks(p.detach().numpy(), f"step {step}: parameter {n} after the synchronisation")
+        for i, (n, p) in enumerate(model.named_parameters()):
+            np.testing.assert_allclose(p.detach().numpy(), replicas[rank][i].detach().numpy(), rtol=1e-5, atol=1e-6,
+                                       err_msg=f"step {step}: parameter {n}")
+    assert syncs == steps // sync_every and syncs >= 2, (syncs, steps, sync_every)
+    stats = opt.compression_stats()
+    dense = sum(p.numel() for p in model.parameters()) * 4
+    assert stats["steps"] == steps and stats["syncs"] == syncs, stats
+    # bytes against a dense fp32 allreduce at every step (hand-computed: the model's bytes x steps)
+    assert stats["bytes_dense"] == dense * steps, (stats["bytes_dense"], dense * steps)
+    assert 0 < stats["bytes_ratio"] < 1.0 / sync_every, stats["bytes_ratio"]
+
+
+def check_drift_between_syncs():
+    """Between synchronisations the replicas really are local: with different batches per rank
+    the ranks' parameters differ after one step, and agree again at the synchronisation."""
+    model, opt = build(sgd(), sync_every=2)
+    train(model, opt, 1)
+    w = model.fc1.weight.detach().numpy()
+    differ = [not np.array_equal(w, other) for other in gather(w)]
+    assert sum(differ) == hvd.size() - 1, f"after one local step, ranks equal to this one: {differ}"
+    train(model, opt, 1, start=1)
+    assert_same_on_all_ranks(model.fc1.weight.detach().numpy(), "after the synchronisation")
+
+
+def check_broadcast_after_construction():
+    """Each rank builds from its own seed, then Horovod's usual broadcasts: the period starts
+    from the broadcast weights (the anchors are taken at the first step, not at construction)."""
+    def broadcast_run(seed):
+        model, opt = build(adamw(), sync_every=2, seed=seed)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)  # (steps a fresh AdamW once, as Horovod does)
+        train(model, opt, 4)
+        return model
+    model = broadcast_run(seed=hvd.rank())
+    for n, p in model.named_parameters():
+        assert_same_on_all_ranks(p.detach().numpy(), f"parameter {n}")
+    reference = broadcast_run(seed=0)
+    for (n, a), b in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(a, b), f"{n}: the broadcast run differs from the run built from rank 0's seed"
+
+
+def check_resume(mid_period=True, **options):
+    """Saved after 5 steps (H=3: two steps into a period) or 6 (at a synchronisation), loaded
+    into fresh objects on every rank: bitwise equal after 10 steps to the run that never stopped."""
+    saved_at = 5 if mid_period else 6
+    make = lambda seed=0: build(adamw(), sync_every=3, seed=seed, outer_momentum=0.9, nesterov=True, **options)
+    model, opt = make()
+    train(model, opt, 10)
+    model_b, opt_b = make()
+    train(model_b, opt_b, saved_at)
+    assert opt_b.local_step == saved_at % 3
+    saved = copy.deepcopy({"model": model_b.state_dict(), "opt": opt_b.state_dict()})
+    model_c, opt_c = make(seed=123)
+    train(model_c, opt_c, 1)  # already stepping when it loads the checkpoint
+    model_c.load_state_dict(saved["model"])
+    opt_c.load_state_dict(saved["opt"])
+    assert opt_c.local_step == saved_at % 3
+    train(model_c, opt_c, 10 - saved_at, start=saved_at)
+    for (name, a), c in zip(model.named_parameters(), model_c.parameters()):
+        assert torch.equal(a, c), f"resume: {name} differs (max {float((a - c).abs().max())})"
+
+
+def check_bad_input():
+    model = Net()
+    with raises(ValueError, match="sync_every must be an integer >= 1", what="sync_every=0"):
+        hvd_topk.LocalSteps(torch.optim.AdamW(model.parameters()), sync_every=0)
+    with raises(TypeError, match="sync_every must be an integer", what="sync_every=2.5"):
+        hvd_topk.LocalSteps(torch.optim.AdamW(model.parameters()), sync_every=2.5)
+    with raises(ValueError, match="works on exchanged gradients", what="LocalAdamW inside"):
+        hvd_topk.LocalSteps(hvd_topk.LocalAdamW(model.parameters()), sync_every=4)
+    with raises(TypeError, match="act on gradients", what="op="):
+        hvd_topk.LocalSteps(torch.optim.AdamW(model.parameters()), sync_every=4, op=hvd.Sum)
+    with raises(ValueError, match="nesterov=True needs outer_momentum", what="nesterov without momentum"):
+        hvd_topk.LocalSteps(torch.optim.AdamW(model.parameters()), sync_every=4, nesterov=True)
+    with raises(ValueError, match="outer_lr must be > 0", what="outer_lr=0"):
+        hvd_topk.LocalSteps(torch.optim.AdamW(model.parameters()), sync_every=4, outer_lr=0.0)
+    with raises(ValueError, match="already distributed", what="wrapping twice"):
+        hvd_topk.LocalSteps(hvd_topk.LocalSteps(torch.optim.AdamW(model.parameters()), sync_every=2), sync_every=2)
+    _, opt = build(sgd(), sync_every=2)
+    state = opt.state_dict()
+    state["hvd_topk_local_steps"]["anchors"] = state["hvd_topk_local_steps"]["anchors"][:-1]
+    with raises(ValueError, match="anchors do not match", what="a checkpoint of another model"):
+        opt.load_state_dict(state)
+
+
+CHECKS = [
+    ("SGD inside, H=3, allgather", lambda: check_reference(sgd())),
+    ("AdamW inside, H=2, Nesterov outer, residual decay, sparse allreduce", lambda: check_reference(
+        adamw(), sync_every=2, steps=6, outer_lr=0.7, outer_momentum=0.9, nesterov=True, residual_decay=0.9,
+        exchange="sparse_allreduce")),
+    ("AdamW inside, H=1, outer momentum", lambda: check_reference(adamw(), sync_every=1, steps=4, outer_momentum=0.5)),
+    ("replicas drift between synchronisations", check_drift_between_syncs),
+    ("broadcast after construction", check_broadcast_after_construction),
+    ("checkpoint resume mid-period", check_resume),
+    ("checkpoint resume at a synchronisation, sparse allreduce", lambda: check_resume(
+        mid_period=False, exchange="sparse_allreduce")),
+    ("bad input", check_bad_input),
+]
+
+if __name__ == "__main__":
+    run(CHECKS)
