@@ -36,6 +36,7 @@ from hvd_topk.selection import check_integer
 LOCAL = "_hvd_topk_local"          # the one attribute LocalSteps adds to the user's optimizer
 STATE_KEY = "hvd_topk_local_steps"  # its section of state_dict(): anchors and the outer optimizer
 PHASE_KEY = "hvd_topk_local_step"   # param group 0: steps since the last synchronisation
+SYNCS_KEY = "hvd_topk_local_syncs"  # param group 0: the outer optimizer's step (synchronisations done)
 
 # The outer DistributedOptimizer's keyword options that make sense here; the others (op,
 # backward_passes_per_step, grad_scaler, momentum_correction, ...) act on gradients, which never
@@ -120,6 +121,10 @@ def LocalSteps(optimizer, named_parameters=None, *, sync_every, compression=TopK
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
     setattr(wrapped, LOCAL, LocalStepsState(params, anchors, outer, sync_every))
+    # param-group options from the start: hvd.broadcast_optimizer_state broadcasts each rank's own
+    # keys, so a fresh elastic worker must have the same ones as the others
+    wrapped.param_groups[0].setdefault(PHASE_KEY, 0)
+    wrapped.param_groups[0].setdefault(SYNCS_KEY, 0)
     return wrapped
 
 
@@ -141,11 +146,16 @@ class _LocalSteps(torch.optim.Optimizer):
             with torch.no_grad():
                 for a, p in zip(local.anchors, local.params):
                     a.copy_(p)
+            # and at the shared synchronisation count (the outer warm-up's step), which lives in
+            # the outer optimizer: kept in this optimizer's param groups too, so that
+            # hvd.broadcast_optimizer_state brings a new elastic worker to it
+            getattr(local.outer, ENGINE).step = self.param_groups[0][SYNCS_KEY]
         loss = super(self.__class__, self).step(closure)
         local.steps += 1
         phase = self.local_step + 1
         if phase == local.sync_every:
             self._synchronise_model()
+            self.param_groups[0][SYNCS_KEY] = getattr(local.outer, ENGINE).step
             phase = 0
         self.param_groups[0][PHASE_KEY] = phase
         return loss
@@ -193,6 +203,7 @@ class _LocalSteps(torch.optim.Optimizer):
         super(self.__class__, self).load_state_dict(state_dict)
         if ours is None:
             self.param_groups[0][PHASE_KEY] = 0
+            self.param_groups[0].setdefault(SYNCS_KEY, 0)
             return
         with torch.no_grad():
             for a, saved in zip(local.anchors, ours["anchors"]):

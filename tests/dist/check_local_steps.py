@@ -42,8 +42,8 @@ def train(model, opt, steps, start=0):
         opt.step()
 
 
-def sgd():
-    return lambda params: torch.optim.SGD(params, lr=0.1)
+def sgd(momentum=0.0):
+    return lambda params: torch.optim.SGD(params, lr=0.1, momentum=momentum)
 
 
 def adamw():
@@ -154,6 +154,81 @@ def check_resume(mid_period=True, **options):
         assert torch.equal(a, c), f"resume: {name} differs (max {float((a - c).abs().max())})"
 
 
+def check_elastic_state():
+    """hvd.elastic: a TorchState commit mid-period restores the model, the phase, the anchors
+    and the outer residuals; a worker that joins later (fresh objects, the outer optimizer at
+    step 0) and receives TorchState.sync()'s broadcasts follows the others' warm-up schedule and
+    holds their bits after the next synchronisation."""
+    # (momentum: Horovod's broadcast_optimizer_state skips an optimizer without state)
+    model, opt = build(sgd(0.9), sync_every=2, warmup_steps=4, warmup_density=1.0)
+    train(model, opt, 3)
+    state = hvd.elastic.TorchState(model=model, optimizer=opt)
+    state.commit()
+    committed = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    train(model, opt, 2, start=3)
+    state.restore()
+    restored = opt.state_dict()
+    assert opt.local_step == 1, opt.local_step
+    for a, b in zip(restored["hvd_topk_local_steps"]["anchors"], committed["opt"]["hvd_topk_local_steps"]["anchors"]):
+        assert torch.equal(a, b), "anchors not restored"
+    for name, r in committed["opt"]["hvd_topk_local_steps"]["outer"]["hvd_topk"]["residuals"].items():
+        assert torch.equal(restored["hvd_topk_local_steps"]["outer"]["hvd_topk"]["residuals"][name], r), name
+    for name, t in committed["model"].items():
+        assert torch.equal(model.state_dict()[name], t), name
+    train(model, opt, 1, start=3)  # to the end of the period: a synchronisation, where commits belong
+    assert opt.local_step == 0
+    # Every rank builds fresh objects (so that the collectives' names agree, as in new processes);
+    # the survivors load what they had, the last rank stays fresh: the replacement worker.
+    kept = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    model, opt = build(sgd(0.9), sync_every=2, seed=123, warmup_steps=4, warmup_density=1.0)
+    if hvd.rank() != hvd.size() - 1:
+        model.load_state_dict(kept["model"])
+        opt.load_state_dict(kept["opt"])
+    state = hvd.elastic.TorchState(model=model, optimizer=opt)
+    state.sync()
+    train(model, opt, 4, start=4)
+    for n, p in model.named_parameters():
+        assert_same_on_all_ranks(p.detach().numpy(), f"after the new worker's first synchronisations: {n}")
+
+
+def check_join():
+    """hvd.join() with uneven batches: rank r takes 2 * (size - r) steps (H=2, SGD), then joins.
+    At the first synchronisation every rank is active: the sparse contract on every rank's
+    change. At rank 0's last one the others have joined, and Horovod's joined ranks answer
+    allreduces with zeros: the exchange goes dense and the anchors move by rank 0's whole
+    accumulator over the size (the joined ranks count as no change; with 3 ranks the dense
+    exchange of the synchronisation before, rank 2 joined, emptied rank 0's residual)."""
+    rank, size = hvd.rank(), hvd.size()
+    lr = np.float32(0.1)
+    model, opt = build(sgd(), sync_every=2)
+    ref = ErrorFeedbackReference(size)
+    for step in range(2 * (size - rank)):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        before = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+        if step % 2 == 0:
+            anchor = before
+        # this rank's replica after the local SGD step, before the synchronisation resets it
+        local = {n: before[n] - lr * p.grad.numpy() for n, p in model.named_parameters()}
+        opt.step()
+        sync = step // 2
+        if step % 2 == 0 or sync not in (0, size - 1):
+            continue
+        for n, p in model.named_parameters():
+            after, sparse = p.detach().numpy(), p.numel() >= MIN_NUMEL
+            if sync == 0:
+                changes = np.stack(gather(anchor[n] - local[n]))
+                want = ref.sparse(n, changes, 0.05) if sparse else changes.mean(axis=0)
+            else:
+                residual = ref.residual[0][n].reshape(after.shape) if sparse and size == 2 else 0.0
+                want = (residual + anchor[n] - local[n]) / size
+            np.testing.assert_allclose(after, anchor[n] - want, rtol=1e-4, atol=1e-6,
+                                       err_msg=f"synchronisation {sync}: {n}")
+    last = hvd.join()
+    assert last == 0, f"hvd.join() says rank {last} joined last; rank 0 has the most batches"
+
+
 def check_bad_input():
     model = Net()
     with raises(ValueError, match="sync_every must be an integer >= 1", what="sync_every=0"):
@@ -188,6 +263,8 @@ CHECKS = [
     ("checkpoint resume mid-period", check_resume),
     ("checkpoint resume at a synchronisation, sparse allreduce", lambda: check_resume(
         mid_period=False, exchange="sparse_allreduce")),
+    ("hvd.elastic: commit, restore, a new worker", check_elastic_state),
+    ("hvd.join with uneven batches", check_join),
     ("bad input", check_bad_input),
 ]
 
