@@ -145,6 +145,12 @@ CONFIGS = {
     "ls4-4%-nesterov-lr1e-2-fp16v": ("hvd_topk.LocalSteps as ls4-4%, outer Nesterov SGD lr 0.7 momentum 0.9 (DiLoCo)",
                                      [*EF, "--sync-every", "4", "--density", "0.04", *START, "--lr", "1e-2",
                                       "--fp16-values", "--outer-lr", "0.7", "--outer-momentum", "0.9", "--nesterov"]),
+    "ls2-2%-lr1e-2-fp16v": ("hvd_topk.LocalSteps: 2 AdamW steps per rank, then the model change at 2%, 16-bit values, "
+                            "outer SGD lr 1.0, dense start over 100 steps, lr 1e-2 (the recipe's bytes)",
+                            [*EF, "--sync-every", "2", "--density", "0.02", *START, "--lr", "1e-2", "--fp16-values"]),
+    "ls8-0.8%-lr1e-2-fp16v": ("hvd_topk.LocalSteps: 8 AdamW steps per rank, then the model change at 0.8%, 16-bit "
+                              "values, outer SGD lr 1.0, dense start over 100 steps, lr 1e-2 (0.1%'s bytes)",
+                              [*EF, "--sync-every", "8", "--density", "0.008", *START, "--lr", "1e-2", "--fp16-values"]),
     "gv-1%-bf16": ("hvd_topk 1%, the gv-1% recipe under bf16 autocast", [*GV, "--density", "0.01", *START,
                                                                          "--amp", "bf16"]),
 }
