@@ -6,12 +6,10 @@ pairs; the last bias, 10 elements, dense) and a dense fp32 step's: the trial ran
 so the run's average is above the sparse count (check_ddp.py checks the counts step by step)."""
 
 import re
-import subprocess
 
 import pytest
 
-from mpi import REPO, script_env
-from tools.launch import torchrun_command
+from mpi import REPO, launch_mpi
 
 pytestmark = pytest.mark.distributed
 
@@ -23,8 +21,10 @@ def readme_ddp_block():
 
 
 def torchrun(script, cwd):
-    return subprocess.run(torchrun_command(2, [script]), env=script_env(), capture_output=True, text=True,
-                          timeout=240, cwd=cwd)
+    """The job, finished or killed with every worker after 240 s (a hang fails with its output)."""
+    job = launch_mpi(2, script, launcher="torchrun", timeout=240, cwd=cwd)
+    assert not job.timed_out, job.problem() + "\n" + job.tail()
+    return job
 
 
 def aborted_at_exit(proc):

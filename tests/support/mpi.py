@@ -50,17 +50,17 @@ class MpiJob:
                 f"--- stderr (last {chars} characters)\n{self.stderr[-chars:]}")
 
 
-def launch_mpi(np, script, *args, timeout=TIMEOUT_S, launcher="mpirun", torchrun_options=()):
-    """Run ``script`` on ``np`` ranks; a hang is killed, with every rank, after ``timeout`` seconds.
-    ``launcher``: ``"mpirun"`` (Horovod scripts) or ``"torchrun"`` (torch.distributed scripts,
-    tools/launch.py's command line, with ``torchrun_options``)."""
+def launch_mpi(np, script, *args, timeout=TIMEOUT_S, launcher="mpirun", torchrun_options=(), cwd=None):
+    """Run ``script`` on ``np`` ranks (in ``cwd``); a hang is killed, with every rank, after
+    ``timeout`` seconds. ``launcher``: ``"mpirun"`` (Horovod scripts) or ``"torchrun"``
+    (torch.distributed scripts, tools/launch.py's command line, with ``torchrun_options``)."""
     if launcher == "torchrun":
         cmd = torchrun_command(np, [script, *args], options=torchrun_options)
     else:
         cmd = mpirun_command(np, [script, *args], env_names=("OMP_NUM_THREADS", "PYTHONPATH"))
     # A session of its own, so that a hang is ended with every rank mpirun started.
     with subprocess.Popen(cmd, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, start_new_session=True) as popen:
+                          text=True, start_new_session=True, cwd=cwd) as popen:
         try:
             stdout, stderr = popen.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
