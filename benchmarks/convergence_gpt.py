@@ -151,6 +151,9 @@ CONFIGS = {
     "ls8-0.8%-lr1e-2-fp16v": ("hvd_topk.LocalSteps: 8 AdamW steps per rank, then the model change at 0.8%, 16-bit "
                               "values, outer SGD lr 1.0, dense start over 100 steps, lr 1e-2 (0.1%'s bytes)",
                               [*EF, "--sync-every", "8", "--density", "0.008", *START, "--lr", "1e-2", "--fp16-values"]),
+    "gv-1%-lr1e-2-fp16v-decay0.995": ("hvd_topk 1%, the recommended scheme with residual_decay=0.995 (old unsent work fades)",
+                                      [*GV, "--density", "0.01", *START, "--lr", "1e-2", "--fp16-values",
+                                       "--residual-decay", "0.995"]),
     "gv-1%-bf16": ("hvd_topk 1%, the gv-1% recipe under bf16 autocast", [*GV, "--density", "0.01", *START,
                                                                          "--amp", "bf16"]),
 }
