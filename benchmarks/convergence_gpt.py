@@ -196,6 +196,7 @@ def main(argv=None):
             earlier[(r["config"], r.get("args_used"), r["steps"], r["seed"])] = r
     command = shlex.join(["python", "benchmarks/convergence_gpt.py", *(sys.argv[1:] if argv is None else argv)])
     runs, started = [], time.perf_counter()
+    partial = Path(f"{args.out_prefix}.partial.json")
     plan = [(c, s) for c in args.configs for s in args.seeds]
     for i, (name, seed) in enumerate(plan, 1):
         print(f"[{i:2d}/{len(plan)}] {name:<18s} seed {seed} ... ", end="", flush=True)
@@ -209,6 +210,9 @@ def main(argv=None):
         else:
             r = dict(r, reused=True)
         runs.append(r)
+        # every finished run kept at once: a job stopped part-way loses only the run in progress
+        # (pass the file to --reuse to go on from it)
+        partial.write_text(json.dumps({"runs": runs}, indent=1, default=str))
         elapsed = time.perf_counter() - started
         print(f"val loss {r['final_val_loss']:.4f}  ({r['wall_s']:.0f}s; ~{fmt_s(elapsed / i * (len(plan) - i))} left)",
               flush=True)
@@ -258,6 +262,7 @@ def main(argv=None):
                   "each keeps its own date and git revision in the JSON)."]
     lines += ["", f"Plot: `{prefix.name}.png` (validation loss, mean over seeds, shaded min–max).", ""]
     write_report(prefix, {"meta": meta, "runs": runs, "summary": rows}, "\n".join(lines), json_default=str)
+    partial.unlink(missing_ok=True)  # the report holds every run now
     plot(runs, args.configs, f"{prefix}.png", meta)
     print("\n".join(lines))
     return 0
