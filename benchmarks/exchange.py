@@ -59,6 +59,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -184,6 +185,7 @@ def worker(args):
                "rank0_ms": [1e3 * t for t in times],
                "wire_tx_bytes_per_step_rank": float(all_wire[:, 0].mean()),
                "wire_rx_bytes_per_step_rank": float(all_wire[:, 1].mean()),
+               "wire_tx_bytes_per_step_each_rank": all_wire[:, 0].tolist(),  # the busiest link sets the pace
                "check": check, "wall_s": time.time() - t_method}
         name = method.partition("@")[0]
         if name == "dense":
@@ -264,8 +266,24 @@ def markdown(report):
                          f"{'' if pay is None else f'{pay / 1e6:.2f}'} | "
                          f"{agree(None if r['check'] is None else r['check']['identical_across_ranks'])} |")
         lines.append("")
+        lines += tx_balance_table(rows)
         lines += phase_table(rows, per_host)
     return "\n".join(lines)
+
+
+def tx_balance_table(rows):
+    """Per rank's link: the median and the busiest rank's tx bytes (the slowest link sets the pace)."""
+    each = [(r, r["wire_tx_bytes_per_step_each_rank"]) for r in rows
+            if r.get("wire_tx_bytes_per_step_each_rank") and r["method"] != "none"]
+    if not each:
+        return []
+    lines = ["Wire tx per rank (eth0 counters, MB/step): the median rank, the busiest, and their ratio.", "",
+             "| method | median rank | busiest rank | busiest / median | every rank |", "|---|---:|---:|---:|---|"]
+    for r, tx in each:
+        med = statistics.median(tx)
+        lines.append(f"| {r['label']} | {med / 1e6:.2f} | {max(tx) / 1e6:.2f} | "
+                     f"{max(tx) / med if med else float('nan'):.2f}x | {' '.join(f'{t / 1e6:.2f}' for t in tx)} |")
+    return lines + [""]
 
 
 def phase_table(rows, per_host):
