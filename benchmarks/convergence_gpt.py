@@ -223,7 +223,8 @@ def main(argv=None):
         rows.append({"config": name, "label": CONFIGS[name][0], "args": " ".join(CONFIGS[name][1]),
                      "mean": statistics.mean(losses), "std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
                      "min": min(losses), "max": max(losses), "bytes_ratio": ratio})
-    dense = next((r["mean"] for r in rows if r["config"] == "dense"), None)
+    target = target_config(args.configs)
+    dense = next((r["mean"] for r in rows if r["config"] == target), None)
     targets = steps_to_target(runs, args.configs, args.steps)
     info = machine_info()
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -244,7 +245,7 @@ def main(argv=None):
              "| configuration | ARGS | final validation loss, mean ± std | min–max | vs dense | bytes vs dense fp32 |",
              "|---|---|---|---|---:|---:|"]
     for r in rows:
-        vs = f"{100 * (r['mean'] / dense - 1):+.1f}%" if dense and r["config"] != "dense" else ""
+        vs = f"{100 * (r['mean'] / dense - 1):+.1f}%" if dense and r["config"] != target else ""
         lines.append(f"| {r['label']} | `{r['args']}` | {r['mean']:.4f} ± {r['std']:.4f} | "
                      f"{r['min']:.4f}–{r['max']:.4f} | {vs} | {100 * r['bytes_ratio']:.2f}% |")
     if targets:
@@ -268,10 +269,16 @@ def main(argv=None):
     return 0
 
 
+def target_config(configs):
+    """The config the others are compared with: the first dense AdamW one (``dense``,
+    ``dense-lr1e-2``, ...), or None."""
+    return next((c for c in configs if c == "dense" or c.startswith("dense-lr")), None)
+
+
 def steps_to_target(runs, configs, steps):
     """Per config, the first validation step whose loss is <= dense's mean loss at steps/2 and
-    at steps, for each seed (None where never); {} without a dense config."""
-    dense = [r for r in runs if r["config"] == "dense"]
+    at steps, for each seed (None where never); {} without a dense config (``target_config``)."""
+    dense = [r for r in runs if r["config"] == target_config(configs)]
     if not dense:
         return {}
 
