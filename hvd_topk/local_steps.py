@@ -28,10 +28,10 @@ from contextlib import contextmanager
 
 import torch
 
-from hvd_topk._horovod import OPTIMIZER_MODULE, hvd, is_horovod_distributed_optimizer
+from hvd_topk._horovod import hvd, is_horovod_distributed_optimizer
 from hvd_topk.compressor import TopK
-from hvd_topk.optimizer import ENGINE, DistributedOptimizer, _name_parameters
-from hvd_topk.selection import check_integer
+from hvd_topk.optimizer import ENGINE, DistributedOptimizer, _name_parameters, share_as_subclass
+from hvd_topk.selection import check_flag, check_integer, check_number
 
 LOCAL = "_hvd_topk_local"          # the one attribute LocalSteps adds to the user's optimizer
 STATE_KEY = "hvd_topk_local_steps"  # its section of state_dict(): anchors and the outer optimizer
@@ -98,9 +98,8 @@ def LocalSteps(optimizer, named_parameters=None, *, sync_every, compression=TopK
         raise TypeError(f"LocalSteps got option(s) {', '.join(unknown)} that act on gradients, which it does not "
                         f"exchange; it takes {', '.join(sorted(OUTER_OPTIONS))}")
     sync_every = check_integer(sync_every, "sync_every", 1)
-    for value, name in ((outer_lr, "outer_lr"), (outer_momentum, "outer_momentum")):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name} must be a number, got {value!r}")
+    outer_lr, outer_momentum = check_number(outer_lr, "outer_lr"), check_number(outer_momentum, "outer_momentum")
+    check_flag(nesterov, "nesterov")
     if not outer_lr > 0:
         raise ValueError(f"outer_lr must be > 0, got {outer_lr!r}")
     if not 0 <= outer_momentum < 1:
@@ -114,12 +113,7 @@ def LocalSteps(optimizer, named_parameters=None, *, sync_every, compression=TopK
     outer = DistributedOptimizer(torch.optim.SGD(anchors, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov),
                                  named_parameters=[(names[p], a) for p, a in zip(params, anchors)],
                                  compression=compression, process_set=process_set, **options)
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_LocalSteps.__dict__))
-    # hvd.broadcast_optimizer_state initialises a fresh optimizer's state with the inner step()
-    # for classes of Horovod's optimizer module (hvd_topk._horovod, item 2)
-    cls.__module__ = OPTIMIZER_MODULE
-    wrapped = cls.__new__(cls)
-    wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
+    wrapped = share_as_subclass(optimizer, _LocalSteps)
     setattr(wrapped, LOCAL, LocalStepsState(params, anchors, outer, sync_every))
     # param-group options from the start: hvd.broadcast_optimizer_state broadcasts each rank's own
     # keys, so a fresh elastic worker must have the same ones as the others

@@ -130,8 +130,18 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                         backward_passes_per_step=backward_passes_per_step, process_set=process_set,
                         groups=groups, prefix=f"hvd_topk.opt{next(_optimizer_ids)}",
                         grad_scaler=grad_scaler)
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
-               dict(_DistributedOptimizer.__dict__))
+    wrapped = share_as_subclass(optimizer, _DistributedOptimizer)
+    setattr(wrapped, ENGINE, engine)
+    # An inner optimizer that works on each rank's own gradient before the exchange (LocalAdamW)
+    # defines transform_local_gradient(param, grad, ranks): ranks' results will be averaged.
+    engine.transform = getattr(wrapped, "transform_local_gradient", None)
+    return wrapped
+
+
+def share_as_subclass(optimizer, methods):
+    """An instance of a dynamic subclass of ``optimizer``'s class with ``methods``' attributes
+    (a class body) added, sharing ``optimizer``'s state, as Horovod's DistributedOptimizer is."""
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(methods.__dict__))
     # hvd.broadcast_optimizer_state initialises a fresh optimizer's state by calling the *inner*
     # step() when the optimizer's module is Horovod's; otherwise it would run a whole exchange.
     cls.__module__ = OPTIMIZER_MODULE
@@ -139,10 +149,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
     # Share the user's optimizer (param_groups, state, hooks, defaults) instead of re-creating
     # it; an instance-level ``step`` (an LR scheduler's wrapper) would bypass ours.
     wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
-    setattr(wrapped, ENGINE, engine)
-    # An inner optimizer that works on each rank's own gradient before the exchange (LocalAdamW)
-    # defines transform_local_gradient(param, grad, ranks): ranks' results will be averaged.
-    engine.transform = getattr(wrapped, "transform_local_gradient", None)
     return wrapped
 
 

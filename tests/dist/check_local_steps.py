@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import horovod.torch as hvd
+import harness
 import hvd_topk
 from harness import assert_same_on_all_ranks, gather, raises, run
 from nets import Net, batch
@@ -35,11 +36,7 @@ def build(make_inner, sync_every, seed=0, density=0.05, **options):
 
 
 def train(model, opt, steps, start=0):
-    for step in range(start, start + steps):
-        x, y = batch(step, hvd.rank())
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+    harness.train(model, opt, steps, batch, start)
 
 
 def sgd(momentum=0.0):

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import horovod.torch as hvd
+import harness
 import hvd_topk
 from hvd_topk import native
 from harness import assert_same_on_all_ranks, gather, raises, raw_then_synchronize, run, step_and_check_same
@@ -216,11 +217,7 @@ def check_passes_equal_concatenated_batch():
 
 
 def train(model, opt, steps, start=0):
-    for step in range(start, start + steps):
-        x, y = batch(step, hvd.rank())
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+    harness.train(model, opt, steps, batch, start)
 
 
 def check_checkpoint_resume():

@@ -85,6 +85,17 @@ def step_and_check_same(opt, model, label):
         assert_same_on_all_ranks(p.detach().numpy(), f"{label}: parameter {name}")
 
 
+def train(model, opt, steps, batch, start=0):
+    """Plain training steps ``start`` .. ``start + steps - 1`` on this rank's ``batch(step, rank)``:
+    zero_grad, cross-entropy backward, ``opt.step()``."""
+    import torch.nn.functional as F
+    for step in range(start, start + steps):
+        x, y = batch(step, hvd.rank())
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
 def raw_gradients(shadow, model, x, y):
     """Plain cross-entropy gradients at ``model``'s current parameters, computed on ``shadow``
     (a deep copy with no optimizer attached): what the numpy references are fed."""
