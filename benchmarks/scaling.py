@@ -18,9 +18,9 @@ depend on P):
       t_cpu  = n * c_sel                       (selection, calibrated, see below)
              + ef_passes * n * c_pass          (error feedback: acc = residual + grad)
              + P k * c_scatter + n * c_pass    (decompression: P k scattered adds + one pass over n)
-- hvd_topk sparse allreduce (ScaleCom's CLT-k): the leader's k indices broadcast (tree), then an
-  allreduce of k + 1 values:
-      t_wire = (k b_i + 2 (P-1)/P (k+1) b_v) / B  +  (log2 P + 2 (P-1)) * alpha * m
+- hvd_topk sparse allreduce (ScaleCom's CLT-k, each rank choosing one part's indices): the k
+  indices ring-allgathered, then an allreduce of k + 1 values:
+      t_wire = (P-1)/P (k b_i + 2 (k+1) b_v) / B  +  3 (P-1) * alpha * m
       t_cpu  = as the allgather's, with k scattered adds (one row) instead of P k
 - with ``--exchange-json`` (default benchmarks/results/exchange/exchange-strategies.json, measured on
   emulated hosts by benchmarks/exchange.py) t_cpu per element is instead calibrated per
@@ -139,8 +139,8 @@ def sparse_times(P, n, density, gbps, costs, strategy=AllgatherPairs):
     """(wire seconds, local seconds) of one hvd_topk sparse exchange (P > 1)."""
     k = max(1, round(density * n))
     m = messages(n, 4, costs.fusion_bytes)  # buckets are fusion_bytes of the fp32 gradient
-    if strategy is SparseAllreduce:  # a tree broadcast, then a ring allreduce, per bucket
-        hops, rows = math.log2(P) + 2 * (P - 1), 1
+    if strategy is SparseAllreduce:  # a ring allgather, then a ring allreduce, per bucket
+        hops, rows = 3 * (P - 1), 1
     else:
         hops, rows = P - 1, P
     wire = (sparse_bytes_in(P, n, density, costs, strategy) / (costs.link_gbps(P, gbps) * GBIT)
@@ -534,8 +534,8 @@ def main(argv=None):
                         f"(P-1)·α per message; α = {args.alpha_us:g} µs, fusion/bucket {args.fusion_mb:g} MiB; "
                         f"compute per step fixed (weak scaling, batch per worker fixed): ResNet-50 "
                         f"{1000 * args.resnet_compute_s:.0f} ms, BERT-base {1000 * args.bert_compute_s:.0f} ms "
-                        f"(V100-class GPU, batch 32); sparse allreduce: tree broadcast of the leader's indices "
-                        f"(log2 P hops) + ring allreduce of the values; "
+                        f"(V100-class GPU, batch 32); sparse allreduce: ring allgather of the parts' indices "
+                        f"((P-1) hops) + ring allreduce of the values; "
                         f"hvd_topk: fp32 values + int32 indices, error feedback "
                         f"({args.ef_passes:g} pass), decompression P·k scattered adds at {args.scatter_ns:g} ns + "
                         f"one pass over n; forced strategies dense where hvd_topk.exchange.cheapest says so; "

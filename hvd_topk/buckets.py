@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from hvd_topk._torch import copy_all
-from hvd_topk.hierarchy import segments_in
+from hvd_topk.codec import segments_in
 from hvd_topk.selection import check_integer, native_ok
 from hvd_topk.wire import index_dtype_for
 
@@ -39,15 +39,36 @@ class BucketStep:
     strategy: type        # exchange strategy (``hvd_topk.exchange``)
     message: object       # send buffer (sparse strategies)
     encode: object        # codec.SegmentEncoder: select each tensor as it is folded in (or None)
-    selects: bool = True  # this rank selects (all do, but the sparse allreduce's leader alone)
-    leader: int = None    # the sparse allreduce's leader (index in the process set)
-    nonfinite: list = dataclasses.field(default_factory=list)  # segments that held inf/nan
-    unchecked: bool = False  # a fold that did not check for inf/nan (sparse allreduce, non-leader)
+    # the plan's segments this rank selects: all (None); its part's (the sparse allreduce); none
+    led: range = None
+    nonfinite: list = dataclasses.field(default_factory=list)  # selected segments that held inf/nan
+    nonfinite_folds: list = dataclasses.field(default_factory=list)  # unselected members that did
+    unchecked: bool = False  # a fold that did not check for inf/nan (outside what this rank selects)
     hierarchical: bool = False  # a sparse strategy run hierarchically (hvd_topk.hierarchy)
     carry: bool = False      # hierarchical: the full buffer still holds a flat residual
     repasses: int = 0
     filled: int = 0
     seconds: float = 0.0  # selection time spent in hooks
+
+    @property
+    def selects(self):
+        return self.led is None or len(self.led) > 0
+
+    def leads(self, member):
+        """Whether this rank selects every element of ``member`` (a ``Member``)."""
+        if self.led is None:
+            return True
+        if not self.led:
+            return False
+        starts = self.plan.starts
+        return starts[self.led.start] <= member.offset and member.offset + member.numel <= starts[self.led.stop]
+
+    def led_segments(self, position):
+        """The segments of member ``position`` this rank selects (tensor scope)."""
+        segments = self.plan.member_segments[position]
+        if self.led is None:
+            return segments
+        return range(max(segments.start, self.led.start), min(segments.stop, self.led.stop))
 
 
 class Bucket:
@@ -174,11 +195,12 @@ class Bucket:
     def complete(self):
         return len(self.folded) == len(self.members)
 
-    def plan(self, codec, density, scope, shard=None):
+    def plan(self, codec, density, scope, shard=None, parts=1):
         """The codec's plan for this bucket at ``density`` (cached: it changes only in warm-up).
         ``shard``: ``(lo, hi)``, a plan over that part of the buffer alone (hierarchical), its
-        tensors cut at the shard's edges, its indices counted from ``lo``."""
-        key = (density, scope, codec.value_dtype(self.dtype), shard)
+        tensors cut at the shard's edges, its indices counted from ``lo``. ``parts``: as in
+        ``codec.Plan`` (the sparse allreduce's one part per rank)."""
+        key = (density, scope, codec.value_dtype(self.dtype), shard, parts)
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) > 64:  # a long warm-up: keep memory bounded
@@ -186,7 +208,7 @@ class Bucket:
             sizes = [m.numel for m in self.members]
             if shard is not None:
                 sizes = segments_in(self.bounds.tolist(), *shard) or [0]
-            plan = self._plans[key] = codec.plan(sizes, density, scope, self.dtype, self.index_dtype)
+            plan = self._plans[key] = codec.plan(sizes, density, scope, self.dtype, self.index_dtype, parts)
         return plan
 
     def message(self, nbytes):
@@ -262,14 +284,15 @@ class Bucket:
         if self.momentum is not None:
             self.momentum.index_fill_(0, indices.long(), 0)
 
-    def unsend(self, plan, message):
-        """Put the entries selected into ``message`` back into ``acc`` (selection zeroed them):
-        the bucket goes dense instead. Exact: the values come from the full-precision scratch
-        where the message holds 16-bit values."""
+    def unsend(self, plan, message, led=None):
+        """Put the entries selected into ``message`` (in the segments ``led``, default all)
+        back into ``acc`` (selection zeroed them): the bucket goes dense instead. Exact: the
+        values come from the full-precision scratch where the message holds 16-bit values."""
         values, indices = plan.layout.views(message)
         if values.dtype != self.dtype:
             values = plan.value_scratch(self.dtype)
-        self.acc.index_copy_(0, indices.long(), values)
+        lo, hi = plan.slot_range(led if led is not None else range(len(plan.sizes)))
+        self.acc.index_copy_(0, indices[lo:hi].long(), values[lo:hi])
 
     def wipe(self, bad, edges, flats=None):
         """Start ``flats`` (default ``acc`` and ``momentum``) again from zero where they held

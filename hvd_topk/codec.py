@@ -36,27 +36,94 @@ class Plan:
         scope: ``"tensor"`` (k per tensor: the contract) or ``"bucket"`` (one top-k over the
             whole buffer, k = density x its size).
         value_dtype, index_dtype: what travels.
+        parts: cut the buffer into this many parts (``shard_bounds``: Horovod's split, the
+            first ``n mod parts`` one element longer), each selected on its own: with tensor
+            scope the tensors are cut at the parts' edges and each piece sends k = density x
+            its size; with bucket scope each part has its own top-k. The sparse allreduce cuts
+            a bucket into one part per rank, each rank choosing one part's positions
+            (``rotating_part``), so that every rank sends as many indices as any other.
     """
 
-    def __init__(self, sizes, density, scope, value_dtype, index_dtype):
+    def __init__(self, sizes, density, scope, value_dtype, index_dtype, parts=1):
         numel = self.numel = sum(sizes)
-        self.sizes = [numel] if scope == "bucket" else list(sizes)
+        self.parts = parts
+        if parts == 1:
+            self.sizes = [numel] if scope == "bucket" else list(sizes)
+            self.part_first = [0, len(self.sizes)]
+        else:
+            member_edges = [0, *itertools.accumulate(sizes)]
+            self.sizes, self.part_first = [], []
+            for lo, hi in itertools.pairwise(shard_bounds(numel, parts)):
+                self.part_first.append(len(self.sizes))
+                self.sizes += ([hi - lo] if hi > lo else []) if scope == "bucket" else segments_in(member_edges, lo, hi)
+            self.part_first.append(len(self.sizes))
         self.ks = [k_for(n, density) for n in self.sizes]
         self.count = sum(self.ks)
         self.density, self.scope = density, scope
         self.layout = Layout(self.count, value_dtype, index_dtype)
         self.starts = [0, *itertools.accumulate(self.sizes)]  # segment s: [starts[s], starts[s+1])
         self.slots = [0, *itertools.accumulate(self.ks)]      # its pairs: message slots [slots[s], ...)
+        # tensor scope: member i's segments (one, or its pieces where part edges cut it)
+        self.member_segments = _member_segments(sizes, self.starts) if scope == "tensor" else None
         self.bounds = torch.tensor(self.starts, dtype=torch.int64)
         self.ks_tensor = torch.tensor(self.ks, dtype=torch.int64)
         self.nonfinite = torch.zeros(len(self.sizes), dtype=torch.uint8)
         self.encoders = {}   # Codec.segment_encoder's, by buffer and message
         self._values = None  # scratch for values of another dtype than the message's
 
+    def part_segments(self, part):
+        """The segments of part ``part``: a ``range`` of segment numbers."""
+        return range(self.part_first[part], self.part_first[part + 1])
+
+    def slot_range(self, segments):
+        """``(first, end)`` message slots of a ``range`` of segments."""
+        return self.slots[segments.start], self.slots[segments.stop]
+
     def value_scratch(self, dtype):
         if self._values is None or self._values.dtype != dtype:
             self._values = torch.empty(self.count, dtype=dtype)
         return self._values
+
+
+def _member_segments(sizes, starts):
+    """For each member of ``sizes`` (laid end to end), the range of segments (``starts``:
+    their offsets, cut from the members) inside it."""
+    out, s = [], 0
+    for end in itertools.accumulate(sizes):
+        first = s
+        while s < len(starts) - 1 and starts[s + 1] <= end:
+            s += 1
+        out.append(range(first, s))
+    return out
+
+
+def shard_bounds(n, parts):
+    """Offsets of Horovod's reduce-scatter split of ``n`` elements into ``parts`` (the first
+    ``n mod parts`` shards one longer): ``[0, ..., n]``, ``parts + 1`` entries."""
+    base, extra = divmod(n, parts)
+    out = [0]
+    for p in range(parts):
+        out.append(out[-1] + base + (1 if p < extra else 0))
+    return out
+
+
+def segments_in(bounds, lo, hi):
+    """The members' element counts inside the shard ``[lo, hi)`` of a bucket whose members
+    occupy ``[bounds[i], bounds[i+1])`` (members outside it count 0 and are left out)."""
+    sizes = []
+    for a, b in zip(bounds, bounds[1:]):
+        overlap = min(b, hi) - max(a, lo)
+        if overlap > 0:
+            sizes.append(overlap)
+    return sizes
+
+
+def rotating_part(rank, step, bucket_index, world):
+    """The part of a bucket cut into ``world`` parts (``Plan(parts=world)``) whose positions
+    ``rank`` chooses this step in the sparse allreduce: rank ``(j + step + bucket) mod P``
+    chooses part j, so every rank chooses one part of every bucket and, step by step, each
+    part's positions come from every rank in turn (ScaleCom's cyclic choice, spread)."""
+    return (rank - step - bucket_index) % world
 
 
 class SegmentEncoder:
@@ -139,30 +206,45 @@ class Codec:
     def value_dtype(self, dtype):
         return torch.float16 if self.fp16_values else dtype
 
-    def plan(self, sizes, density, scope, dtype, index_dtype):
-        return Plan(sizes, density, scope, self.value_dtype(dtype), index_dtype)
+    def plan(self, sizes, density, scope, dtype, index_dtype, parts=1):
+        return Plan(sizes, density, scope, self.value_dtype(dtype), index_dtype, parts)
 
-    def encode(self, x, plan, message, zero_sent=False, seed=None):
+    def encode(self, x, plan, message, zero_sent=False, seed=None, segments=None):
         """Select ``plan``'s pairs of the flat buffer ``x`` into ``message`` (uint8,
         ``plan.layout.nbytes``). ``zero_sent``: zero the sent entries of ``x`` (error feedback).
         Inf/nan always count as the largest magnitudes, so they are sent and reach the average;
-        the segments holding them are reported, and what they hold afterwards is for the caller
-        to wipe. ``seed`` (``selection.sample_seed``): the torch-ops path's sample."""
+        the segments holding them are reported (numbered in the whole plan), and what they hold
+        afterwards is for the caller to wipe. ``seed`` (``selection.sample_seed``): the torch-ops
+        path's sample. ``segments``: a ``range`` of the plan's segments, the only ones selected
+        (their slots of the message; the others are left as they are)."""
         values, indices = plan.layout.views(message)
+        whole = segments is None or len(segments) == len(plan.sizes)
+        lo, hi = (0, len(plan.sizes)) if segments is None else (segments.start, segments.stop)
+        a, b = plan.slots[lo], plan.slots[hi]
         if native_ok(x):
             out = values if values.dtype == x.dtype else plan.value_scratch(x.dtype)
-            result = selection.select_segments(x, plan.bounds, plan.ks_tensor, indices, out, self.method,
-                                               zero_sent=zero_sent, nonfinite=plan.nonfinite)
+            result = selection.select_segments(x, plan.bounds[lo:hi + 1], plan.ks_tensor[lo:hi], indices[a:b],
+                                               out[a:b], self.method, zero_sent=zero_sent,
+                                               nonfinite=plan.nonfinite[lo:hi])
             if out is not values:
-                values.copy_(out)
-            bad = plan.nonfinite.nonzero().view(-1).tolist() if result.nonfinite else []
-            encoded = Encoded(bad, result.passes - len(plan.sizes), result.filled)
+                values[a:b].copy_(out[a:b])
+            bad = (plan.nonfinite[lo:hi].nonzero().view(-1) + lo).tolist() if result.nonfinite else []
+            encoded = Encoded(bad, result.passes - (hi - lo), result.filled)
+        elif lo == hi:
+            encoded = Encoded([], 0, 0)
         else:
-            got_values, got_indices, bad = selection.select_segments_torch(x, plan.sizes, plan.ks, self.method, seed)
-            values.copy_(got_values)
-            indices.copy_(got_indices)
+            first = plan.starts[lo]
+            got_values, got_indices, bad = selection.select_segments_torch(
+                x if whole else x[first:plan.starts[hi]], plan.sizes[lo:hi], plan.ks[lo:hi], self.method, seed)
+            if first:
+                got_indices += first
+            values[a:b].copy_(got_values)
+            indices[a:b].copy_(got_indices)
             if zero_sent:  # x - x == 0 exactly; repeated fill-up slots subtract 0
                 x.index_put_((got_indices,), -got_values, accumulate=True)
+            if not whole:  # one flag per segment of the plan
+                bad = torch.zeros(len(plan.sizes), dtype=torch.bool, device=x.device).index_copy_(
+                    0, torch.arange(lo, hi, device=x.device), bad)
             encoded = Encoded(bad, 0, 0)
         plan.layout.zero_padding(message)
         return encoded

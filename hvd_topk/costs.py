@@ -24,11 +24,11 @@ def allgather(world, numel, count, value_bytes, index_bytes, dense_bytes):
 
 
 def sparse_allreduce(world, numel, count, value_bytes, index_bytes, dense_bytes):
-    """One leader's k indices broadcast, then a ring allreduce of k values and one non-finite
-    flag: ``k b_i + 2 (P-1)/P (k+1) b_v``."""
+    """The k indices allgathered, each rank's part (1/P of them) from it, then a ring allreduce
+    of k values and one non-finite flag: ``(P-1)/P k b_i + 2 (P-1)/P (k+1) b_v``."""
     if world <= 1:
         return 0.0
-    return count * index_bytes + 2.0 * (world - 1) / world * (count + 1) * value_bytes
+    return (world - 1) / world * (count * index_bytes + 2.0 * (count + 1) * value_bytes)
 
 
 def cheapest(strategies, world, numel, count, value_bytes, index_bytes, dense_bytes):

@@ -21,8 +21,8 @@ Per DDP bucket and step (``topk_hook``):
    zeroed in ``acc``, which keeps the rest for the next step; smaller tensors (biases, norms)
    are averaged densely;
 3. the pairs travel by the bucket's exchange: an allgather of every rank's fixed-size message
-   (``all_gather_single``), or the sparse allreduce (a leader's indices broadcast, then
-   every rank's values there summed), or, where the cost model says a ring allreduce moves
+   (``all_gather_single``), or the sparse allreduce (each rank's part of the indices
+   gathered, then every rank's values there summed), or, where the cost model says a ring allreduce moves
    fewer bytes (a dense start), a dense allreduce of ``acc``;
 4. every rank adds the ranks' pairs in rank order and divides by the world size: the bucket
    DDP writes into ``p.grad`` is the same bits on every rank.
@@ -72,8 +72,9 @@ class TopKState:
             ``transform_local_gradient`` runs in the hook; call its ``step()`` as usual.
             ``hvd_topk.DeMo``'s ``beta`` becomes ``residual_decay``.
         exchange ("auto"): ``"allgather"`` (every rank's pairs, bytes grow with P),
-            ``"sparse_allreduce"`` (a rotating leader's positions, every rank's values summed
-            there; bytes independent of P: the one for many ranks), ``"dense"``,
+            ``"sparse_allreduce"`` (each rank chooses the positions in one part of the bucket,
+            every rank's values summed there; bytes grow as a dense allreduce's, (P-1)/P: the
+            one for many ranks), ``"dense"``,
             ``"dense_fp16"``, or ``"auto"``: once the density warm-up is over (and DDP has
             rebuilt its buckets), each family the cost model proposes runs
             ``exchange_trial_steps`` (3) real steps (plus one to settle), the ranks average

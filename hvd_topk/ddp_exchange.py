@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from hvd_topk import costs
 from hvd_topk._torch import copy_all
-from hvd_topk.codec import Codec, Encoded
+from hvd_topk.codec import Codec, Encoded, rotating_part
 from hvd_topk.selection import native_ok, sample_seed
 from hvd_topk.wire import index_dtype_for
 
@@ -102,13 +102,14 @@ class BucketLayout:
     def clear(self):
         self.acc.zero_()
 
-    def plan(self, codec, density):
-        plan = self.plans.get(density)
+    def plan(self, codec, density, parts=1):
+        """The codec plan at ``density``; ``parts``: as in ``codec.Plan`` (the sparse allreduce's)."""
+        plan = self.plans.get((density, parts))
         if plan is None:
             if len(self.plans) > 8:  # a warm-up walks through many densities
                 self.plans.clear()
-            plan = self.plans[density] = codec.plan(self.sizes, density, "tensor", self.acc.dtype,
-                                                   index_dtype_for(self.numel))
+            plan = self.plans[density, parts] = codec.plan(self.sizes, density, "tensor", self.acc.dtype,
+                                                          index_dtype_for(self.numel), parts)
         return plan
 
     def message(self, purpose, nbytes):
@@ -208,6 +209,8 @@ def exchange_sparse(state, layout, index, step, buffer):
     if strategy is ALLGATHER:
         return _allgather(state, layout, plan, dests, buffer, sample_seed(step, index))
     _fold(state, layout, buffer)
+    if strategy is SPARSE_ALLREDUCE:
+        return _sparse_allreduce(state, layout, layout.plan(state.codec, plan.density, world), index, step, dests)
     if not strategy.sparse:
         # the whole accumulator goes (a dense start): nothing stays behind
         wire = layout.acc if strategy is DENSE else layout.acc.to(torch.float16)
@@ -219,8 +222,7 @@ def exchange_sparse(state, layout, index, step, buffer):
             copy_all(dests, [total[int(a):int(b)].to(buffer.dtype).div_(world)
                              for a, b in zip(layout.bounds, layout.bounds[1:])])
             layout.acc.zero_()
-        return after(fut, dense_done, layout.acc.device)
-    return _sparse_allreduce(state, layout, plan, index, step, dests)
+    return after(fut, dense_done, layout.acc.device)
 
 
 def _allgather(state, layout, plan, dests, buffer, seed):
@@ -230,7 +232,7 @@ def _allgather(state, layout, plan, dests, buffer, seed):
     encoded = _fold(state, layout, buffer, plan, message)
     if encoded is None:
         encoded = state.codec.encode(layout.acc, plan, message, zero_sent=state.error_feedback, seed=seed)
-    _wipe(state, layout, encoded.nonfinite)
+    _wipe(state, layout.acc, layout.bounds.tolist(), encoded.nonfinite)
     gathered = layout.message("gathered", plan.layout.nbytes * world)
     state._count(ALLGATHER, bytes_sent=plan.layout.nbytes, elements_selected=plan.count)
     if world == 1:
@@ -246,31 +248,48 @@ def _allgather(state, layout, plan, dests, buffer, seed):
 
 
 def _sparse_allreduce(state, layout, plan, index, step, dests):
-    """ScaleCom's cyclic local top-k over torch.distributed: the leader's positions broadcast
-    (waited for here, so that no collective is started from a callback), every rank's ``acc``
-    there summed with one more slot flagging inf/nan anywhere."""
+    """ScaleCom's cyclic local top-k over torch.distributed, spread (``hvd_topk.exchange``'s
+    ``SparseAllreduce``): this rank chooses the positions in its part of the bucket
+    (``plan``: one part per rank), the parts' indices are gathered (waited for here, so that no
+    collective is started from a callback), and every rank's ``acc`` there is summed with one
+    more slot flagging inf/nan anywhere. Gloo gathers equal sizes only: each part travels
+    padded to the longest (the parts differ by a few pairs: their element counts by at most
+    one, their tensor pieces' rounding of k)."""
     world, group = state.world_size, state.process_group
-    leader = (step + index) % world
     message = layout.message("send", plan.layout.nbytes)
     values, indices = plan.layout.views(message)
     sums = layout.message("values", (plan.count + 1) * values.element_size()).view(values.dtype)
-    if state.rank == leader:
-        encoded = state.codec.encode(layout.acc, plan, message, zero_sent=state.error_feedback,
-                                     seed=sample_seed(step, index))
-        bad = _flagged(encoded.nonfinite)
-    dist.broadcast(indices, src=dist.get_global_rank(group, leader) if group is not None else leader,
-                   group=group)
-    if state.rank != leader:
-        out = values if values.dtype == layout.acc.dtype else plan.value_scratch(layout.acc.dtype)
-        Codec.take(layout.acc, indices, out, zero=state.error_feedback)
-        if out is not values:
-            values.copy_(out)
-        bad = _nonfinite_segments(layout)
-    _wipe(state, layout, bad)
+    led = plan.part_segments(rotating_part(state.rank, step, index, world))
+    encoded = state.codec.encode(layout.acc, plan, message, zero_sent=state.error_feedback,
+                                 seed=sample_seed(step, index), segments=led)
+    mine = plan.slot_range(led)
+    slots = [plan.slot_range(plan.part_segments(rotating_part(r, step, index, world))) for r in range(world)]
+    longest = max(hi - lo for lo, hi in slots)
+    itemsize = indices.element_size()
+    send = layout.message("indices", longest * itemsize).view(indices.dtype)
+    send[:mine[1] - mine[0]].copy_(indices[mine[0]:mine[1]])
+    send[mine[1] - mine[0]:].zero_()
+    gathered = layout.message("indices_gathered", world * longest * itemsize).view(indices.dtype)
+    all_gather(gathered, send, group)
+    for r, (lo, hi) in enumerate(slots):
+        if r != state.rank:
+            indices[lo:hi].copy_(gathered[r * longest:r * longest + hi - lo])
+    out = values if values.dtype == layout.acc.dtype else plan.value_scratch(layout.acc.dtype)
+    for lo, hi in ((0, mine[0]), (mine[1], plan.count)):  # the other ranks' parts
+        if hi > lo:
+            Codec.take(layout.acc, indices[lo:hi], out[lo:hi], zero=state.error_feedback)
+            if out is not values:
+                values[lo:hi].copy_(out[lo:hi])
+    # the tensors that held inf/nan: where this rank selected one (sent, so zeroed already) or
+    # where one is left; each is wiped (and counted) once
+    chosen = set(_flagged(encoded.nonfinite))
+    bad = sorted({i for i, segments in enumerate(plan.member_segments) if chosen.intersection(segments)}
+                 | set(_nonfinite_segments(layout)))
+    _wipe(state, layout.acc, layout.bounds.tolist(), bad)
     sums[:-1].copy_(values)
     sums[-1] = 1.0 if bad else 0.0
     state._count(SPARSE_ALLREDUCE, elements_selected=plan.count,
-                 bytes_sent=plan.count * plan.layout.index_itemsize + (plan.count + 1) * values.element_size())
+                 bytes_sent=longest * itemsize + (plan.count + 1) * values.element_size())
     fut = _allreduce(sums, group)
 
     def summed_done(f):
@@ -295,14 +314,14 @@ def _flagged(bad):
     return bad
 
 
-def _wipe(state, layout, bad):
-    """Residual segments that held inf/nan start again from zero (the values still went out)."""
+def _wipe(state, acc, edges, bad):
+    """Residual segments ``[edges[s], edges[s+1])`` of ``acc`` that held inf/nan (``bad``: their
+    numbers) start again from zero (the values still went out)."""
     bad = _flagged(bad)
     if not bad or not state.error_feedback:
         return
-    segments = layout.acc_segments()
     for s in bad:
-        segments[s].zero_()
+        acc[edges[s]:edges[s + 1]].zero_()
     state._stats["nonfinite_resets"] += len(bad)
 
 

@@ -21,7 +21,7 @@ One step, per bucket:
    the native kernel the gradient's top-k is selected right then, in the fold's own pass over
    memory, into its slots of the message, zeroing what it sent; with bucket scope (or torch ops)
    the whole buffer is selected in one call once the bucket is complete. (With the sparse
-   allreduce only this step's leader selects; the other ranks only fold.)
+   allreduce each rank selects only in its part of the bucket, and elsewhere only folds.)
 3. when the bucket is complete its exchange starts (overlapping the rest of backward);
 4. ``synchronize`` finishes every exchange and writes the averaged result into ``p.grad``, the
    same bits on every rank.
@@ -158,7 +158,7 @@ class TopKEngine:
         self.family = self.planner.family(self.step, self.world)
         topology = self.hier if self.planner.hierarchical(self.family) else None
         o = self.options
-        self.ctx = inflight.StepContext(self.codec, self.stats, self.process_set, self.world, self.op,
+        self.ctx = inflight.StepContext(self.codec, self.stats, self.process_set, self.world, self.rank, self.op,
                                         self.predivide, o.error_feedback, o.selection_scope, self.step,
                                         topology)
         self.active.forget()
@@ -170,17 +170,19 @@ class TopKEngine:
     def _fold(self, bucket, position, grad):
         current = bucket.current or self._begin_bucket(bucket)
         ef, momentum = self._accumulates(bucket, current), self.options.momentum_correction
+        # whether this rank selects all of the member (the sparse allreduce: only in its part)
+        selected = current.leads(bucket.members[position])
         if not ef and current.encode is None:
             bucket.mark_folded(position)  # a staging copy: ``copy_in`` when the bucket launches
-            current.unchecked |= not current.selects
+            current.unchecked |= not selected
             return
         # a gradient the native kernels take as it is (in the fold's own pass)
         plain = grad is not None and grad.dtype == bucket.dtype and grad.is_contiguous()
-        fused = current.encode is not None and ef and not momentum and plain
+        fused = current.encode is not None and ef and not momentum and plain and selected
         if fused:
             bucket.mark_folded(position)
-        elif not current.selects and ef and not momentum and grad is not None:
-            # sparse allreduce, not the leader: fold only, noting inf/nan on the way
+        elif not selected and ef and not momentum and grad is not None:
+            # (partly) outside this rank's part of a sparse allreduce: fold, noting inf/nan
             folder = bucket.folder(self.codec) if plain else None
             bad = folder(position, grad) if folder is not None else \
                 self.codec.fold(bucket.segment(bucket.buffer(), position), grad)
@@ -188,17 +190,18 @@ class TopKEngine:
             if bad is None:
                 current.unchecked = True
             elif bad:
-                current.nonfinite.append(position)
+                current.nonfinite_folds.append(position)
         else:
             bucket.fold(position, grad, ef, momentum)
-            current.unchecked |= not current.selects
+            current.unchecked |= not selected
         if current.encode is not None:
             t0 = time.perf_counter()
-            bad, repasses, filled = current.encode(position, grad if fused else None)
-            if bad:
-                current.nonfinite.append(position)
-            current.repasses += repasses
-            current.filled += filled
+            for s in current.led_segments(position):  # its one segment, or its piece in this rank's part
+                bad, repasses, filled = current.encode(s, grad if fused else None)
+                if bad:
+                    current.nonfinite.append(s)
+                current.repasses += repasses
+                current.filled += filled
             current.seconds += time.perf_counter() - t0
 
     def _accumulates(self, bucket, current):
@@ -242,7 +245,7 @@ class TopKEngine:
         if strategy.sparse and self._someone_joined():
             # hvd.join(): Horovod's joined ranks answer allreduces (with zeros), not allgathers.
             if current.encode is not None and self.options.error_feedback:
-                bucket.unsend(current.plan, current.message)
+                bucket.unsend(current.plan, current.message, current.led)
             strategy, name = exchange.DenseAllreduce, name + ".joined"
         self.used[bucket.index] = strategy.name
         bucket.inflight = inflight.start(self.ctx, bucket, strategy, name)

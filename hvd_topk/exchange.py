@@ -14,18 +14,21 @@ strategy                what moves                                              
 ``DenseAllreduce``      ring allreduce of the whole buffer                      ``2 (P-1)/P n b_dense``
 ``DenseAllreduceFp16``  the same in float16 (Horovod's ``Compression.fp16``)    ``2 (P-1)/P n 2``
 ``AllgatherPairs``      every rank receives every other rank's k pairs          ``(P-1) k (b_v + b_i)``
-``SparseAllreduce``     one leader's k indices broadcast, then an allreduce     ``k b_i + 2 (P-1)/P (k+1) b_v``
-                        of every rank's values at those indices
+``SparseAllreduce``     each rank's part of the k indices allgathered, then an  ``(P-1)/P k b_i + 2 (P-1)/P (k+1) b_v``
+                        allreduce of every rank's values at those indices
 ======================  ======================================================  ==============================
 
-``SparseAllreduce`` is ScaleCom's cyclic local top-k (CLT-k, Chen et al., NeurIPS 2020): the
-leader (rank ``(step + bucket) mod P``, so it rotates and the buckets of one step spread the
-selection work over the ranks) selects the top-k of its own error-feedback accumulator; every
-rank sends its accumulator's values at those positions; the sum is exact for those positions.
-Its bytes per rank stay below ``k (b_i + 2 b_v)`` whatever P is (the allgather's grow as P-1),
-at the price of a second, dependent collective and of using one rank's choice of positions
-for all (error feedback keeps what each rank did not send; on correlated gradients the
-leader's top-k is close to everyone's).
+``SparseAllreduce`` is ScaleCom's cyclic local top-k (CLT-k, Chen et al., NeurIPS 2020), with
+the choosing spread over the ranks: each bucket is cut into P equal parts (``codec.Plan``'s
+``parts``), and rank ``(j + step + bucket) mod P`` chooses part j's positions, the top-k of
+its own error-feedback accumulator there (k per tensor piece, or per part with bucket scope);
+the parts' indices are allgathered, every rank sends its accumulator's values at all of them,
+and the sum is exact for those positions. Every rank sends as many bytes as any other (one
+choosing rank per bucket broadcasting all k indices made it the busiest link: 1.82x the median
+rank's bytes at P=8, issue 27), and they stay below ``k (b_i + 2 b_v)`` whatever P is (the
+allgather's grow as P-1), at the price of a second, dependent collective and of one rank's
+choice of positions per part (error feedback keeps what each rank did not send; on correlated
+gradients one rank's top-k is close to everyone's, and each part's choosing rank rotates).
 
 Sparse pays while ``density < 2 b_dense / (P (b_v + b_i))`` for the allgather (50% at P=2,
 12.5% at P=8, 1.6% at P=64 for fp32 values and int32 indices; ``sparse_break_even``), and up
@@ -35,7 +38,8 @@ to about ``b_dense / (b_i / 2 + b_v)`` = 67% for the sparse allreduce at any P.
 import torch
 
 from hvd_topk import costs
-from hvd_topk._horovod import allreduce_dtype, broadcast_root, hvd
+from hvd_topk._horovod import allreduce_dtype, hvd
+from hvd_topk.codec import rotating_part
 from hvd_topk.costs import cheapest  # noqa: F401  (re-exported: the planner's and benchmarks' name for it)
 
 
@@ -115,32 +119,38 @@ class AllgatherPairs:
 
 
 class SparseAllreduce:
-    """ScaleCom's cyclic local top-k: the leader's indices, then an allreduce of values there.
+    """ScaleCom's cyclic local top-k, spread: each rank's part of the indices, then an
+    allreduce of every rank's values there.
 
-    Two dependent collectives per bucket: ``start_indices`` broadcasts the leader's k indices
-    (fixed size: no host synchronisation on CUDA); once they have arrived every rank gathers
-    its accumulator's values there and ``start_values`` allreduces them (summed; the engine
-    divides when it decodes, as for the allgather). One extra value slot carries a non-finite
-    flag, so an inf/nan on any rank reaches every rank's result (GradScaler then skips the step
-    everywhere) even where it lies outside the leader's positions.
+    Two dependent collectives per bucket: ``start_indices`` allgathers the parts' indices
+    (each rank chose one part's, ``part``); once they have arrived every rank gathers its
+    accumulator's values there and ``start_values`` allreduces them (summed; the engine divides
+    when it decodes, as for the allgather). One extra value slot carries a non-finite flag, so
+    an inf/nan on any rank reaches every rank's result (GradScaler then skips the step
+    everywhere) even where it lies outside the positions chosen.
     """
 
     name = "sparse_allreduce"
     sparse = True
 
-    @staticmethod
-    def leader(step, bucket_index, world):
-        """The selecting rank (index in the process set): rotates with the step, and the
-        buckets of one step start from different ranks so the selection work is spread."""
-        return (step + bucket_index) % world
+    part = staticmethod(rotating_part)  # (rank, step, bucket_index, world) -> the part it chooses
 
     wire_bytes = staticmethod(costs.sparse_allreduce)
 
     @staticmethod
-    def start_indices(indices, leader, name, process_set):
-        """Broadcast the leader's indices into ``indices`` on every rank (in place)."""
-        return hvd.broadcast_async_(indices, root_rank=broadcast_root(process_set, leader),
-                                    name=name + ".indices", process_set=process_set)
+    def start_indices(indices, plan, part, name, process_set):
+        """Start gathering every rank's part of ``indices`` (this rank's is ``part``'s slots)."""
+        lo, hi = plan.slot_range(plan.part_segments(part))
+        return hvd.allgather_async(indices[lo:hi], name=name + ".indices", process_set=process_set)
+
+    @staticmethod
+    def finish_indices(handle, indices, plan, step, bucket_index):
+        """Write every rank's part, gathered in rank order, into its slots of ``indices``."""
+        gathered, offset = hvd.synchronize(handle), 0
+        for rank in range(plan.parts):
+            lo, hi = plan.slot_range(plan.part_segments(rotating_part(rank, step, bucket_index, plan.parts)))
+            indices[lo:hi].copy_(gathered[offset:offset + hi - lo])
+            offset += hi - lo
 
     @staticmethod
     def start_values(values, name, process_set):

@@ -103,27 +103,6 @@ def _multi_host_guess():
     return 1 < hvd.local_size() < hvd.size()
 
 
-def shard_bounds(n, parts):
-    """Offsets of Horovod's reduce-scatter split of ``n`` elements into ``parts`` (the first
-    ``n mod parts`` shards one longer): ``[0, ..., n]``, ``parts + 1`` entries."""
-    base, extra = divmod(n, parts)
-    out = [0]
-    for p in range(parts):
-        out.append(out[-1] + base + (1 if p < extra else 0))
-    return out
-
-
-def segments_in(bounds, lo, hi):
-    """The members' element counts inside the shard ``[lo, hi)`` of a bucket whose members
-    occupy ``[bounds[i], bounds[i+1])`` (members outside it count 0 and are left out)."""
-    sizes = []
-    for a, b in zip(bounds, bounds[1:]):
-        overlap = min(b, hi) - max(a, lo)
-        if overlap > 0:
-            sizes.append(overlap)
-    return sizes
-
-
 def reduce_scatter(tensor, process_set, name):
     """Start the host's sum of ``tensor`` split into its shards (Horovod's reducescatter)."""
     return hvd.reducescatter_async(tensor, name=name, op=hvd.Sum, process_set=process_set)

@@ -7,7 +7,7 @@ the engine only calls two methods, whatever the strategy:
 
 - ``advance(wait=False)``: if the collective in flight has arrived (``wait``: wait for it),
   start the next one and return True. A strategy with one collective never advances; the
-  sparse allreduce advances once (the leader's indices -> every rank's values there), the
+  sparse allreduce advances once (the parts' indices -> every rank's values there), the
   hierarchical exchange up to three times (host reduce-scatter -> across hosts -> host
   allgather). ``stage`` names the collective in flight.
 - ``decode_into(bucket)``: wait for the rest and write the averaged result into every
@@ -26,7 +26,7 @@ import torch
 from hvd_topk import exchange, hierarchy
 from hvd_topk._horovod import allreduce_dtype, hvd
 from hvd_topk.buckets import BucketStep
-from hvd_topk.codec import Encoded
+from hvd_topk.codec import Encoded, shard_bounds
 from hvd_topk.selection import sample_seed
 
 # the stages at which synchronize() advances every bucket, in this order, before decoding any
@@ -39,11 +39,12 @@ class StepContext(NamedTuple):
     stats: object          # hvd_topk.stats.CompressionStats
     process_set: object    # Horovod process set the buckets are exchanged over
     world: int             # its size this step
+    rank: int              # this rank's index in it
     op: object             # hvd.Average or hvd.Sum
     predivide: float       # gradient_predivide_factor (dense allreduce)
     error_feedback: bool
     scope: str             # selection_scope
-    step: int              # the step counter (the sparse allreduce's leader rotates with it)
+    step: int              # the step counter (the sparse allreduce's choosing ranks rotate with it)
     topology: object       # hierarchy.Topology while this step is hierarchical, else None
 
     @property
@@ -63,11 +64,14 @@ def start(ctx, bucket, strategy, name):
     return AllgatherExchange(ctx, bucket, strategy, name)
 
 
-def payload_bytes(strategy, layout):
+def payload_bytes(strategy, plan, led):
     """What one rank hands to the network for a sparse bucket: its packed message, or for the
-    sparse allreduce the indices plus the values and the flag slot."""
+    sparse allreduce the indices of its part (``led``, its segments) plus the values and the
+    flag slot."""
+    layout = plan.layout
     if strategy is exchange.SparseAllreduce:
-        return layout.count * layout.index_itemsize + (layout.count + 1) * layout.value_itemsize
+        lo, hi = plan.slot_range(led)
+        return (hi - lo) * layout.index_itemsize + (layout.count + 1) * layout.value_itemsize
     return layout.nbytes
 
 
@@ -117,15 +121,16 @@ class _FlatSparse:
             encoded = Encoded(current.nonfinite, current.repasses, current.filled)
         elif current.selects:
             encoded = ctx.codec.encode(bucket.acc, plan, message, zero_sent=ef,
-                                       seed=sample_seed(ctx.step, bucket.index))
+                                       seed=sample_seed(ctx.step, bucket.index), segments=current.led)
         if current.selects:
             current.nonfinite = encoded.nonfinite
             if ef:
-                bucket.forget_sent(plan.layout.views(message)[1])
+                lo, hi = plan.slot_range(range(len(plan.sizes)) if current.led is None else current.led)
+                bucket.forget_sent(plan.layout.views(message)[1][lo:hi])
                 count_resets(ctx.stats, bucket.wipe(encoded.nonfinite, plan.starts))
         ctx.stats.add(time_selection_s=time.perf_counter() - t0 + current.seconds,
                       tensors_sparse=len(bucket.members), elements_selected=plan.count,
-                      bytes_sent=payload_bytes(current.strategy, plan.layout),
+                      bytes_sent=payload_bytes(current.strategy, plan, current.led),
                       selection_repasses=encoded.repasses, selection_filled=encoded.filled)
 
 
@@ -151,21 +156,23 @@ class AllgatherExchange(_FlatSparse):
 
 
 class SparseAllreduceExchange(_FlatSparse):
-    """The leader's indices ("indices"), then every rank's values there summed ("values")."""
+    """Every rank's part of the indices ("indices"), then every rank's values there summed
+    ("values")."""
 
     def __init__(self, ctx, bucket, strategy, name):
         self.ctx, self.strategy, self.name = ctx, strategy, name
         current = bucket.current
         self._encode(ctx, bucket, current)
         self.bucket, self.current, self.plan = bucket, current, current.plan
-        _, indices = self.plan.layout.views(current.message)
+        self.indices = self.plan.layout.views(current.message)[1]
         self.stage = "indices"
-        self.handle = strategy.start_indices(indices, current.leader, name, ctx.process_set)
+        part = strategy.part(ctx.rank, ctx.step, bucket.index, ctx.world)
+        self.handle = strategy.start_indices(self.indices, self.plan, part, name, ctx.process_set)
 
     def advance(self, wait=False):
         if self.stage != "indices" or not (wait or hvd.poll(self.handle)):
             return False
-        self.strategy.finish(self.handle)
+        self.strategy.finish_indices(self.handle, self.indices, self.plan, self.ctx.step, self.bucket.index)
         values = gather_values(self.ctx, self.bucket, self.current, self.plan, self.bucket.acc)
         self.stage, self.handle = "values", self.strategy.start_values(values, self.name, self.ctx.process_set)
         return True
@@ -174,34 +181,37 @@ class SparseAllreduceExchange(_FlatSparse):
         self.advance(wait=True)
         t0 = time.perf_counter()
         result = sparse_allreduce_result(bucket, self.handle, self.plan, self.current.message)
-        # one row of pairs: the leader's indices with the summed values
+        # one row of pairs: the chosen indices with the summed values
         bucket.decode_grads(self.ctx.codec, result, self.plan.layout, 1, self.ctx.div)
         self.ctx.stats.add(time_exchange_s=time.perf_counter() - t0)
 
 
 def gather_values(ctx, bucket, current, plan, residual):
-    """The sparse allreduce's second half on this rank: its values at the leader's indices
-    (the leader's are in its message already), taken out of ``residual`` (the bucket's buffer,
-    or a hierarchical shard) with error feedback, and a last slot that is NaN when this rank's
-    accumulator held inf/nan, 0 otherwise."""
+    """The sparse allreduce's second half on this rank: its values at every part's indices
+    (those of the part it chose are in its message already; the others are taken out of
+    ``residual``, the bucket's buffer or a hierarchical shard, with error feedback), and a last
+    slot that is NaN when this rank's accumulator held inf/nan, 0 otherwise."""
     layout = plan.layout
     sent, indices = layout.views(current.message)
     k = layout.count
     values = bucket.scratch("values", k + 1, allreduce_dtype(layout.value_dtype))
-    if current.selects:
-        values[:k].copy_(sent)
-        bad = bool(current.nonfinite) if isinstance(current.nonfinite, list) else current.nonfinite.any()
-    else:
-        bad = bool(current.nonfinite)
-        if current.unchecked:
-            bad = ~torch.isfinite(residual).all() | bad  # a device tensor: no host sync
-        ctx.codec.take(residual, indices, values[:k], zero=ctx.error_feedback)
-        if ctx.error_feedback:
-            bucket.forget_sent(indices)
-            # a checking fold noted the members that held inf/nan; otherwise one device flag
-            wipe = bad if current.unchecked else current.nonfinite
-            flats = (residual, bucket.momentum) if current.unchecked else None
-            count_resets(ctx.stats, bucket.wipe(wipe, bucket.bounds.tolist(), flats))
+    mine = plan.slot_range(current.led)
+    values[mine[0]:mine[1]].copy_(sent[mine[0]:mine[1]])
+    chosen = current.nonfinite
+    bad = bool(chosen) if isinstance(chosen, list) else chosen.any()
+    bad = bad | bool(current.nonfinite_folds)
+    if current.unchecked:
+        bad = ~torch.isfinite(residual).all() | bad  # a device tensor: no host sync
+    for lo, hi in ((0, mine[0]), (mine[1], k)):  # the other ranks' parts
+        if hi > lo:
+            ctx.codec.take(residual, indices[lo:hi], values[lo:hi], zero=ctx.error_feedback)
+            if ctx.error_feedback:
+                bucket.forget_sent(indices[lo:hi])
+    if ctx.error_feedback:
+        # checking folds noted the members that held inf/nan; otherwise one device flag
+        wipe = bad if current.unchecked else current.nonfinite_folds
+        flats = (residual, bucket.momentum) if current.unchecked else None
+        count_resets(ctx.stats, bucket.wipe(wipe, bucket.bounds.tolist(), flats))
     if torch.is_tensor(bad):
         values[k:].copy_(torch.where(bad, float("nan"), 0.0))
     else:
@@ -210,7 +220,7 @@ def gather_values(ctx, bucket, current, plan, residual):
 
 
 def sparse_allreduce_result(bucket, handle, plan, message):
-    """The summed values, written back into ``message`` beside the leader's indices (a one-row
+    """The summed values, written back into ``message`` beside the chosen indices (a one-row
     message for ``decode``); every value is NaN when a rank flagged inf/nan."""
     exchange.SparseAllreduce.finish(handle)
     k = plan.layout.count
@@ -226,7 +236,7 @@ class HierarchicalExchange:
 
     - "host": the host's reduce-scatter of this step's gradients -> error feedback and Top-K on
       this rank's shard of the host's sum, then the exchange among the ranks with this local
-      rank ("cross"; the sparse allreduce first broadcasts its leader's indices, "indices");
+      rank ("cross"; the sparse allreduce first allgathers the parts' indices, "indices");
     - "cross": its result -> the allgather of the exchanged shards inside the host ("gather");
     - "gather": every shard's pairs, decoded into ``p.grad`` by ``decode_into``.
     """
@@ -238,8 +248,11 @@ class HierarchicalExchange:
         self.residual = None   # sparse allreduce: the shard residual its values are taken from
         self.rows = 1          # rows of pairs per shard in the result
         self.times = {"spent": 0.0, "selection": 0.0, "cross": 0.0}  # seconds, for the statistics
+        led = self.plan.part_segments(strategy.part(ctx.topology.cross_rank, ctx.step, bucket.index,
+                                                    ctx.topology.cross_size)) \
+            if strategy is exchange.SparseAllreduce else None
         ctx.stats.add(tensors_sparse=len(bucket.members), elements_selected=self.plan.count,
-                      bytes_sent=payload_bytes(strategy, self.plan.layout))
+                      bytes_sent=payload_bytes(strategy, self.plan, led))
         wire_dtype = allreduce_dtype(bucket.dtype)
         staged = bucket.acc
         if wire_dtype != bucket.dtype:
@@ -257,7 +270,8 @@ class HierarchicalExchange:
             self.times["host"] = time.perf_counter() - t0
             self._select_shard(shard)
         elif self.stage == "indices":
-            self.strategy.finish(self.handle)
+            self.strategy.finish_indices(self.handle, self.indices, self.plan, self.ctx.step,
+                                         self.bucket.index)
             self.times["cross"] += time.perf_counter() - t0
             values = gather_values(self.ctx, self.bucket, self.current, self.plan, self.residual)
             self.stage, self.handle = "cross", self.strategy.start_values(values, self.name + ".cross", topo.cross)
@@ -286,19 +300,17 @@ class HierarchicalExchange:
         message = bucket.message(plan.layout.nbytes)
         t0 = time.perf_counter()
         if strategy is exchange.SparseAllreduce:
-            leader = strategy.leader(ctx.step, bucket.index, topo.cross_size)
-            # a non-leader's shard was summed by the reduce-scatter: nothing checked it for inf/nan
-            self.current = BucketStep(plan, strategy, message, None, topo.cross_rank == leader, leader,
-                                      unchecked=True)
-            if self.current.selects:
-                encoded = ctx.codec.encode(residual, plan, message, zero_sent=ef,
-                                           seed=sample_seed(ctx.step, bucket.index))
-                self.current.nonfinite = encoded.nonfinite
-                self._wipe_shard(residual, encoded.nonfinite)
+            part = strategy.part(topo.cross_rank, ctx.step, bucket.index, topo.cross_size)
+            # the shard was summed by the reduce-scatter: nothing checked the other parts for inf/nan
+            self.current = BucketStep(plan, strategy, message, None, plan.part_segments(part), unchecked=True)
+            encoded = ctx.codec.encode(residual, plan, message, zero_sent=ef,
+                                       seed=sample_seed(ctx.step, bucket.index), segments=self.current.led)
+            self.current.nonfinite = encoded.nonfinite
+            self._wipe_shard(residual, encoded.nonfinite)
             self.residual = residual
-            _, indices = plan.layout.views(message)
+            self.indices = plan.layout.views(message)[1]
             self.stage = "indices"
-            self.handle = strategy.start_indices(indices, leader, self.name + ".cross", topo.cross)
+            self.handle = strategy.start_indices(self.indices, plan, part, self.name + ".cross", topo.cross)
         else:
             encoded = ctx.codec.encode(residual, plan, message, zero_sent=ef,
                                        seed=sample_seed(ctx.step, bucket.index))
@@ -319,9 +331,9 @@ class HierarchicalExchange:
         self.times["gather"] = time.perf_counter() - t0
         ctx = self.ctx
         full = bucket.scratch("hierarchical_result", bucket.numel, bucket.dtype)
-        edges, offset = hierarchy.shard_bounds(bucket.numel, ctx.topology.local_size), 0
+        edges, offset = shard_bounds(bucket.numel, ctx.topology.local_size), 0
         for a, b in zip(edges, edges[1:]):
-            part = bucket.plan(ctx.codec, self.plan.density, ctx.scope, shard=(a, b))
+            part = bucket.plan(ctx.codec, self.plan.density, ctx.scope, shard=(a, b), parts=self.plan.parts)
             size = self.rows * part.layout.nbytes
             ctx.codec.decode(every[offset:offset + size], part.layout, self.rows, [full[a:b]],
                              torch.tensor([0, b - a], dtype=torch.int64), div=ctx.div)

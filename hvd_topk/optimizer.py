@@ -80,8 +80,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
             proposes for ``exchange_trial_steps`` (3) real steps each and keeps the fastest
             (logged once on rank 0; ``compression_stats()["exchange_reason"]``); it may be dense
             where the network is fast. ``"allgather"``: every rank's pairs (bytes grow with the
-            ranks). ``"sparse_allreduce"``: a rotating leader's top-k positions, every rank's
-            values there allreduced (bytes independent of the ranks). ``"dense"``,
+            ranks). ``"sparse_allreduce"``: each rank's top-k positions in one part of the bucket
+            (rotating), every rank's values there allreduced (bytes grow as (P-1)/P). ``"dense"``,
             ``"dense_fp16"``: Horovod's allreduce, fp32 or fp16. ``exchange_recheck_steps`` (0):
             re-run the trial that often (it always re-runs when the world size changes).
         hierarchical ("auto"): dense reduce-scatter inside each host, Top-K with error feedback on

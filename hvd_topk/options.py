@@ -31,8 +31,8 @@ class Options:
       ``exchange_trial_steps`` real steps with each strategy the cost model proposes (dense
       fp32, dense fp16, allgather, sparse allreduce) and keeps the fastest: on a fast network
       that may be dense, which is the point (never slower than not compressing). Force one with
-      ``"allgather"`` (every rank's pairs; bytes grow with P), ``"sparse_allreduce"`` (a rotating
-      leader's positions, values allreduced; bytes independent of P: the one for many ranks),
+      ``"allgather"`` (every rank's pairs; bytes grow with P), ``"sparse_allreduce"`` (each rank
+      chooses one part's positions, values allreduced; bytes grow as (P-1)/P: the one for many ranks),
       ``"dense"`` or ``"dense_fp16"``. ``exchange_recheck_steps`` re-runs the trial that often
       (0: only when the world size changes). Pin one for quality experiments on a single
       host, where ``"auto"`` may rightly pick dense and the run then tests no compression.

@@ -10,16 +10,17 @@ talking:
 - ``strategy(family, bucket, codec_plan, world)``: what one bucket uses under that family (a
   sparse family still sends a bucket dense where a ring allreduce moves fewer bytes:
   ``dense_fallback``);
-- ``codec_plan(bucket, density, family)``: the codec's ``Plan`` for the bucket, over the whole
+- ``codec_plan(bucket, density, family, world)``: the codec's ``Plan`` for the bucket, over the whole
   buffer or, for a hierarchical family, over this rank's shard of it.
 
 It knows nothing of Horovod's collectives beyond the trial's one decision allreduce
 (``_agree``, handed to ``auto.Trial``); the DDP hook runs the same trial over torch.distributed.
 """
 
-from hvd_topk import auto, exchange, hierarchy
+from hvd_topk import auto, exchange
 from hvd_topk._horovod import hvd
 from hvd_topk.buckets import BucketStep
+from hvd_topk.codec import shard_bounds
 
 
 class ExchangePlanner:
@@ -93,17 +94,19 @@ class ExchangePlanner:
 
     def bucket_step(self, bucket, step, family, world, rank):
         """``bucket``'s ``BucketStep`` under ``family``: codec plan, strategy, whether it runs
-        hierarchically, the sparse allreduce's leader and whether this rank selects (the
-        engine adds the send buffer and the encoder)."""
+        hierarchically, and which of the plan's segments this rank selects (all; with the
+        sparse allreduce its part's; none for a dense exchange). The engine adds the send
+        buffer and the encoder."""
         density = self.schedule.density(step)
-        codec_plan = self.codec_plan(bucket, density, family) if bucket.sparse else None
+        codec_plan = self.codec_plan(bucket, density, family, world) if bucket.sparse else None
         strategy = self.strategy(family, bucket, codec_plan, world)
         hierarchical = strategy.sparse and self.hierarchical(family) and self.hier is not None
-        leader = None
-        if strategy is exchange.SparseAllreduce and not hierarchical:
-            leader = strategy.leader(step, bucket.index, world)
-        selects = strategy.sparse and leader in (None, rank)
-        return BucketStep(codec_plan, strategy, None, None, selects, leader, hierarchical=hierarchical)
+        led = None  # all: the allgather; hierarchical (the cross stage chooses its own, inflight)
+        if not strategy.sparse:
+            led = range(0)
+        elif strategy is exchange.SparseAllreduce and not hierarchical:
+            led = codec_plan.part_segments(exchange.SparseAllreduce.part(rank, step, bucket.index, world))
+        return BucketStep(codec_plan, strategy, None, None, led, hierarchical=hierarchical)
 
     def strategy(self, family, bucket, codec_plan, world):
         """The strategy ``bucket`` uses under ``family``."""
@@ -132,23 +135,26 @@ class ExchangePlanner:
 
     def _assign(self, family, density, world):
         """The strategy of every sparse bucket under ``family`` at ``density``."""
-        return [self.strategy(family, b, self.codec_plan(b, density, family), world)
+        return [self.strategy(family, b, self.codec_plan(b, density, family, world), world)
                 for b in self.buckets if b.sparse]
 
-    def codec_plan(self, bucket, density, family):
+    def codec_plan(self, bucket, density, family, world):
         """The codec plan of a sparse bucket: over the bucket, or over this rank's shard of it
         (a hierarchical family). On its 1/L shard a rank selects at L x density, so that it
         still sends density x n pairs per step, as it would flat: a host then sends as many
-        pairs as its L ranks would, taken from the host's sum."""
+        pairs as its L ranks would, taken from the host's sum. Under the sparse allreduce the
+        bucket (or shard) is cut into one part per rank taking part (``codec.Plan``'s
+        ``parts``)."""
         scope = self.options.selection_scope
+        sparse_allreduce = family.removeprefix(auto.HIER) == exchange.SparseAllreduce.name
         if not self.hierarchical(family):
-            return bucket.plan(self.codec, density, scope)
+            return bucket.plan(self.codec, density, scope, parts=world if sparse_allreduce else 1)
         return bucket.plan(self.codec, min(1.0, density * self.hier.local_size), scope,
-                           shard=self.shard(bucket))
+                           shard=self.shard(bucket), parts=self.hier.cross_size if sparse_allreduce else 1)
 
     def shard(self, bucket):
         """``(lo, hi)``: this rank's shard of ``bucket`` in the host's reduce-scatter."""
-        edges = hierarchy.shard_bounds(bucket.numel, self.hier.local_size)
+        edges = shard_bounds(bucket.numel, self.hier.local_size)
         return edges[self.hier.local_rank], edges[self.hier.local_rank + 1]
 
     def modelled_bytes(self, family, density, world):
@@ -156,7 +162,7 @@ class ExchangePlanner:
         total = 0.0
         sparse = [b for b in self.buckets if b.sparse]
         for b, strategy in zip(sparse, self._assign(family, density, world)):
-            codec_plan = self.codec_plan(b, density, family)
+            codec_plan = self.codec_plan(b, density, family, world)
             if strategy.sparse:
                 total += self._sparse_bytes(strategy, b, codec_plan, world, family)
             else:

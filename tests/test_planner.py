@@ -27,12 +27,12 @@ def planner(density=0.01, hier=None, codec=None, **options):
 def test_pinned_exchange_and_dense_fallback():
     plan, (sparse, dense) = planner(exchange="allgather")
     assert plan.family(0, 2) == "allgather"
-    codec_plan = plan.codec_plan(sparse, 0.01, "allgather")
+    codec_plan = plan.codec_plan(sparse, 0.01, "allgather", 2)
     assert codec_plan.count == 100 and codec_plan.numel == N
     assert plan.strategy("allgather", sparse, codec_plan, 2) is exchange.AllgatherPairs
     assert plan.strategy("allgather", dense, None, 2) is exchange.DenseAllreduce  # the small tensors
     # at 60%, 6000 pairs x 8 bytes = 48,000 > the ring allreduce's 2 (P-1)/P N 4 = 40,000 at P=2
-    wide = plan.codec_plan(sparse, 0.6, "allgather")
+    wide = plan.codec_plan(sparse, 0.6, "allgather", 2)
     assert plan.strategy("allgather", sparse, wide, 2) is exchange.DenseAllreduce
     no_fallback, (sparse2, _) = planner(exchange="allgather", dense_fallback=False)
     assert no_fallback.strategy("allgather", sparse2, wide, 2) is exchange.AllgatherPairs
@@ -44,18 +44,18 @@ def test_fp16_values_fall_back_to_a_16_bit_dense_allreduce():
     bits, and 30% (18,000 bytes) stays sparse; the small tensors stay fp32. (With fp32 values
     40% stays sparse: 32,000 bytes against the fp32 ring's 40,000.)"""
     plan, (sparse, dense) = planner(exchange="allgather", codec=Codec(fp16_values=True))
-    assert plan.strategy("allgather", sparse, plan.codec_plan(sparse, 0.4, "allgather"), 2) is \
+    assert plan.strategy("allgather", sparse, plan.codec_plan(sparse, 0.4, "allgather", 2), 2) is \
         exchange.DenseAllreduceFp16
-    assert plan.strategy("allgather", sparse, plan.codec_plan(sparse, 0.3, "allgather"), 2) is exchange.AllgatherPairs
+    assert plan.strategy("allgather", sparse, plan.codec_plan(sparse, 0.3, "allgather", 2), 2) is exchange.AllgatherPairs
     fp32, (sparse32, _) = planner(exchange="allgather")
-    assert fp32.strategy("allgather", sparse32, fp32.codec_plan(sparse32, 0.4, "allgather"), 2) is exchange.AllgatherPairs
+    assert fp32.strategy("allgather", sparse32, fp32.codec_plan(sparse32, 0.4, "allgather", 2), 2) is exchange.AllgatherPairs
     assert plan.strategy("allgather", dense, None, 2) is exchange.DenseAllreduce
 
 
 @pytest.mark.parametrize("family, world, want", [
     ("allgather", 2, 1 * 100 * 8),                        # (P-1) k (b_v + b_i)
     ("allgather", 3, 2 * 100 * 8),
-    ("sparse_allreduce", 4, 100 * 4 + 2 * 3 / 4 * 101 * 4),  # k b_i + 2 (P-1)/P (k+1) b_v
+    ("sparse_allreduce", 4, 3 / 4 * 100 * 4 + 2 * 3 / 4 * 101 * 4),  # (P-1)/P (k b_i + 2 (k+1) b_v)
     ("dense", 4, 2 * 3 / 4 * N * 4),                       # 2 (P-1)/P n b_dense
     ("dense_fp16", 4, 2 * 3 / 4 * N * 2),
 ])
@@ -66,22 +66,26 @@ def test_modelled_bytes_match_the_ring_formulas(family, world, want):
 
 def test_auto_during_warm_up_takes_the_fewest_bytes_without_a_trial():
     """At step 0 of the warm-up the density is 25% (k = 2500); at P = 4: dense 60,000 bytes,
-    fp16 30,000, allgather 3 x 2500 x 8 = 60,000, sparse allreduce 2500 x 4 + 1.5 x 2501 x 4 = 25,006."""
+    fp16 30,000, allgather 3 x 2500 x 8 = 60,000, sparse allreduce 0.75 x 2500 x 4 + 1.5 x 2501 x 4 = 22,506."""
     plan, _ = planner(exchange="auto", warmup_steps=10, warmup_density=0.25)
     assert plan.family(0, 4) == "sparse_allreduce"
     assert plan.trial is None
     assert plan.family(0, 1) == "dense"  # one rank: nothing to exchange
 
 
-def test_sparse_allreduce_leader_rotates_and_only_it_selects():
+def test_sparse_allreduce_every_rank_selects_one_part():
+    """The weight (10,000 elements) in 3 parts of 3334, 3333, 3333; rank (j + step + bucket)
+    mod 3 selects part j, so each step the three ranks select the three parts."""
     plan, (sparse, dense) = planner(exchange="sparse_allreduce")
     for step in range(6):
+        chosen = []
         for rank in range(3):
             s = plan.bucket_step(sparse, step, "sparse_allreduce", 3, rank)
-            assert s.strategy is exchange.SparseAllreduce
-            assert s.leader == (step + sparse.index) % 3
-            assert s.selects == (rank == s.leader)
-            assert not s.hierarchical
+            assert s.strategy is exchange.SparseAllreduce and not s.hierarchical
+            assert s.plan.sizes == [3334, 3333, 3333] and len(s.led) == 1
+            chosen.append(s.led[0])
+            assert s.led[0] == (rank - step - sparse.index) % 3
+        assert sorted(chosen) == [0, 1, 2]
     d = plan.bucket_step(dense, 0, "sparse_allreduce", 3, 0)
     assert d.strategy is exchange.DenseAllreduce and d.plan is None and not d.selects
 
@@ -93,7 +97,7 @@ def test_hierarchical_plans_cover_this_ranks_shard_at_L_times_the_density():
     plan, (sparse, _) = planner(hier=topo, exchange="allgather")
     assert plan.family(0, 4) == "hier_allgather"
     assert plan.shard(sparse) == (5000, 10000)
-    codec_plan = plan.codec_plan(sparse, 0.01, "hier_allgather")
+    codec_plan = plan.codec_plan(sparse, 0.01, "hier_allgather", 2)
     assert codec_plan.numel == 5000 and codec_plan.count == 100
     # the sparse part runs among cross_size = 2 ranks: 1 x 100 x 8 bytes
     assert plan.modelled_bytes("hier_allgather", 0.01, 4) == pytest.approx(800)

@@ -107,17 +107,17 @@ def test_simulate_covers_the_grid():
 
 
 def test_sparse_allreduce_bytes_and_time_by_hand():
-    # P=8, 1%: k = 256,000: the leader's int32 indices (1,024,000 B) + 2*7/8 * (k+1) fp32 values
-    want = 256_000 * 4 + 2 * 7 / 8 * 256_001 * 4
+    # P=8, 1%: k = 256,000: 7/8 of the int32 indices (896,000 B) + 2*7/8 * (k+1) fp32 values
+    want = 7 / 8 * 256_000 * 4 + 2 * 7 / 8 * 256_001 * 4
     from hvd_topk.exchange import SparseAllreduce
     assert sim.sparse_bytes_in(8, N, 0.01, no_latency(), SparseAllreduce) == pytest.approx(want)
     zero_local = no_latency(selection_s_per_elem=0.0, pass_s_per_elem=0.0, scatter_s_per_elem=0.0)
     wire, local = sim.sparse_times(8, N, 0.01, 10, zero_local, SparseAllreduce)
     assert wire == pytest.approx(want / 1.25e9) and local == 0.0
-    # latency: log2(8) broadcast hops + 2 * 7 allreduce hops, per bucket (two 64 MiB buckets)
+    # latency: 7 allgather hops + 2 * 7 allreduce hops, per bucket (two 64 MiB buckets)
     wire_lat, _ = sim.sparse_times(8, N, 0.01, 10, sim.Costs(alpha_s=1e-3, selection_s_per_elem=0.0,
                                                               pass_s_per_elem=0.0), SparseAllreduce)
-    assert wire_lat - wire == pytest.approx((3 + 14) * 1e-3 * 2)
+    assert wire_lat - wire == pytest.approx((7 + 14) * 1e-3 * 2)
     # decompression scatters one row of k (not P rows)
     c = no_latency(selection_s_per_elem=0.0, pass_s_per_elem=0.0, scatter_s_per_elem=1e-9)
     assert sim.sparse_times(8, N, 0.01, 10, c, SparseAllreduce)[1] == pytest.approx(256_000 * 1e-9)

@@ -18,7 +18,7 @@ import hvd_topk
 from check_optimizer import Net, batch, build, train
 import harness
 from harness import assert_same_on_all_ranks, gather, raises, raw_gradients, run, step_and_check_same
-from reference import ErrorFeedbackReference, dgc_density, sparse_allreduce
+from reference import ErrorFeedbackReference, dgc_density, k_of, part_pieces, sparse_allreduce
 
 MIN_NUMEL = 500  # Net's fc1.weight, fc2.weight and head2.weight are sparse, its biases dense
 
@@ -314,9 +314,11 @@ def check_bf16_topk_path(exchange):
     raw = {"weight": weight.grad.double().numpy(), "bias": bias.grad.double().numpy()}
     opt.synchronize()
     assert weight.grad.dtype == torch.bfloat16
-    if exchange == "sparse_allreduce":  # the leader's (rank 0 at step 0) positions, every rank's values
-        keep = np.argsort(-np.abs(gather(raw["weight"])[0].reshape(-1)), kind="stable")[:13]
-        total = np.sum(gather(raw["weight"]), axis=0).reshape(-1)
+    if exchange == "sparse_allreduce":  # part j's positions from rank j (step 0, bucket 0), every rank's values
+        every = [g.reshape(-1) for g in gather(raw["weight"])]
+        keep = np.concatenate([a + np.argsort(-np.abs(every[j][a:b]), kind="stable")[:k_of(b - a, 0.05)]
+                               for j, a, b in part_pieces([0, 256], hvd.size())])
+        total = np.sum(every, axis=0)
         want = np.zeros(256)
         want[keep] = total[keep] / hvd.size()
         want = want.reshape(16, 16)
@@ -332,7 +334,7 @@ def check_bf16_topk_path(exchange):
 
 def check_channels_last(exchange="allgather"):
     """channels_last conv weights, small (dense path) and big (Top-K with error feedback); with
-    the sparse allreduce the one sparse bucket's leader is rank (step mod size)."""
+    the sparse allreduce the one sparse bucket is number 0."""
     size, density = hvd.size(), 0.05
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Conv2d(4, 32, 3))
@@ -343,13 +345,17 @@ def check_channels_last(exchange="allgather"):
                                         exchange=exchange)
     ref = ErrorFeedbackReference(size)
     for step in range(3):
-        leader = step % size if exchange == "sparse_allreduce" else None
         grads = hand_grads(model, torch.float32, torch.channels_last)
         opt.synchronize()
+        every = {name: np.stack([g.astype(np.float32) for g in gather(grads[name])]) for name in grads}
+        big = [name for name, p in model.named_parameters() if p.numel() >= MIN_NUMEL]
+        if exchange == "sparse_allreduce":  # one sparse bucket, number 0, in reverse order
+            shared = ref.sparse_allreduce_bucket(big[::-1], every, density, step, 0)
+        else:
+            shared = {name: ref.sparse(name, every[name], density) for name in big}
         for name, p in model.named_parameters():
-            per_rank = [g.astype(np.float32) for g in gather(grads[name])]
-            want = (ref.sparse(name, per_rank, density, leader=leader) if p.numel() >= MIN_NUMEL
-                    else np.sum(per_rank, axis=0) / size)
+            per_rank = every[name]
+            want = shared[name] if name in big else np.sum(per_rank, axis=0) / size
             np.testing.assert_allclose(p.grad.numpy(), want, rtol=1e-6, atol=1e-7,
                                        err_msg=f"channels_last {exchange} step {step} {name}")
         step_and_check_same(opt, model, f"channels_last step {step}")

@@ -5,7 +5,8 @@ Per sparse bucket: the host's sum of the gradients, split as Horovod's reduce-sc
 Top-K at L x density per tensor piece inside the shard (or one over the shard), sent entries
 zeroed; the
 shards of one local rank are exchanged across hosts (allgather: all pairs summed; sparse
-allreduce: every host's values at the leader's positions); the average is assembled from every
+allreduce: the shard cut again into one part per host, as Horovod splits it, part j's positions
+chosen on the rank of host (j + step) mod C, every host's values there); the average is assembled from every
 local rank's shard. Which rank is on which host comes from Horovod (hvd.local_rank(),
 hvd.cross_rank()), so on emulated hosts (one network namespace per host) the boundary is real.
 
@@ -83,10 +84,22 @@ class HierarchicalReference:
         result = np.zeros(self.n, np.float64)
         for lr in range(self.L):
             group = sorted(r for r in range(P) if self.where[r][1] == lr)  # cross set, rank order
-            lo = self.edges[lr]
-            leader = group[(step + 0) % len(group)] if self.exchange == "sparse_allreduce" else None
+            lo, hi = self.edges[lr], self.edges[lr + 1]
+            if self.exchange == "sparse_allreduce":  # bucket 0: part j chosen by group[(j + step) mod C]
+                C, n = len(group), hi - lo
+                cuts = [0]
+                for j in range(C):
+                    cuts.append(cuts[-1] + n // C + (1 if j < n % C else 0))
+                chosen = []
+                for j in range(C):
+                    chooser = group[(j + step) % C]
+                    for a, b in self.pieces(lo + cuts[j], lo + cuts[j + 1]):
+                        a, b = a + cuts[j], b + cuts[j]
+                        top = np.argsort(-np.abs(acc[chooser][a:b]), kind="stable")[:k_of(b - a, shard_density)]
+                        chosen.append(a + top)
+                keep = {r: np.concatenate(chosen) for r in group}
             for r in group:
-                positions = keep[r if leader is None else leader]
+                positions = keep[r]
                 result[lo + positions] += acc[r][positions]
                 acc[r][positions] = 0
                 self.residual[r] = acc[r]

@@ -74,11 +74,16 @@ def check_reference(make_inner, sync_every=3, steps=8, density=0.05, outer_lr=1.
                 replicas[r][i].grad = torch.from_numpy(grads[n][r].copy())
             inners[r].step()
         if (step + 1) % sync_every == 0:
-            leader = syncs % size if exchange == "sparse_allreduce" else None  # one bucket: number 0
+            changes = {n: np.stack([anchor[n] - replicas[r][i].detach().numpy() for r in range(size)])
+                       for i, n in enumerate(names)}
+            big = [n for n in names if changes[n][0].size >= MIN_NUMEL]
+            if exchange == "sparse_allreduce":  # one sparse bucket, number 0, in reverse order
+                shared = ref.sparse_allreduce_bucket(big[::-1], changes, density, syncs, 0)
+            else:
+                shared = {n: ref.sparse(n, changes[n], density) for n in big}
             for i, n in enumerate(names):
-                change = np.stack([anchor[n] - replicas[r][i].detach().numpy() for r in range(size)])
-                avg = ref.sparse(n, change, density, leader=leader) if change[0].size >= MIN_NUMEL \
-                    else change.mean(axis=0, dtype=np.float64).astype(np.float32)
+                change = changes[n]
+                avg = shared[n] if n in shared else change.mean(axis=0, dtype=np.float64).astype(np.float32)
                 if outer_momentum:
                     buf[n] = np.float32(outer_momentum) * buf[n] + avg
                     avg = avg + np.float32(outer_momentum) * buf[n] if nesterov else buf[n]

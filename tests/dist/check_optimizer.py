@@ -18,7 +18,7 @@ import hvd_topk
 from hvd_topk import native
 from harness import assert_same_on_all_ranks, gather, raises, raw_then_synchronize, run, step_and_check_same
 from nets import Net
-from reference import ErrorFeedbackReference, dgc_density, k_of
+from reference import ErrorFeedbackReference, dgc_density, k_of, part_pieces
 
 
 def batch(step, rank, n=24, part=None):
@@ -44,9 +44,27 @@ def build(density=0.05, lr=0.1, momentum=0.9, seed=0, fp16_values=False, **optio
 
 
 # The sparse buckets' numbers (reverse registration order, split where fusion_bytes say), written
-# out by hand: the sparse allreduce's leader of a bucket is rank (step + bucket number) mod size.
+# out by hand: the sparse allreduce's part j of a bucket is chosen by rank (j + step + bucket
+# number) mod size.
 ONE_BUCKET = {"head2.weight": 0, "fc2.weight": 0, "fc1.weight": 0}
 BUCKET_PER_TENSOR = {"head2.weight": 0, "fc2.weight": 1, "fc1.weight": 2}  # each > 4096 bytes
+
+
+def want_sparse(ref, big, grads, density, step, buckets=ONE_BUCKET, exchange="allgather", scope="tensor",
+                average=True, sent=None):
+    """The reference result of every tensor in ``big`` (registration order): bucket by bucket,
+    each bucket's tensors laid out in reverse registration order. ``sent``: per rank, what the
+    implementation sent over the bucket (one bucket only), for ties broken by torch.topk."""
+    out = {}
+    for b in sorted({buckets[n] for n in big}):
+        names = [n for n in big[::-1] if buckets[n] == b]
+        if exchange == "sparse_allreduce":
+            out.update(ref.sparse_allreduce_bucket(names, grads, density, step, b, scope, average, sent))
+        elif scope == "bucket":
+            out.update(ref.sparse_bucket(names, grads, density, average, sent))
+        else:
+            out.update({n: ref.sparse(n, grads[n], density, average) for n in names})
+    return out
 
 
 def check_contract(label, steps=4, density=0.05, momentum_correction=0.0, error_feedback=True,
@@ -77,23 +95,20 @@ def check_contract(label, steps=4, density=0.05, momentum_correction=0.0, error_
         d = dgc_density(step, density, warmup_steps)
         grads = {name: gather(raw[name]) for name, _ in model.named_parameters()}
         big = [name for name, p in model.named_parameters() if p.numel() >= 500]
-        if bucket_scope:  # one top-k over the one bucket holding every big tensor, laid out in
-            # reverse registration order; fc2 and head2 get equal gradients, and equal
-            # magnitudes at the k-th go to the earlier position, in the kernel as in numpy;
-            # torch.topk (the torch-ops path: HVD_TOPK_NATIVE=0, GPUs) breaks such ties its own
-            # way, read from what the residuals lost
-            leader = (step + buckets[big[-1]]) % size if sparse_allreduce else None
-            sent = None
-            if native.library() is None and error_feedback:
-                res = opt.state_dict()["hvd_topk"]["residuals"]
-                sent = gather(np.concatenate([res[n].numpy().reshape(-1) for n in big[::-1]]) == 0)
-            shared = ref.sparse_bucket(big[::-1], grads, d, average=op == hvd.Average, leader=leader, sent=sent)
+        sent = None
+        if bucket_scope and native.library() is None and error_feedback:
+            # one top-k over the one bucket holding every big tensor, laid out in reverse
+            # registration order; fc2 and head2 get equal gradients, and equal magnitudes at the
+            # k-th go to the earlier position, in the kernel as in numpy; torch.topk (the
+            # torch-ops path: HVD_TOPK_NATIVE=0, GPUs) breaks such ties its own way, read from
+            # what the residuals lost
+            res = opt.state_dict()["hvd_topk"]["residuals"]
+            sent = gather(np.concatenate([res[n].numpy().reshape(-1) for n in big[::-1]]) == 0)
+        shared = want_sparse(ref, big, grads, d, step, buckets, options.get("exchange", "allgather"),
+                             "bucket" if bucket_scope else "tensor", op == hvd.Average, sent)
         for name, p in model.named_parameters():
             if name in big:
-                leader = (step + buckets[name]) % size if sparse_allreduce else None
-                want = shared[name] if bucket_scope else ref.sparse(name, grads[name], d,
-                                                                    average=op == hvd.Average,
-                                                                    leader=leader)
+                want = shared[name]
             else:
                 want = np.sum(grads[name], axis=0) / (size if op == hvd.Average else 1)
             np.testing.assert_allclose(p.grad.numpy(), want, rtol=1e-6, atol=1e-7,
@@ -107,7 +122,14 @@ def check_contract(label, steps=4, density=0.05, momentum_correction=0.0, error_
     stats = opt.compression_stats()
     sizes = [p.numel() for p in model.parameters() if p.numel() >= 500]
     assert stats["steps"] == steps, stats
-    if bucket_scope:
+    if sparse_allreduce:  # k per piece of each bucket's parts
+        shapes = dict(model.named_parameters())
+        pieces = [b - a for bucket in sorted(set(buckets.values()))
+                  for _, a, b in part_pieces(np.cumsum([0] + [shapes[n].numel() for n in list(buckets)
+                                                              if buckets[n] == bucket]), size,
+                                             options.get("selection_scope", "tensor"))]
+        want_selected = sum(k_of(n, dgc_density(s, density, warmup_steps)) for s in range(steps) for n in pieces)
+    elif bucket_scope:
         want_selected = sum(k_of(sum(sizes), dgc_density(s, density, warmup_steps)) for s in range(steps))
     else:
         want_selected = sum(k_of(n, dgc_density(s, density, warmup_steps)) for s in range(steps) for n in sizes)
@@ -275,9 +297,14 @@ def check_broadcast_optimizer_state():
 
 def check_nonfinite(exchange="allgather", culprit=0):
     """An inf in one rank's gradient reaches the average on every rank, never the residual.
-    (With the sparse allreduce at step 0, rank 0 leads: culprit 0 selects the inf itself,
-    culprit 1 only flags it.)"""
-    rank = hvd.rank()
+    With the sparse allreduce, ``culprit="chooser"`` is the rank that chooses the positions of
+    the part holding the inf (it selects the inf itself), ``"other"`` the next rank (it only
+    flags it): fc1.weight's entry 7 is entry 1927 of the one sparse bucket (head2, fc2: 960
+    each, then fc1), and at step 0 rank j chooses part j."""
+    rank, size = hvd.rank(), hvd.size()
+    if culprit in ("chooser", "other"):
+        part = [j for j, a, b in part_pieces([0, 960, 1920, 5760], size) if a <= 1927 < b][0]
+        culprit = part if culprit == "chooser" else (part + 1) % size
     model, opt = build(min_numel=500, exchange=exchange)
     inject = {"on": True}
 
@@ -382,6 +409,7 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.synchronize()
+        every = {}
         for name, p in model.named_parameters():
             updates = []
             for r, g in enumerate(gather(dict(shadow.named_parameters())[name].grad.numpy().astype(np.float64))):
@@ -395,9 +423,11 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-
                     v_hat = mean_hat ** 2 + (v_hat - mean_hat ** 2) / size
                 updates.append(m / (1 - betas[0] ** t) / (np.sqrt(v_hat) + eps)
                                * (lr if lr_in_residual else 1.0))
-            updates = np.stack(updates)
-            leader = step % size if exchange == "sparse_allreduce" else None  # one bucket: number 0
-            want = ref.sparse(name, updates, density, leader=leader) if p.numel() >= 500 else updates.mean(axis=0)
+            every[name] = np.stack(updates)
+        big = [n for n, p in model.named_parameters() if p.numel() >= 500]
+        shared = want_sparse(ref, big, every, density, step, exchange=exchange)
+        for name, p in model.named_parameters():
+            want = shared[name] if name in big else every[name].mean(axis=0)
             np.testing.assert_allclose(p.grad.numpy(), want, rtol=1e-5, atol=1e-6,
                                        err_msg=f"local adamw: step {step} {name}")
         step_and_check_same(opt, model, f"local adamw: step {step}")
@@ -480,11 +510,13 @@ def check_demo(normalise="sign", exchange="allgather", steps=5, density=0.05, lr
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.synchronize()
-        want = {}
+        fed = {name: np.stack(gather(dict(shadow.named_parameters())[name].grad.numpy())) * np.float32(lr_t)
+               for name, _ in model.named_parameters()}
+        big = [n for n, p in model.named_parameters() if p.numel() >= 500]
+        want = want_sparse(ref, big, fed, density, step, exchange=exchange)
         for name, p in model.named_parameters():
-            fed = np.stack(gather(dict(shadow.named_parameters())[name].grad.numpy())) * np.float32(lr_t)
-            leader = step % size if exchange == "sparse_allreduce" else None  # one bucket: number 0
-            want[name] = ref.sparse(name, fed, density, leader=leader) if p.numel() >= 500 else fed.mean(axis=0)
+            if name not in big:
+                want[name] = fed[name].mean(axis=0)
             np.testing.assert_allclose(p.grad.numpy(), want[name], rtol=1e-5, atol=1e-9,
                                        err_msg=f"demo: step {step} {name}")
         step_and_check_same(opt, model, f"demo: step {step}")

@@ -1,8 +1,9 @@
 """exchange="sparse_allreduce" checked step by step against its numpy reference.
 
-The leader of sparse bucket b at step s is rank (s + b) mod P; every rank sends its own
-error-feedback accumulator at the leader's top-k positions, and what it did not send stays in
-its residual (tests/support/reference.py, ``leader=``). Run under mpirun -np 2, 3 and 4:
+Each sparse bucket is cut into P parts; part j of bucket b at step s is chosen by rank
+(j + s + b) mod P (its top-k of each tensor piece there); every rank sends its own
+error-feedback accumulator at every chosen position, and what it did not send stays in its
+residual (tests/support/reference.py, ``sparse_allreduce_bucket``). Run under mpirun -np 2, 3 and 4:
 PYTHONPATH=.:tests/support mpirun -np 4 python tests/dist/check_sparse_allreduce.py
 """
 
@@ -22,10 +23,10 @@ CHECKS = [
     contract("sparse allreduce, bucket scope", exchange="sparse_allreduce", selection_scope="bucket", steps=5),
     contract("sparse allreduce, bucket scope, bucket per tensor", exchange="sparse_allreduce",
              selection_scope="bucket", fusion_bytes=4096, buckets=BUCKET_PER_TENSOR),
-    ("non-finite gradient, sparse allreduce, on the leader",
-     lambda: check_nonfinite("sparse_allreduce", culprit=0)),
-    ("non-finite gradient, sparse allreduce, off the leader",
-     lambda: check_nonfinite("sparse_allreduce", culprit=1)),
+    ("non-finite gradient, sparse allreduce, on the rank choosing its part",
+     lambda: check_nonfinite("sparse_allreduce", culprit="chooser")),
+    ("non-finite gradient, sparse allreduce, on another rank",
+     lambda: check_nonfinite("sparse_allreduce", culprit="other")),
 ]
 
 

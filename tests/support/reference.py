@@ -35,8 +35,8 @@ class ErrorFeedbackReference:
     with the sent entries zeroed (and u's too); result = sum of sent pairs over ranks / ranks.
     With ``decay`` (``residual_decay``): acc = decay * residual + grad.
 
-    With ``leader`` (the sparse allreduce, ScaleCom's CLT-k) every rank sends its own acc at
-    the positions of the *leader's* top-k instead of at its own.
+    The sparse allreduce (ScaleCom's CLT-k, ``sparse_allreduce_bucket``): every rank sends its
+    own acc at positions chosen part by part from one rank's top-k instead of at its own.
     """
 
     def __init__(self, ranks, momentum=0.0, error_feedback=True, decay=1.0):
@@ -45,11 +45,11 @@ class ErrorFeedbackReference:
         self.residual = [dict() for _ in range(ranks)]
         self.u = [dict() for _ in range(ranks)]
 
-    def sparse(self, name, per_rank_grads, density, average=True, leader=None):
+    def sparse(self, name, per_rank_grads, density, average=True):
         """One tensor's exchanged result (k = density x its size: selection_scope="tensor")."""
-        return self.sparse_bucket([name], {name: per_rank_grads}, density, average, leader)[name]
+        return self.sparse_bucket([name], {name: per_rank_grads}, density, average)[name]
 
-    def sparse_bucket(self, names, grads, density, average=True, leader=None, sent=None):
+    def sparse_bucket(self, names, grads, density, average=True, sent=None):
         """The exchanged results of tensors that share one top-k (selection_scope="bucket"):
         k = density x their total size, taken over their accumulators laid end to end.
         ``grads[name]`` is every rank's raw gradient; returns ``{name: result}``.
@@ -58,10 +58,34 @@ class ErrorFeedbackReference:
         native kernel does). ``sent`` (per rank, a bool per entry: what the implementation sent)
         accepts its own choice among those tied entries instead (torch.topk's, on the torch-ops
         path); everything above the k-th must still be sent, nothing below it, k in all."""
-        shapes = {n: grads[n][0].shape for n in names}
+        accs, us, edges = self._accumulate(names, grads)
+        k = k_of(edges[-1], density)
+        keeps = [_keep(accs[r], k, None if sent is None else sent[r]) for r in range(self.ranks)]
+        return self._exchange(names, grads, accs, us, edges, keeps, average)
+
+    def sparse_allreduce_bucket(self, names, grads, density, step, bucket, scope="tensor", average=True,
+                                sent=None):
+        """The sparse allreduce's results for one bucket holding ``names`` (in their order in
+        the bucket): the tensors laid end to end (n elements) are cut into P parts as Horovod's
+        reduce-scatter splits n (n // P each, the first n mod P one longer); part j's positions
+        come from the accumulator of rank (j + step + bucket) mod P: the top-k of each tensor's
+        piece inside the part (``scope="tensor"``, k = max(1, round(density x piece size))), or
+        one top-k over the part (``"bucket"``). Every rank sends its own acc at every chosen
+        position. ``sent``: as in ``sparse_bucket``, per rank (each piece's ties judged on the
+        rank that chose it)."""
+        accs, us, edges = self._accumulate(names, grads)
+        chosen = []
+        for j, a, b in part_pieces(edges, self.ranks, scope):
+            owner = (j + step + bucket) % self.ranks
+            mask = None if sent is None else sent[owner][a:b]
+            chosen.append(a + _keep(accs[owner][a:b], k_of(b - a, density), mask))
+        keep = np.concatenate(chosen) if chosen else np.zeros(0, dtype=np.int64)
+        return self._exchange(names, grads, accs, us, edges, [keep] * self.ranks, average)
+
+    def _accumulate(self, names, grads):
+        """Every rank's accumulator over ``names`` laid end to end (and DGC's u), and the edges."""
         sizes = [grads[n][0].size for n in names]
         edges = np.cumsum([0] + sizes)
-        total = np.zeros(edges[-1], dtype=np.float32)
         accs, us = [], []
         for r in range(self.ranks):
             g = np.concatenate([grads[n][r].reshape(-1).astype(np.float32) for n in names])
@@ -77,12 +101,15 @@ class ErrorFeedbackReference:
                 acc = old(self.residual) * self.decay + g
             accs.append(acc)
             us.append(u)
-        k = k_of(edges[-1], density)
-        keeps = {r: _keep(accs[r], k, None if sent is None else sent[r])
-                 for r in (range(self.ranks) if leader is None else [leader])}
+        return accs, us, edges
+
+    def _exchange(self, names, grads, accs, us, edges, keeps, average):
+        """Rank r sends its acc at ``keeps[r]``: the sum (rank order, float32), the residuals."""
+        shapes = {n: grads[n][0].shape for n in names}
+        total = np.zeros(edges[-1], dtype=np.float32)
         for r in range(self.ranks):
             acc, u = accs[r], us[r]
-            keep = keeps[r if leader is None else leader]
+            keep = keeps[r]
             sent = np.zeros_like(acc)
             sent[keep] = acc[keep]
             total += sent  # rank order, float32, like the optimizer
@@ -97,6 +124,25 @@ class ErrorFeedbackReference:
         if average:
             total /= np.float32(self.ranks)
         return {n: total[edges[i]:edges[i + 1]].reshape(shapes[n]) for i, n in enumerate(names)}
+
+
+def part_pieces(edges, parts, scope="tensor"):
+    """``(part, start, end)`` of every piece the sparse allreduce selects in a bucket whose
+    tensors lie at ``[edges[i], edges[i+1])``: the bucket cut into ``parts`` as Horovod's
+    reduce-scatter splits it (n // parts each, the first n mod parts one longer), and with
+    tensor scope each part cut again at the tensors' edges."""
+    n = int(edges[-1])
+    cuts = [0]
+    for j in range(parts):
+        cuts.append(cuts[-1] + n // parts + (1 if j < n % parts else 0))
+    out = []
+    for j in range(parts):
+        lo, hi = cuts[j], cuts[j + 1]
+        if scope == "bucket":
+            out += [(j, lo, hi)] if hi > lo else []
+        else:
+            out += [(j, max(a, lo), min(b, hi)) for a, b in zip(edges, edges[1:]) if min(b, hi) > max(a, lo)]
+    return out
 
 
 def dgc_density(step, target, warmup_steps, start=0.25):
