@@ -19,7 +19,12 @@ others add to it is their exchange overhead. Methods:
   ``exchange="auto"`` runs its measured trial in extra warm-up steps, so the timed steps use the
   family it chose (named in the table);
 - ``topk-view``: the same with ``gradient_as_bucket_view=True`` (not DDP's default: the gradients
-  are views of the buckets, which saves DDP two copies of the model's gradients per step).
+  are views of the buckets, which saves DDP two copies of the model's gradients per step);
+- ``topk-ag``, ``topk-sar``: the hook with its exchange forced (``exchange="allgather"``,
+  ``"sparse_allreduce"``) instead of measured.
+
+Each rank's link's bytes (eth0 tx counters over the timed steps) are recorded too: the busiest
+link sets the pace.
 
 CPU only: PowerSGD's matrix products cost far less on a GPU. With P = 4 the 4 ranks share this
 machine's 2 cores.
@@ -46,7 +51,9 @@ sys.path.insert(0, str(HERE))
 
 import _common as common  # noqa: E402
 
-METHODS = ("none", "ddp", "fp16", "powersgd-r1", "powersgd-r2", "powersgd-r4", "topk", "topk-view")
+METHODS = ("none", "ddp", "fp16", "powersgd-r1", "powersgd-r2", "powersgd-r4", "topk", "topk-view", "topk-ag",
+           "topk-sar")
+FORCED = {"topk-ag": "allgather", "topk-sar": "sparse_allreduce"}
 PORT = 29511
 
 
@@ -89,14 +96,17 @@ def worker(args):
                                            start_powerSGD_iter=2)
             runner.register_comm_hook(state, powersgd.powerSGD_hook)
         elif method.startswith("topk"):
-            state = hvd_topk.ddp.TopKState(density=args.density)
+            state = hvd_topk.ddp.TopKState(density=args.density, exchange=FORCED.get(method, "auto"))
             hvd_topk.ddp.register(runner, state)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     times = []
     # exchange="auto": its measured trial (after DDP's rebuild, up to 4 families x (1 + 3) steps)
     # runs in the warm-up, so that the timed steps use the family it chose
     warmup = args.warmup + (hvd_topk.ddp.TRIAL_FROM_STEP + 4 * 4 + 1 if method.startswith("topk") else 0)
+    tx = None
     for step in range(warmup + args.steps):
+        if step == warmup:
+            tx = link_tx_bytes()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         runner(consts[step % args.pool]).backward()
@@ -105,21 +115,32 @@ def worker(args):
             times.append(time.perf_counter() - t0)
         elif step == warmup - 1 and method.startswith("topk"):
             state.bytes_before_timing = state.stats()["bytes_sent"]
+    after = link_tx_bytes()
+    wire = (after - tx) / args.steps if tx is not None and after is not None else None
     every = [None] * size
-    dist.all_gather_object(every, (times, float(sum(p.detach().double().sum() for p in model.parameters()))))
+    dist.all_gather_object(every, (times, float(sum(p.detach().double().sum() for p in model.parameters())), wire))
     if rank == 0:
-        slowest = [max(t[i] for t, _ in every) for i in range(args.steps)]
-        sums = [s for _, s in every]
+        slowest = [max(t[i] for t, _, _ in every) for i in range(args.steps)]
+        sums = [s for _, s, _ in every]
         row = {"method": method, "median_ms": 1e3 * statistics.median(slowest), "min_ms": 1e3 * min(slowest),
                "max_ms": 1e3 * max(slowest), "step_ms_slowest_rank": [1e3 * t for t in slowest],
                "ranks_agree": method == "none" or all(s == sums[0] for s in sums),
-               "mb_per_rank_step": bytes_sent(method, shapes, state, args.steps) / 1e6}
+               "mb_per_rank_step": bytes_sent(method, shapes, state, args.steps) / 1e6,
+               "wire_tx_mb_each_rank": [None if w is None else w / 1e6 for _, _, w in every]}
         if method.startswith("topk"):
             st = state.stats()
             row["exchange"] = st["exchange_family"]
             row["exchange_reason"] = st.get("exchange_reason")
         Path(args.out).write_text(json.dumps(row))
     dist.destroy_process_group()
+
+
+def link_tx_bytes():
+    """This host's link's tx byte counter (eth0 of the emulated host), or None."""
+    try:
+        return int(Path("/sys/class/net/eth0/statistics/tx_bytes").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def bytes_sent(method, shapes, state, steps):
@@ -171,6 +192,14 @@ def run_method(eh, P, method, args, out):
     return json.loads(out.read_text()), shlex.join([*argv, "--node_rank", "I", *worker_argv])
 
 
+def wire_cell(each):
+    """The median rank's and the busiest rank's link tx MB per step, and their ratio."""
+    if not each or any(w is None for w in each):
+        return "-"
+    median, busiest = statistics.median(each), max(each)
+    return f"{median:.2f}, {busiest:.2f} ({busiest / median:.2f}x)" if median >= 0.01 else f"{median:.2f}, {busiest:.2f}"
+
+
 def render(report):
     lines = ["# DDP communication hooks on emulated hosts (CPU only)", "",
              f"Date (UTC): {report['date_utc']}  ",
@@ -186,23 +215,25 @@ def render(report):
         rows = {r["method"]: r for r in run["rows"]}
         base = rows.get("none", {}).get("median_ms")
         lines += [f"## P = {run['P']}, {run['rate']}" + (" (4 ranks share 2 cores)" if run["P"] > 2 else ""), "",
-                  "| method | step ms (median, min-max) | overhead ms | MB per rank and step | ranks agree |",
-                  "|---|---:|---:|---:|---|"]
+                  "| method | step ms (median, min-max) | overhead ms | MB per rank and step | "
+                  "wire tx MB/step: median rank, busiest (ratio) | ranks agree |",
+                  "|---|---:|---:|---:|---:|---|"]
         for m, r in rows.items():
             over = "" if base is None or m == "none" else f"{r['median_ms'] - base:+.1f}"
             name = f"{m} (auto chose {r['exchange']})" if r.get("exchange") else m
             lines.append(f"| {name} | {r['median_ms']:.1f} ({r['min_ms']:.0f}-{r['max_ms']:.0f}) | {over} | "
-                         f"{r['mb_per_rank_step']:.2f} | {'yes' if r['ranks_agree'] else 'NO'} |")
+                         f"{r['mb_per_rank_step']:.2f} | {wire_cell(r.get('wire_tx_mb_each_rank'))} | "
+                         f"{'yes' if r['ranks_agree'] else 'NO'} |")
         reasons = [f"{m}: {r['exchange_reason']}" for m, r in rows.items() if r.get("exchange_reason")]
         if reasons:
             lines += ["", "auto's trial: " + "; ".join(reasons)]
-        if base is not None and "topk" in rows:
-            ours = rows["topk"]["median_ms"] - base
+        for mine in (m for m in rows if m.startswith("topk") and base is not None):
+            ours = rows[mine]["median_ms"] - base
             for peer in ("fp16", "powersgd-r4"):
                 if peer in rows:
                     theirs = rows[peer]["median_ms"] - base
                     lines.append("")
-                    lines.append(f"Overhead ratio {peer} / topk: {theirs:.1f} / {ours:.1f} ms = "
+                    lines.append(f"Overhead ratio {peer} / {mine}: {theirs:.1f} / {ours:.1f} ms = "
                                  f"{theirs / ours if ours > 0 else float('inf'):.1f}x")
         lines.append("")
     return "\n".join(lines) + "\n"

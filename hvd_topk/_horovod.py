@@ -25,10 +25,6 @@ Checked against Horovod 0.28.1 (``CHECKED_VERSION``). Each private detail relied
    without state; hvd_topk keeps its step counter there (``hvd_topk.engine.TopKEngine.step``).
 6. ``elastic_mode``: ``horovodrun`` sets ``HOROVOD_ELASTIC=1`` in elastic workers (Horovod's own
    optimizer reads it the same way to decide on its hooks).
-7. ``broadcast_root``: ``hvd.broadcast(..., root_rank, process_set=ps)`` takes the root's
-   *global* rank, not its rank inside ``ps`` (checked: with ``ps = ProcessSet([1, 2])``,
-   ``root_rank=0`` is refused as "invalid root rank", ``root_rank=2`` broadcasts global rank
-   2's tensor); ``ps.ranks`` lists the global ranks in set order.
 """
 
 import os
@@ -74,12 +70,6 @@ def allreduce_dtype(dtype):
 def elastic_mode():
     """(6) True in a worker of an elastic job (``horovodrun --min-np/--max-np/--host-discovery-script``)."""
     return os.environ.get("HOROVOD_ELASTIC") == "1"
-
-
-def broadcast_root(process_set, index):
-    """(7) The ``root_rank`` to pass to ``hvd.broadcast`` for the ``index``-th rank of ``process_set``."""
-    ranks = process_set.ranks
-    return ranks[index] if ranks else index
 
 
 def is_horovod_distributed_optimizer(optimizer):
