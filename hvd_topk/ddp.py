@@ -31,7 +31,7 @@ Each bucket launches its collectives from the hook itself, in bucket order, and 
 the future's callback: no collective is chained from a callback, so several buckets never
 interleave their collectives differently on different ranks (PowerSGD's chained allreduces can,
 and abort on gloo with a size mismatch when a model has several buckets). The sparse allreduce
-waits for its broadcast inside the hook for the same reason.
+waits for its parts' index gather inside the hook for the same reason.
 """
 
 import hashlib
