@@ -75,6 +75,12 @@ class Plan:
         """The segments of part ``part``: a ``range`` of segment numbers."""
         return range(self.part_first[part], self.part_first[part + 1])
 
+    def slots_by_rank(self, step, bucket_index):
+        """``(first, end)`` message slots of the part each rank chooses (``rotating_part``),
+        rank after rank: where each rank's gathered indices belong."""
+        return [self.slot_range(self.part_segments(rotating_part(r, step, bucket_index, self.parts)))
+                for r in range(self.parts)]
+
     def slot_range(self, segments):
         """``(first, end)`` message slots of a ``range`` of segments."""
         return self.slots[segments.start], self.slots[segments.stop]

@@ -263,7 +263,7 @@ def _sparse_allreduce(state, layout, plan, index, step, dests):
     encoded = state.codec.encode(layout.acc, plan, message, zero_sent=state.error_feedback,
                                  seed=sample_seed(step, index), segments=led)
     mine = plan.slot_range(led)
-    slots = [plan.slot_range(plan.part_segments(rotating_part(r, step, index, world))) for r in range(world)]
+    slots = plan.slots_by_rank(step, index)
     longest = max(hi - lo for lo, hi in slots)
     itemsize = indices.element_size()
     send = layout.message("indices", longest * itemsize).view(indices.dtype)

@@ -147,8 +147,7 @@ class SparseAllreduce:
     def finish_indices(handle, indices, plan, step, bucket_index):
         """Write every rank's part, gathered in rank order, into its slots of ``indices``."""
         gathered, offset = hvd.synchronize(handle), 0
-        for rank in range(plan.parts):
-            lo, hi = plan.slot_range(plan.part_segments(rotating_part(rank, step, bucket_index, plan.parts)))
+        for lo, hi in plan.slots_by_rank(step, bucket_index):
             indices[lo:hi].copy_(gathered[offset:offset + hi - lo])
             offset += hi - lo
 
