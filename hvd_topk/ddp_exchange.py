@@ -54,16 +54,18 @@ class BucketLayout:
         kw = dict(dtype=buffer.dtype, device=buffer.device)
         self.acc = torch.zeros(self.numel, **kw)  # the residual (error feedback) or a staging copy
         self.dense_buffer = torch.empty(self.dense_numel, **kw)
-        self._dense_gathered = None  # every rank's dense_buffer, one after another
+        self._dense_scratch = {}  # purpose -> buffer for the small tensors' average (average_dense)
         self.error_feedback = error_feedback
         self.plans = {}     # density -> codec plan
         self.messages = {}  # (purpose, bytes) -> reusable uint8 buffer
 
-    def dense_gathered(self, world):
-        if self._dense_gathered is None or self._dense_gathered.numel() != world * self.dense_numel:
-            self._dense_gathered = torch.empty(world * self.dense_numel, dtype=self.dense_buffer.dtype,
-                                               device=self.dense_buffer.device)
-        return self._dense_gathered
+    def dense_scratch(self, purpose, numel):
+        """A reusable buffer of the small tensors' dtype, reallocated when its size changes."""
+        buf = self._dense_scratch.get(purpose)
+        if buf is None or buf.numel() != numel:
+            buf = self._dense_scratch[purpose] = torch.empty(numel, dtype=self.dense_buffer.dtype,
+                                                             device=self.dense_buffer.device)
+        return buf
 
     def matches(self, params):
         return [id(p) for p in params] == self.key
@@ -123,35 +125,54 @@ class BucketLayout:
 
 
 def average_dense(state, layout, buffer):
-    """Start gathering the bucket's small tensors from every rank (``finish`` averages them).
+    """Start averaging the bucket's small tensors over the ranks (``finish`` divides and writes
+    them back); a future of the collective in flight.
 
-    Gathered and summed here in rank order rather than allreduced: a ring allreduce sums each
-    element in an order set by where it sits in the buffer, and DDP lays its buckets out again
-    after the first step (and a resumed job starts from the first layout), so at 3 ranks and more
-    the same gradients could average to results a bit apart, and resume would not be bitwise.
-    These tensors are small (below ``min_numel``): the gather's extra bytes do not count."""
+    Summed in rank order rather than by an allreduce: a ring allreduce sums each element in an
+    order set by where it sits in the buffer, and DDP lays its buckets out again after the first
+    step (and a resumed job starts from the first layout), so at 3 ranks and more the same
+    gradients could average to results a bit apart, and resume would not be bitwise.
+    Two ranks gather each other's tensors: the bytes of an allreduce. With more, a gather would
+    bring in P-1 copies, so each rank sums one chunk of every rank's tensors, in rank order (an
+    all-to-all, waited for here so that the next collective, too, starts from the hook in bucket
+    order), and the summed chunks are gathered: 2 (P-1)/P of their bytes, as an allreduce."""
     copy_all([layout.dense_buffer[a:b] for a, b in _edges([layout.spans[i][1] for i in layout.dense])],
              layout.segments(buffer, layout.dense))
     state._stats["bytes_sent"] += layout.dense_numel * buffer.element_size()
     state._stats["elements_selected"] += layout.dense_numel
-    if state.world_size == 1:
+    world, group, n = state.world_size, state.process_group, layout.dense_numel
+    if world == 1:
         done = torch.futures.Future()
         done.set_result(layout.dense_buffer)
         return done
-    gathered = layout.dense_gathered(state.world_size)
-    return all_gather(gathered, layout.dense_buffer, state.process_group, async_op=True).get_future()
+    if world == 2:
+        gathered = layout.dense_scratch("gathered", world * n)
+        return all_gather(gathered, layout.dense_buffer, group, async_op=True).get_future()
+    chunk = -(-n // world)
+    send = layout.dense_scratch("send", world * chunk)
+    send[:n].copy_(layout.dense_buffer)
+    send[n:].zero_()
+    received = layout.dense_scratch("received", world * chunk)
+    dist.all_to_all_single(received, send, group=group)
+    rows = received.view(world, chunk)  # every rank's copy of this rank's chunk, in rank order
+    mine = layout.dense_scratch("chunk", chunk).copy_(rows[0])
+    for row in rows[1:]:
+        mine.add_(row)
+    gathered = layout.dense_scratch("gathered", world * chunk)
+    return all_gather(gathered, mine, group, async_op=True).get_future()
 
 
 def finish(buffer, layout, world):
-    """The bucket's result: the dense part's average, summed in rank order, written back; the
-    sparse part was decoded in place by its own callback."""
+    """The bucket's result: the small tensors' sum (``average_dense``) divided and written
+    back; the sparse part was decoded in place by its own callback."""
     if layout.dense:
-        total = layout.dense_buffer  # one rank: already its own average
+        total, n = layout.dense_buffer, layout.dense_numel  # one rank: already its own average
+        if world == 2:
+            rows = layout.dense_scratch("gathered", world * n).view(world, n)
+            total.copy_(rows[0]).add_(rows[1])
+        elif world > 2:  # the summed chunks, gathered
+            total.copy_(layout.dense_scratch("gathered", world * -(-n // world))[:n])
         if world > 1:
-            rows = layout.dense_gathered(world).view(world, -1)
-            total.copy_(rows[0])
-            for row in rows[1:]:
-                total.add_(row)
             total.div_(world)
         copy_all(layout.segments(buffer, layout.dense),
                  [total[a:b] for a, b in _edges([layout.spans[i][1] for i in layout.dense])])
