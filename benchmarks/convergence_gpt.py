@@ -162,6 +162,14 @@ CONFIGS = {
     "roll-3%-lr1e-2-fp16v": ("hvd_topk exchange='rolling' at 3% (every 33rd entry, values only, 16-bit), "
                              "LocalAdamW recipe, dense start, lr 1e-2 (about the bytes of Top-K 1%)",
                              [*ROLL, "--density", "0.03", *START, "--lr", "1e-2", "--fp16-values"]),
+    "gv-0.1%-lr2e-2-fp16v": ("hvd_topk 0.1%, the recipe at lr 2e-2, 16-bit values (each entry arrives ~1000 steps late)",
+                             [*GV, "--density", "0.001", *START, "--lr", "2e-2", "--fp16-values"]),
+    "gv-0.1%-lr1e-2-fp16v-start300": ("hvd_topk 0.1%, the recipe at lr 1e-2, 16-bit values, the dense start over 300 steps",
+                                      [*GV, "--density", "0.001", "--warmup-steps", "300", "--warmup-density", "1.0",
+                                       "--lr", "1e-2", "--fp16-values"]),
+    "gv-0.1%-lr1e-2-fp16v-decay0.999": ("hvd_topk 0.1%, the recipe at lr 1e-2, 16-bit values, residual_decay=0.999",
+                                        [*GV, "--density", "0.001", *START, "--lr", "1e-2", "--fp16-values",
+                                         "--residual-decay", "0.999"]),
     "gv-1%-bf16": ("hvd_topk 1%, the gv-1% recipe under bf16 autocast", [*GV, "--density", "0.01", *START,
                                                                          "--amp", "bf16"]),
 }
