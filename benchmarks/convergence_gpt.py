@@ -40,7 +40,6 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "pytorch_gpt.py"
 EF = ["--optimizer", "topk-ef", "--exchange", "allgather"]  # the exchange pinned: auto may go dense
 GV = [*EF, "--adam", "local"]  # LocalAdamW's defaults since 2026-11-25: lr in the residual, global variance
-ROLL = ["--optimizer", "topk-ef", "--exchange", "rolling", "--adam", "local"]  # the rolling mask, the same LocalAdamW
 OLD = ["--no-lr-in-residual", "--no-global-variance"]  # LocalAdamW as it was before (the rows measured then)
 START = ["--warmup-steps", "100", "--warmup-density", "1.0"]  # the dense start
 CONFIGS = {
@@ -156,12 +155,6 @@ CONFIGS = {
     "gv-1%-lr1e-2-fp16v-decay0.995": ("hvd_topk 1%, the recommended scheme with residual_decay=0.995 (old unsent work fades)",
                                       [*GV, "--density", "0.01", *START, "--lr", "1e-2", "--fp16-values",
                                        "--residual-decay", "0.995"]),
-    "roll-0.3%-lr1e-2-fp16v": ("hvd_topk exchange='rolling' at 0.3% (every 333rd entry, values only, 16-bit), "
-                               "LocalAdamW recipe, dense start, lr 1e-2 (about the bytes of Top-K 0.1%)",
-                               [*ROLL, "--density", "0.003", *START, "--lr", "1e-2", "--fp16-values"]),
-    "roll-3%-lr1e-2-fp16v": ("hvd_topk exchange='rolling' at 3% (every 33rd entry, values only, 16-bit), "
-                             "LocalAdamW recipe, dense start, lr 1e-2 (about the bytes of Top-K 1%)",
-                             [*ROLL, "--density", "0.03", *START, "--lr", "1e-2", "--fp16-values"]),
     "gv-0.1%-lr2e-2-fp16v": ("hvd_topk 0.1%, the recipe at lr 2e-2, 16-bit values (each entry arrives ~1000 steps late)",
                              [*GV, "--density", "0.001", *START, "--lr", "2e-2", "--fp16-values"]),
     "gv-0.1%-lr1e-2-fp16v-start300": ("hvd_topk 0.1%, the recipe at lr 1e-2, 16-bit values, the dense start over 300 steps",

@@ -41,7 +41,6 @@ class BucketStep:
     encode: object        # codec.SegmentEncoder: select each tensor as it is folded in (or None)
     # the plan's segments this rank selects: all (None); its part's (the sparse allreduce); none
     led: range = None
-    positions: slice = None  # the rolling mask's (``exchange.RollingAllreduce``): known to every rank
     nonfinite: list = dataclasses.field(default_factory=list)  # selected segments that held inf/nan
     nonfinite_folds: list = dataclasses.field(default_factory=list)  # unselected members that did
     unchecked: bool = False  # a fold that did not check for inf/nan (outside what this rank selects)

@@ -31,14 +31,6 @@ def sparse_allreduce(world, numel, count, value_bytes, index_bytes, dense_bytes)
     return (world - 1) / world * (count * index_bytes + 2.0 * (count + 1) * value_bytes)
 
 
-def rolling(world, numel, count, value_bytes, index_bytes, dense_bytes):
-    """The rolling mask: ``count`` values at positions every rank knows (no indices) and one
-    non-finite flag, ring-allreduced: ``2 (P-1)/P (k+1) b_v``."""
-    if world <= 1:
-        return 0.0
-    return 2.0 * (world - 1) / world * (count + 1) * value_bytes
-
-
 def cheapest(strategies, world, numel, count, value_bytes, index_bytes, dense_bytes):
     """The strategy (anything with a ``wire_bytes`` of the signature above) moving the fewest
     bytes into each rank (the first listed on a tie)."""

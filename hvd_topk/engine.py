@@ -220,7 +220,7 @@ class TopKEngine:
         selects each segment as soon as its gradient arrives, in the fold's own pass
         (otherwise the whole buffer is selected once the bucket is complete)."""
         current = bucket.current = self.planner.bucket_step(bucket, self.step, self.family, self.world, self.rank)
-        if current.strategy.sparse and current.plan is not None:  # pairs (the rolling mask has none)
+        if current.strategy.sparse:
             current.message = bucket.message(current.plan.layout.nbytes)
             if current.selects and current.plan.scope == "tensor" and native_ok(bucket.buffer()) \
                     and not current.hierarchical:

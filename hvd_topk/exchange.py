@@ -16,8 +16,6 @@ strategy                what moves                                              
 ``AllgatherPairs``      every rank receives every other rank's k pairs          ``(P-1) k (b_v + b_i)``
 ``SparseAllreduce``     each rank's part of the k indices allgathered, then an  ``(P-1)/P k b_i + 2 (P-1)/P (k+1) b_v``
                         allreduce of every rank's values at those indices
-``RollingAllreduce``    every rank's values at the rolling mask's k positions,  ``2 (P-1)/P (k+1) b_v``
-                        known to all (no indices), allreduced
 ======================  ======================================================  ==============================
 
 ``SparseAllreduce`` is ScaleCom's cyclic local top-k (CLT-k, Chen et al., NeurIPS 2020), with
@@ -31,12 +29,6 @@ rank's bytes at P=8, issue 27), and they stay below ``k (b_i + 2 b_v)`` whatever
 allgather's grow as P-1), at the price of a second, dependent collective and of one rank's
 choice of positions per part (error feedback keeps what each rank did not send; on correlated
 gradients one rank's top-k is close to everyone's, and each part's choosing rank rotates).
-
-``RollingAllreduce`` is not Top-K: it sends every ``1/density``-th entry of the bucket, the
-window moving by one entry each step, so that every entry is synchronised exactly once every
-``1/density`` steps (CocktailSGD's bounded delay, Wang et al. 2023, without its random draw and
-its top-k inside the mask). It is a different compressor, not a cheaper way to move Top-K's
-pairs, so ``exchange="auto"`` never picks it: ask for it with ``exchange="rolling"``.
 
 Sparse pays while ``density < 2 b_dense / (P (b_v + b_i))`` for the allgather (50% at P=2,
 12.5% at P=8, 1.6% at P=64 for fp32 values and int32 indices; ``sparse_break_even``), and up
@@ -169,37 +161,6 @@ class SparseAllreduce:
         hvd.synchronize(handle)
 
 
-def rolling_positions(numel, density, step, bucket_index):
-    """The rolling mask's positions in a bucket of ``numel`` entries at ``density``: a slice,
-    every ``stride = round(1/density)``-th entry from ``(step + bucket_index) mod stride`` (the
-    bucket's index spreads the buckets' phases). Entry i is sent at the steps with
-    ``(step + bucket_index) mod stride == i mod stride``: once every ``stride`` steps."""
-    stride = max(1, round(1.0 / density))
-    return slice((step + bucket_index) % stride, numel, stride)
-
-
-class RollingAllreduce:
-    """The rolling mask: every rank's accumulator values at the step's positions
-    (``positions``, the same on every rank, so no index travels) and a non-finite flag slot,
-    summed by one allreduce (the engine divides when it writes the result)."""
-
-    name = "rolling"
-    sparse = True
-
-    positions = staticmethod(rolling_positions)
-
-    wire_bytes = staticmethod(costs.rolling)
-
-    @staticmethod
-    def start(values, name, process_set):
-        return hvd.allreduce_async_(values, name=name, op=hvd.Sum, process_set=process_set)
-
-    @staticmethod
-    def finish(handle):
-        """The summed values (the tensor given to ``start``)."""
-        return hvd.synchronize(handle)
-
-
 class ActiveRanks:
     """How many ranks of a process set take part in this round, learnt without waiting.
 
@@ -231,8 +192,7 @@ class ActiveRanks:
         self.handle, self.count = None, None
 
 
-BY_NAME = {s.name: s for s in (DenseAllreduce, DenseAllreduceFp16, AllgatherPairs, SparseAllreduce,
-                               RollingAllreduce)}
+BY_NAME = {s.name: s for s in (DenseAllreduce, DenseAllreduceFp16, AllgatherPairs, SparseAllreduce)}
 CHOICES = ("auto", *BY_NAME)
 
 

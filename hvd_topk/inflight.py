@@ -61,8 +61,6 @@ def start(ctx, bucket, strategy, name):
         return HierarchicalExchange(ctx, bucket, strategy, name)
     if strategy is exchange.SparseAllreduce:
         return SparseAllreduceExchange(ctx, bucket, strategy, name)
-    if strategy is exchange.RollingAllreduce:
-        return RollingExchange(ctx, bucket, strategy, name)
     return AllgatherExchange(ctx, bucket, strategy, name)
 
 
@@ -199,42 +197,26 @@ def gather_values(ctx, bucket, current, plan, residual):
     values = bucket.scratch("values", k + 1, allreduce_dtype(layout.value_dtype))
     mine = plan.slot_range(current.led)
     values[mine[0]:mine[1]].copy_(sent[mine[0]:mine[1]])
-    bad = held_nonfinite(current, residual)
+    chosen = current.nonfinite
+    bad = bool(chosen) if isinstance(chosen, list) else chosen.any()
+    bad = bad | bool(current.nonfinite_folds)
+    if current.unchecked:
+        bad = ~torch.isfinite(residual).all() | bad  # a device tensor: no host sync
     for lo, hi in ((0, mine[0]), (mine[1], k)):  # the other ranks' parts
         if hi > lo:
             ctx.codec.take(residual, indices[lo:hi], values[lo:hi], zero=ctx.error_feedback)
             if ctx.error_feedback:
                 bucket.forget_sent(indices[lo:hi])
-    wipe_and_flag(ctx, bucket, current, residual, bad, values[k:])
-    return values
-
-
-def held_nonfinite(current, residual):
-    """Whether this rank's accumulator held inf/nan this step: what the selection and the
-    checking folds noted, and where a fold did not check, ``residual`` itself (then a 0-d
-    device tensor: no host synchronisation)."""
-    chosen = current.nonfinite
-    bad = bool(chosen) if isinstance(chosen, list) else chosen.any()
-    bad = bad | bool(current.nonfinite_folds)
-    if current.unchecked:
-        bad = ~torch.isfinite(residual).all() | bad
-    return bad
-
-
-def wipe_and_flag(ctx, bucket, current, residual, bad, flag):
-    """After a rank sent its values at positions it did not choose (``held_nonfinite``'s
-    ``bad``): with error feedback the residual starts again from zero where it held inf/nan;
-    ``flag`` (the last value slot) becomes NaN if it did, 0 otherwise, so that the sum carries
-    it to every rank."""
     if ctx.error_feedback:
         # checking folds noted the members that held inf/nan; otherwise one device flag
         wipe = bad if current.unchecked else current.nonfinite_folds
         flats = (residual, bucket.momentum) if current.unchecked else None
         count_resets(ctx.stats, bucket.wipe(wipe, bucket.bounds.tolist(), flats))
     if torch.is_tensor(bad):
-        flag.copy_(torch.where(bad, float("nan"), 0.0))
+        values[k:].copy_(torch.where(bad, float("nan"), 0.0))
     else:
-        flag.fill_(float("nan") if bad else 0.0)
+        values[k] = float("nan") if bad else 0.0
+    return values
 
 
 def sparse_allreduce_result(bucket, handle, plan, message):
@@ -247,51 +229,6 @@ def sparse_allreduce_result(bucket, handle, plan, message):
     sent, _ = plan.layout.views(message)
     sent.copy_(values[:k])
     return message
-
-
-class RollingExchange:
-    """The rolling mask (``exchange.RollingAllreduce``): every rank's accumulator at the step's
-    positions and a non-finite flag slot, summed by one allreduce; the result is written at
-    those positions, zero elsewhere. Nothing is selected: the hooks only folded."""
-
-    stage = "allreduce"
-
-    def __init__(self, ctx, bucket, strategy, name):
-        t0 = time.perf_counter()
-        self.ctx, self.strategy = ctx, strategy
-        current = bucket.current
-        self.positions = positions = current.positions
-        chosen = bucket.acc[positions]  # a strided view
-        self.count = count = chosen.numel()
-        # the longest any phase needs, so that the buffer is reused from step to step
-        longest = -(-bucket.numel // positions.step) + 1
-        dtype = allreduce_dtype(ctx.codec.value_dtype(bucket.dtype))
-        values = self.values = bucket.scratch("values", longest, dtype)[:count + 1]
-        values[:count].copy_(chosen)
-        bad = held_nonfinite(current, bucket.acc)
-        if ctx.error_feedback:
-            chosen.zero_()
-            if bucket.momentum is not None:
-                bucket.momentum[positions].zero_()  # DGC's momentum factor masking
-        wipe_and_flag(ctx, bucket, current, bucket.acc, bad, values[count:])
-        ctx.stats.add(time_selection_s=time.perf_counter() - t0, tensors_sparse=len(bucket.members),
-                      elements_selected=count, bytes_sent=(count + 1) * values.element_size())
-        self.handle = strategy.start(values, name, ctx.process_set)
-
-    def advance(self, wait=False):
-        return False
-
-    def decode_into(self, bucket):
-        t0 = time.perf_counter()
-        values, count = self.strategy.finish(self.handle), self.count
-        values[:count].add_(values[count:] * 0)  # 0 when every rank was finite, NaN otherwise
-        full = bucket.scratch("rolling_result", bucket.numel, bucket.dtype).zero_()
-        sent = full[self.positions]
-        sent.copy_(values[:count])
-        if self.ctx.div != 1.0:
-            sent.div_(self.ctx.div)
-        bucket.write_grads(full)
-        self.ctx.stats.add(time_exchange_s=time.perf_counter() - t0)
 
 
 class HierarchicalExchange:

@@ -33,11 +33,7 @@ class Options:
       that may be dense, which is the point (never slower than not compressing). Force one with
       ``"allgather"`` (every rank's pairs; bytes grow with P), ``"sparse_allreduce"`` (each rank
       chooses one part's positions, values allreduced; bytes grow as (P-1)/P: the one for many ranks),
-      ``"dense"`` or ``"dense_fp16"``. ``"rolling"`` is not Top-K but a rolling mask (never
-      picked by ``"auto"``): every ``1/density``-th entry of each bucket, shifted by one each
-      step, so each entry is synchronised exactly every ``1/density`` steps; only values travel
-      (one allreduce), so at the bytes of Top-K's pairs it sends 2-3x as many entries (P=2),
-      and more as P grows. ``exchange_recheck_steps`` re-runs the trial that often
+      ``"dense"`` or ``"dense_fp16"``. ``exchange_recheck_steps`` re-runs the trial that often
       (0: only when the world size changes). Pin one for quality experiments on a single
       host, where ``"auto"`` may rightly pick dense and the run then tests no compression.
     - ``dense_fallback`` sends a bucket dense when a ring allreduce would move fewer bytes than
@@ -89,8 +85,6 @@ class Options:
         if isinstance(self.hierarchical, numbers.Number) and not isinstance(self.hierarchical, bool):
             raise ValueError(f"hierarchical must be 'auto', True or False, got {self.hierarchical!r}")
         check_choice(self.hierarchical, "hierarchical", HIERARCHICAL, "'auto', True or False")
-        if self.exchange == exchange.RollingAllreduce.name and self.hierarchical is True:
-            raise ValueError("exchange='rolling' runs flat: it cannot be hierarchical=True")
 
 
 def check_choice(value, name, choices, spelled=None):

@@ -98,8 +98,6 @@ class ExchangePlanner:
         sparse allreduce its part's; none for a dense exchange). The engine adds the send
         buffer and the encoder."""
         density = self.schedule.density(step)
-        if bucket.sparse and family == exchange.RollingAllreduce.name:
-            return self.rolling_step(bucket, density, step)
         codec_plan = self.codec_plan(bucket, density, family, world) if bucket.sparse else None
         strategy = self.strategy(family, bucket, codec_plan, world)
         hierarchical = strategy.sparse and self.hierarchical(family) and self.hier is not None
@@ -109,15 +107,6 @@ class ExchangePlanner:
         elif strategy is exchange.SparseAllreduce and not hierarchical:
             led = codec_plan.part_segments(exchange.SparseAllreduce.part(rank, step, bucket.index, world))
         return BucketStep(codec_plan, strategy, None, None, led, hierarchical=hierarchical)
-
-    def rolling_step(self, bucket, density, step):
-        """``exchange="rolling"``: no codec plan, no selection in the hooks (they only fold), the
-        step's positions; every entry sent (a stride of 1, the dense start) goes dense."""
-        positions = exchange.RollingAllreduce.positions(bucket.numel, density, step, bucket.index)
-        if positions.step == 1:
-            dense = exchange.DenseAllreduceFp16 if self.codec.fp16_values else exchange.DenseAllreduce
-            return BucketStep(None, dense, None, None, range(0))
-        return BucketStep(None, exchange.RollingAllreduce, None, None, range(0), positions=positions)
 
     def strategy(self, family, bucket, codec_plan, world):
         """The strategy ``bucket`` uses under ``family``."""

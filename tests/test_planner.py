@@ -109,26 +109,3 @@ def test_describe_says_why_before_any_trial():
     assert plan.describe(1)["exchange_reason"] == "one rank: nothing to exchange"
     assert plan.describe(2)["exchange_reason"] == "density warm-up: fewest bytes"
     assert planner(exchange="dense")[0].describe(2) == {"exchange": "dense"}
-
-
-def test_rolling_mask_positions_and_bytes():
-    """exchange="rolling" at 1%: the weight's bucket (N = 10,000) sends every 100th entry from
-    (step + bucket index) mod 100, 100 values whichever the phase, nothing selected in the hooks,
-    no codec plan; 2 (P-1)/P (k+1) b_v = 2 * 1/2 * 101 * 4 = 404 bytes at P=2 (Top-K's allgather:
-    800); a dense start (density 1: a stride of 1) goes dense, in 16 bits with fp16 values."""
-    plan, (sparse, _) = planner(exchange="rolling", warmup_steps=2, warmup_density=1.0)
-    assert plan.family(5, 2) == "rolling"
-    current = plan.bucket_step(sparse, 5, "rolling", 2, 0)
-    assert current.strategy is exchange.RollingAllreduce and current.plan is None and not current.selects
-    assert current.positions == slice((5 + sparse.index) % 100, N, 100)
-    assert len(range(N)[current.positions]) == 100
-    assert exchange.RollingAllreduce.wire_bytes(2, N, 100, 4, 4, 4) == 404
-    assert plan.bucket_step(sparse, 0, "rolling", 2, 0).strategy is exchange.DenseAllreduce
-    fp16, (sparse16, _) = planner(exchange="rolling", warmup_steps=2, warmup_density=1.0,
-                                  codec=Codec(fp16_values=True))
-    assert fp16.bucket_step(sparse16, 0, "rolling", 2, 0).strategy is exchange.DenseAllreduceFp16
-
-
-def test_rolling_is_never_hierarchical():
-    with pytest.raises(ValueError, match="rolling"):
-        Options(exchange="rolling", hierarchical=True)

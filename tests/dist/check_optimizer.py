@@ -60,8 +60,6 @@ def want_sparse(ref, big, grads, density, step, buckets=ONE_BUCKET, exchange="al
         names = [n for n in big[::-1] if buckets[n] == b]
         if exchange == "sparse_allreduce":
             out.update(ref.sparse_allreduce_bucket(names, grads, density, step, b, scope, average, sent))
-        elif exchange == "rolling":
-            out.update(ref.rolling_bucket(names, grads, density, step, b, average))
         elif scope == "bucket":
             out.update(ref.sparse_bucket(names, grads, density, average, sent))
         else:
@@ -131,12 +129,6 @@ def check_contract(label, steps=4, density=0.05, momentum_correction=0.0, error_
                                                               if buckets[n] == bucket]), size,
                                              options.get("selection_scope", "tensor"))]
         want_selected = sum(k_of(n, dgc_density(s, density, warmup_steps)) for s in range(steps) for n in pieces)
-    elif options.get("exchange") == "rolling":  # every stride-th entry of each bucket, from its phase
-        numels = [sum(p.numel() for n, p in model.named_parameters() if buckets.get(n) == b)
-                  for b in sorted(set(buckets.values()))]
-        strides = [max(1, round(1 / dgc_density(s, density, warmup_steps))) for s in range(steps)]
-        want_selected = sum(len(range((s + b) % strides[s], n, strides[s]))
-                            for s in range(steps) for b, n in enumerate(numels))
     elif bucket_scope:
         want_selected = sum(k_of(sum(sizes), dgc_density(s, density, warmup_steps)) for s in range(steps))
     else:
@@ -250,15 +242,15 @@ def train(model, opt, steps, start=0):
     harness.train(model, opt, steps, batch, start)
 
 
-def check_checkpoint_resume(**options):
+def check_checkpoint_resume():
     """Save at step 3 (one state per rank), resume in fresh objects: bitwise equal at step 7."""
-    model, opt = build(min_numel=500, warmup_steps=4, **options)
+    model, opt = build(min_numel=500, warmup_steps=4)
     train(model, opt, 7)
-    model_b, opt_b = build(min_numel=500, warmup_steps=4, **options)
+    model_b, opt_b = build(min_numel=500, warmup_steps=4)
     train(model_b, opt_b, 3)
     saved = copy.deepcopy({"model": model_b.state_dict(), "opt": opt_b.state_dict()})
     assert saved["opt"]["hvd_topk"]["step"] == 3
-    model_c, opt_c = build(min_numel=500, warmup_steps=4, seed=123, **options)  # different init on purpose
+    model_c, opt_c = build(min_numel=500, warmup_steps=4, seed=123)  # different init on purpose
     model_c.load_state_dict(saved["model"])
     opt_c.load_state_dict(saved["opt"])
     train(model_c, opt_c, 4, start=3)
@@ -463,14 +455,12 @@ def check_inner_resume(make_inner, changed, **options):
     """The inner optimizer's state and the residuals saved at step 3 (one state per rank) and
     loaded into fresh objects, with param-group settings ``changed`` before the save (which the
     checkpoint must carry): bitwise equal at step 6 to the run that never stopped."""
-    options.setdefault("exchange", "allgather")
-
     def build_inner(seed=0):
         torch.manual_seed(seed)
         model = Net()
         return model, hvd_topk.DistributedOptimizer(make_inner(model.parameters()),
                                                     named_parameters=model.named_parameters(),
-                                                    min_numel=500,
+                                                    exchange="allgather", min_numel=500,
                                                     compression=hvd_topk.TopK(density=0.05), **options)
 
     def change(opt):

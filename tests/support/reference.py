@@ -82,15 +82,6 @@ class ErrorFeedbackReference:
         keep = np.concatenate(chosen) if chosen else np.zeros(0, dtype=np.int64)
         return self._exchange(names, grads, accs, us, edges, [keep] * self.ranks, average)
 
-    def rolling_bucket(self, names, grads, density, step, bucket, average=True):
-        """The rolling mask's results for one bucket holding ``names`` (in their order in the
-        bucket): with stride s = round(1/density) (at least 1), every rank sends its acc at the
-        positions i of the tensors laid end to end with i mod s == (step + bucket) mod s."""
-        accs, us, edges = self._accumulate(names, grads)
-        stride = max(1, int(round(1.0 / density)))
-        keep = np.arange((step + bucket) % stride, edges[-1], stride)
-        return self._exchange(names, grads, accs, us, edges, [keep] * self.ranks, average)
-
     def _accumulate(self, names, grads):
         """Every rank's accumulator over ``names`` laid end to end (and DGC's u), and the edges."""
         sizes = [grads[n][0].size for n in names]
