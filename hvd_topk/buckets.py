@@ -291,7 +291,7 @@ class Bucket:
         values, indices = plan.layout.views(message)
         if values.dtype != self.dtype:
             values = plan.value_scratch(self.dtype)
-        lo, hi = plan.slot_range(led if led is not None else range(len(plan.sizes)))
+        lo, hi = plan.slot_range(led)
         self.acc.index_copy_(0, indices[lo:hi].long(), values[lo:hi])
 
     def wipe(self, bad, edges, flats=None):

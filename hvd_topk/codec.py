@@ -81,8 +81,10 @@ class Plan:
         return [self.slot_range(self.part_segments(rotating_part(r, step, bucket_index, self.parts)))
                 for r in range(self.parts)]
 
-    def slot_range(self, segments):
-        """``(first, end)`` message slots of a ``range`` of segments."""
+    def slot_range(self, segments=None):
+        """``(first, end)`` message slots of a ``range`` of segments (None: all of them)."""
+        if segments is None:
+            return 0, self.slots[-1]
         return self.slots[segments.start], self.slots[segments.stop]
 
     def value_scratch(self, dtype):

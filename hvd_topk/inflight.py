@@ -125,7 +125,7 @@ class _FlatSparse:
         if current.selects:
             current.nonfinite = encoded.nonfinite
             if ef:
-                lo, hi = plan.slot_range(range(len(plan.sizes)) if current.led is None else current.led)
+                lo, hi = plan.slot_range(current.led)
                 bucket.forget_sent(plan.layout.views(message)[1][lo:hi])
                 count_resets(ctx.stats, bucket.wipe(encoded.nonfinite, plan.starts))
         ctx.stats.add(time_selection_s=time.perf_counter() - t0 + current.seconds,

@@ -25,7 +25,7 @@ import horovod.torch as hvd
 import hvd_topk
 from check_optimizer import Net, batch
 from harness import assert_same_on_all_ranks, gather, raw_gradients, raw_then_synchronize, run, step_and_check_same
-from reference import k_of
+from reference import k_of, part_pieces, split_edges
 
 MIN_NUMEL = 500
 DENSITY = 0.05
@@ -36,14 +36,6 @@ def places():
     return [tuple(p) for p in gather(np.array([hvd.cross_rank(), hvd.local_rank()]))]
 
 
-def split(n, parts):
-    base, extra = divmod(n, parts)
-    edges = [0]
-    for p in range(parts):
-        edges.append(edges[-1] + base + (1 if p < extra else 0))
-    return edges
-
-
 class HierarchicalReference:
     """The hierarchical contract for one bucket laid out as ``names`` (reverse registration)."""
 
@@ -52,7 +44,7 @@ class HierarchicalReference:
         self.hosts = sorted({c for c, _ in where})
         self.L = len({lr for _, lr in where})
         self.n = sum(sizes)
-        self.edges = split(self.n, self.L)
+        self.edges = split_edges(self.n, self.L)
         self.residual = {r: None for r in range(len(where))}
         bounds = np.cumsum([0] + sizes)
         self.bounds = bounds
@@ -86,17 +78,10 @@ class HierarchicalReference:
             group = sorted(r for r in range(P) if self.where[r][1] == lr)  # cross set, rank order
             lo, hi = self.edges[lr], self.edges[lr + 1]
             if self.exchange == "sparse_allreduce":  # bucket 0: part j chosen by group[(j + step) mod C]
-                C, n = len(group), hi - lo
-                cuts = [0]
-                for j in range(C):
-                    cuts.append(cuts[-1] + n // C + (1 if j < n % C else 0))
-                chosen = []
-                for j in range(C):
-                    chooser = group[(j + step) % C]
-                    for a, b in self.pieces(lo + cuts[j], lo + cuts[j + 1]):
-                        a, b = a + cuts[j], b + cuts[j]
-                        top = np.argsort(-np.abs(acc[chooser][a:b]), kind="stable")[:k_of(b - a, shard_density)]
-                        chosen.append(a + top)
+                C = len(group)
+                tensor_edges = [0, *[b - lo for b in self.bounds if lo < b < hi], hi - lo]  # within the shard
+                chosen = [a + np.argsort(-np.abs(acc[group[(j + step) % C]][a:b]), kind="stable")[:k_of(b - a, shard_density)]
+                          for j, a, b in part_pieces(tensor_edges, C, self.scope)]
                 keep = {r: np.concatenate(chosen) for r in group}
             for r in group:
                 positions = keep[r]
@@ -221,7 +206,7 @@ def check_auto_with_hierarchical_families():
         mine += np.concatenate([state["residuals"][n].numpy().reshape(-1) for n in big])
     for key, buf in state.get("flat_buffers", {}).items():
         mine += buf.numpy()
-    edges = split(len(balance), hvd.local_size())
+    edges = split_edges(len(balance), hvd.local_size())
     for key, buf in state.get("shards", {}).items():
         mine[edges[hvd.local_rank()]:edges[hvd.local_rank() + 1]] += buf.numpy()
     total = np.sum(gather(mine), axis=0)

@@ -126,15 +126,21 @@ class ErrorFeedbackReference:
         return {n: total[edges[i]:edges[i + 1]].reshape(shapes[n]) for i, n in enumerate(names)}
 
 
+def split_edges(n, parts):
+    """The edges of ``n`` elements cut into ``parts`` as Horovod's reduce-scatter splits them:
+    n // parts each, the first n mod parts one longer."""
+    edges = [0]
+    for j in range(parts):
+        edges.append(edges[-1] + n // parts + (1 if j < n % parts else 0))
+    return edges
+
+
 def part_pieces(edges, parts, scope="tensor"):
     """``(part, start, end)`` of every piece the sparse allreduce selects in a bucket whose
     tensors lie at ``[edges[i], edges[i+1])``: the bucket cut into ``parts`` as Horovod's
     reduce-scatter splits it (n // parts each, the first n mod parts one longer), and with
     tensor scope each part cut again at the tensors' edges."""
-    n = int(edges[-1])
-    cuts = [0]
-    for j in range(parts):
-        cuts.append(cuts[-1] + n // parts + (1 if j < n % parts else 0))
+    cuts = split_edges(int(edges[-1]), parts)
     out = []
     for j in range(parts):
         lo, hi = cuts[j], cuts[j + 1]
