@@ -54,6 +54,7 @@ class BucketLayout:
         kw = dict(dtype=buffer.dtype, device=buffer.device)
         self.acc = torch.zeros(self.numel, **kw)  # the residual (error feedback) or a staging copy
         self.dense_buffer = torch.empty(self.dense_numel, **kw)
+        self._folder = None  # codec.SegmentFolder over acc, made on first use
         self._dense_scratch = {}  # purpose -> buffer for the small tensors' average (average_dense)
         self.error_feedback = error_feedback
         self.plans = {}     # density -> codec plan
@@ -66,6 +67,13 @@ class BucketLayout:
             buf = self._dense_scratch[purpose] = torch.empty(numel, dtype=self.dense_buffer.dtype,
                                                              device=self.dense_buffer.device)
         return buf
+
+    def folder(self, codec):
+        """The residual's prepared per-tensor fold (``codec.SegmentFolder``, which also reports
+        inf/nan), or None where the native kernel cannot take it (a GPU, bf16)."""
+        if self._folder is None and native_ok(self.acc):
+            self._folder = codec.segment_folder(self.acc, self.bounds.tolist())
+        return self._folder
 
     def matches(self, params):
         return [id(p) for p in params] == self.key
@@ -206,6 +214,20 @@ def _fold(state, layout, buffer, plan=None, message=None):
     return None
 
 
+def _fold_checked(state, layout, buffer):
+    """``_fold`` without selecting, for the sparse allreduce: on the CPU native path each
+    gradient is added by ``codec.SegmentFolder``, which reports in the same pass whether the
+    segment now holds inf/nan. Returns those segments' numbers, or None where nothing was
+    checked (then ``_nonfinite_segments`` reads the residual once more)."""
+    folder = layout.folder(state.codec) if state.error_feedback and buffer.dtype == layout.acc.dtype else None
+    if folder is None:
+        _fold(state, layout, buffer)
+        return None
+    if state.residual_decay != 1.0:
+        layout.acc.mul_(state.residual_decay)
+    return [s for s, grad in enumerate(layout.segments(buffer, layout.sparse)) if folder(s, grad)]
+
+
 def choose(state, layout, plan, world, family):
     """``(strategy, its bytes into one rank)`` for the bucket's sparse part under ``family``
     (None: the fewest bytes of all); a sparse family goes dense where that moves fewer bytes."""
@@ -229,9 +251,11 @@ def exchange_sparse(state, layout, index, step, buffer):
     dests = layout.segments(buffer, layout.sparse)
     if strategy is ALLGATHER:
         return _allgather(state, layout, plan, dests, buffer, sample_seed(step, index))
-    _fold(state, layout, buffer)
     if strategy is SPARSE_ALLREDUCE:
-        return _sparse_allreduce(state, layout, layout.plan(state.codec, plan.density, world), index, step, dests)
+        folded_bad = _fold_checked(state, layout, buffer)
+        return _sparse_allreduce(state, layout, layout.plan(state.codec, plan.density, world), index, step, dests,
+                                 folded_bad)
+    _fold(state, layout, buffer)
     if not strategy.sparse:
         # the whole accumulator goes (a dense start): nothing stays behind
         wire = layout.acc if strategy is DENSE else layout.acc.to(torch.float16)
@@ -268,7 +292,7 @@ def _allgather(state, layout, plan, dests, buffer, seed):
     return after(fut, gathered_done, layout.acc.device)
 
 
-def _sparse_allreduce(state, layout, plan, index, step, dests):
+def _sparse_allreduce(state, layout, plan, index, step, dests, folded_bad=None):
     """ScaleCom's cyclic local top-k over torch.distributed, spread (``hvd_topk.exchange``'s
     ``SparseAllreduce``): this rank chooses the positions in its part of the bucket
     (``plan``: one part per rank), the parts' indices are gathered (waited for here, so that no
@@ -305,7 +329,7 @@ def _sparse_allreduce(state, layout, plan, index, step, dests):
     # where one is left; each is wiped (and counted) once
     chosen = set(_flagged(encoded.nonfinite))
     bad = sorted({i for i, segments in enumerate(plan.member_segments) if chosen.intersection(segments)}
-                 | set(_nonfinite_segments(layout)))
+                 | set(folded_bad if folded_bad is not None else _nonfinite_segments(layout)))
     _wipe(state, layout.acc, layout.bounds.tolist(), bad)
     sums[:-1].copy_(values)
     sums[-1] = 1.0 if bad else 0.0
