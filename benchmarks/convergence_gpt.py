@@ -190,6 +190,9 @@ CONFIGS = {
     "gv-0.1%-lr3e-2-fp16v-decay0.98": ("hvd_topk 0.1%, the recipe at lr 3e-2, 16-bit values, residual_decay=0.98",
                                        [*GV, "--density", "0.001", *START, "--lr", "3e-2", "--fp16-values",
                                         "--residual-decay", "0.98"]),
+    "gv-0.1%-lr2e-2-fp16v-decay0.98": ("hvd_topk 0.1%, the recipe at lr 2e-2, 16-bit values, residual_decay=0.98",
+                                       [*GV, "--density", "0.001", *START, "--lr", "2e-2", "--fp16-values",
+                                        "--residual-decay", "0.98"]),
     "gv-1%-bf16": ("hvd_topk 1%, the gv-1% recipe under bf16 autocast", [*GV, "--density", "0.01", *START,
                                                                          "--amp", "bf16"]),
 }
