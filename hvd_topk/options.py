@@ -47,6 +47,8 @@ class Options:
       that waits D steps carries ``sum decay^(D-s) g_s``, so old, stale work fades instead of
       arriving in full long after it was computed. 0.999 forgets little over the ~100 steps an
       entry waits at 1%; 0.99 about two thirds. One extra pass over the residual per step.
+      Measured with ``LocalAdamW`` on a small GPT: at 1% no gain; at 0.1% (an entry waits
+      ~1000 steps) 0.99 with twice the learning rate cut the gap to dense AdamW fourfold.
     - ``fusion_bytes``: the dense-equivalent size of a sparse bucket. Larger buckets mean fewer
       messages; smaller ones start exchanging earlier in backward.
     """
