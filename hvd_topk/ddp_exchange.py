@@ -277,7 +277,7 @@ def _allgather(state, layout, plan, dests, buffer, seed):
     encoded = _fold(state, layout, buffer, plan, message)
     if encoded is None:
         encoded = state.codec.encode(layout.acc, plan, message, zero_sent=state.error_feedback, seed=seed)
-    _wipe(state, layout.acc, layout.bounds.tolist(), encoded.nonfinite)
+    _wipe(state, layout, encoded.nonfinite)
     gathered = layout.message("gathered", plan.layout.nbytes * world)
     state._count(ALLGATHER, bytes_sent=plan.layout.nbytes, elements_selected=plan.count)
     if world == 1:
@@ -330,7 +330,7 @@ def _sparse_allreduce(state, layout, plan, index, step, dests, folded_bad=None):
     chosen = set(_flagged(encoded.nonfinite))
     bad = sorted({i for i, segments in enumerate(plan.member_segments) if chosen.intersection(segments)}
                  | set(folded_bad if folded_bad is not None else _nonfinite_segments(layout)))
-    _wipe(state, layout.acc, layout.bounds.tolist(), bad)
+    _wipe(state, layout, bad)
     sums[:-1].copy_(values)
     sums[-1] = 1.0 if bad else 0.0
     state._count(SPARSE_ALLREDUCE, elements_selected=plan.count,
@@ -359,14 +359,15 @@ def _flagged(bad):
     return bad
 
 
-def _wipe(state, acc, edges, bad):
-    """Residual segments ``[edges[s], edges[s+1])`` of ``acc`` that held inf/nan (``bad``: their
-    numbers) start again from zero (the values still went out)."""
+def _wipe(state, layout, bad):
+    """The residual's tensors that held inf/nan (``bad``: their numbers) start again from zero
+    (the values still went out)."""
     bad = _flagged(bad)
     if not bad or not state.error_feedback:
         return
+    segments = layout.acc_segments()
     for s in bad:
-        acc[edges[s]:edges[s + 1]].zero_()
+        segments[s].zero_()
     state._stats["nonfinite_resets"] += len(bad)
 
 
