@@ -171,6 +171,14 @@ for _lr, _decay in (("1e-2", "0.999"), ("1e-2", "0.997"), ("1e-2", "0.995"), ("1
     CONFIGS[f"gv-0.1%-lr{_lr}-fp16v-decay{_decay}"] = (
         f"hvd_topk 0.1%, the recipe at lr {_lr}, 16-bit values, residual_decay={_decay}",
         [*GV, "--density", "0.001", *START, "--lr", _lr, "--fp16-values", "--residual-decay", _decay])
+# variants of the best 0.1% setting (lr 2e-2, decay 0.99): "gv-0.1%-lr2e-2-fp16v-decay0.99-{VARIANT}"
+for _variant, _what, _args in (
+        ("wd0.05", "weight decay 0.05 (lr x weight decay as dense AdamW's at 1e-2)", ["--weight-decay", "0.05"]),
+        ("wd0", "no weight decay", ["--weight-decay", "0"]),
+        ("bucket", "the selection over each bucket, not each tensor", ["--selection-scope", "bucket"])):
+    CONFIGS[f"gv-0.1%-lr2e-2-fp16v-decay0.99-{_variant}"] = (
+        f"hvd_topk 0.1%, the recipe at lr 2e-2, 16-bit values, residual_decay=0.99, {_what}",
+        [*CONFIGS["gv-0.1%-lr2e-2-fp16v-decay0.99"][1], *_args])
 # torchrun + DDP (examples/ddp_gpt.py, the same model and data): no hook, PowerSGD, hvd_topk's hook
 DDP_EXAMPLE = ROOT / "examples" / "ddp_gpt.py"
 DDP_CONFIGS = {
