@@ -127,6 +127,10 @@ CONFIGS = {
     "dense-lr2e-2": ("Horovod dense fp32, AdamW at lr 2e-2", ["--compression", "none", "--lr", "2e-2"]),
     "dense-lr6e-3": ("Horovod dense fp32, AdamW at lr 6e-3 (2x the example's)", ["--compression", "none", "--lr", "6e-3"]),
     "dense-lr1e-2": ("Horovod dense fp32, AdamW at lr 1e-2", ["--compression", "none", "--lr", "1e-2"]),
+    "dense-lr1e-2-wd0.2": ("Horovod dense fp32, AdamW at lr 1e-2, weight decay 0.2",
+                           ["--compression", "none", "--lr", "1e-2", "--weight-decay", "0.2"]),
+    "dense-lr1e-2-wd0.4": ("Horovod dense fp32, AdamW at lr 1e-2, weight decay 0.4",
+                           ["--compression", "none", "--lr", "1e-2", "--weight-decay", "0.4"]),
     "demo-1%-rms-lr1e-2": ("hvd_topk 1%, DeMo (rms, beta 0.999, lr 1e-2), the same dense start",
                            [*EF, "--adam", "demo", "--demo-normalise", "rms", "--density", "0.01", *START,
                             "--lr", "1e-2"]),
@@ -175,6 +179,8 @@ for _lr, _decay in (("1e-2", "0.999"), ("1e-2", "0.997"), ("1e-2", "0.995"), ("1
 for _variant, _what, _args in (
         ("wd0.05", "weight decay 0.05 (lr x weight decay as dense AdamW's at 1e-2)", ["--weight-decay", "0.05"]),
         ("wd0", "no weight decay", ["--weight-decay", "0"]),
+        ("wd0.2", "weight decay 0.2", ["--weight-decay", "0.2"]),
+        ("wd0.4", "weight decay 0.4", ["--weight-decay", "0.4"]),
         ("bucket", "the selection over each bucket, not each tensor", ["--selection-scope", "bucket"])):
     CONFIGS[f"gv-0.1%-lr2e-2-fp16v-decay0.99-{_variant}"] = (
         f"hvd_topk 0.1%, the recipe at lr 2e-2, 16-bit values, residual_decay=0.99, {_what}",

@@ -18,6 +18,8 @@ others add to it is their exchange overhead. Methods:
 - ``topk``: ``hvd_topk.ddp.TopKState(density=--density)``, DDP's 25 MB buckets; its default
   ``exchange="auto"`` runs its measured trial in extra warm-up steps, so the timed steps use the
   family it chose (named in the table);
+- ``topk-fp16v``: the same with ``fp16_values=True`` (the recommended scheme's 16-bit values: 6
+  bytes a pair instead of 8);
 - ``topk-view``: the same with ``gradient_as_bucket_view=True`` (not DDP's default: the gradients
   are views of the buckets, which saves DDP two copies of the model's gradients per step);
 - ``topk-ag``, ``topk-sar``: the hook with its exchange forced (``exchange="allgather"``,
@@ -51,8 +53,8 @@ sys.path.insert(0, str(HERE))
 
 import _common as common  # noqa: E402
 
-METHODS = ("none", "ddp", "fp16", "powersgd-r1", "powersgd-r2", "powersgd-r4", "topk", "topk-view", "topk-ag",
-           "topk-sar")
+METHODS = ("none", "ddp", "fp16", "powersgd-r1", "powersgd-r2", "powersgd-r4", "topk", "topk-fp16v", "topk-view",
+           "topk-ag", "topk-sar")
 FORCED = {"topk-ag": "allgather", "topk-sar": "sparse_allreduce"}
 PORT = 29511
 
@@ -96,7 +98,8 @@ def worker(args):
                                            start_powerSGD_iter=2)
             runner.register_comm_hook(state, powersgd.powerSGD_hook)
         elif method.startswith("topk"):
-            state = hvd_topk.ddp.TopKState(density=args.density, exchange=FORCED.get(method, "auto"))
+            state = hvd_topk.ddp.TopKState(density=args.density, exchange=FORCED.get(method, "auto"),
+                                           fp16_values=method == "topk-fp16v")
             hvd_topk.ddp.register(runner, state)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     times = []
