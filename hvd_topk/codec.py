@@ -314,14 +314,17 @@ class Codec:
         touched, and zero elsewhere. Same bits on every rank. ``mul`` may be a 0-d tensor (a
         CUDA probe, never read on the host).
 
-        Native: one sequential write over the destinations, chunk by chunk (each rank's
-        ascending pairs added into a zeroed chunk in L1, each value scaled as it is added), no
-        separate zeroing pass. Torch ops: zero, ``index_add_`` rank after rank, then each
+        Native (fp32/fp64 values into tensors of their dtype, or 16-bit values of
+        ``TopK(fp16_values=True)`` into fp32 tensors, each widened exactly as it is added): one
+        sequential write over the destinations, chunk by chunk (each rank's ascending pairs
+        added into a zeroed chunk in L1, each value scaled as it is added), no separate zeroing
+        pass. Torch ops: zero, ``index_add_`` rank after rank, then each
         touched sum scaled once (``scatter_add_ranks`` says why)."""
         values, indices = layout.unpack(gathered, world)
-        if (values.dtype == dests[0].dtype and not torch.is_tensor(mul) and _rows_alike(values, indices)
-                and all(native_ok(d) and d.dtype == values.dtype for d in dests)):
-            fn = getattr(native.library(), _SCATTER[values.dtype])
+        kernel = _SCATTER.get((values.dtype, dests[0].dtype))
+        if (kernel is not None and not torch.is_tensor(mul) and _rows_alike(values, indices)
+                and all(native_ok(d) and d.dtype == dests[0].dtype for d in dests)):
+            fn = getattr(native.library(), kernel)
             pointers = (ctypes.c_void_p * len(dests))(*[d.data_ptr() for d in dests])
             outside = fn(pointers, bounds.data_ptr(), len(dests), indices.data_ptr(), indices.element_size(),
                          values.data_ptr(), values.shape[0], values.shape[1],
@@ -341,7 +344,10 @@ class Codec:
                 d.copy_(flat[b:e])
 
 
-_SCATTER = {torch.float32: "hvdtk_scatter_segments_f32", torch.float64: "hvdtk_scatter_segments_f64"}
+# (values' dtype, the tensors' dtype): the native decode; 16-bit values are widened as added
+_SCATTER = {(torch.float32, torch.float32): "hvdtk_scatter_segments_f32",
+            (torch.float64, torch.float64): "hvdtk_scatter_segments_f64",
+            (torch.float16, torch.float32): "hvdtk_scatter_segments_f16_f32"}
 
 
 def scatter_add_ranks(out, values, indices, div=1.0, mul=1.0):

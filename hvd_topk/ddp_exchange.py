@@ -156,7 +156,7 @@ def average_dense(state, layout, buffer):
     if world == 2:
         gathered = layout.dense_scratch("gathered", world * n)
         return all_gather(gathered, layout.dense_buffer, group, async_op=True).get_future()
-    chunk = -(-n // world)
+    chunk = _chunk(n, world)
     send = layout.dense_scratch("send", world * chunk)
     send[:n].copy_(layout.dense_buffer)
     send[n:].zero_()
@@ -170,6 +170,11 @@ def average_dense(state, layout, buffer):
     return all_gather(gathered, mine, group, async_op=True).get_future()
 
 
+def _chunk(n, world):
+    """The elements each rank sums at 3+ ranks: n split in world chunks, the last zero-padded."""
+    return -(-n // world)
+
+
 def finish(buffer, layout, world):
     """The bucket's result: the small tensors' sum (``average_dense``) divided and written
     back; the sparse part was decoded in place by its own callback."""
@@ -179,7 +184,7 @@ def finish(buffer, layout, world):
             rows = layout.dense_scratch("gathered", world * n).view(world, n)
             total.copy_(rows[0]).add_(rows[1])
         elif world > 2:  # the summed chunks, gathered
-            total.copy_(layout.dense_scratch("gathered", world * -(-n // world))[:n])
+            total.copy_(layout.dense_scratch("gathered", world * _chunk(n, world))[:n])
         if world > 1:
             total.div_(world)
         copy_all(layout.segments(buffer, layout.dense),

@@ -46,6 +46,45 @@ def test_decode_adds_ranks_in_order_into_each_tensor(path, dtype, div, mul, worl
     np.testing.assert_allclose(torch.cat(dests).double().numpy(), want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("path", [pytest.param("native", marks=needs_native), "torch"])
+@pytest.mark.parametrize("world", [1, 3])
+def test_decode_of_16_bit_values_into_fp32_tensors(path, world):
+    """TopK(fp16_values=True): half values, fp32 tensors (the native kernel widens each value as
+    it adds it). Overlapping rank-ordered pairs into three tensors across the 4096-entry chunks,
+    averaged: against numpy's float16 -> float64 sums."""
+    k, sizes = 3000, [150, 7, 9000]
+    values, indices = _ranked_pairs(world, k, sum(sizes), torch.float16, seed=11)
+    layout = wire.Layout(k, torch.float16, torch.int32)
+    gathered = torch.cat([layout.pack(values[r], indices[r]) for r in range(world)])
+    dests = [torch.full((s,), float("nan")) for s in sizes]
+    if path == "torch":  # strided destinations are not native-eligible
+        dests = [torch.full((2 * s,), float("nan"))[::2] for s in sizes]
+    codec.Codec.decode(gathered, layout, world, dests, torch.tensor([0, 150, 157, 9157]), div=world)
+    want = np.zeros(sum(sizes))
+    for r in range(world):
+        np.add.at(want, indices[r].numpy(), values[r].numpy().astype(np.float64))
+    # the native kernel scales each value before adding (one rounding per term, where ranks
+    # cancel): within a few fp32 ulps of the largest term, not of the sum
+    atol = 2 ** -21 * float(values.abs().max())
+    np.testing.assert_allclose(torch.cat(dests).double().numpy(), want / world, rtol=1e-6, atol=atol)
+
+
+@pytest.mark.parametrize("path", [pytest.param("native", marks=needs_native), "torch"])
+def test_decode_widens_every_16_bit_value_exactly(path):
+    """All 65536 half bit patterns (subnormals, +-0, inf, nan) at their own positions of an fp32
+    tensor, one rank, no scaling: each lands as numpy's float32 of it (a zero as +0: it is added
+    to the zeroed tensor)."""
+    bits = np.arange(65536, dtype=np.uint16)
+    values = torch.from_numpy(bits.view(np.float16).copy())
+    layout = wire.Layout(65536, torch.float16, torch.int32)
+    gathered = layout.pack(values, torch.arange(65536, dtype=torch.int32))
+    dest = torch.full((65536,), 7.0) if path == "native" else torch.full((2 * 65536,), 7.0)[::2]
+    codec.Codec.decode(gathered, layout, 1, [dest], torch.tensor([0, 65536]))
+    want = np.float32(0) + bits.view(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(dest.numpy(), want)
+    assert np.isnan(dest.numpy()).sum() == 2 * 1023 and np.isinf(dest.numpy()).sum() == 2
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decode_of_16_bit_values_that_nearly_cancel_keeps_their_sum(dtype):
     """Three ranks' values whose sum is small beside each of them, averaged (div=3): every

@@ -21,7 +21,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("topk.cpp")
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 _lock = threading.Lock()
 _lib = None
@@ -69,7 +69,7 @@ def _declare(lib):
         fn.argtypes = [p, i64, p, p, p, i32, p, i32, i32, u64, p, p]
         fn.restype = i64
     f64 = ctypes.c_double
-    for name in ("hvdtk_scatter_segments_f32", "hvdtk_scatter_segments_f64"):
+    for name in ("hvdtk_scatter_segments_f32", "hvdtk_scatter_segments_f64", "hvdtk_scatter_segments_f16_f32"):
         fn = getattr(lib, name)
         fn.argtypes = [p, p, i64, p, i32, p, i64, i64, i64, f64, f64]
         fn.restype = i64

@@ -528,9 +528,38 @@ int64_t segments_dispatch(T* x, int64_t nseg, const int64_t* bounds, const int64
 // pass over the tensors. Returns the number of pairs that were out of range or out of order
 // (a rank's positions going down); non-zero means the ranks disagree on the message layout
 // and the result is unusable.
+//
+// The values may be IEEE half (V = Half) while the tensors are fp32: TopK(fp16_values=True)
+// sends 16-bit values, and each is widened exactly (every half is a float) as it is added.
 constexpr int64_t kChunk = 4096;
 
-template <typename T, typename I>
+struct Half {
+  uint16_t bits;
+};
+
+// The float of an IEEE half, exactly: sign, exponent rebiased 15 -> 127, mantissa shifted;
+// subnormals (exponent 0) are mantissa x 2^-24, inf/nan keep their mantissa bits.
+inline float widen(Half h) {
+  const uint32_t sign = uint32_t(h.bits & 0x8000u) << 16;
+  const uint32_t exponent = (h.bits >> 10) & 0x1fu, mantissa = h.bits & 0x3ffu;
+  uint32_t bits;
+  if (exponent == 0x1fu) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+  } else {
+    const float magnitude = float(mantissa) * 5.9604644775390625e-08f;  // 2^-24, exact
+    std::memcpy(&bits, &magnitude, sizeof bits);
+    bits |= sign;
+  }
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+inline float widen(float v) { return v; }
+inline double widen(double v) { return v; }
+
+template <typename T, typename I, typename V = T>
 int64_t scatter_segments_impl(T* const* dest, const int64_t* bounds, int64_t nseg, const char* idx,
                               const char* val, int64_t world, int64_t k, int64_t row_bytes,
                               double div, double mul) {
@@ -546,13 +575,13 @@ int64_t scatter_segments_impl(T* const* dest, const int64_t* bounds, int64_t nse
       std::memset(out, 0, (c1 - c0) * sizeof(T));
       for (int64_t r = 0; r < world; ++r) {
         const I* ri = (const I*)(idx + r * row_bytes);
-        const T* rv = (const T*)(val + r * row_bytes);
+        const V* rv = (const V*)(val + r * row_bytes);
         int64_t j = cursor[r], prev = last[r];
         for (; j < k; ++j) {
           const int64_t i = (int64_t)ri[j];
           if (i >= c1) break;
           if (i < c0 || i < prev) { ++bad; continue; }  // negative, or this rank's positions went down
-          out[i - c0] = static_cast<T>(out[i - c0] + rv[j] * f);
+          out[i - c0] = static_cast<T>(out[i - c0] + widen(rv[j]) * f);
           prev = i;
         }
         cursor[r] = j;
@@ -564,15 +593,15 @@ int64_t scatter_segments_impl(T* const* dest, const int64_t* bounds, int64_t nse
   return bad;
 }
 
-template <typename T>
+template <typename T, typename V = T>
 int64_t scatter_segments_dispatch(T* const* dest, const int64_t* bounds, int64_t nseg, const void* idx,
                                   int index_bytes, const void* val, int64_t world, int64_t k,
                                   int64_t row_bytes, double div, double mul) {
   if (index_bytes == 4)
-    return scatter_segments_impl<T, int32_t>(dest, bounds, nseg, (const char*)idx, (const char*)val,
-                                             world, k, row_bytes, div, mul);
-  return scatter_segments_impl<T, int64_t>(dest, bounds, nseg, (const char*)idx, (const char*)val,
-                                           world, k, row_bytes, div, mul);
+    return scatter_segments_impl<T, int32_t, V>(dest, bounds, nseg, (const char*)idx, (const char*)val,
+                                                world, k, row_bytes, div, mul);
+  return scatter_segments_impl<T, int64_t, V>(dest, bounds, nseg, (const char*)idx, (const char*)val,
+                                              world, k, row_bytes, div, mul);
 }
 
 // x += g over n entries; true when a sum is inf or nan. The test reads the exponent bits (all
@@ -645,6 +674,14 @@ int64_t hvdtk_scatter_segments_f64(double* const* dest, const int64_t* bounds, i
   return scatter_segments_dispatch(dest, bounds, nseg, idx, index_bytes, val, world, k, row_bytes, div, mul);
 }
 
+// The same with IEEE half values (TopK(fp16_values=True)) into fp32 tensors.
+int64_t hvdtk_scatter_segments_f16_f32(float* const* dest, const int64_t* bounds, int64_t nseg,
+                                       const void* idx, int index_bytes, const void* val, int64_t world,
+                                       int64_t k, int64_t row_bytes, double div, double mul) {
+  return scatter_segments_dispatch<float, Half>(dest, bounds, nseg, idx, index_bytes, val, world, k, row_bytes,
+                                                div, mul);
+}
+
 // Gather x at k positions into out, zeroing them in x with `zero`; see take_impl. Returns the
 // number of positions outside [0, n).
 int64_t hvdtk_take_f32(float* x, int64_t n, const void* idx, int index_bytes, int64_t k, float* out, int zero) {
@@ -655,7 +692,7 @@ int64_t hvdtk_take_f64(double* x, int64_t n, const void* idx, int index_bytes, i
   return take_dispatch(x, n, idx, index_bytes, k, out, zero);
 }
 
-int hvdtk_abi_version() { return 7; }
+int hvdtk_abi_version() { return 8; }
 
 // Segmented selection in one call (a fusion bucket's tensors, k each); see segments_impl.
 // Returns the number of pairs written (the sum of min(ks[s], segment size)).

@@ -95,7 +95,8 @@ def check_reference(exchange="allgather", bucket_cap_mb=25, steps=4, density=0.0
     families = []
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     shadow = copy.deepcopy(model)
-    ref = ErrorFeedbackReference(size, error_feedback=error_feedback, decay=residual_decay)
+    ref = ErrorFeedbackReference(size, error_feedback=error_feedback, decay=residual_decay,
+                                 value_dtype=np.float16 if state_kwargs.get("fp16_values") else None)
     for step in range(steps):
         use_head2 = rank != unused_on_rank
         shadow.load_state_dict(model.state_dict())
@@ -440,6 +441,7 @@ CHECKS = [
                                                                      warmup_density=1.0)),
     ("auto: measured trial, agreement, choice", check_auto_trial),
     ("dense_fp16 exchange", lambda: check_reference("dense_fp16", steps=3)),
+    ("allgather, 16-bit values, several buckets", lambda: check_reference(bucket_cap_mb=0.005, fp16_values=True)),
     ("no error feedback", lambda: check_reference(error_feedback=False)),
     ("residual decay", lambda: check_reference(residual_decay=0.8)),
     ("no_sync accumulation", lambda: check_reference(accumulate=2)),

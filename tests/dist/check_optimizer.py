@@ -80,7 +80,8 @@ def check_contract(label, steps=4, density=0.05, momentum_correction=0.0, error_
     bucket_scope = options.get("selection_scope") == "bucket" and len(set(buckets.values())) == 1
     shadow = copy.deepcopy(model)
     ref = ErrorFeedbackReference(size, momentum=momentum_correction, error_feedback=error_feedback,
-                                 decay=options.get("residual_decay", 1.0))
+                                 decay=options.get("residual_decay", 1.0),
+                                 value_dtype=np.float16 if options.get("fp16_values") else None)
     for step in range(steps):
         use_head2 = rank != drop_head2_on_rank
         x, y = batch(step, rank)
@@ -546,6 +547,7 @@ CHECKS = [
     contract("momentum correction", momentum_correction=0.9),
     contract("warm-up", warmup_steps=3, steps=5),
     contract("small buckets", fusion_bytes=4096),
+    contract("16-bit values, small buckets", fp16_values=True, fusion_bytes=4096),
     contract("groups=2", groups=2),
     contract("predivide=2.0", gradient_predivide_factor=2.0),
     contract("no gradient on rank 1", drop_head2_on_rank=1),

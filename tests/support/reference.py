@@ -33,15 +33,17 @@ class ErrorFeedbackReference:
 
     acc = residual + grad (DGC: u = m*u + grad; v = v + u); send top-k of acc; residual = acc
     with the sent entries zeroed (and u's too); result = sum of sent pairs over ranks / ranks.
-    With ``decay`` (``residual_decay``): acc = decay * residual + grad.
+    With ``decay`` (``residual_decay``): acc = decay * residual + grad. With ``value_dtype``
+    (``TopK(fp16_values=True)``: numpy.float16) each sent value is rounded to it on the wire;
+    the sent entries' residuals are zeroed all the same (the rounding is not fed back).
 
     The sparse allreduce (ScaleCom's CLT-k, ``sparse_allreduce_bucket``): every rank sends its
     own acc at positions chosen part by part from one rank's top-k instead of at its own.
     """
 
-    def __init__(self, ranks, momentum=0.0, error_feedback=True, decay=1.0):
+    def __init__(self, ranks, momentum=0.0, error_feedback=True, decay=1.0, value_dtype=None):
         self.ranks, self.momentum, self.error_feedback = ranks, momentum, error_feedback
-        self.decay = np.float32(decay)
+        self.decay, self.value_dtype = np.float32(decay), value_dtype
         self.residual = [dict() for _ in range(ranks)]
         self.u = [dict() for _ in range(ranks)]
 
@@ -111,7 +113,7 @@ class ErrorFeedbackReference:
             acc, u = accs[r], us[r]
             keep = keeps[r]
             sent = np.zeros_like(acc)
-            sent[keep] = acc[keep]
+            sent[keep] = acc[keep] if self.value_dtype is None else acc[keep].astype(self.value_dtype)
             total += sent  # rank order, float32, like the optimizer
             if self.error_feedback:
                 acc[keep] = 0
