@@ -34,6 +34,8 @@ machine's 2 cores.
     sudo .venv/bin/python benchmarks/ddp_hooks.py                          # P 2 and 4, 1 and 10 Gbit
     sudo .venv/bin/python benchmarks/ddp_hooks.py --ranks 2 --rates 1gbit --steps 3 --warmup 3 \\
         --output-name ddp-hooks-smoke                                      # quick check
+    sudo .venv/bin/python benchmarks/ddp_hooks.py --ranks 2 --rates 1gbit --rounds 5 \\
+        --methods none fp16 powersgd-r4 topk topk-fp16v                    # the ratios' spread
 Results: benchmarks/results/exchange/<output-name>.{json,md} (default ddp-hooks-resnet50).
 """
 
@@ -217,7 +219,8 @@ def render(report):
     for run in report["runs"]:
         rows = {r["method"]: r for r in run["rows"]}
         base = rows.get("none", {}).get("median_ms")
-        lines += [f"## P = {run['P']}, {run['rate']}" + (" (4 ranks share 2 cores)" if run["P"] > 2 else ""), "",
+        lines += [f"## P = {run['P']}, {run['rate']}" + (" (4 ranks share 2 cores)" if run["P"] > 2 else "")
+                  + (f", round {run['round']}" if report["settings"].get("rounds", 1) > 1 else ""), "",
                   "| method | step ms (median, min-max) | overhead ms | MB per rank and step | "
                   "wire tx MB/step: median rank, busiest (ratio) | ranks agree |",
                   "|---|---:|---:|---:|---:|---|"]
@@ -230,16 +233,35 @@ def render(report):
         reasons = [f"{m}: {r['exchange_reason']}" for m, r in rows.items() if r.get("exchange_reason")]
         if reasons:
             lines += ["", "auto's trial: " + "; ".join(reasons)]
-        for mine in (m for m in rows if m.startswith("topk") and base is not None):
-            ours = rows[mine]["median_ms"] - base
-            for peer in ("fp16", "powersgd-r4"):
-                if peer in rows:
-                    theirs = rows[peer]["median_ms"] - base
-                    lines.append("")
-                    lines.append(f"Overhead ratio {peer} / {mine}: {theirs:.1f} / {ours:.1f} ms = "
-                                 f"{theirs / ours if ours > 0 else float('inf'):.1f}x")
+        for mine, peer, theirs, ours in overhead_ratios(rows):
+            lines += ["", f"Overhead ratio {peer} / {mine}: {theirs:.1f} / {ours:.1f} ms = {ratio(theirs, ours):.1f}x"]
+        lines.append("")
+    rounds = {}
+    for run in report["runs"]:
+        for mine, peer, theirs, ours in overhead_ratios({r["method"]: r for r in run["rows"]}):
+            rounds.setdefault((run["P"], run["rate"], peer, mine), []).append(ratio(theirs, ours))
+    if any(len(v) > 1 for v in rounds.values()):
+        lines += ["## Overhead ratios over the rounds", "",
+                  "| P, link | ratio | each round | median | lowest |", "|---|---|---|---:|---:|"]
+        for (P, rate, peer, mine), values in rounds.items():
+            lines.append(f"| {P}, {rate} | {peer} / {mine} | {', '.join(f'{v:.1f}x' for v in values)} | "
+                         f"{statistics.median(values):.1f}x | {min(values):.1f}x |")
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def overhead_ratios(rows):
+    """``(ours, peer, peer's overhead ms, ours ms)`` for each hvd_topk method against the fp16
+    hook and PowerSGD rank 4, where the run has them and the ``none`` step."""
+    base = rows.get("none", {}).get("median_ms")
+    if base is None:
+        return []
+    return [(mine, peer, rows[peer]["median_ms"] - base, rows[mine]["median_ms"] - base)
+            for mine in rows if mine.startswith("topk") for peer in ("fp16", "powersgd-r4") if peer in rows]
+
+
+def ratio(theirs, ours):
+    return theirs / ours if ours > 0 else float("inf")
 
 
 def main(argv=None):
@@ -253,6 +275,9 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--pool", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the methods this many times in turn at each P and rate (the machine's noise, "
+                         "as the spread of the overhead ratios over the rounds)")
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--output-name", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -261,6 +286,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.warmup < 3:
         ap.error("--warmup must be >= 3 (DDP rebuilds its buckets after step 1; PowerSGD compresses from step 2)")
     name = args.output_name or f"ddp-hooks-{args.model}"
@@ -271,14 +298,17 @@ def main(argv=None):
         with common.emulated_hosts.EmulatedHosts(P, rate=args.rates[0], sshd=False) as eh:
             for rate in args.rates:
                 eh.set_rate(rate)
-                rows = []
-                for method in args.methods:
-                    print(f"P={P} {rate} {method} ... ", end="", flush=True)
-                    row, cmd = run_method(eh, P, method, args, eh.tmpdir / f"{P}-{rate}-{method}.json")
-                    row["torchrun"] = cmd
-                    rows.append(row)
-                    print(f"{row['median_ms']:.1f} ms", flush=True)
-                runs.append({"P": P, "rate": rate, "rows": rows})
+                for round_ in range(1, args.rounds + 1):
+                    rows = []
+                    for method in args.methods:
+                        print(f"P={P} {rate} {method}" + (f" round {round_}" if args.rounds > 1 else "") + " ... ",
+                              end="", flush=True)
+                        row, cmd = run_method(eh, P, method, args,
+                                              eh.tmpdir / f"{P}-{rate}-{method}-{round_}.json")
+                        row["torchrun"] = cmd
+                        rows.append(row)
+                        print(f"{row['median_ms']:.1f} ms", flush=True)
+                    runs.append({"P": P, "rate": rate, "round": round_, "rows": rows})
                 report = {"benchmark": "ddp_hooks", "command": shlex.join([".venv/bin/python", "benchmarks/ddp_hooks.py",
                                                                            *(sys.argv[1:] if argv is None else argv)]),
                           "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "machine": info,
