@@ -16,6 +16,7 @@ for the distributed modes, ``opt.synchronize()``. Modes:
     topk-tensor    hvd_topk.DistributedOptimizer(TopK(density)), selection_scope="tensor"
                    (an hvd_topk without that option: its default, i.e. per-tensor selection)
     topk-bucket    the same with selection_scope="bucket" (skipped where the option is rejected)
+    topk-fp16v     topk-tensor with TopK(fp16_values=True): 16-bit values, as the AdamW recipe sends
     horovod-dense  hvd.DistributedOptimizer, no compression (reference)
     stream         one streaming pass ``r += g; g.zero_()`` over a flat pair of fp32 tensors with
                    as many elements as the model, timed with torch ops (one thread)
@@ -67,7 +68,7 @@ import _common as common  # noqa: E402  (tools, shapes, the realistic step, repo
 
 RESULTS = common.RESULTS / "overhead"
 
-MODES = ("baseline", "topk-tensor", "topk-bucket", "horovod-dense", "stream")
+MODES = ("baseline", "topk-tensor", "topk-bucket", "topk-fp16v", "horovod-dense", "stream")
 
 
 def label(mode, density, n):
@@ -75,6 +76,7 @@ def label(mode, density, n):
         "baseline": "baseline: plain backward, no distributed optimizer",
         "topk-tensor": f"hvd_topk.DistributedOptimizer {density * 100:g}%, selection_scope=\"tensor\"",
         "topk-bucket": f"hvd_topk.DistributedOptimizer {density * 100:g}%, selection_scope=\"bucket\"",
+        "topk-fp16v": f"hvd_topk.DistributedOptimizer {density * 100:g}%, TopK(fp16_values=True)",
         "horovod-dense": "Horovod hvd.DistributedOptimizer, dense (reference)",
         "stream": f"streaming pass r += g; g.zero_() over {n:,} fp32 (unit)",
     }[mode]
@@ -94,9 +96,10 @@ def build_mode(mode, shapes, density, hvd, hvd_topk, torch, exchange_name="auto"
         named = [(f"dense.p{i}", p) for i, p in enumerate(params)]
         return params, hvd.DistributedOptimizer(inner, named_parameters=named,
                                                 compression=hvd.Compression.none), None
-    scope = mode.split("-")[1]
-    named = [(f"{scope}.p{i}", p) for i, p in enumerate(params)]
-    comp = hvd_topk.TopK(density=density)
+    fp16_values = mode == "topk-fp16v"
+    scope = "tensor" if fp16_values else mode.split("-")[1]
+    named = [(f"{'fp16v' if fp16_values else scope}.p{i}", p) for i, p in enumerate(params)]
+    comp = hvd_topk.TopK(density=density, fp16_values=True) if fp16_values else hvd_topk.TopK(density=density)
     forced = {} if exchange_name == "auto" else {"exchange": exchange_name}
     try:
         opt = hvd_topk.DistributedOptimizer(inner, named_parameters=named, compression=comp,
