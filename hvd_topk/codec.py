@@ -318,8 +318,8 @@ class Codec:
         ``TopK(fp16_values=True)`` into fp32 tensors, each widened exactly as it is added): one
         sequential write over the destinations, chunk by chunk (each rank's ascending pairs
         added into a zeroed chunk in L1, each value scaled as it is added), no separate zeroing
-        pass. Torch ops: zero, ``index_add_`` rank after rank, then each
-        touched sum scaled once (``scatter_add_ranks`` says why)."""
+        pass. Torch ops: zero, ``index_add_`` rank after rank, then each touched sum scaled
+        once (``scatter_add_ranks`` says why)."""
         values, indices = layout.unpack(gathered, world)
         kernel = _SCATTER.get((values.dtype, dests[0].dtype))
         if (kernel is not None and not torch.is_tensor(mul) and _rows_alike(values, indices)
