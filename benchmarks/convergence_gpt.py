@@ -181,7 +181,14 @@ for _variant, _what, _args in (
         ("wd0", "no weight decay", ["--weight-decay", "0"]),
         ("wd0.2", "weight decay 0.2", ["--weight-decay", "0.2"]),
         ("wd0.4", "weight decay 0.4", ["--weight-decay", "0.4"]),
-        ("bucket", "the selection over each bucket, not each tensor", ["--selection-scope", "bucket"])):
+        ("bucket", "the selection over each bucket, not each tensor", ["--selection-scope", "bucket"]),
+        # the gap opens as the dense start ends (steps 100-300): longer starts, from lower densities
+        ("start0.25x300", "the start from 25% over 300 steps (about the 100-step dense start's bytes)",
+         ["--warmup-steps", "300", "--warmup-density", "0.25"]),
+        ("start0.1x500", "the start from 10% over 500 steps (fewer bytes than the dense start)",
+         ["--warmup-steps", "500", "--warmup-density", "0.1"]),
+        ("start1x300", "the dense start over 300 steps (about 3x its bytes)",
+         ["--warmup-steps", "300", "--warmup-density", "1.0"])):
     CONFIGS[f"gv-0.1%-lr2e-2-fp16v-decay0.99-{_variant}"] = (
         f"hvd_topk 0.1%, the recipe at lr 2e-2, 16-bit values, residual_decay=0.99, {_what}",
         [*CONFIGS["gv-0.1%-lr2e-2-fp16v-decay0.99"][1], *_args])
