@@ -242,7 +242,12 @@ def markdown(report):
                         continue
                     sec = steps * ms[method] / 1e3
                     if method in TOPK_METHODS:  # the dense start: fp16 with 16-bit values (its fallback)
-                        sec += start * (ms["fp16" if method == "recipe16" else "dense"] - ms[method]) / 1e3
+                        start_method = "fp16" if method == "recipe16" else "dense"
+                        if start_method not in ms:
+                            seconds[(method, key)] = None
+                            cells[(method, key)] = f"needs {start_method}'s step (the dense start)"
+                            continue
+                        sec += start * (ms[start_method] - ms[method]) / 1e3
                     seconds[(method, key)], cells[(method, key)] = sec, f"{sec / 60:.1f} min ({steps:.0f} steps)"
             for method in ("dense", "fp16", *TOPK_METHODS):
                 if cells[(method, "N/2")] == "-" and cells[(method, "N")] == "-":
