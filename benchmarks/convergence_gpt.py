@@ -188,10 +188,17 @@ for _variant, _what, _args in (
         ("start0.1x500", "the start from 10% over 500 steps (fewer bytes than the dense start)",
          ["--warmup-steps", "500", "--warmup-density", "0.1"]),
         ("start1x300", "the dense start over 300 steps (about 3x its bytes)",
-         ["--warmup-steps", "300", "--warmup-density", "1.0"])):
+         ["--warmup-steps", "300", "--warmup-density", "1.0"]),
+        # lr 2e-2 suits the sparse phase only: reach it later, at dense's 1e-2 when the start ends
+        ("lrwarm0.2", "the learning rate's warm-up over 20% of the steps (1e-2 at step 100)",
+         ["--lr-warmup", "0.2"])):
     CONFIGS[f"gv-0.1%-lr2e-2-fp16v-decay0.99-{_variant}"] = (
         f"hvd_topk 0.1%, the recipe at lr 2e-2, 16-bit values, residual_decay=0.99, {_what}",
         [*CONFIGS["gv-0.1%-lr2e-2-fp16v-decay0.99"][1], *_args])
+CONFIGS["gv-0.1%-lr3e-2-fp16v-decay0.99-lrwarm0.3"] = (
+    "hvd_topk 0.1%, the recipe at lr 3e-2, 16-bit values, residual_decay=0.99, the learning rate's warm-up over "
+    "30% of the steps (1e-2 at step 100)",
+    [*CONFIGS["gv-0.1%-lr3e-2-fp16v-decay0.99"][1], "--lr-warmup", "0.3"])
 # torchrun + DDP (examples/ddp_gpt.py, the same model and data): no hook, PowerSGD, hvd_topk's hook
 DDP_EXAMPLE = ROOT / "examples" / "ddp_gpt.py"
 DDP_CONFIGS = {
