@@ -17,56 +17,42 @@ def _ranked_pairs(world, k, n, dtype, seed=5):
     return torch.randn(world, k, generator=gen).to(dtype), indices
 
 
-_DECODE_PATHS = [pytest.param("native", d, marks=needs_native, id=f"native-{d}".replace("torch.", ""))
-                 for d in (torch.float32, torch.float64)]  # the native kernel takes fp32/fp64 only
-_DECODE_PATHS += [pytest.param("torch", d, id=f"torch-{d}".replace("torch.", ""))
-                  for d in (torch.float32, torch.float64, torch.float16)]
+def _decode_path(path, values, tensors=None):
+    """(path, the values' dtype, the tensors' dtype: the values' unless said)."""
+    tensors = tensors or values
+    name = f"{path}-{values}" + ("" if tensors == values else f"-into-{tensors}")
+    return pytest.param(path, values, tensors, marks=needs_native if path == "native" else (),
+                        id=name.replace("torch.", ""))
+
+
+# the native kernel takes fp32/fp64 tensors, and 16-bit values (TopK(fp16_values=True)) into fp32
+_DECODE_PATHS = [_decode_path("native", d) for d in (torch.float32, torch.float64)]
+_DECODE_PATHS += [_decode_path(path, torch.float16, torch.float32) for path in ("native", "torch")]
+_DECODE_PATHS += [_decode_path("torch", d) for d in (torch.float32, torch.float64, torch.float16)]
 
 
 @pytest.mark.parametrize("world", [1, 3, 11])
-@pytest.mark.parametrize("path,dtype", _DECODE_PATHS)
+@pytest.mark.parametrize("path,dtype,tensor_dtype", _DECODE_PATHS)
 @pytest.mark.parametrize("div,mul", [(1.0, 1.0), (3.0, 1.0), (3.0, 3.0)])
-def test_decode_adds_ranks_in_order_into_each_tensor(path, dtype, div, mul, world):
+def test_decode_adds_ranks_in_order_into_each_tensor(path, dtype, tensor_dtype, div, mul, world):
     """Rank-ordered adds of overlapping index sets into three tensors of one bucket (sizes
-    around the native kernel's 4096-entry chunk), scaled by mul / div: against numpy."""
+    around the native kernel's 4096-entry chunk), scaled by mul / div: against numpy (16-bit
+    values into fp32 tensors: numpy's exact widening of each)."""
     k, sizes = 3000, [150, 7, 9000]
     n = sum(sizes)
     values, indices = _ranked_pairs(world, k, n, dtype)
     layout = wire.Layout(k, dtype, torch.int32)
     gathered = torch.cat([layout.pack(values[r], indices[r]) for r in range(world)])
-    dests = [torch.full((s,), float("nan"), dtype=dtype) for s in sizes]  # decode overwrites all
+    dests = [torch.full((s,), float("nan"), dtype=tensor_dtype) for s in sizes]  # decode overwrites all
     bounds = torch.tensor([0, 150, 157, 9157])
-    scale = mul if path == "native" else torch.tensor(mul, dtype=dtype)  # a tensor forces torch ops
+    scale = mul if path == "native" else torch.tensor(mul, dtype=tensor_dtype)  # a tensor forces torch ops
     codec.Codec.decode(gathered, layout, world, dests, bounds, div=div, mul=scale)
     want = np.zeros(n, dtype=np.float64)
     for r in range(world):
         np.add.at(want, indices[r].numpy(), values[r].double().numpy())
     want *= mul / div
-    tol = 1e-2 if dtype == torch.float16 else 1e-6
+    tol = 1e-2 if tensor_dtype == torch.float16 else 1e-6
     np.testing.assert_allclose(torch.cat(dests).double().numpy(), want, rtol=tol, atol=tol)
-
-
-@pytest.mark.parametrize("path", [pytest.param("native", marks=needs_native), "torch"])
-@pytest.mark.parametrize("world", [1, 3])
-def test_decode_of_16_bit_values_into_fp32_tensors(path, world):
-    """TopK(fp16_values=True): half values, fp32 tensors (the native kernel widens each value as
-    it adds it). Overlapping rank-ordered pairs into three tensors across the 4096-entry chunks,
-    averaged: against numpy's float16 -> float64 sums."""
-    k, sizes = 3000, [150, 7, 9000]
-    values, indices = _ranked_pairs(world, k, sum(sizes), torch.float16, seed=11)
-    layout = wire.Layout(k, torch.float16, torch.int32)
-    gathered = torch.cat([layout.pack(values[r], indices[r]) for r in range(world)])
-    dests = [torch.full((s,), float("nan")) for s in sizes]
-    if path == "torch":  # strided destinations are not native-eligible
-        dests = [torch.full((2 * s,), float("nan"))[::2] for s in sizes]
-    codec.Codec.decode(gathered, layout, world, dests, torch.tensor([0, 150, 157, 9157]), div=world)
-    want = np.zeros(sum(sizes))
-    for r in range(world):
-        np.add.at(want, indices[r].numpy(), values[r].numpy().astype(np.float64))
-    # the native kernel scales each value before adding (one rounding per term, where ranks
-    # cancel): within a few fp32 ulps of the largest term, not of the sum
-    atol = 2 ** -21 * float(values.abs().max())
-    np.testing.assert_allclose(torch.cat(dests).double().numpy(), want / world, rtol=1e-6, atol=atol)
 
 
 @pytest.mark.parametrize("path", [pytest.param("native", marks=needs_native), "torch"])
