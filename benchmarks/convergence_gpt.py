@@ -191,7 +191,12 @@ for _variant, _what, _args in (
          ["--warmup-steps", "300", "--warmup-density", "1.0"]),
         # lr 2e-2 suits the sparse phase only: reach it later, at dense's 1e-2 when the start ends
         ("lrwarm0.2", "the learning rate's warm-up over 20% of the steps (1e-2 at step 100)",
-         ["--lr-warmup", "0.2"])):
+         ["--lr-warmup", "0.2"]),
+        # the sparse allreduce: one rank's positions (rotating), every rank's values there summed,
+        # so each sent entry carries both ranks' work; 4 bytes a pair at P = 2 against the allgather's 6
+        ("sar", "the sparse allreduce (2/3 of the allgather's bytes at P = 2)", ["--exchange", "sparse_allreduce"]),
+        ("sar0.15", "the sparse allreduce at 0.15% (the allgather's bytes at 0.1%, P = 2)",
+         ["--exchange", "sparse_allreduce", "--density", "0.0015"])):
     CONFIGS[f"gv-0.1%-lr2e-2-fp16v-decay0.99-{_variant}"] = (
         f"hvd_topk 0.1%, the recipe at lr 2e-2, 16-bit values, residual_decay=0.99, {_what}",
         [*CONFIGS["gv-0.1%-lr2e-2-fp16v-decay0.99"][1], *_args])
