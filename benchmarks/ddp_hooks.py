@@ -25,6 +25,10 @@ others add to it is their exchange overhead. Methods:
 - ``topk-ag``, ``topk-sar``: the hook with its exchange forced (``exchange="allgather"``,
   ``"sparse_allreduce"``) instead of measured.
 
+``--bucket-view`` gives every DDP method ``gradient_as_bucket_view=True`` (DDP's default is
+False, and the tables say which was used): the same saving for every hook, so the overheads
+compare the hooks' own work.
+
 Each rank's link's bytes (eth0 tx counters over the timed steps) are recorded too: the busiest
 link sets the pace.
 
@@ -92,7 +96,8 @@ def worker(args):
     runner = model
     if method != "none":
         one_bucket = method.startswith("powersgd")
-        runner = DDP(model, bucket_cap_mb=1e5 if one_bucket else 25, gradient_as_bucket_view=method.endswith("-view"))
+        runner = DDP(model, bucket_cap_mb=1e5 if one_bucket else 25,
+                     gradient_as_bucket_view=args.bucket_view or method.endswith("-view"))
         if method == "fp16":
             runner.register_comm_hook(None, default_hooks.fp16_compress_hook)
         elif one_bucket:
@@ -180,7 +185,8 @@ def run_method(eh, P, method, args, out):
             "--master_addr", eh.hosts[0].ip, "--master_port", str(PORT)]
     worker_argv = [str(Path(__file__).resolve()), "--worker", "--method", method, "--model", args.model,
                    "--density", str(args.density), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--pool", str(args.pool), "--threads", str(args.threads), "--out", str(out)]
+                   "--pool", str(args.pool), "--threads", str(args.threads), "--out", str(out),
+                   *(["--bucket-view"] if args.bucket_view else [])]
     procs = [subprocess.Popen(eh.host_cmd(i, [*argv, "--node_rank", str(i), *worker_argv]), env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=common.REPO)
              for i in range(P)]
@@ -213,7 +219,9 @@ def render(report):
              f"Model shapes: {report['model']} ({report['params']:,} parameters in {report['tensors']} tensors); "
              f"{report['settings']['warmup']} warm-up + {report['settings']['steps']} timed steps, median of the "
              "slowest rank; one rank per emulated host (tbf-shaped link, burst 1 ms of the rate); "
-             "torch.distributed gloo; PowerSGD in one DDP bucket, the others in DDP's 25 MB buckets.",
+             "torch.distributed gloo; PowerSGD in one DDP bucket, the others in DDP's 25 MB buckets"
+             + ("; every DDP method with `gradient_as_bucket_view=True` (`--bucket-view`; DDP's default is "
+                "False)." if report["settings"].get("bucket_view") else "."),
              "", "Overhead = step - the `none` step (the same forward, backward and SGD step without DDP). "
              "CPU only: PowerSGD's matrix products are far cheaper on a GPU.", ""]
     for run in report["runs"]:
@@ -278,6 +286,9 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the methods this many times in turn at each P and rate (the machine's noise, "
                          "as the spread of the overhead ratios over the rounds)")
+    ap.add_argument("--bucket-view", action="store_true",
+                    help="gradient_as_bucket_view=True for every DDP method (DDP's default is False: it copies "
+                         "the gradients into its buckets and back, for every hook alike)")
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--output-name", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
