@@ -199,7 +199,8 @@ for _variant, _what, _args in (
          ["--exchange", "sparse_allreduce", "--density", "0.0015"]),
         # how much more positions per step would buy (a denser wire format at 0.1%'s bytes)
         ("d0.15", "density 0.15% (1.5x the pairs)", ["--density", "0.0015"]),
-        ("d0.2", "density 0.2% (2x the pairs)", ["--density", "0.002"])):
+        ("d0.2", "density 0.2% (2x the pairs)", ["--density", "0.002"]),
+        ("d0.3", "density 0.3% (3x the pairs)", ["--density", "0.003"])):
     CONFIGS[f"gv-0.1%-lr2e-2-fp16v-decay0.99-{_variant}"] = (
         f"hvd_topk 0.1%, the recipe at lr 2e-2, 16-bit values, residual_decay=0.99, {_what}",
         [*CONFIGS["gv-0.1%-lr2e-2-fp16v-decay0.99"][1], *_args])
