@@ -454,7 +454,11 @@ int64_t select_impl(T* x, const T* g, int64_t n, int64_t k, int64_t offset, I* i
     float t2 = want >= (double)n ? -INFINITY : sample_threshold(x, (const T*)nullptr, n, want, seed + 1);
     if (!(t2 < t)) t2 = -INFINITY;
     t = t2;
-    collect(x, (const T*)nullptr, n, t, false);  // x is folded by now
+    // Down to zero: collect the non-zeros only, as the first pass does, not every entry (a
+    // mostly-zero tensor, an embedding whose few touched rows outnumber k only slightly, would
+    // otherwise take all n as candidates: 0.9 s instead of 12 ms for GPT-2's 38.6M).
+    if (t == 0.0f && !exact) strict = true;
+    collect(x, (const T*)nullptr, n, t, strict);  // x is folded by now
     flags[1] += 1;
   }
   flags[0] = ok ? 0 : 1;
