@@ -168,26 +168,35 @@ def test_mostly_zeros_gives_k_distinct_entries(method):
 
 
 @needs_native
-@pytest.mark.parametrize("method", ["sampled", "exact"])
-def test_second_pass_down_to_zero_takes_the_true_top_k(method):
+def test_second_pass_down_to_zero_takes_the_true_top_k():
     """An embedding's residual: a few touched rows, their entries slightly more than k, the rest
-    zero. The sampled threshold is too high (the sample's runs fall in few rows), so a second
-    pass lowers it to zero, and collects only the non-zeros there (since 2026-11-26; before, every
-    entry was a candidate: 0.9 s instead of 20 ms on GPT-2's 38.6M-entry embedding). Both passes
-    made, and the result is numpy's top-k."""
+    zero. Now and then (about one call in six here: the sample is fresh on every call) the
+    sampled threshold lands too high, because the sample's runs fall in few rows, and a second
+    pass lowers it to zero. That pass collects only the non-zeros (since 2026-11-26; before,
+    every entry was a candidate: up to 1 s instead of 40 ms on GPT-2's 38.6M-entry embedding),
+    so it returns numpy's top-k exactly; one pass returns >= 95% of it. 100 calls: the chance
+    that none makes a second pass is below 1e-7."""
     rows, width, touched = 5000, 768, 52
     n, k = rows * width, rows * width // 100
     gen = torch.Generator().manual_seed(touched)
     x = torch.zeros(rows, width)
     x[torch.randperm(rows, generator=gen)[:touched]] = torch.randn(touched, width, generator=gen)
     x = x.view(-1)
+    truth = set(true_topk(x, k).tolist())
     idx = torch.empty(k, dtype=torch.int64)
     val = torch.empty(k)
-    result = selection.select_native(x, k, idx, val, method, seed=7)
-    if method == "sampled":
-        assert result.passes == 2 and result.filled == 0  # the case this test is about
-    assert set(idx.tolist()) == set(true_topk(x, k).tolist())
-    np.testing.assert_array_equal(val.numpy(), x.numpy()[idx.numpy()])
+    second = 0
+    for call in range(100):
+        result = selection.select_native(x, k, idx, val, "sampled", seed=call)
+        chosen = set(idx.tolist())
+        assert len(chosen) == k, call
+        np.testing.assert_array_equal(val.numpy(), x.numpy()[idx.numpy()])
+        if result.passes == 2:
+            second += 1
+            assert chosen == truth and result.filled == 0, call
+        else:
+            assert len(chosen & truth) >= 0.95 * k, call
+    assert second > 0  # the case this test is about happened
 
 
 @needs_native
