@@ -50,6 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup-steps", type=int, default=100, help="--hook topk: dense start over this many steps")
     p.add_argument("--warmup-density", type=float, default=1.0)
     p.add_argument("--fp16-values", action="store_true", help="--hook topk: 16-bit values")
+    p.add_argument("--compact", action="store_true",
+                   help="--hook topk: 3-byte pairs (TopKState(compact=True)): twice the entries in 16-bit values' bytes")
     p.add_argument("--powersgd-rank", type=int, default=4, help="--hook powersgd: matrix approximation rank")
     p.add_argument("--powersgd-start", type=int, default=100,
                    help="--hook powersgd: vanilla allreduce for this many steps first (its own dense start)")
@@ -91,6 +93,7 @@ def make_hook(args, ddp, inner, named_parameters):
         state = hvd_topk.ddp.TopKState(density=args.density, optimizer=inner if args.adam == "local" else None,
                                        warmup_steps=args.warmup_steps, warmup_density=args.warmup_density,
                                        exchange=args.exchange, fp16_values=args.fp16_values,
+                                       compact=args.compact,
                                        named_parameters=named_parameters)
         hvd_topk.ddp.register(ddp, state)
         return state

@@ -50,6 +50,9 @@ def parse_args(argv=None):
     p.add_argument("--density", type=float, default=0.01, help="fraction sent by topk (default 0.01)")
     p.add_argument("--fp16-values", action="store_true",
                    help="topk: values travel as float16 (TopK(fp16_values=True)); topk-ef's dense fallback is then fp16 too")
+    p.add_argument("--compact", action="store_true",
+                   help="topk: 3-byte pairs, a 16-bit index and an 8-bit log-scale value (TopK(compact=True)): "
+                        "twice the entries in --fp16-values' bytes; the allgather or dense only")
     p.add_argument("--optimizer", choices=("horovod", "topk-ef"), default="horovod",
                    help="hvd.DistributedOptimizer (+ --compression) or hvd_topk.DistributedOptimizer")
     p.add_argument("--no-error-feedback", action="store_true", help="topk-ef without error feedback")
@@ -169,7 +172,8 @@ def make_optimizer(args, model, scaler):
         inner = hvd_topk.DeMo(groups, lr=args.lr, beta=args.demo_beta, normalise=args.demo_normalise)
     else:
         inner = torch.optim.AdamW(groups, lr=args.lr, betas=(beta1, 0.95))
-    topk = hvd_topk.TopK(density=args.density, fp16_values=args.fp16_values) if args.compression == "topk" else None
+    topk = hvd_topk.TopK(density=args.density, fp16_values=args.fp16_values,
+                         compact=args.compact) if args.compression == "topk" else None
     if args.sync_every > 1:
         opt = hvd_topk.LocalSteps(inner, named_parameters=model.named_parameters(), sync_every=args.sync_every,
                                   compression=topk, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,

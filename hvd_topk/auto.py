@@ -33,9 +33,12 @@ HIER = "hier_"  # prefix of the hierarchical families (hvd_topk.hierarchy)
 SPARSE = ("allgather", "sparse_allreduce")
 
 
-def families(hierarchical_available, hierarchical_only):
+def families(hierarchical_available, hierarchical_only, compact=False):
     """The families a job may use: the four, plus the sparse ones run hierarchically where the
-    host sets exist; only those (and dense) with ``hierarchical=True``."""
+    host sets exist; only those (and dense) with ``hierarchical=True``. With compact pairs
+    (``hvd_topk.compact``: the allgather's alone) dense and the flat allgather."""
+    if compact:
+        return ("dense", "dense_fp16", "allgather")
     if not hierarchical_available:
         return FAMILIES
     hier = tuple(HIER + f for f in SPARSE)

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from hvd_topk import native, selection
+from hvd_topk.compact import CompactPairs
 from hvd_topk.selection import k_for, native_ok
 from hvd_topk.wire import Layout
 
@@ -70,6 +71,13 @@ class Plan:
         self.nonfinite = torch.zeros(len(self.sizes), dtype=torch.uint8)
         self.encoders = {}   # Codec.segment_encoder's, by buffer and message
         self._values = None  # scratch for values of another dtype than the message's
+        self._compact = None  # CompactPairs, made on first use
+
+    def compact(self):
+        """This plan's ``hvd_topk.compact.CompactPairs`` (3-byte pairs), made once."""
+        if self._compact is None:
+            self._compact = CompactPairs(self)
+        return self._compact
 
     def part_segments(self, part):
         """The segments of part ``part``: a ``range`` of segment numbers."""
@@ -205,14 +213,31 @@ class Encoded(NamedTuple):
 
 
 class Codec:
-    """Top-K selection and its wire format; ``method`` and ``fp16_values`` as in ``TopK``."""
+    """Top-K selection and its wire format; ``method``, ``fp16_values`` and ``compact`` as in
+    ``TopK``. With ``compact`` the plans' messages hold the buffer's own dtype (the 3-byte form
+    is made from them, ``hvd_topk.compact``, and its rounding fed back from full precision)."""
 
-    def __init__(self, method=selection.DEFAULT_METHOD, fp16_values=False):
+    def __init__(self, method=selection.DEFAULT_METHOD, fp16_values=False, compact=False):
         self.method = selection.check_method(method)
-        self.fp16_values = fp16_values
+        if fp16_values and compact:
+            raise ValueError("fp16_values and compact are two wire formats: choose one (compact sends "
+                             "3 bytes a pair, fp16_values 6)")
+        self.fp16_values, self.compact = fp16_values, compact
+        # a bucket a sparse family sends dense anyway goes in float16 with either small format
+        self.dense_fp16 = bool(fp16_values or compact)
 
     def value_dtype(self, dtype):
         return torch.float16 if self.fp16_values else dtype
+
+    def pair_itemsizes(self, plan):
+        """``(value, index)`` bytes a pair costs on the allgather's wire (the cost model's)."""
+        if self.compact:
+            return CompactPairs.value_itemsize, CompactPairs.index_itemsize
+        return plan.layout.value_itemsize, plan.layout.index_itemsize
+
+    def message_nbytes(self, plan):
+        """Bytes of one rank's allgathered message for ``plan``."""
+        return plan.compact().nbytes if self.compact else plan.layout.nbytes
 
     def plan(self, sizes, density, scope, dtype, index_dtype, parts=1):
         return Plan(sizes, density, scope, self.value_dtype(dtype), index_dtype, parts)

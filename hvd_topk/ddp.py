@@ -85,6 +85,11 @@ class TopKState:
             dense where a ring allreduce moves fewer bytes.
         fp16_values (False): send values as float16 (6 bytes a pair instead of 8); the dense
             fallback then runs in float16 too.
+        compact (False): send 3 bytes a pair (``hvd_topk.compact``: a 16-bit index and an 8-bit
+            log-scale value, the rounding fed back into the residual): twice the entries in
+            16-bit values' bytes, which is what quality at a small byte budget depends on. The
+            allgather's format: ``exchange="sparse_allreduce"`` is then refused, ``"auto"``
+            tries the allgather and dense only, and the dense fallback runs in float16.
         min_numel (1024): tensors with fewer elements are averaged densely (biases, norms:
             cheap and sensitive).
         residual_decay (1.0): multiply every residual by this each step before the gradient is
@@ -106,7 +111,7 @@ class TopKState:
 
     def __init__(self, process_group=None, density=0.01, *, error_feedback=True, warmup_steps=0,
                  warmup_density=0.25, optimizer=None, exchange="auto", exchange_trial_steps=3, fp16_values=False,
-                 min_numel=1024, residual_decay=1.0, method=DEFAULT_METHOD, named_parameters=None):
+                 compact=False, min_numel=1024, residual_decay=1.0, method=DEFAULT_METHOD, named_parameters=None):
         # tune
         self.density = check_density(density)
         self.error_feedback = check_flag(error_feedback, "error_feedback")
@@ -120,10 +125,14 @@ class TopKState:
         self.exchange = exchange
         self.exchange_trial_steps = check_integer(exchange_trial_steps, "exchange_trial_steps", 1)
         self.fp16_values = check_flag(fp16_values, "fp16_values")
+        self.compact = check_flag(compact, "compact")
+        if self.compact and exchange == "sparse_allreduce":
+            raise ValueError("compact=True packs the allgather's pairs; the sparse allreduce sums values on the "
+                             "wire and keeps wide pairs: use exchange='allgather' or 'auto'")
         self.min_numel = check_integer(min_numel, "min_numel", 0)
         self.residual_decay = check_residual_decay(
             residual_decay_of(optimizer, check_number(residual_decay, "residual_decay")), self.error_feedback)
-        self.codec = Codec(method, fp16_values)
+        self.codec = Codec(method, fp16_values, self.compact)
         # internal
         self.process_group = process_group
         self.world_size = self.rank = None       # read at the first hook (the group exists by then)
@@ -247,7 +256,7 @@ class TopKState:
         self.family = self.trial.family()
 
     def _start_trial(self, density):
-        families = ("dense", "dense_fp16", "allgather", "sparse_allreduce")
+        families = auto.families(False, False, self.compact)
         assignments, byte_counts = {}, {}
         for family in families:
             chosen = [exchange.choose(self, layout, layout.plan(self.codec, density), self.world_size, family)

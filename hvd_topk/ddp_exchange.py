@@ -236,12 +236,12 @@ def _fold_checked(state, layout, buffer):
 def choose(state, layout, plan, world, family):
     """``(strategy, its bytes into one rank)`` for the bucket's sparse part under ``family``
     (None: the fewest bytes of all); a sparse family goes dense where that moves fewer bytes."""
-    sizes = (world, layout.numel, plan.count, plan.layout.value_itemsize, plan.layout.index_itemsize,
-             layout.acc.element_size())
-    fallback = DENSE_FP16 if state.fp16_values else DENSE
+    sizes = (world, layout.numel, plan.count, *state.codec.pair_itemsizes(plan), layout.acc.element_size())
+    fallback = DENSE_FP16 if state.codec.dense_fp16 else DENSE
+    sparse = (ALLGATHER,) if state.compact else (ALLGATHER, SPARSE_ALLREDUCE)  # compact: the allgather's
     options = {"dense": (DENSE,), "dense_fp16": (DENSE_FP16,), "allgather": (ALLGATHER, fallback),
                "sparse_allreduce": (SPARSE_ALLREDUCE, fallback),
-               None: (ALLGATHER, SPARSE_ALLREDUCE, fallback)}[family]
+               None: (*sparse, fallback)}[family]
     strategy = costs.cheapest(options, *sizes)
     return strategy, strategy.wire_bytes(*sizes)
 
@@ -283,8 +283,11 @@ def _allgather(state, layout, plan, dests, buffer, seed):
     if encoded is None:
         encoded = state.codec.encode(layout.acc, plan, message, zero_sent=state.error_feedback, seed=seed)
     _wipe(state, layout, encoded.nonfinite)
-    gathered = layout.message("gathered", plan.layout.nbytes * world)
-    state._count(ALLGATHER, bytes_sent=plan.layout.nbytes, elements_selected=plan.count)
+    compact = plan.compact() if state.compact else None
+    if compact is not None:  # 3-byte pairs; the rounding goes back into the residual
+        message = compact.pack(message, residual=layout.acc if state.error_feedback else None)
+    gathered = layout.message("gathered", message.numel() * world)
+    state._count(ALLGATHER, bytes_sent=message.numel(), elements_selected=plan.count)
     if world == 1:
         gathered.copy_(message)
         fut = torch.futures.Future()
@@ -293,7 +296,8 @@ def _allgather(state, layout, plan, dests, buffer, seed):
         fut = all_gather(gathered, message, group, async_op=True).get_future()
 
     def gathered_done(f):
-        Codec.decode(gathered, plan.layout, world, dests, layout.bounds, div=world)
+        wide = gathered if compact is None else compact.unpack(gathered, world)
+        Codec.decode(wide, plan.layout, world, dests, layout.bounds, div=world)
     return after(fut, gathered_done, layout.acc.device)
 
 

@@ -60,7 +60,7 @@ class TopKEngine:
         param_groups: the optimizer's ``param_groups`` (parameters with ``requires_grad`` are
             exchanged, in the optimizer's order).
         names: ``{param: name}`` (Horovod's naming rules, checked by the caller).
-        compression: the ``TopK`` instance (density, method, fp16_values).
+        compression: the ``TopK`` instance (density, method, fp16_values, compact).
         options: ``hvd_topk.options.Options``.
         op, gradient_predivide_factor, backward_passes_per_step, process_set, groups: as in
             ``hvd.DistributedOptimizer``.
@@ -78,7 +78,11 @@ class TopKEngine:
         self.names = names
         self.options = options
         self.density = compression.density
-        self.codec = Codec(compression.method, compression.fp16_values)
+        self.codec = Codec(compression.method, compression.fp16_values, compression.compact)
+        if compression.compact and (options.exchange == "sparse_allreduce" or options.hierarchical is True):
+            raise ValueError("TopK(compact=True) packs the allgather's pairs; the sparse allreduce sums values "
+                             "on the wire and keeps wide pairs: use exchange='allgather' or 'auto' (which then "
+                             "tries the allgather and dense only), without hierarchical=True")
         self.op, self.predivide = op, float(gradient_predivide_factor)
         self.passes_per_step = backward_passes_per_step
         self.process_set = process_set
@@ -362,7 +366,7 @@ class TopKEngine:
 def check_ranks_agree(engine, compression):
     """Every rank must wrap the same model with the same settings: fail on all ranks at once."""
     signature = repr(([(engine.names[p], tuple(p.shape), str(p.dtype)) for p in engine.params],
-                      compression.density, compression.method, compression.fp16_values,
+                      compression.density, compression.method, compression.fp16_values, compression.compact,
                       engine.passes_per_step, dataclasses.astuple(engine.options)))
     digest = int.from_bytes(hashlib.sha256(signature.encode()).digest()[:7], "big")
     mine = torch.tensor([[digest, len(engine.params), sum(p.numel() for p in engine.params)]],

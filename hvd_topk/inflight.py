@@ -64,15 +64,15 @@ def start(ctx, bucket, strategy, name):
     return AllgatherExchange(ctx, bucket, strategy, name)
 
 
-def payload_bytes(strategy, plan, led):
-    """What one rank hands to the network for a sparse bucket: its packed message, or for the
-    sparse allreduce the indices of its part (``led``, its segments) plus the values and the
-    flag slot."""
+def payload_bytes(strategy, plan, led, codec):
+    """What one rank hands to the network for a sparse bucket: its packed message (compact or
+    wide), or for the sparse allreduce the indices of its part (``led``, its segments) plus the
+    values and the flag slot."""
     layout = plan.layout
     if strategy is exchange.SparseAllreduce:
         lo, hi = plan.slot_range(led)
         return (hi - lo) * layout.index_itemsize + (layout.count + 1) * layout.value_itemsize
-    return layout.nbytes
+    return codec.message_nbytes(plan)
 
 
 def count_resets(stats, wiped):
@@ -130,7 +130,7 @@ class _FlatSparse:
                 count_resets(ctx.stats, bucket.wipe(encoded.nonfinite, plan.starts))
         ctx.stats.add(time_selection_s=time.perf_counter() - t0 + current.seconds,
                       tensors_sparse=len(bucket.members), elements_selected=plan.count,
-                      bytes_sent=payload_bytes(current.strategy, plan, current.led),
+                      bytes_sent=payload_bytes(current.strategy, plan, current.led, ctx.codec),
                       selection_repasses=encoded.repasses, selection_filled=encoded.filled)
 
 
@@ -143,7 +143,12 @@ class AllgatherExchange(_FlatSparse):
         self.ctx, self.strategy = ctx, strategy
         self._encode(ctx, bucket, bucket.current)
         self.plan = bucket.current.plan
-        self.handle = strategy.start(bucket.current.message, name, ctx.process_set)
+        message = bucket.current.message
+        if ctx.codec.compact:  # 3-byte pairs; the rounding goes back into the residual
+            t0 = time.perf_counter()
+            message = self.plan.compact().pack(message, residual=bucket.acc if ctx.error_feedback else None)
+            ctx.stats.add(time_selection_s=time.perf_counter() - t0)
+        self.handle = strategy.start(message, name, ctx.process_set)
 
     def advance(self, wait=False):
         return False
@@ -151,6 +156,8 @@ class AllgatherExchange(_FlatSparse):
     def decode_into(self, bucket):
         t0 = time.perf_counter()
         gathered = self.strategy.finish(self.handle)
+        if self.ctx.codec.compact:
+            gathered = self.plan.compact().unpack(gathered, self.ctx.world)
         bucket.decode_grads(self.ctx.codec, gathered, self.plan.layout, self.ctx.world, self.ctx.div)
         self.ctx.stats.add(time_exchange_s=time.perf_counter() - t0)
 
@@ -252,7 +259,7 @@ class HierarchicalExchange:
                                                     ctx.topology.cross_size)) \
             if strategy is exchange.SparseAllreduce else None
         ctx.stats.add(tensors_sparse=len(bucket.members), elements_selected=self.plan.count,
-                      bytes_sent=payload_bytes(strategy, self.plan, led))
+                      bytes_sent=payload_bytes(strategy, self.plan, led, ctx.codec))
         wire_dtype = allreduce_dtype(bucket.dtype)
         staged = bucket.acc
         if wire_dtype != bucket.dtype:

@@ -55,7 +55,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
 
     Args:
         compression: ``hvd_topk.TopK`` (1%) or ``hvd_topk.TopK(density=..., method=...,
-            fp16_values=...)``: what each sparse tensor sends per step.
+            fp16_values=..., compact=...)``: what each sparse tensor sends per step.
         backward_passes_per_step, op, gradient_predivide_factor, process_set: as in Horovod
             (op is ``hvd.Average`` or ``hvd.Sum``).
         groups: ``None`` (buckets of ``fusion_bytes``), an int (that many buckets) or a list of

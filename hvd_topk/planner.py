@@ -39,7 +39,7 @@ class ExchangePlanner:
         self.options, self.buckets, self.codec, self.schedule = options, buckets, codec, schedule
         self.hier = hier
         self.process_set, self.name = process_set, name
-        self.families = auto.families(hier is not None, options.hierarchical is True)
+        self.families = auto.families(hier is not None, options.hierarchical is True, codec.compact)
         self.trial, self.trial_world = None, None  # exchange="auto": the trial of this world size
 
     @staticmethod
@@ -119,19 +119,17 @@ class ExchangePlanner:
             return chosen if self._sparse_bytes(chosen, bucket, codec_plan, world, family) < \
                 exchange.DenseAllreduce.wire_bytes(world, bucket.numel, 0, 0, 0, bucket.element_size) \
                 else exchange.DenseAllreduce
-        # with 16-bit values on the wire (TopK(fp16_values=True)) the dense fallback is 16-bit too
-        dense = exchange.DenseAllreduceFp16 if self.codec.fp16_values else exchange.DenseAllreduce
-        layout = codec_plan.layout
+        # with 16-bit values or compact pairs on the wire the dense fallback is 16-bit too
+        dense = exchange.DenseAllreduceFp16 if self.codec.dense_fp16 else exchange.DenseAllreduce
         return exchange.cheapest((dense, chosen), world, bucket.numel, codec_plan.count,
-                                 layout.value_itemsize, layout.index_itemsize, bucket.element_size)
+                                 *self.codec.pair_itemsizes(codec_plan), bucket.element_size)
 
     def _sparse_bytes(self, strategy, bucket, codec_plan, world, family):
         """Bytes into one rank for ``bucket`` sent by the sparse ``strategy``; a hierarchical
         family's sparse part runs among the ranks across hosts, on this rank's shard."""
         ranks = self.hier.cross_size if self.hierarchical(family) else world
-        layout = codec_plan.layout
-        return strategy.wire_bytes(ranks, codec_plan.numel, codec_plan.count, layout.value_itemsize,
-                                   layout.index_itemsize, bucket.element_size)
+        return strategy.wire_bytes(ranks, codec_plan.numel, codec_plan.count,
+                                   *self.codec.pair_itemsizes(codec_plan), bucket.element_size)
 
     def _assign(self, family, density, world):
         """The strategy of every sparse bucket under ``family`` at ``density``."""
@@ -166,8 +164,8 @@ class ExchangePlanner:
             if strategy.sparse:
                 total += self._sparse_bytes(strategy, b, codec_plan, world, family)
             else:
-                total += strategy.wire_bytes(world, b.numel, codec_plan.count, codec_plan.layout.value_itemsize,
-                                             codec_plan.layout.index_itemsize, b.element_size)
+                total += strategy.wire_bytes(world, b.numel, codec_plan.count,
+                                             *self.codec.pair_itemsizes(codec_plan), b.element_size)
         return total
 
     def describe(self, world):

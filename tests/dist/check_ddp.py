@@ -96,7 +96,8 @@ def check_reference(exchange="allgather", bucket_cap_mb=25, steps=4, density=0.0
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     shadow = copy.deepcopy(model)
     ref = ErrorFeedbackReference(size, error_feedback=error_feedback, decay=residual_decay,
-                                 value_dtype=np.float16 if state_kwargs.get("fp16_values") else None)
+                                 value_dtype=np.float16 if state_kwargs.get("fp16_values") else None,
+                                 compact=state_kwargs.get("compact", False))
     for step in range(steps):
         use_head2 = rank != unused_on_rank
         shadow.load_state_dict(model.state_dict())
@@ -442,6 +443,8 @@ CHECKS = [
     ("auto: measured trial, agreement, choice", check_auto_trial),
     ("dense_fp16 exchange", lambda: check_reference("dense_fp16", steps=3)),
     ("allgather, 16-bit values, several buckets", lambda: check_reference(bucket_cap_mb=0.005, fp16_values=True)),
+    ("allgather, compact pairs, several buckets, decay", lambda: check_reference(
+        bucket_cap_mb=0.005, compact=True, residual_decay=0.8)),
     ("no error feedback", lambda: check_reference(error_feedback=False)),
     ("residual decay", lambda: check_reference(residual_decay=0.8)),
     ("no_sync accumulation", lambda: check_reference(accumulate=2)),

@@ -30,7 +30,7 @@ def batch(step, rank, n=24, part=None):
     return x[part * half:(part + 1) * half], y[part * half:(part + 1) * half]
 
 
-def build(density=0.05, lr=0.1, momentum=0.9, seed=0, fp16_values=False, **options):
+def build(density=0.05, lr=0.1, momentum=0.9, seed=0, fp16_values=False, compact=False, **options):
     """The test model and its optimizer; the allgather exchange unless ``exchange`` says
     otherwise (the default, "auto", would try several strategies in the first steps)."""
     options.setdefault("exchange", "allgather")
@@ -38,7 +38,8 @@ def build(density=0.05, lr=0.1, momentum=0.9, seed=0, fp16_values=False, **optio
     model = Net()
     inner = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
-                                        compression=hvd_topk.TopK(density=density, fp16_values=fp16_values),
+                                        compression=hvd_topk.TopK(density=density, fp16_values=fp16_values,
+                                                                  compact=compact),
                                         **options)
     return model, opt
 
@@ -81,7 +82,8 @@ def check_contract(label, steps=4, density=0.05, momentum_correction=0.0, error_
     shadow = copy.deepcopy(model)
     ref = ErrorFeedbackReference(size, momentum=momentum_correction, error_feedback=error_feedback,
                                  decay=options.get("residual_decay", 1.0),
-                                 value_dtype=np.float16 if options.get("fp16_values") else None)
+                                 value_dtype=np.float16 if options.get("fp16_values") else None,
+                                 compact=options.get("compact", False))
     for step in range(steps):
         use_head2 = rank != drop_head2_on_rank
         x, y = batch(step, rank)
@@ -548,6 +550,11 @@ CHECKS = [
     contract("warm-up", warmup_steps=3, steps=5),
     contract("small buckets", fusion_bytes=4096),
     contract("16-bit values, small buckets", fp16_values=True, fusion_bytes=4096),
+    contract("compact pairs", compact=True),
+    contract("compact pairs, small buckets, momentum correction", compact=True, fusion_bytes=4096,
+             momentum_correction=0.9),
+    contract("compact pairs, bucket scope, residual decay", compact=True, selection_scope="bucket",
+             residual_decay=0.9),
     contract("groups=2", groups=2),
     contract("predivide=2.0", gradient_predivide_factor=2.0),
     contract("no gradient on rank 1", drop_head2_on_rank=1),

@@ -28,6 +28,26 @@ def sparse_allreduce(per_rank, density, average=True, value_dtype=None):
     return total / len(per_rank) if average else total
 
 
+def compact_round_trip(values):
+    """What ``TopK(compact=True)`` delivers for one segment's sent values (float32 in and out):
+    a sign and a level, 0 for zero, 1..127 spreading |v| log-uniformly over [lo, hi], the
+    smallest and largest non-zero magnitude sent (both arrive exactly); numpy, float64 inside."""
+    v = np.asarray(values)
+    mag = np.abs(v.astype(np.float64))
+    nonzero = mag > 0
+    if not nonzero.any():
+        return np.zeros_like(v)
+    lo, hi = mag[nonzero].min(), mag.max()
+    if hi == lo:
+        level = np.where(nonzero, 1.0, 0.0)
+    else:
+        with np.errstate(divide="ignore"):
+            level = np.where(nonzero, 1 + np.clip(np.round(126 * np.log(mag / lo) / np.log(hi / lo)), 0, 126), 0)
+    arrived = np.where(level == 1, lo, np.where(level == 127, hi, lo * (hi / lo) ** ((level - 1) / 126)))
+    arrived = np.where(level == 0, 0.0, arrived)
+    return (np.where(np.signbit(v), -arrived, arrived)).astype(v.dtype)
+
+
 class ErrorFeedbackReference:
     """The error-feedback contract for every rank, in float32 numpy.
 
@@ -35,15 +55,17 @@ class ErrorFeedbackReference:
     with the sent entries zeroed (and u's too); result = sum of sent pairs over ranks / ranks.
     With ``decay`` (``residual_decay``): acc = decay * residual + grad. With ``value_dtype``
     (``TopK(fp16_values=True)``: numpy.float16) each sent value is rounded to it on the wire;
-    the sent entries' residuals are zeroed all the same (the rounding is not fed back).
+    the sent entries' residuals are zeroed all the same (the rounding is not fed back). With
+    ``compact`` (``TopK(compact=True)``) each top-k's values arrive as ``compact_round_trip``
+    gives them, and what that rounding took stays in the residual.
 
     The sparse allreduce (ScaleCom's CLT-k, ``sparse_allreduce_bucket``): every rank sends its
     own acc at positions chosen part by part from one rank's top-k instead of at its own.
     """
 
-    def __init__(self, ranks, momentum=0.0, error_feedback=True, decay=1.0, value_dtype=None):
+    def __init__(self, ranks, momentum=0.0, error_feedback=True, decay=1.0, value_dtype=None, compact=False):
         self.ranks, self.momentum, self.error_feedback = ranks, momentum, error_feedback
-        self.decay, self.value_dtype = np.float32(decay), value_dtype
+        self.decay, self.value_dtype, self.compact = np.float32(decay), value_dtype, compact
         self.residual = [dict() for _ in range(ranks)]
         self.u = [dict() for _ in range(ranks)]
 
@@ -114,9 +136,11 @@ class ErrorFeedbackReference:
             keep = keeps[r]
             sent = np.zeros_like(acc)
             sent[keep] = acc[keep] if self.value_dtype is None else acc[keep].astype(self.value_dtype)
+            if self.compact:
+                sent[keep] = compact_round_trip(acc[keep])
             total += sent  # rank order, float32, like the optimizer
             if self.error_feedback:
-                acc[keep] = 0
+                acc[keep] = acc[keep] - sent[keep] if self.compact else 0
                 for i, n in enumerate(names):
                     self.residual[r][n] = acc[edges[i]:edges[i + 1]].copy()
                 if self.momentum:

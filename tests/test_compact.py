@@ -1,0 +1,152 @@
+"""hvd_topk/compact.py: 3-byte pairs, single process, against numpy (``reference.compact_round_trip``)
+and hand-made cases: indices exactly back across 2**16-entry chunks (empty chunks, chunk edges,
+gaps wider than a chunk), values within the band's rounding and the band's ends exact, the
+rounding fed back into the residual, zeros and inf/nan, several ranks in one gather."""
+
+import numpy as np
+import pytest
+import torch
+
+from hvd_topk import codec, compact, wire
+from reference import compact_round_trip
+
+
+def _plan(sizes, ks):
+    """A codec plan of ``sizes`` whose segments send ``ks`` pairs (density chosen to give them)."""
+    plan = codec.Plan(sizes, 1.0, "tensor", torch.float32, wire.index_dtype_for(sum(sizes)))
+    plan.ks = list(ks)
+    plan.count = sum(ks)
+    plan.layout = wire.Layout(plan.count, torch.float32, plan.layout.index_dtype)
+    plan.slots = [0, *np.cumsum(ks).tolist()]
+    return plan
+
+
+def _message(plan, values, indices):
+    return plan.layout.pack(torch.as_tensor(values, dtype=torch.float32), torch.as_tensor(indices, dtype=torch.int32))
+
+
+def _spread(rng, n, k):
+    return np.sort(rng.choice(n, size=k, replace=False))
+
+
+def test_indices_come_back_exactly_across_chunks():
+    # one 300000-entry tensor (5 chunks, the last partial) and a small one after it; chunk 2
+    # gets no pair, the edges 65535/65536 and 131071 are sent, and a gap spans two chunks
+    plan = _plan([300_000, 1000], [8, 3])
+    first = [0, 65535, 65536, 131071, 262144 + 5, 262144 + 7, 299_000, 299_999]
+    second = [300_000, 300_500, 300_999]
+    values = np.linspace(1, 2, 11, dtype=np.float32)
+    wide = compact.CompactPairs(plan).unpack(plan.compact().pack(_message(plan, values, first + second)), 1)
+    got_values, got_indices = plan.layout.unpack(wide, 1)
+    assert got_indices[0].tolist() == first + second
+    assert plan.compact().nbytes == (8 * 2 + 4 * 5 + 3 * 11 + 7) // 8 * 8
+
+
+def test_values_match_numpy_and_stay_within_the_band_step():
+    rng = np.random.default_rng(3)
+    sizes, ks = [70_000, 5000, 40_000], [140, 10, 80]
+    plan = _plan(sizes, ks)
+    starts = np.cumsum([0] + sizes)
+    values = (rng.standard_normal(sum(ks)) * np.exp(rng.uniform(-3, 3, sum(ks)))).astype(np.float32)
+    values[5] = 0.0  # a fill-up slot: zero arrives as zero
+    indices = np.concatenate([a + _spread(rng, n, k) for a, n, k in zip(starts, sizes, ks)])
+    packed = plan.compact().pack(_message(plan, values, indices))
+    got, _ = plan.layout.unpack(plan.compact().unpack(packed, 1), 1)
+    got = got[0].numpy()
+    slots = np.cumsum([0] + ks)
+    for a, b in zip(slots, slots[1:]):
+        v, g = values[a:b], got[a:b]
+        np.testing.assert_allclose(g, compact_round_trip(v), rtol=1e-6)
+        mag = np.abs(v[v != 0]).astype(np.float64)
+        factor = (mag.max() / mag.min()) ** (1 / 252) * (1 + 1e-6)
+        nz = v != 0
+        assert np.all(np.sign(g) == np.sign(v))
+        assert np.all(np.abs(g[nz]) <= np.abs(v[nz]) * factor) and np.all(np.abs(g[nz]) >= np.abs(v[nz]) / factor)
+        # the band's ends arrive exactly
+        assert np.abs(g).max() == np.abs(v).max() and np.abs(g[nz]).min() == np.abs(v[nz]).min()
+    assert got[5] == 0.0
+
+
+def test_the_rounding_goes_back_into_the_residual():
+    rng = np.random.default_rng(4)
+    n, k = 100_000, 200
+    acc = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    plan = codec.Plan([n], k / n, "tensor", torch.float32, torch.int32)
+    assert plan.count == k
+    message = torch.empty(plan.layout.nbytes, dtype=torch.uint8)
+    before = acc.clone()
+    codec.Codec().encode(acc, plan, message, zero_sent=True)
+    packed = plan.compact().pack(message, residual=acc)
+    got, idx = plan.layout.unpack(plan.compact().unpack(packed, 1), 1)
+    idx = idx[0].long()
+    # sent + residual is what the buffer held, at the sent positions (float32 sums) and elsewhere
+    np.testing.assert_allclose((acc[idx] + got[0]).numpy(), before[idx].numpy(), rtol=1e-6, atol=0)
+    untouched = torch.ones(n, dtype=torch.bool)
+    untouched[idx] = False
+    assert torch.equal(acc[untouched], before[untouched])
+    assert bool((acc[idx] != 0).any())  # the rounding is really kept
+    np.testing.assert_array_equal(acc[idx].numpy(), before[idx].numpy() - compact_round_trip(before[idx].numpy()))
+
+
+def test_several_ranks_in_one_gather():
+    rng = np.random.default_rng(5)
+    plan = _plan([200_000], [50])
+    sent = []
+    for r in range(3):
+        values = rng.standard_normal(50).astype(np.float32) * (r + 1)
+        indices = _spread(rng, 200_000, 50)
+        sent.append((values, indices, plan.compact().pack(_message(plan, values, indices), out=False)))
+    gathered = torch.cat([p for _, _, p in sent])
+    got_values, got_indices = plan.layout.unpack(plan.compact().unpack(gathered, 3), 3)
+    for r, (values, indices, _) in enumerate(sent):
+        assert got_indices[r].tolist() == indices.tolist()
+        np.testing.assert_allclose(got_values[r].numpy(), compact_round_trip(values), rtol=1e-6)
+
+
+def test_unsorted_pairs_are_sorted_with_their_values():
+    plan = _plan([100_000], [4])
+    packed = plan.compact().pack(_message(plan, [4.0, -1.0, 2.0, 3.0], [90_000, 7, 65_536, 3]))
+    values, indices = plan.layout.unpack(plan.compact().unpack(packed, 1), 1)
+    assert indices[0].tolist() == [3, 7, 65_536, 90_000]
+    np.testing.assert_allclose(values[0].numpy(), compact_round_trip(np.array([3.0, -1.0, 2.0, 4.0], np.float32)),
+                               rtol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_segment_with_inf_or_nan_arrives_non_finite_and_the_residual_stays_finite(bad):
+    plan = _plan([1000, 1000], [3, 2])
+    values = [1.0, bad, -2.0, 0.5, 0.25]
+    residual = torch.zeros(2000)
+    packed = plan.compact().pack(_message(plan, values, [1, 2, 3, 1500, 1600]), residual=residual)
+    got, _ = plan.layout.unpack(plan.compact().unpack(packed, 1), 1)
+    assert not torch.isfinite(got[0, 1])
+    assert torch.equal(got[0, 3:], torch.tensor([0.5, 0.25]))  # the other segment is untouched
+    assert bool(torch.isfinite(residual).all())
+
+
+def test_an_all_zero_segment_and_a_single_value():
+    plan = _plan([10, 10], [2, 1])
+    packed = plan.compact().pack(_message(plan, [0.0, 0.0, -0.375], [1, 2, 14]))
+    values, _ = plan.layout.unpack(plan.compact().unpack(packed, 1), 1)
+    assert values[0].tolist() == [0.0, 0.0, -0.375]
+
+
+def test_a_gather_of_the_wrong_size_or_counts_is_refused():
+    plan = _plan([100_000], [4])
+    packed = plan.compact().pack(_message(plan, [1.0, 2.0, 3.0, 4.0], [1, 2, 3, 4]))
+    with pytest.raises(ValueError, match="ranks disagree"):
+        plan.compact().unpack(torch.cat([packed, packed[:8]]), 2)
+    other = _plan([100_000], [5]).compact()
+    with pytest.raises((ValueError, RuntimeError), match="ranks disagree"):
+        other.unpack(torch.cat([packed, torch.zeros(other.nbytes - packed.numel(), dtype=torch.uint8)]), 1)
+
+
+def test_codec_refuses_two_wire_formats_and_counts_compact_bytes():
+    with pytest.raises(ValueError, match="choose one"):
+        codec.Codec(fp16_values=True, compact=True)
+    plan = codec.Plan([1_000_000], 0.002, "tensor", torch.float32, torch.int32)
+    c = codec.Codec(compact=True)
+    assert c.value_dtype(torch.float32) == torch.float32
+    assert c.pair_itemsizes(plan) == (1, 2)
+    # 2000 pairs: 8 bytes of band, 16 chunks x 4 bytes of counts, 3 bytes a pair
+    assert c.message_nbytes(plan) == 8 + 64 + 6000
