@@ -20,6 +20,8 @@ others add to it is their exchange overhead. Methods:
   family it chose (named in the table);
 - ``topk-fp16v``: the same with ``fp16_values=True`` (the recommended scheme's 16-bit values: 6
   bytes a pair instead of 8);
+- ``topk-compact``: the same with ``compact=True`` (about 2.4 bytes a pair: an Elias-Fano index
+  and an 8-bit log-scale value, ``hvd_topk.compact``; the allgather or dense);
 - ``topk-view``: the same with ``gradient_as_bucket_view=True`` (not DDP's default: the gradients
   are views of the buckets, which saves DDP two copies of the model's gradients per step);
 - ``topk-ag``, ``topk-sar``: the hook with its exchange forced (``exchange="allgather"``,
@@ -59,7 +61,8 @@ sys.path.insert(0, str(HERE))
 
 import _common as common  # noqa: E402
 
-METHODS = ("none", "ddp", "fp16", "powersgd-r1", "powersgd-r2", "powersgd-r4", "topk", "topk-fp16v", "topk-view",
+METHODS = ("none", "ddp", "fp16", "powersgd-r1", "powersgd-r2", "powersgd-r4", "topk", "topk-fp16v", "topk-compact",
+           "topk-view",
            "topk-ag", "topk-sar")
 FORCED = {"topk-ag": "allgather", "topk-sar": "sparse_allreduce"}
 PORT = 29511
@@ -106,7 +109,7 @@ def worker(args):
             runner.register_comm_hook(state, powersgd.powerSGD_hook)
         elif method.startswith("topk"):
             state = hvd_topk.ddp.TopKState(density=args.density, exchange=FORCED.get(method, "auto"),
-                                           fp16_values=method == "topk-fp16v")
+                                           fp16_values=method == "topk-fp16v", compact=method == "topk-compact")
             hvd_topk.ddp.register(runner, state)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     times = []

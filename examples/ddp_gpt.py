@@ -51,7 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup-density", type=float, default=1.0)
     p.add_argument("--fp16-values", action="store_true", help="--hook topk: 16-bit values")
     p.add_argument("--compact", action="store_true",
-                   help="--hook topk: 3-byte pairs (TopKState(compact=True)): twice the entries in 16-bit values' bytes")
+                   help="--hook topk: compact pairs (TopKState(compact=True)): about 2.4 bytes a pair against 6")
     p.add_argument("--powersgd-rank", type=int, default=4, help="--hook powersgd: matrix approximation rank")
     p.add_argument("--powersgd-start", type=int, default=100,
                    help="--hook powersgd: vanilla allreduce for this many steps first (its own dense start)")

@@ -51,8 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--fp16-values", action="store_true",
                    help="topk: values travel as float16 (TopK(fp16_values=True)); topk-ef's dense fallback is then fp16 too")
     p.add_argument("--compact", action="store_true",
-                   help="topk: 3-byte pairs, a 16-bit index and an 8-bit log-scale value (TopK(compact=True)): "
-                        "twice the entries in --fp16-values' bytes; the allgather or dense only")
+                   help="topk: compact pairs, an Elias-Fano index and an 8-bit log-scale value (TopK(compact=True)): "
+                        "about 2.4 bytes a pair against --fp16-values' 6; the allgather or dense only")
     p.add_argument("--optimizer", choices=("horovod", "topk-ef"), default="horovod",
                    help="hvd.DistributedOptimizer (+ --compression) or hvd_topk.DistributedOptimizer")
     p.add_argument("--no-error-feedback", action="store_true", help="topk-ef without error feedback")

@@ -74,7 +74,7 @@ class Plan:
         self._compact = None  # CompactPairs, made on first use
 
     def compact(self):
-        """This plan's ``hvd_topk.compact.CompactPairs`` (3-byte pairs), made once."""
+        """This plan's ``hvd_topk.compact.CompactPairs`` (compact pairs), made once."""
         if self._compact is None:
             self._compact = CompactPairs(self)
         return self._compact
@@ -214,14 +214,14 @@ class Encoded(NamedTuple):
 
 class Codec:
     """Top-K selection and its wire format; ``method``, ``fp16_values`` and ``compact`` as in
-    ``TopK``. With ``compact`` the plans' messages hold the buffer's own dtype (the 3-byte form
+    ``TopK``. With ``compact`` the plans' messages hold the buffer's own dtype (the compact form
     is made from them, ``hvd_topk.compact``, and its rounding fed back from full precision)."""
 
     def __init__(self, method=selection.DEFAULT_METHOD, fp16_values=False, compact=False):
         self.method = selection.check_method(method)
         if fp16_values and compact:
             raise ValueError("fp16_values and compact are two wire formats: choose one (compact sends "
-                             "3 bytes a pair, fp16_values 6)")
+                             "about 2.4 bytes a pair, fp16_values 6)")
         self.fp16_values, self.compact = fp16_values, compact
         # a bucket a sparse family sends dense anyway goes in float16 with either small format
         self.dense_fp16 = bool(fp16_values or compact)
@@ -232,7 +232,7 @@ class Codec:
     def pair_itemsizes(self, plan):
         """``(value, index)`` bytes a pair costs on the allgather's wire (the cost model's)."""
         if self.compact:
-            return CompactPairs.value_itemsize, CompactPairs.index_itemsize
+            return CompactPairs.value_itemsize, plan.compact().index_itemsize
         return plan.layout.value_itemsize, plan.layout.index_itemsize
 
     def message_nbytes(self, plan):

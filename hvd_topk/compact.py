@@ -1,27 +1,28 @@
-"""Compact pairs on the wire: 3 bytes a pair, a 16-bit index and an 8-bit log-scale value
-(``TopK(compact=True)``, ``hvd_topk.ddp.TopKState(compact=True)``).
+"""Compact pairs on the wire: about 2.4 bytes a pair, an Elias-Fano index and an 8-bit
+log-scale value (``TopK(compact=True)``, ``hvd_topk.ddp.TopKState(compact=True)``).
 
 Why: at a fixed byte budget, what decides quality under Top-K is how many entries move per step
 (docs/adamw.md, "More pairs"). A pair is otherwise an int32 index and a 16- or 32-bit value,
-6 or 8 bytes; at 3 bytes twice as many entries move in the bytes of 16-bit values.
+6 or 8 bytes; here 2.5x as many entries move in the bytes of 16-bit values.
 
-One rank's compact message (``uint8``, padded to 8 bytes), every part at a fixed size known
-from the codec plan, so that it can be allgathered as the wide message is:
+One rank's compact message (``uint8``, padded to 8 bytes), every part of a size fixed by the
+codec plan (n entries in the buffer, k pairs), so that it is allgathered as the wide one is:
 
-    [band: float32 (lo, hi) per segment][counts: int32 per 2**16-entry chunk of the buffer]
-    [low: int16 per pair][code: uint8 per pair][padding]
+    [band: float32 (lo, hi) per segment][high: k + (n >> L) + 1 bits][low: k x L bits]
+    [code: uint8 per pair][padding]
 
-- Index: the pairs travel sorted by index (the native kernel writes them so already); each
-  carries its index's low 16 bits, and ``counts`` says how many pairs fall into each 2**16-entry
-  chunk of the buffer, from which the high bits follow. Selection is unchanged: k per tensor,
-  anywhere in it.
-- Value: a sign bit and a 7-bit code. Code 0 is zero; codes 1..127 spread the magnitude
+- Index (Elias-Fano, for the k sorted indices in [0, n)): each index's low L = floor(log2(n/k))
+  bits travel as they are; its high part ``h_i = index_i >> L`` as a set bit at position
+  ``h_i + i`` of a bitmap, which the receiver reads back as ``position - i``. About
+  ``L + 2`` bits an index (11 at 0.2%), exact, whatever the indices. Selection is unchanged:
+  k per tensor, anywhere in it; the pairs travel sorted (the native kernel writes them so).
+- Value: a sign bit and a 7-bit level. Level 0 is zero; levels 1..127 spread the magnitude
   log-uniformly over the segment's band ``[lo, hi]`` (the smallest and largest non-zero
   magnitude it sends), so a value arrives within a factor ``(hi / lo) ** (1 / 252)`` of itself
   (under 2% for a 100x band; Top-K's values lie in a narrow band, above the threshold). The
   band's ends arrive exactly (float32 ends: exactly for float32, float16 and bfloat16 buffers;
-  a float64 buffer's ends are rounded to float32 first, and the codes measured against them). A segment holding inf/nan arrives non-finite, so that it still
-  reaches the average as it would uncompressed.
+  a float64 buffer's ends are rounded to float32 first, and the levels measured against them).
+  A segment holding inf/nan arrives non-finite, so that it still reaches the average.
 - Error feedback: what the rounding took (the value minus what arrives) goes back into the
   residual at the sent positions, so nothing is lost, only sent later.
 
@@ -31,8 +32,6 @@ hierarchical exchange runs it, so both keep the wide pairs (and refuse ``compact
 
 import torch
 
-CHUNK_BITS = 16
-CHUNK = 1 << CHUNK_BITS
 LEVELS = 126  # codes 1..127 span the band's log-width in 126 steps
 _ALIGN = 8
 
@@ -43,21 +42,24 @@ class CompactPairs:
     ``pack`` turns a wide message (``plan.layout``: int32/int64 indices and values of the
     buffer's dtype) into a compact one, feeding the rounding back into a residual; ``unpack``
     turns the allgather of compact messages back into wide ones, which ``Codec.decode`` reads.
-    ``value_itemsize``/``index_itemsize`` (1, 2) are what the cost model counts per pair.
+    ``value_itemsize`` and ``index_itemsize`` (1, and the index's bytes on average) are what
+    the cost model counts per pair.
     """
 
-    value_itemsize, index_itemsize = 1, 2
+    value_itemsize = 1
 
     def __init__(self, plan):
         self.wide = plan.layout
-        self.count = plan.count
+        self.count = k = plan.count
         self.segments = len(plan.sizes)
-        self.chunks = max(1, -(-plan.numel // CHUNK))
+        self.low_bits = low_bits(plan.numel, k)
+        self.high_bits = k + (plan.numel >> self.low_bits) + 1
+        self.index_itemsize = (self.high_bits + k * self.low_bits) / max(k, 1) / 8
         ks = torch.tensor(plan.ks, dtype=torch.int64)
         self.segment_of_slot = torch.repeat_interleave(torch.arange(self.segments), ks)
         edges, offset = {}, 0
-        for name, nbytes in (("band", 8 * self.segments), ("counts", 4 * self.chunks),
-                             ("low", 2 * self.count), ("code", self.count)):
+        for name, nbytes in (("band", 8 * self.segments), ("high", -(-self.high_bits // 8)),
+                             ("low", -(-k * self.low_bits // 8)), ("code", k)):
             edges[name] = slice(offset, offset + nbytes)
             offset += nbytes
         self._parts, self._used = edges, offset
@@ -71,10 +73,10 @@ class CompactPairs:
         return self.segment_of_slot
 
     def _views(self, rows):
-        """(band[rows, segments, 2], counts[rows, chunks], low[rows, count], code[rows, count])."""
+        """(band[rows, segments, 2], high[rows, bytes], low[rows, bytes], code[rows, count])."""
         p = self._parts
         return (rows[:, p["band"]].view(torch.float32).view(rows.shape[0], self.segments, 2),
-                rows[:, p["counts"]].view(torch.int32), rows[:, p["low"]].view(torch.int16), rows[:, p["code"]])
+                rows[:, p["high"]], rows[:, p["low"]], rows[:, p["code"]])
 
     def pack(self, message, residual=None, out=None):
         """The compact form of the wide ``message`` (into ``out``, a new buffer with
@@ -91,7 +93,7 @@ class CompactPairs:
             out = self._send
         elif out is False:
             out = torch.empty(self.nbytes, dtype=torch.uint8, device=message.device)
-        band, counts, low, code = self._views(out.view(1, -1))
+        band, high, low, code = self._views(out.view(1, -1))
         segment = self._on(message.device)
         magnitude = values.double().abs()
         finite = torch.isfinite(magnitude)
@@ -106,8 +108,13 @@ class CompactPairs:
         step = torch.nan_to_num_(torch.where(width == 0, 1.0, step), nan=1.0)
         level = torch.where(finite, torch.where(sent, step, 0.0), float(LEVELS + 1)).to(torch.uint8)
         code[0].copy_(level | (torch.signbit(values).to(torch.uint8) << 7))
-        low[0].copy_(((index & (CHUNK - 1)) - (CHUNK // 2)).to(torch.int16))
-        counts[0].copy_(torch.bincount(index >> CHUNK_BITS, minlength=self.chunks)[:self.chunks].to(torch.int32))
+        slots = torch.arange(self.count, device=message.device)
+        bitmap = torch.zeros(1, self.high_bits, dtype=torch.bool, device=message.device)
+        bitmap[0, (index >> self.low_bits) + slots] = True
+        high.copy_(pack_bits(bitmap))
+        if self.low_bits:
+            shifts = torch.arange(self.low_bits, device=message.device)
+            low.copy_(pack_bits(((index.unsqueeze(1) >> shifts) & 1).bool().view(1, -1)))
         out[self._used:].zero_()
         if residual is not None and self.count:
             arrives = self._dequantise(code, band, segment.unsqueeze(0))[0].to(values.dtype)
@@ -121,9 +128,10 @@ class CompactPairs:
         if gathered.numel() != world * self.nbytes:
             raise ValueError(f"gathered {gathered.numel()} bytes, expected {world} ranks x {self.nbytes} "
                              "bytes: ranks disagree on the tensor being exchanged")
-        band, counts, low, code = self._views(gathered.view(world, self.nbytes))
-        if bool((counts.sum(dim=1) != self.count).any()) or bool((counts < 0).any()):
-            raise RuntimeError("received chunk counts do not add up to the pairs sent: ranks disagree on the "
+        band, high, low, code = self._views(gathered.view(world, self.nbytes))
+        bitmap = unpack_bits(high, self.high_bits)
+        if bool((bitmap.sum(dim=1) != self.count).any()):
+            raise RuntimeError("received index bitmaps do not hold the pairs sent: ranks disagree on the "
                                "tensors being exchanged")
         device = gathered.device
         if out is None:
@@ -133,9 +141,12 @@ class CompactPairs:
         elif out is False:
             out = torch.zeros(world * self.wide.nbytes, dtype=torch.uint8, device=device)
         values, indices = self.wide.unpack(out, world)
-        chunk = torch.arange(self.chunks, device=device).repeat(world)
-        high = torch.repeat_interleave(chunk, counts.reshape(-1).long()).view(world, self.count)
-        indices.copy_((high << CHUNK_BITS) + low.long() + CHUNK // 2)
+        position = bitmap.nonzero()[:, 1].view(world, self.count)  # row-major: each row in order
+        index = (position - torch.arange(self.count, device=device)) << self.low_bits
+        if self.low_bits:
+            bits = unpack_bits(low, self.count * self.low_bits).view(world, self.count, self.low_bits)
+            index |= (bits.long() << torch.arange(self.low_bits, device=device)).sum(dim=2)
+        indices.copy_(index)
         values.copy_(self._dequantise(code, band, self._on(device).unsqueeze(0)))
         return out
 
@@ -150,3 +161,27 @@ class CompactPairs:
         magnitude = torch.where(level == 1, lo, torch.where(level == LEVELS + 1, hi, magnitude))
         magnitude = torch.where(level == 0, 0.0, magnitude)
         return torch.where(code >= 128, -magnitude, magnitude)
+
+
+def low_bits(n, k):
+    """Elias-Fano's split for k indices in [0, n): floor(log2(n / k)) low bits sent as they are."""
+    return max(0, (n // k).bit_length() - 1) if k else 0
+
+
+_WEIGHTS = 1 << torch.arange(8, dtype=torch.int32)
+
+
+def pack_bits(bits):
+    """``bits`` (bool, [rows, m]) as bytes, [rows, ceil(m / 8)], bit j of byte b being
+    ``bits[:, 8 b + j]``."""
+    pad = -bits.shape[1] % 8
+    if pad:
+        bits = torch.nn.functional.pad(bits, (0, pad))
+    weights = _WEIGHTS.to(bits.device)
+    return (bits.view(bits.shape[0], -1, 8).to(torch.int32) * weights).sum(dim=2).to(torch.uint8)
+
+
+def unpack_bits(packed, m):
+    """The first ``m`` bits of each row of ``packed`` (uint8, [rows, bytes]) as bool, [rows, m]."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    return ((packed.unsqueeze(2) >> shifts) & 1).view(packed.shape[0], -1)[:, :m].bool()

@@ -85,9 +85,10 @@ class TopKState:
             dense where a ring allreduce moves fewer bytes.
         fp16_values (False): send values as float16 (6 bytes a pair instead of 8); the dense
             fallback then runs in float16 too.
-        compact (False): send 3 bytes a pair (``hvd_topk.compact``: a 16-bit index and an 8-bit
-            log-scale value, the rounding fed back into the residual): twice the entries in
-            16-bit values' bytes, which is what quality at a small byte budget depends on. The
+        compact (False): send about 2.4 bytes a pair (``hvd_topk.compact``: an Elias-Fano index
+            and an 8-bit log-scale value, the rounding fed back into the residual): 2.5x the
+            entries in 16-bit values' bytes, which is what quality at a small byte budget
+            depends on. The
             allgather's format: ``exchange="sparse_allreduce"`` is then refused, ``"auto"``
             tries the allgather and dense only, and the dense fallback runs in float16.
         min_numel (1024): tensors with fewer elements are averaged densely (biases, norms:

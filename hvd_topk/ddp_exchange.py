@@ -284,7 +284,7 @@ def _allgather(state, layout, plan, dests, buffer, seed):
         encoded = state.codec.encode(layout.acc, plan, message, zero_sent=state.error_feedback, seed=seed)
     _wipe(state, layout, encoded.nonfinite)
     compact = plan.compact() if state.compact else None
-    if compact is not None:  # 3-byte pairs; the rounding goes back into the residual
+    if compact is not None:  # compact pairs; the rounding goes back into the residual
         message = compact.pack(message, residual=layout.acc if state.error_feedback else None)
     gathered = layout.message("gathered", message.numel() * world)
     state._count(ALLGATHER, bytes_sent=message.numel(), elements_selected=plan.count)

@@ -144,7 +144,7 @@ class AllgatherExchange(_FlatSparse):
         self._encode(ctx, bucket, bucket.current)
         self.plan = bucket.current.plan
         message = bucket.current.message
-        if ctx.codec.compact:  # 3-byte pairs; the rounding goes back into the residual
+        if ctx.codec.compact:  # compact pairs; the rounding goes back into the residual
             t0 = time.perf_counter()
             message = self.plan.compact().pack(message, residual=bucket.acc if ctx.error_feedback else None)
             ctx.stats.add(time_selection_s=time.perf_counter() - t0)

@@ -1,7 +1,8 @@
-"""hvd_topk/compact.py: 3-byte pairs, single process, against numpy (``reference.compact_round_trip``)
-and hand-made cases: indices exactly back across 2**16-entry chunks (empty chunks, chunk edges,
-gaps wider than a chunk), values within the band's rounding and the band's ends exact, the
-rounding fed back into the residual, zeros and inf/nan, several ranks in one gather."""
+"""hvd_topk/compact.py: compact pairs, single process, against numpy (``reference.compact_round_trip``)
+and hand-made cases: Elias-Fano indices exactly back (the first and last entry, repeated
+indices, wide gaps, every density up to 1), values within the band's rounding and the band's
+ends exact, the rounding fed back into the residual, zeros and inf/nan, several ranks in one
+gather, the message's size."""
 
 import numpy as np
 import pytest
@@ -29,17 +30,32 @@ def _spread(rng, n, k):
     return np.sort(rng.choice(n, size=k, replace=False))
 
 
-def test_indices_come_back_exactly_across_chunks():
-    # one 300000-entry tensor (5 chunks, the last partial) and a small one after it; chunk 2
-    # gets no pair, the edges 65535/65536 and 131071 are sent, and a gap spans two chunks
+def test_indices_come_back_exactly():
+    # a 300000-entry tensor and a small one after it: the first and last entries, a gap of most
+    # of the buffer, neighbours, a repeated index (a fill-up slot)
     plan = _plan([300_000, 1000], [8, 3])
-    first = [0, 65535, 65536, 131071, 262144 + 5, 262144 + 7, 299_000, 299_999]
+    first = [0, 1, 65535, 65536, 65536, 262144 + 7, 299_000, 299_999]
     second = [300_000, 300_500, 300_999]
     values = np.linspace(1, 2, 11, dtype=np.float32)
     wide = compact.CompactPairs(plan).unpack(plan.compact().pack(_message(plan, values, first + second)), 1)
     got_values, got_indices = plan.layout.unpack(wide, 1)
     assert got_indices[0].tolist() == first + second
-    assert plan.compact().nbytes == (8 * 2 + 4 * 5 + 3 * 11 + 7) // 8 * 8
+    # L = floor(log2(301000 / 11)) = 14 low bits; 11 + (301000 >> 14) + 1 = 30 bitmap bits
+    assert plan.compact().low_bits == 14
+    assert plan.compact().nbytes == -(-(8 * 2 + 4 + -(-11 * 14 // 8) + 11) // 8) * 8
+
+
+@pytest.mark.parametrize("n, k", [(1, 1), (7, 7), (100, 37), (4096, 3), (1_000_000, 2000), (2**20 + 3, 1)])
+def test_indices_at_every_density(n, k):
+    rng = np.random.default_rng(n + k)
+    plan = _plan([n], [k])
+    indices = _spread(rng, n, k)
+    packed = plan.compact().pack(_message(plan, np.ones(k, np.float32), indices))
+    _, got = plan.layout.unpack(plan.compact().unpack(packed, 1), 1)
+    assert got[0].tolist() == indices.tolist()
+    # Elias-Fano: at most 2 + log2(n / k) bits an index and the bitmap's end bit, each part
+    # rounded up to bytes; 8 bytes of band, a byte of value a pair, up to 7 bytes of padding
+    assert packed.numel() <= 8 + (k * (2 + np.log2(n / k)) + 1) / 8 + 2 + k + 7, packed.numel()
 
 
 def test_values_match_numpy_and_stay_within_the_band_step():
@@ -147,6 +163,8 @@ def test_codec_refuses_two_wire_formats_and_counts_compact_bytes():
     plan = codec.Plan([1_000_000], 0.002, "tensor", torch.float32, torch.int32)
     c = codec.Codec(compact=True)
     assert c.value_dtype(torch.float32) == torch.float32
-    assert c.pair_itemsizes(plan) == (1, 2)
-    # 2000 pairs: 8 bytes of band, 16 chunks x 4 bytes of counts, 3 bytes a pair
-    assert c.message_nbytes(plan) == 8 + 64 + 6000
+    # 2000 pairs of 1M entries: 8 bytes of band; L = 8 low bits; a bitmap of
+    # 2000 + (1M >> 8) + 1 = 5907 bits; a byte of value each
+    assert plan.compact().low_bits == 8
+    assert c.message_nbytes(plan) == -(-(8 + -(-5907 // 8) + 2000 + 2000) // 8) * 8
+    assert c.pair_itemsizes(plan) == (1, (5907 + 2000 * 8) / 2000 / 8)

@@ -393,7 +393,11 @@ def check_bad_input():
                                   "transform_local_gradient"),
                                  ({"residual_decay": 0.0}, ValueError, "residual_decay"),
                                  ({"residual_decay": 0.9, "error_feedback": False}, ValueError, "needs error_feedback"),
-                                 ({"warmup_steps": -1}, ValueError, "warmup_steps")]:
+                                 ({"warmup_steps": -1}, ValueError, "warmup_steps"),
+                                 ({"compact": 1}, TypeError, "compact must be True or False"),
+                                 ({"compact": True, "fp16_values": True}, ValueError, "choose one"),
+                                 ({"compact": True, "exchange": "sparse_allreduce"}, ValueError,
+                                  "compact=True packs the allgather's pairs")]:
         with raises(error, match=match, what=str(kwargs)):
             P(**kwargs)
     # a process group that is not DDP's

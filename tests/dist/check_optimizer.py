@@ -351,6 +351,10 @@ def check_bad_input():
         ({"compression": hvd.Compression.fp16}, TypeError, "compression"),
         ({"named_parameters": [("a", p) for p in model.parameters()]}, ValueError, "duplicates"),
         ({"named_parameters": list(model.named_parameters())[:2]}, ValueError, "not named"),
+        ({"compression": hvd_topk.TopK(compact=True), "exchange": "sparse_allreduce"}, ValueError,
+         "TopK(compact=True) packs the allgather's pairs"),
+        ({"compression": hvd_topk.TopK(compact=True), "hierarchical": True}, ValueError,
+         "TopK(compact=True) packs the allgather's pairs"),
     ]:
         with raises(error, match=re.escape(text), what=f"{kwargs}"):
             hvd_topk.DistributedOptimizer(sgd, **kwargs)
