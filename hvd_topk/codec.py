@@ -230,9 +230,15 @@ class Codec:
         return torch.float16 if self.fp16_values else dtype
 
     def pair_itemsizes(self, plan):
-        """``(value, index)`` bytes a pair costs on the allgather's wire (the cost model's)."""
+        """``(value, index)`` bytes a pair counts for in the cost model (whether a bucket goes
+        dense, which family moves fewest bytes). With compact pairs those of 16-bit values:
+        compact changes how a sparse bucket travels, not whether it travels sparse. Costed at
+        its own ~2.4 bytes, a pair would be cheaper than a dense fp16 ring at every density,
+        and the recipe's dense start (``warmup_density=1.0``) would run sparse; measured on
+        the GPT example, that cost quality early and in one seed of three at the end
+        (docs/adamw.md, "Compact pairs")."""
         if self.compact:
-            return CompactPairs.value_itemsize, plan.compact().index_itemsize
+            return 2, plan.layout.index_itemsize
         return plan.layout.value_itemsize, plan.layout.index_itemsize
 
     def message_nbytes(self, plan):
