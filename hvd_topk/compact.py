@@ -32,6 +32,8 @@ hierarchical exchange runs it, so both keep the wide pairs (and refuse ``compact
 
 import torch
 
+from hvd_topk import native
+
 LEVELS = 126  # codes 1..127 span the band's log-width in 126 steps
 _ALIGN = 8
 
@@ -66,6 +68,7 @@ class CompactPairs:
         self.nbytes = (offset + _ALIGN - 1) // _ALIGN * _ALIGN
         self._send = self._wide = None  # reusable buffers (one exchange of this plan at a time)
         self._device = torch.device("cpu")
+        self._slots = torch.tensor(plan.slots, dtype=torch.int64)  # each segment's pairs (native)
 
     def _on(self, device):
         if device != self._device:
@@ -83,16 +86,19 @@ class CompactPairs:
         ``out=False``, or this plan's reusable one). ``residual`` (flat, the buffer the pairs were
         selected from, their entries already zeroed): receives value - what arrives."""
         values, indices = self.wide.views(message)
-        index = indices.long()
-        if self.count > 1 and not bool((index[1:] >= index[:-1]).all()):
-            index, order = torch.sort(index, stable=True)  # the torch-ops selection's order
-            values = values[order]
         if out is None:
             if self._send is None or self._send.device != message.device:
                 self._send = torch.empty(self.nbytes, dtype=torch.uint8, device=message.device)
             out = self._send
         elif out is False:
             out = torch.empty(self.nbytes, dtype=torch.uint8, device=message.device)
+        lib = _native(values, residual)
+        if lib is not None and self._pack_native(lib, values, indices, out, residual):
+            return out
+        index = indices.long()
+        if self.count > 1 and not bool((index[1:] >= index[:-1]).all()):
+            index, order = torch.sort(index, stable=True)  # the torch-ops selection's order
+            values = values[order]
         band, high, low, code = self._views(out.view(1, -1))
         segment = self._on(message.device)
         magnitude = values.double().abs()
@@ -128,11 +134,6 @@ class CompactPairs:
         if gathered.numel() != world * self.nbytes:
             raise ValueError(f"gathered {gathered.numel()} bytes, expected {world} ranks x {self.nbytes} "
                              "bytes: ranks disagree on the tensor being exchanged")
-        band, high, low, code = self._views(gathered.view(world, self.nbytes))
-        bitmap = unpack_bits(high, self.high_bits)
-        if bool((bitmap.sum(dim=1) != self.count).any()):
-            raise RuntimeError("received index bitmaps do not hold the pairs sent: ranks disagree on the "
-                               "tensors being exchanged")
         device = gathered.device
         if out is None:
             if self._wide is None or self._wide.numel() != world * self.wide.nbytes or self._wide.device != device:
@@ -141,6 +142,15 @@ class CompactPairs:
         elif out is False:
             out = torch.zeros(world * self.wide.nbytes, dtype=torch.uint8, device=device)
         values, indices = self.wide.unpack(out, world)
+        lib = _native(values)
+        if lib is not None:
+            self._unpack_native(lib, gathered, world, values, indices)
+            return out
+        band, high, low, code = self._views(gathered.view(world, self.nbytes))
+        bitmap = unpack_bits(high, self.high_bits)
+        if bool((bitmap.sum(dim=1) != self.count).any()):
+            raise RuntimeError("received index bitmaps do not hold the pairs sent: ranks disagree on the "
+                               "tensors being exchanged")
         position = bitmap.nonzero()[:, 1].view(world, self.count)  # row-major: each row in order
         index = (position - torch.arange(self.count, device=device)) << self.low_bits
         if self.low_bits:
@@ -149,6 +159,30 @@ class CompactPairs:
         indices.copy_(index)
         values.copy_(self._dequantise(code, band, self._on(device).unsqueeze(0)))
         return out
+
+    def _pack_native(self, lib, values, indices, out, residual):
+        """The native pack (CPU float32); False when the pairs are not sorted (nothing written)."""
+        p = self._parts
+        base = out.data_ptr()
+        done = lib.hvdtk_compact_pack_f32(
+            values.data_ptr(), indices.data_ptr(), indices.element_size(), self.count, self._slots.data_ptr(),
+            self.segments, self.low_bits, base + p["band"].start, base + p["high"].start,
+            p["high"].stop - p["high"].start, base + p["low"].start, p["low"].stop - p["low"].start,
+            base + p["code"].start, residual.data_ptr() if residual is not None else None)
+        if done < 0:
+            return False
+        out[self._used:].zero_()
+        return True
+
+    def _unpack_native(self, lib, gathered, world, values, indices):
+        p = self._parts
+        bad = lib.hvdtk_compact_unpack_f32(
+            gathered.data_ptr(), world, self.nbytes, p["band"].start, p["high"].start, self.high_bits,
+            p["low"].start, p["code"].start, self.count, self._slots.data_ptr(), self.segments, self.low_bits,
+            values.data_ptr(), indices.data_ptr(), indices.element_size(), values.stride(0) * 4)
+        if bad:
+            raise RuntimeError(f"rank {bad - 1}'s index bitmap does not hold the pairs sent: ranks disagree on "
+                               "the tensors being exchanged")
 
     @staticmethod
     def _dequantise(code, band, segment):
@@ -161,6 +195,16 @@ class CompactPairs:
         magnitude = torch.where(level == 1, lo, torch.where(level == LEVELS + 1, hi, magnitude))
         magnitude = torch.where(level == 0, 0.0, magnitude)
         return torch.where(code >= 128, -magnitude, magnitude)
+
+
+def _native(values, residual=None):
+    """The native library where it handles these pairs (CPU, float32 values and residual)."""
+    if values.device.type != "cpu" or values.dtype != torch.float32 or values.stride(-1) != 1:
+        return None
+    if residual is not None and (residual.dtype != torch.float32 or residual.device.type != "cpu"
+                                 or not residual.is_contiguous()):
+        return None
+    return native.library()
 
 
 def low_bits(n, k):

@@ -8,8 +8,20 @@ import numpy as np
 import pytest
 import torch
 
-from hvd_topk import codec, compact, wire
+from hvd_topk import codec, compact, native, wire
 from reference import compact_round_trip
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def path(request, monkeypatch):
+    """Every test on both paths: the native pack/unpack (CPU float32) and the torch ops (CUDA,
+    float64, no compiler)."""
+    if request.param == "native":
+        if native.library() is None:
+            pytest.skip(f"native kernel unavailable: {native.unavailable_reason()}")
+    else:
+        monkeypatch.setattr(compact, "_native", lambda *args: None)
+    return request.param
 
 
 def _plan(sizes, ks):

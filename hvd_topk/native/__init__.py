@@ -21,7 +21,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("topk.cpp")
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 _lock = threading.Lock()
 _lib = None
@@ -81,6 +81,12 @@ def _declare(lib):
         fn = getattr(lib, name)
         fn.argtypes = [p, p, i64]
         fn.restype = i64
+    fn = lib.hvdtk_compact_pack_f32
+    fn.argtypes = [p, p, i32, i64, p, i64, i32, p, p, i64, p, i64, p, p]
+    fn.restype = i64
+    fn = lib.hvdtk_compact_unpack_f32
+    fn.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, i64, p, i64, i32, p, p, i32, i64]
+    fn.restype = i64
     lib.hvdtk_abi_version.restype = i32
     if lib.hvdtk_abi_version() != ABI_VERSION:
         raise RuntimeError("stale native library: ABI version mismatch")

@@ -654,6 +654,133 @@ int64_t take_dispatch(T* x, int64_t n, const void* idx, int index_bytes, int64_t
   return take_impl(x, n, (const int64_t*)idx, k, out, zero);
 }
 
+
+// ---- Compact pairs (hvd_topk/compact.py): Elias-Fano indices, 8-bit log-scale values ------------
+// The layout and the rules are compact.py's (its torch-ops path is the reference for these
+// two functions): a segment's band [lo, hi] (float32), level 0 zero, 1..127 log-uniform over
+// the band (1 is lo, 127 hi, inf/nan 127), a sign bit on top; the indices' low L bits packed
+// LSB first, their high parts as bit (index >> L) + i of a bitmap.
+constexpr int kCompactLevels = 126;
+
+// The 128 magnitudes a segment's levels stand for, from its band as the receivers read it.
+void compact_table(float lo_f, float hi_f, double* table) {
+  const double lo = lo_f, hi = hi_f, log_lo = std::log(lo), width = std::log(hi / lo);
+  table[0] = 0.0;
+  for (int l = 2; l < 127; ++l) table[l] = std::exp(log_lo + (double)(l - 1) / kCompactLevels * width);
+  table[1] = lo;
+  table[127] = hi;
+}
+
+template <typename I>
+int64_t compact_pack_impl(const float* val, const I* idx, int64_t k, const int64_t* slots, int64_t nseg, int low_bits,
+                          float* band, uint8_t* high, int64_t high_bytes, uint8_t* low, int64_t low_bytes,
+                          uint8_t* code, float* residual) {
+  for (int64_t i = 1; i < k; ++i)
+    if (idx[i] < idx[i - 1]) return -1;  // not sorted: the caller sorts and calls again
+  std::memset(high, 0, (size_t)high_bytes);
+  std::memset(low, 0, (size_t)low_bytes);
+  const uint64_t mask = low_bits ? ((uint64_t)1 << low_bits) - 1 : 0;
+  double table[128];
+  for (int64_t s = 0; s < nseg; ++s) {
+    const int64_t a = slots[s], b = slots[s + 1];
+    double hi = 0.0, lo = INFINITY;
+    bool nan = false, inf = false;
+    for (int64_t i = a; i < b; ++i) {
+      const double m = std::fabs((double)val[i]);
+      if (std::isnan(m)) nan = true;
+      else if (std::isinf(m)) inf = true;
+      else {
+        if (m > hi) hi = m;
+        if (m > 0.0 && m < lo) lo = m;
+      }
+    }
+    band[2 * s] = (float)lo;
+    band[2 * s + 1] = nan ? NAN : (inf ? INFINITY : (float)hi);
+    const double lo_d = band[2 * s], log_lo = std::log(lo_d), width = std::log((double)band[2 * s + 1] / lo_d);
+    compact_table(band[2 * s], band[2 * s + 1], table);
+    for (int64_t i = a; i < b; ++i) {
+      const float v = val[i];
+      const double m = std::fabs((double)v);
+      int level;
+      if (!std::isfinite(m)) level = 127;
+      else if (m == 0.0) level = 0;
+      else if (width == 0.0) level = 1;
+      else {
+        const double step = std::nearbyint((std::log(m) - log_lo) / width * kCompactLevels);
+        level = std::isnan(step) ? 1 : (int)std::min(std::max(step, 0.0), (double)kCompactLevels) + 1;
+      }
+      const bool negative = std::signbit(v);
+      code[i] = (uint8_t)(level | (negative ? 128 : 0));
+      if (residual) {
+        // the positions are far apart in a large residual: fetch ahead, as take_impl does
+        if (i + kAhead < b) __builtin_prefetch(residual + idx[i + kAhead], 1);
+        const float arrives = (float)(negative ? -table[level] : table[level]);
+        const float lost = v - arrives;
+        if (std::isfinite(lost)) residual[idx[i]] += lost;
+      }
+    }
+  }
+  for (int64_t i = 0; i < k; ++i) {
+    const uint64_t x = (uint64_t)idx[i];
+    const uint64_t pos = (x >> low_bits) + (uint64_t)i;
+    high[pos >> 3] |= (uint8_t)(1u << (pos & 7));
+    if (low_bits) {
+      const uint64_t o = (uint64_t)i * (uint64_t)low_bits;
+      const int shift = (int)(o & 7);
+      const uint64_t bits = (x & mask) << shift;
+      for (int b = 0; b < low_bits + shift; b += 8) low[(o >> 3) + (b >> 3)] |= (uint8_t)(bits >> b);
+    }
+  }
+  return 0;
+}
+
+template <typename I>
+int64_t compact_unpack_impl(const uint8_t* rows, int64_t world, int64_t row_bytes, int64_t band_at, int64_t high_at,
+                            int64_t high_bits, int64_t low_at, int64_t code_at, int64_t k, const int64_t* slots,
+                            int64_t nseg, int low_bits, float* val, I* idx, int64_t out_row) {
+  const uint64_t mask = low_bits ? ((uint64_t)1 << low_bits) - 1 : 0;
+  const int64_t high_bytes = (high_bits + 7) / 8;
+  double table[128];
+  for (int64_t r = 0; r < world; ++r) {
+    const uint8_t* row = rows + r * row_bytes;
+    const uint8_t *high = row + high_at, *low = row + low_at, *code = row + code_at;
+    float* v = (float*)((char*)val + r * out_row);
+    I* out = (I*)((char*)idx + r * out_row);
+    int64_t i = 0;
+    for (int64_t byte = 0; byte < high_bytes; ++byte) {
+      unsigned bits = high[byte];
+      while (bits) {
+        const int64_t pos = byte * 8 + __builtin_ctz(bits);
+        bits &= bits - 1;
+        if (pos >= high_bits || i >= k) return r + 1;
+        out[i] = (I)((uint64_t)(pos - i) << low_bits);
+        ++i;
+      }
+    }
+    if (i != k) return r + 1;
+    if (low_bits) {
+      for (int64_t j = 0; j < k; ++j) {
+        const uint64_t o = (uint64_t)j * (uint64_t)low_bits;
+        const int shift = (int)(o & 7);
+        uint64_t bits = 0;
+        for (int b = 0; b < low_bits + shift; b += 8) bits |= (uint64_t)low[(o >> 3) + (b >> 3)] << b;
+        out[j] = (I)((uint64_t)out[j] | ((bits >> shift) & mask));
+      }
+    }
+    float bands[2];
+    for (int64_t s = 0; s < nseg; ++s) {
+      std::memcpy(bands, row + band_at + 8 * s, 8);
+      compact_table(bands[0], bands[1], table);
+      for (int64_t j = slots[s]; j < slots[s + 1]; ++j) {
+        const uint8_t c = code[j];
+        const double m = table[c & 127];
+        v[j] = (float)((c & 128) ? -m : m);
+      }
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -696,7 +823,34 @@ int64_t hvdtk_take_f64(double* x, int64_t n, const void* idx, int index_bytes, i
   return take_dispatch(x, n, idx, index_bytes, k, out, zero);
 }
 
-int hvdtk_abi_version() { return 8; }
+
+// Compact pairs (hvd_topk/compact.py). Pack one rank's sorted float32 pairs; with residual, add
+// what each value's rounding took back into it. Returns -1 (nothing written) when the indices
+// are not sorted.
+int64_t hvdtk_compact_pack_f32(const float* val, const void* idx, int index_bytes, int64_t k, const int64_t* slots,
+                               int64_t nseg, int low_bits, float* band, uint8_t* high, int64_t high_bytes,
+                               uint8_t* low, int64_t low_bytes, uint8_t* code, float* residual) {
+  if (index_bytes == 4)
+    return compact_pack_impl(val, (const int32_t*)idx, k, slots, nseg, low_bits, band, high, high_bytes, low,
+                             low_bytes, code, residual);
+  return compact_pack_impl(val, (const int64_t*)idx, k, slots, nseg, low_bits, band, high, high_bytes, low,
+                           low_bytes, code, residual);
+}
+
+// Unpack `world` compact rows into wide pairs (float32 values, int32/int64 indices; out_row
+// bytes between rows). Returns 0, or 1 + the first row whose bitmap does not hold k pairs.
+int64_t hvdtk_compact_unpack_f32(const uint8_t* rows, int64_t world, int64_t row_bytes, int64_t band_at,
+                                 int64_t high_at, int64_t high_bits, int64_t low_at, int64_t code_at, int64_t k,
+                                 const int64_t* slots, int64_t nseg, int low_bits, float* val, void* idx,
+                                 int index_bytes, int64_t out_row) {
+  if (index_bytes == 4)
+    return compact_unpack_impl(rows, world, row_bytes, band_at, high_at, high_bits, low_at, code_at, k, slots, nseg,
+                               low_bits, val, (int32_t*)idx, out_row);
+  return compact_unpack_impl(rows, world, row_bytes, band_at, high_at, high_bits, low_at, code_at, k, slots, nseg,
+                             low_bits, val, (int64_t*)idx, out_row);
+}
+
+int hvdtk_abi_version() { return 9; }
 
 // Segmented selection in one call (a fusion bucket's tensors, k each); see segments_impl.
 // Returns the number of pairs written (the sum of min(ks[s], segment size)).
