@@ -106,7 +106,8 @@ class CompactPairs:
         sent = magnitude > 0
         hi = torch.zeros(self.segments, dtype=torch.float64, device=message.device)
         hi.scatter_reduce_(0, segment, magnitude, "amax")  # nan and inf win: the band turns non-finite
-        lo = torch.full_like(hi, float("inf")).scatter_reduce_(0, segment, torch.where(sent & finite, magnitude, float("inf")), "amin")
+        smallest = torch.where(sent & finite, magnitude, float("inf"))  # zeros and inf/nan left out
+        lo = torch.full_like(hi, float("inf")).scatter_reduce_(0, segment, smallest, "amin")
         band[0, :, 0], band[0, :, 1] = lo, hi
         lo, hi = band[0, :, 0].double(), band[0, :, 1].double()  # what the receivers will read
         log_lo, width = torch.log(lo)[segment], torch.log(hi / lo)[segment]

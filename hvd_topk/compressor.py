@@ -173,12 +173,14 @@ class TopK(Compressor):
             ``hvd_topk.DistributedOptimizer`` a bucket sent dense is then sent in float16 too.
         compact: send about 2.4 bytes a pair (an Elias-Fano index of about 2 + log2(1/density)
             bits and a sign + 7-bit log-scale value, ``hvd_topk.compact``) instead of 8 (or 6
-            with ``fp16_values``): 2.5x the entries in 16-bit values' bytes at 0.25%. Each value arrives within a factor (largest / smallest sent
-            magnitude of its tensor) ** (1/252) of itself; ``hvd_topk.DistributedOptimizer``
-            feeds that rounding back into the residual, this drop-in path loses it. The
-            allgather's format only: the optimizer then refuses ``exchange="sparse_allreduce"``
-            and ``hierarchical=True``, ``"auto"`` tries the allgather and dense, and a bucket
-            sent dense (the dense fallback, a dense start) goes in float16 as with ``fp16_values``.
+            with ``fp16_values``): 2.5x the entries in 16-bit values' bytes at 0.25%. Each value
+            arrives within a factor (largest / smallest sent magnitude of its tensor) ** (1/252)
+            of itself; ``hvd_topk.DistributedOptimizer`` feeds that rounding back into the
+            residual, this drop-in path loses it. The allgather's format only: the optimizer
+            then refuses ``exchange="sparse_allreduce"`` and ``hierarchical=True``, ``"auto"``
+            tries the allgather and dense, and a bucket sent dense (the dense fallback, a dense
+            start) goes in float16 as with ``fp16_values``; which buckets go dense is decided
+            as with ``fp16_values``.
     """
 
     DEFAULT_DENSITY = 0.01
