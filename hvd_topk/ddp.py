@@ -88,9 +88,9 @@ class TopKState:
         compact (False): send about 2.4 bytes a pair (``hvd_topk.compact``: an Elias-Fano index
             and an 8-bit log-scale value, the rounding fed back into the residual): 2.5x the
             entries in 16-bit values' bytes, which is what quality at a small byte budget
-            depends on. The
-            allgather's format: ``exchange="sparse_allreduce"`` is then refused, ``"auto"``
-            tries the allgather and dense only, and the dense fallback runs in float16.
+            depends on. The allgather's format: ``exchange="sparse_allreduce"`` is then
+            refused, ``"auto"`` tries the allgather and dense only, and the dense fallback runs
+            in float16.
         min_numel (1024): tensors with fewer elements are averaged densely (biases, norms:
             cheap and sensitive).
         residual_decay (1.0): multiply every residual by this each step before the gradient is
