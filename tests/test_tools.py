@@ -222,3 +222,19 @@ def test_resnet50_and_bert_base_shapes():
     assert shapes.model_shapes("bert-base") == b
     with pytest.raises(ValueError):
         shapes.model_shapes("gpt")
+
+
+def test_gpt2_small_shapes():
+    """GPT-2 small's published size: 124,439,808 parameters (the head tied to the embedding),
+    counted by hand: 50,257 x 768 + 1,024 x 768, 12 blocks of (4 x 768 for two LayerNorms, 768 x 2,304
+    + 2,304, 768 x 768 + 768, 768 x 3,072 + 3,072, 3,072 x 768 + 768), and the final LayerNorm's 2 x 768."""
+    g = shapes.gpt2_small_shapes()
+    block = 4 * 768 + (768 * 2304 + 2304) + (768 * 768 + 768) + (768 * 3072 + 3072) + (3072 * 768 + 768)
+    assert shapes.numel(g) == 50257 * 768 + 1024 * 768 + 12 * block + 2 * 768 == 124_439_808
+    assert (len(g), shapes.numel(g)) == (shapes.GPT2_SMALL["tensors"], shapes.GPT2_SMALL["numel"]) == (148, 124_439_808)
+    named = dict(shapes.gpt2_small_named_shapes())
+    assert named["transformer.wte.weight"] == (50257, 768)
+    assert named["transformer.h.11.mlp.c_proj.weight"] == (3072, 768)
+    assert shapes.model_shapes("gpt2-small") == g
+    with pytest.raises(ValueError):
+        shapes.model_shapes("gpt")

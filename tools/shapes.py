@@ -1,17 +1,20 @@
-"""Parameter shapes of two reference models, for benchmarks that need realistic gradient layouts
+"""Parameter shapes of three reference models, for benchmarks that need realistic gradient layouts
 without building the models (no torchvision or transformers needed).
 
 - ``resnet50_shapes()``: torchvision's ``resnet50()``, 161 tensors, 25,557,032 values.
 - ``bert_base_shapes()``: Hugging Face ``BertModel`` for ``bert-base-uncased`` (embeddings,
   12 encoder layers, pooler; no pre-training heads), 199 tensors, 109,482,240 values.
+- ``gpt2_small_shapes()``: Hugging Face ``GPT2LMHeadModel`` for ``gpt2`` (124M; the head tied to
+  the token embedding, so not a tensor of its own), 148 tensors, 124,439,808 values.
 
-Both in ``named_parameters()`` order: the order a backward pass reaches them is roughly the reverse.
+All in ``named_parameters()`` order: the order a backward pass reaches them is roughly the reverse.
 """
 
 import math
 
 RESNET50 = {"tensors": 161, "numel": 25_557_032}
 BERT_BASE = {"tensors": 199, "numel": 109_482_240}
+GPT2_SMALL = {"tensors": 148, "numel": 124_439_808}
 
 
 def resnet50_shapes():
@@ -57,11 +60,33 @@ def bert_base_shapes():
     return [shape for _, shape in bert_base_named_shapes()]
 
 
-MODELS = {"resnet50": resnet50_shapes, "bert-base": bert_base_shapes}
+def gpt2_small_named_shapes(vocab=50257, positions=1024, width=768, layers=12):
+    """``[(name, shape)]`` of Hugging Face's GPT2LMHeadModel (``gpt2`` by default), in
+    named_parameters() order; its Conv1D weights are (in_features, out_features)."""
+    w = width
+    out = [("transformer.wte.weight", (vocab, w)), ("transformer.wpe.weight", (positions, w))]
+    for i in range(layers):
+        pre = f"transformer.h.{i}."
+        out += [(f"{pre}ln_1.weight", (w,)), (f"{pre}ln_1.bias", (w,)),
+                (f"{pre}attn.c_attn.weight", (w, 3 * w)), (f"{pre}attn.c_attn.bias", (3 * w,)),
+                (f"{pre}attn.c_proj.weight", (w, w)), (f"{pre}attn.c_proj.bias", (w,)),
+                (f"{pre}ln_2.weight", (w,)), (f"{pre}ln_2.bias", (w,)),
+                (f"{pre}mlp.c_fc.weight", (w, 4 * w)), (f"{pre}mlp.c_fc.bias", (4 * w,)),
+                (f"{pre}mlp.c_proj.weight", (4 * w, w)), (f"{pre}mlp.c_proj.bias", (w,))]
+    out += [("transformer.ln_f.weight", (w,)), ("transformer.ln_f.bias", (w,))]
+    return out
+
+
+def gpt2_small_shapes():
+    """The 148 parameter shapes of GPT-2 small (124M), in named_parameters() order."""
+    return [shape for _, shape in gpt2_small_named_shapes()]
+
+
+MODELS = {"resnet50": resnet50_shapes, "bert-base": bert_base_shapes, "gpt2-small": gpt2_small_shapes}
 
 
 def model_shapes(name):
-    """Shapes of ``"resnet50"`` or ``"bert-base"``."""
+    """Shapes of ``"resnet50"``, ``"bert-base"`` or ``"gpt2-small"``."""
     try:
         return MODELS[name]()
     except KeyError:
