@@ -143,12 +143,12 @@ fi
 
 # ---- 6. byte-compile ------------------------------------------------------------------------
 # pip ran with --no-compile (section 2), so Python compiles each module when it is first imported
-# and caches the result, unless PYTHONDONTWRITEBYTECODE is set (it is on some CI machines and on
-# ours): then every process compiles torch again (import torch 3.3 s instead of 1.5 s), and
-# make test starts several hundred. compileall writes the caches whatever that variable says,
-# and skips those already up to date (about 15 s the first time, 4 s after). Some packages ship
-# files that are not meant to compile (templates); compileall skips them and exits 1, so its
-# status says nothing here.
+# and caches the result, unless PYTHONDONTWRITEBYTECODE is set (it is on the machines this
+# project is developed and tested on): then every process compiles torch again (import torch
+# 3.3 s instead of 1.5 s), and make test starts several hundred. compileall writes the caches
+# whatever that variable says, and skips those already up to date (about 15 s the first time,
+# 4 s after). Some packages ship files that are not meant to compile (templates); compileall
+# skips them and exits 1, so its status says nothing here.
 SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 log "byte-compiling $SITE"
 "$PY" -m compileall -q -j 0 "$SITE" >/dev/null 2>&1 || true
