@@ -13,6 +13,8 @@ over AdamW), ``fp16`` (its fp16 compression), ``old`` (hvd_topk.DistributedOptim
 LocalAdamW as before 2026-11-25: own variance, lr applied at send time) and ``recipe`` (today's
 LocalAdamW: global variance, lr in the residual), both Top-K at ``--density`` with the allgather
 (pinned, as the quality runs) and no dense start: the timed steps are the steady state.
+``recipe16`` is the recipe with 16-bit values (the recommended scheme); ``compact`` the scheme at
+0.1%'s bytes (compact pairs at 0.25% whatever ``--density`` says, ``residual_decay=0.99``).
 
 Part 2, modelled (labelled so in the report): time to reach dense AdamW's mean validation loss
 at N/2 and at N steps of the example = steps to target (from ``--convergence`` files, mean over
@@ -45,11 +47,13 @@ sys.path.insert(0, str(HERE))
 import _common as common  # noqa: E402
 
 GPT2_SMALL = dict(vocab=50257, positions=1024, width=768, layers=12, heads=12)
-METHODS = ("none", "dense", "fp16", "old", "recipe", "recipe16")
+METHODS = ("none", "dense", "fp16", "old", "recipe", "recipe16", "compact")
 LABELS = {"none": "no exchange (AdamW)", "dense": "Horovod dense fp32", "fp16": "Horovod fp16",
           "old": "hvd_topk, LocalAdamW as before", "recipe": "hvd_topk, LocalAdamW recipe",
-          "recipe16": "hvd_topk, the recommended scheme (the recipe, 16-bit values)"}
-TOPK_METHODS = ("old", "recipe", "recipe16")
+          "recipe16": "hvd_topk, the recommended scheme (the recipe, 16-bit values)",
+          "compact": "hvd_topk, 0.1%'s bytes: compact pairs at 0.25%, residual_decay=0.99"}
+TOPK_METHODS = ("old", "recipe", "recipe16", "compact")
+COMPACT_DENSITY = 0.0025  # "compact" runs at its own density, whatever --density says (docs/adamw.md)
 
 
 def build_gpt2_small(torch, vocab, positions, width, layers, heads):
@@ -99,6 +103,10 @@ def make(method, model, density, hvd, hvd_topk, torch):
         return hvd.DistributedOptimizer(inner, named_parameters=named, compression=comp)
     new = method != "old"
     inner = hvd_topk.LocalAdamW(groups, lr=3e-4, betas=(0.0, 0.95), lr_in_residual=new, global_variance=new)
+    if method == "compact":
+        return hvd_topk.DistributedOptimizer(inner, named_parameters=named, exchange="allgather",
+                                             compression=hvd_topk.TopK(density=COMPACT_DENSITY, compact=True),
+                                             residual_decay=0.99)
     return hvd_topk.DistributedOptimizer(inner, named_parameters=named, exchange="allgather",
                                          compression=hvd_topk.TopK(density=density, fp16_values=method == "recipe16"))
 
