@@ -286,7 +286,7 @@ def main(argv=None):
     ap.add_argument("--recipe-config", default="gv-1%")
     ap.add_argument("--start-dense-steps", type=float, default=35.5,
                     help="dense-step equivalents of the dense start (bytes of the 1000-step runs: "
-                         "(6.24% x 1000 - 2.79% x 1000) / (100% - 2.79%))")
+                         "(6.24%% x 1000 - 2.79%% x 1000) / (100%% - 2.79%%))")
     ap.add_argument("--render", type=Path, metavar="JSON",
                     help="only redo the report of an earlier run (its measured part) with these --convergence files")
     ap.add_argument("--render-to", type=Path, metavar="PREFIX",
