@@ -12,6 +12,7 @@ fresh one every step): the median and the slowest call (ms), and the most passes
 One thread; selection zeroes nothing here, so every call sees the same tensor.
 """
 
+import argparse
 import statistics
 import sys
 import time
@@ -23,7 +24,8 @@ from hvd_topk import selection
 ROWS, WIDTH, DENSITY = 50257, 768, 0.01
 
 
-def main():
+def main(argv=None):
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     torch.set_num_threads(1)
     n = ROWS * WIDTH
     k = int(n * DENSITY)

@@ -238,3 +238,18 @@ def test_gpt2_small_shapes():
     assert shapes.model_shapes("gpt2-small") == g
     with pytest.raises(ValueError):
         shapes.model_shapes("gpt")
+
+
+# ---- every benchmark's command line ------------------------------------------------------------
+BENCHMARKS = sorted(p.name for p in (REPO / "benchmarks").glob("*.py") if not p.name.startswith("_"))
+
+
+@pytest.mark.parametrize("script", BENCHMARKS)
+def test_benchmark_help_runs(script):
+    """``--help`` prints the usage and exits 0: argparse formats help strings with %, so a bare
+    percent sign in one (a density, a byte ratio) crashes it, and only for the user who asks."""
+    import subprocess
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--help"], capture_output=True,
+                         text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("usage: "), out.stdout[:200]
