@@ -3,12 +3,12 @@
 pack (with the rounding fed back into the residual) and unpack of P ranks' messages, native
 and torch ops, against the wide message's size and the decode that follows either way.
 
-One bucket of ResNet-50's sparse tensors (the 76 of its 161 with >= 1024 entries: 25.5M
-entries, float32), its pairs selected by the native kernel from a normal residual at each
-density, as the optimizer selects them. A micro-benchmark of the format's two extra steps,
+One bucket of a model's sparse tensors (``--model``; ResNet-50: the 76 of its 161 with >= 1024
+entries, 25.5M entries, float32; GPT-2-small: 74 of 148, 124.4M), its pairs selected by the
+native kernel from a normal residual at each density, as the optimizer selects them. A micro-benchmark of the format's two extra steps,
 not a training step (``benchmarks/ddp_hooks.py --methods ... topk-compact`` times those).
 
-    .venv/bin/python benchmarks/compact_pairs.py [--repeat 20]
+    .venv/bin/python benchmarks/compact_pairs.py [--repeat 20] [--model gpt2-small]
 
 Prints a markdown table: median ms of ``--repeat`` calls, one thread.
 """
@@ -37,11 +37,12 @@ def median_ms(fn, repeat):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--model", default="resnet50", choices=sorted(common.MODELS))
     args = ap.parse_args()
     torch.set_num_threads(1)
-    sizes = [n for n in (math.prod(s) for s in common.resnet50_shapes()) if n >= 1024]
+    sizes = [n for n in (math.prod(s) for s in common.model_shapes(args.model)) if n >= 1024]
     print(common.summary(common.machine_info()))
-    print(f"\nResNet-50's {len(sizes)} sparse tensors in one bucket ({sum(sizes):,} fp32 entries); median of "
+    print(f"\n{args.model}'s {len(sizes)} sparse tensors in one bucket ({sum(sizes):,} fp32 entries); median of "
           f"{args.repeat} calls, one thread\n")
     print("| density | pairs | wide bytes (fp16 values) | compact bytes | path | pack ms | unpack ms, P=2 | P=8 | "
           "decode ms, P=2 (either format) |")
