@@ -103,12 +103,11 @@ def make(method, model, density, hvd, hvd_topk, torch):
         return hvd.DistributedOptimizer(inner, named_parameters=named, compression=comp)
     new = method != "old"
     inner = hvd_topk.LocalAdamW(groups, lr=3e-4, betas=(0.0, 0.95), lr_in_residual=new, global_variance=new)
-    if method == "compact":
-        return hvd_topk.DistributedOptimizer(inner, named_parameters=named, exchange="allgather",
-                                             compression=hvd_topk.TopK(density=COMPACT_DENSITY, compact=True),
-                                             residual_decay=0.99)
-    return hvd_topk.DistributedOptimizer(inner, named_parameters=named, exchange="allgather",
-                                         compression=hvd_topk.TopK(density=density, fp16_values=method == "recipe16"))
+    compact = method == "compact"
+    topk = hvd_topk.TopK(density=COMPACT_DENSITY if compact else density, fp16_values=method == "recipe16",
+                         compact=compact)
+    return hvd_topk.DistributedOptimizer(inner, named_parameters=named, exchange="allgather", compression=topk,
+                                         residual_decay=0.99 if compact else 1.0)
 
 
 def worker(args):

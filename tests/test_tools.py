@@ -4,6 +4,7 @@ names/addresses/host lists, the choice of leftovers to clean up by name prefix, 
 and the reference models' shapes."""
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -248,7 +249,6 @@ BENCHMARKS = sorted(p.name for p in (REPO / "benchmarks").glob("*.py") if not p.
 def test_benchmark_help_runs(script):
     """``--help`` prints the usage and exits 0: argparse formats help strings with %, so a bare
     percent sign in one (a density, a byte ratio) crashes it, and only for the user who asks."""
-    import subprocess
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--help"], capture_output=True,
                          text=True, timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
