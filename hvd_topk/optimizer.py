@@ -28,8 +28,9 @@ ADAM_WARNING = (
     "hvd_topk.DistributedOptimizer: Top-K with error feedback in front of plain torch.optim.{0} trains "
     "worse than dense (Adam normalises error feedback's late bursts away: +10.8% validation loss on "
     "docs/adamw.md's GPT). The recipe: inner = hvd_topk.LocalAdamW(params, lr, betas=(0.0, 0.95), "
-    "weight_decay=..., lr_in_residual=True, global_variance=True), wrapped with warmup_steps=100, "
-    "warmup_density=1.0 (docs/adamw.md).")
+    "weight_decay=...), wrapped as hvd_topk.DistributedOptimizer(inner, named_parameters, "
+    "compression=hvd_topk.TopK(density=0.01, fp16_values=True), warmup_steps=100, warmup_density=1.0) "
+    "(README.md, 'Transformers with AdamW').")
 
 # Optimizers are built in the same order on every rank, so this numbering names their
 # collectives alike everywhere and keeps two optimizers' messages apart.

@@ -376,7 +376,7 @@ def check_plain_adam_warns():
         return [str(w.message) for w in caught if "LocalAdamW" in str(w.message)]
     for cls in (torch.optim.Adam, torch.optim.AdamW):
         got = recipe_warnings(cls)
-        assert len(got) == 1 and f"torch.optim.{cls.__name__}" in got[0] and "global_variance=True" in got[0], got
+        assert len(got) == 1 and f"torch.optim.{cls.__name__}" in got[0] and "fp16_values=True" in got[0], got
     for make, kwargs in [(hvd_topk.LocalAdamW, {}), (lambda ps: torch.optim.SGD(ps, lr=0.1), {}),
                          (torch.optim.AdamW, {"error_feedback": False})]:
         assert recipe_warnings(make, **kwargs) == [], (make, kwargs)
