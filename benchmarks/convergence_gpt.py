@@ -138,6 +138,12 @@ CONFIGS = {
                     [*EF, "--adam", "demo", "--demo-normalise", "rms", "--density", "0.01", *START]),
     "gv-1%-lr1e-2-fp16v-bf16": ("hvd_topk 1%, the recommended scheme (recipe at lr 1e-2, 16-bit values) under bf16 autocast",
                                 [*GV, "--density", "0.01", *START, "--lr", "1e-2", "--fp16-values", "--amp", "bf16"]),
+    # the recommended scheme with the exchange `auto` may pick instead of the allgather (the
+    # sparse allreduce: each rank chooses the positions in one part of every bucket, fewer
+    # entries moved a step, each carrying every rank's work)
+    "gv-1%-lr1e-2-fp16v-sar": ("hvd_topk 1%, the recommended scheme (lr 1e-2, 16-bit values) over the sparse allreduce",
+                               [*GV, "--density", "0.01", *START, "--lr", "1e-2", "--fp16-values",
+                                "--exchange", "sparse_allreduce"]),
     "gv-1%-lr1.5e-2-fp16v": ("hvd_topk 1%, the recipe at lr 1.5e-2, 16-bit values",
                              [*GV, "--density", "0.01", *START, "--lr", "1.5e-2", "--fp16-values"]),
     "gv-1%-lr7e-3-fp16v": ("hvd_topk 1%, the recipe at lr 7e-3, 16-bit values",
