@@ -10,6 +10,7 @@ import re
 import pytest
 
 from mpi import REPO, run_mpi
+from readme import readme_python_block
 
 pytestmark = pytest.mark.distributed
 
@@ -31,12 +32,6 @@ if hvd.rank() == 0:
 """
 
 
-def readme_adamw_block():
-    text = (REPO / "README.md").read_text()
-    section = text.split("## Transformers with AdamW", 1)[1].split("\n## ", 1)[0]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
-
-
 def test_readme_adamw_block_is_make_demo_gpts_scheme():
     """The README's AdamW file and ``make demo-gpt`` show the same scheme (issue 26: both use
     the winner): its density, 16-bit values, dense start and learning rate."""
@@ -44,7 +39,7 @@ def test_readme_adamw_block_is_make_demo_gpts_scheme():
     demo = makefile.split("\ndemo-gpt:", 1)[1].split("\n\n", 1)[0]
     flag = lambda name: re.search(rf"--{name} (\S+)", demo).group(1)  # noqa: E731
     assert "--adam local" in demo and "--fp16-values" in demo, demo
-    block = readme_adamw_block()
+    block = readme_python_block("Transformers with AdamW")
     for piece in ("hvd_topk.LocalAdamW(", f"lr={flag('lr')}", "betas=(0.0, 0.95)",
                   f"TopK(density={flag('density')}, fp16_values=True)",
                   f"warmup_steps={flag('warmup-steps')}, warmup_density={flag('warmup-density')}"):
@@ -53,7 +48,7 @@ def test_readme_adamw_block_is_make_demo_gpts_scheme():
 
 def test_readme_adamw_lines_run_under_mpirun(tmp_path):
     script = tmp_path / "train.py"
-    script.write_text(readme_adamw_block() + CHECK)
+    script.write_text(readme_python_block("Transformers with AdamW") + CHECK)
     proc = run_mpi(2, str(script), timeout=240)
     check = re.search(r"parameter hashes (\w+) (\w+) trained ([0-9.]+) zero ([0-9.]+)", proc.stdout)
     assert check, proc.stdout

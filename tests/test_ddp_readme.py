@@ -9,15 +9,10 @@ import re
 
 import pytest
 
-from mpi import REPO, launch_mpi
+from mpi import launch_mpi
+from readme import readme_python_block
 
 pytestmark = pytest.mark.distributed
-
-
-def readme_ddp_block():
-    text = (REPO / "README.md").read_text()
-    section = text.split("## Without Horovod: torchrun + DDP", 1)[1].split("\n## ", 1)[0]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
 def torchrun(script, cwd):
@@ -36,7 +31,7 @@ def aborted_at_exit(proc):
 
 def test_readme_ddp_lines_run_under_torchrun(tmp_path):
     script = tmp_path / "train.py"
-    script.write_text(readme_ddp_block())
+    script.write_text(readme_python_block("Without Horovod: torchrun + DDP"))
     proc = torchrun(script, tmp_path)
     if proc.returncode != 0 and aborted_at_exit(proc):
         proc = torchrun(script, tmp_path)  # once more: the abort is torch's, at shutdown, and rare
