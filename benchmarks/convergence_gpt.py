@@ -146,6 +146,9 @@ CONFIGS = {
                                 "--exchange", "sparse_allreduce"]),
     "gv-1%-lr1.5e-2-fp16v": ("hvd_topk 1%, the recipe at lr 1.5e-2, 16-bit values",
                              [*GV, "--density", "0.01", *START, "--lr", "1.5e-2", "--fp16-values"]),
+    # long runs: the learning rate that grew with the length (1e-2 at 1000 steps, 1.5e-2 at 3000)
+    "gv-1%-lr2e-2-fp16v": ("hvd_topk 1%, the recipe at lr 2e-2, 16-bit values",
+                           [*GV, "--density", "0.01", *START, "--lr", "2e-2", "--fp16-values"]),
     # long runs: twice the pairs, for a byte budget a 100-step dense start no longer dominates
     "gv-2%-lr1.5e-2-fp16v": ("hvd_topk 2%, the recipe at lr 1.5e-2, 16-bit values",
                              [*GV, "--density", "0.02", *START, "--lr", "1.5e-2", "--fp16-values"]),
