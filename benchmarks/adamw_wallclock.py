@@ -15,6 +15,11 @@ LocalAdamW: global variance, lr in the residual), both Top-K at ``--density`` wi
 (pinned, as the quality runs) and no dense start: the timed steps are the steady state.
 ``recipe16`` is the recipe with 16-bit values (the recommended scheme); ``compact`` the scheme at
 0.1%'s bytes (compact pairs at 0.25% whatever ``--density`` says, ``residual_decay=0.99``).
+The other schemes of docs/adamw.md, as their quality runs ran them: ``demo`` (hvd_topk.DeMo,
+sign, beta 0.999, Top-K at ``--density``) and ``localsteps`` (hvd_topk.LocalSteps over AdamW,
+4 local steps, then the model change at 4 x ``--density`` with 16-bit values). A LocalSteps
+step exchanges only every 4th time, so its row is the *mean* over whole cycles (``--steps`` a
+multiple of 4), not the median, which would be a step without exchange.
 
 Part 2, modelled (labelled so in the report): time to reach dense AdamW's mean validation loss
 at N/2 and at N steps of the example = steps to target (from ``--convergence`` files, mean over
@@ -47,12 +52,15 @@ sys.path.insert(0, str(HERE))
 import _common as common  # noqa: E402
 
 GPT2_SMALL = dict(vocab=50257, positions=1024, width=768, layers=12, heads=12)
-METHODS = ("none", "dense", "fp16", "old", "recipe", "recipe16", "compact")
+METHODS = ("none", "dense", "fp16", "old", "recipe", "recipe16", "compact", "demo", "localsteps")
 LABELS = {"none": "no exchange (AdamW)", "dense": "Horovod dense fp32", "fp16": "Horovod fp16",
           "old": "hvd_topk, LocalAdamW as before", "recipe": "hvd_topk, LocalAdamW recipe",
           "recipe16": "hvd_topk, the recommended scheme (the recipe, 16-bit values)",
-          "compact": "hvd_topk, 0.1%'s bytes: compact pairs at 0.25%, residual_decay=0.99"}
-TOPK_METHODS = ("old", "recipe", "recipe16", "compact")
+          "compact": "hvd_topk, 0.1%'s bytes: compact pairs at 0.25%, residual_decay=0.99",
+          "demo": "hvd_topk.DeMo (sign, beta 0.999)",
+          "localsteps": "hvd_topk.LocalSteps, H=4, 4x the density, 16-bit values (mean of whole cycles)"}
+TOPK_METHODS = ("old", "recipe", "recipe16", "compact", "demo", "localsteps")
+SYNC_EVERY = 4  # "localsteps": as its quality run (docs/adamw.md)
 COMPACT_DENSITY = 0.0025  # "compact" runs at its own density, whatever --density says (docs/adamw.md)
 
 
@@ -101,6 +109,14 @@ def make(method, model, density, hvd, hvd_topk, torch):
             return inner
         comp = hvd.Compression.none if method == "dense" else hvd.Compression.fp16
         return hvd.DistributedOptimizer(inner, named_parameters=named, compression=comp)
+    if method == "demo":
+        inner = hvd_topk.DeMo(groups, lr=3e-4, beta=0.999, normalise="sign")
+        return hvd_topk.DistributedOptimizer(inner, named_parameters=named, exchange="allgather",
+                                             compression=hvd_topk.TopK(density=density))
+    if method == "localsteps":
+        inner = torch.optim.AdamW(groups, lr=3e-4, betas=(0.9, 0.95))
+        return hvd_topk.LocalSteps(inner, named_parameters=named, sync_every=SYNC_EVERY, exchange="allgather",
+                                   compression=hvd_topk.TopK(density=SYNC_EVERY * density, fp16_values=True))
     new = method != "old"
     inner = hvd_topk.LocalAdamW(groups, lr=3e-4, betas=(0.0, 0.95), lr_in_residual=new, global_variance=new)
     compact = method == "compact"
@@ -148,7 +164,10 @@ def worker(args):
                 times.append(dt)
             say(f"  [{method}] step {step + 1}/{args.warmup + args.steps} {dt * 1e3:.0f} ms (rank 0), loss {loss.item():.3f}")
         agree = None if method == "none" else len(set(common.rank_sums(hvd, torch, params))) == 1
-        row = {"method": method, "label": LABELS[method], "P": size, **common.slowest_rank_ms(hvd, torch, times),
+        timing = common.slowest_rank_ms(hvd, torch, times)
+        if method == "localsteps":  # one exchange in SYNC_EVERY steps: the mean of whole cycles
+            timing["median_ms"] = statistics.mean(timing["step_ms_slowest_rank"])
+        row = {"method": method, "label": LABELS[method], "P": size, **timing,
                "params_identical_across_ranks": agree, "wall_s": time.time() - t_method,
                "parameters": n_params, "tensors": n_tensors}
         if method in TOPK_METHODS:
@@ -182,7 +201,8 @@ def to_target(report, args):
         targets = {"N/2": dense_at(steps // 2), "N": dense_at(steps)}
         reach = {}
         for config, method in ((args.old_config, "old"), (args.recipe_config, "recipe"),
-                               (args.recipe_config, "recipe16")):
+                               (args.recipe_config, "recipe16"), (args.demo_config, "demo"),
+                               (args.localsteps_config, "localsteps")):
             runs = [r for r in conv["runs"] if r["config"] == config]
             for key, target in targets.items():
                 got = [next((h["step"] for h in r["history"] if h["val_loss"] <= target), None) for r in runs]
@@ -229,7 +249,8 @@ def markdown(report):
         lines += [f"## Modelled: time to dense AdamW's loss, {t['steps']}-step schedule (`{Path(t['file']).name}`)", "",
                   f"Target config `{report['settings'].get('dense_config', 'dense')}`, Top-K rows from "
                   f"`{report['settings'].get('recipe_config', 'gv-1%')}` (the step time measured above for the "
-                  "recipe). "
+                  f"recipe), DeMo's from `{report['settings'].get('demo_config', '-')}`, LocalSteps' from "
+                  f"`{report['settings'].get('localsteps_config', '-')}`, where the file has them. "
                   f"Steps to target: mean over seeds of the first validation step at or below dense's mean loss at "
                   f"step {t['steps'] // 2} ({t['targets']['N/2']:.4f}) and {t['steps']} ({t['targets']['N']:.4f}). "
                   f"Time = steps x the measured median step, plus {start:g} dense steps' extra time for the Top-K "
@@ -249,12 +270,14 @@ def markdown(report):
                         continue
                     sec = steps * ms[method] / 1e3
                     if method in TOPK_METHODS:  # the dense start: fp16 with 16-bit values (its fallback)
-                        start_method = "fp16" if method == "recipe16" else "dense"
+                        start_method = "fp16" if method in ("recipe16", "localsteps") else "dense"
                         if start_method not in ms:
                             seconds[(method, key)] = None
                             cells[(method, key)] = f"needs {start_method}'s step (the dense start)"
                             continue
-                        sec += start * (ms[start_method] - ms[method]) / 1e3
+                        # LocalSteps' start is the same decay over a quarter of the exchanges
+                        exchanges = start / SYNC_EVERY if method == "localsteps" else start
+                        sec += exchanges * (ms[start_method] - ms[method]) / 1e3
                     seconds[(method, key)], cells[(method, key)] = sec, f"{sec / 60:.1f} min ({steps:.0f} steps)"
             for method in ("dense", "fp16", *TOPK_METHODS):
                 if cells[(method, "N/2")] == "-" and cells[(method, "N")] == "-":
@@ -283,6 +306,8 @@ def main(argv=None):
                     help="the --convergence files' config that sets the target (e.g. dense-lr1e-2)")
     ap.add_argument("--old-config", default="local-1%")
     ap.add_argument("--recipe-config", default="gv-1%")
+    ap.add_argument("--demo-config", default="demo-1%-lr3e-2", help="the --convergence files' DeMo runs")
+    ap.add_argument("--localsteps-config", default="ls4-4%-lr1e-2-fp16v", help="the --convergence files' LocalSteps runs")
     ap.add_argument("--start-dense-steps", type=float, default=35.5,
                     help="dense-step equivalents of the dense start (bytes of the 1000-step runs: "
                          "(6.24%% x 1000 - 2.79%% x 1000) / (100%% - 2.79%%))")
@@ -291,6 +316,8 @@ def main(argv=None):
     ap.add_argument("--render-to", type=Path, metavar="PREFIX",
                     help="with --render: write PREFIX.{json,md} instead of overwriting the earlier run's files")
     args = ap.parse_args(argv)
+    if "localsteps" in args.gpt_methods and args.steps % SYNC_EVERY:
+        ap.error(f"localsteps exchanges every {SYNC_EVERY} steps: --steps must be a multiple of {SYNC_EVERY}")
     if args.worker:
         worker(args)
         return
@@ -300,7 +327,8 @@ def main(argv=None):
         report["to_target"] = to_target(report, args)
         report["rendered_with"] = args.convergence
         report["rendered_command"] = "python benchmarks/adamw_wallclock.py " + " ".join(argv)
-        report["settings"].update(dense_config=args.dense_config, recipe_config=args.recipe_config)
+        report["settings"].update(dense_config=args.dense_config, recipe_config=args.recipe_config,
+                                  demo_config=args.demo_config, localsteps_config=args.localsteps_config)
         common.write_report(args.render_to or args.render.with_suffix(""), report, markdown(report))
         print(markdown(report))
         return
