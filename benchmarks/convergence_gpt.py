@@ -144,6 +144,10 @@ CONFIGS = {
     "gv-1%-lr1e-2-fp16v-sar": ("hvd_topk 1%, the recommended scheme (lr 1e-2, 16-bit values) over the sparse allreduce",
                                [*GV, "--density", "0.01", *START, "--lr", "1e-2", "--fp16-values",
                                 "--exchange", "sparse_allreduce"]),
+    # the recommended scheme with the residuals switched off: what error feedback is worth
+    "gv-noef-1%-lr1e-2-fp16v": ("hvd_topk 1%, the recommended scheme (lr 1e-2, 16-bit values) without error feedback",
+                                [*GV, "--density", "0.01", *START, "--lr", "1e-2", "--fp16-values",
+                                 "--no-error-feedback"]),
     "gv-1%-lr1.5e-2-fp16v": ("hvd_topk 1%, the recipe at lr 1.5e-2, 16-bit values",
                              [*GV, "--density", "0.01", *START, "--lr", "1.5e-2", "--fp16-values"]),
     # long runs: the learning rate that grew with the length (1e-2 at 1000 steps, 1.5e-2 at 3000)
