@@ -167,6 +167,7 @@ def worker(args):
         timing = common.slowest_rank_ms(hvd, torch, times)
         if method == "localsteps":  # one exchange in SYNC_EVERY steps: the mean of whole cycles
             timing["median_ms"] = statistics.mean(timing["step_ms_slowest_rank"])
+            timing["median_is"] = "the mean of whole cycles"
         row = {"method": method, "label": LABELS[method], "P": size, **timing,
                "params_identical_across_ranks": agree, "wall_s": time.time() - t_method,
                "parameters": n_params, "tensors": n_tensors}
