@@ -156,6 +156,11 @@ CONFIGS = {
     # long runs: twice the pairs, for a byte budget a 100-step dense start no longer dominates
     "gv-2%-lr1.5e-2-fp16v": ("hvd_topk 2%, the recipe at lr 1.5e-2, 16-bit values",
                              [*GV, "--density", "0.02", *START, "--lr", "1.5e-2", "--fp16-values"]),
+    # long runs: how much of the gap is the optimizer (LocalAdamW) and how much the compression
+    "gv-dense-lr1.5e-2": ("LocalAdamW (the recipe's optimizer) at lr 1.5e-2, dense exchange: no compression",
+                          ["--optimizer", "topk-ef", "--adam", "local", "--exchange", "dense", "--lr", "1.5e-2"]),
+    "gv-dense-lr1e-2": ("LocalAdamW (the recipe's optimizer) at lr 1e-2, dense exchange: no compression",
+                        ["--optimizer", "topk-ef", "--adam", "local", "--exchange", "dense", "--lr", "1e-2"]),
     "gv-1%-lr7e-3-fp16v": ("hvd_topk 1%, the recipe at lr 7e-3, 16-bit values",
                            [*GV, "--density", "0.01", *START, "--lr", "7e-3", "--fp16-values"]),
     "dense-lr1.5e-2": ("Horovod dense fp32, AdamW at lr 1.5e-2", ["--compression", "none", "--lr", "1.5e-2"]),
