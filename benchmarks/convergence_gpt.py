@@ -42,6 +42,7 @@ EF = ["--optimizer", "topk-ef", "--exchange", "allgather"]  # the exchange pinne
 GV = [*EF, "--adam", "local"]  # LocalAdamW's defaults since 2026-11-25: lr in the residual, global variance
 OLD = ["--no-lr-in-residual", "--no-global-variance"]  # LocalAdamW as it was before (the rows measured then)
 START = ["--warmup-steps", "100", "--warmup-density", "1.0"]  # the dense start
+GV_DENSE = ["--optimizer", "topk-ef", "--adam", "local", "--exchange", "dense"]  # LocalAdamW, no compression
 CONFIGS = {
     "dense": ("Horovod dense fp32", ["--compression", "none"]),
     "fp16": ("Horovod fp16", ["--compression", "fp16"]),
@@ -89,7 +90,7 @@ CONFIGS = {
     "local-dense": ("LocalAdamW (beta1 0), dense exchange: no compression",
                     ["--optimizer", "topk-ef", "--adam", "local", *OLD, "--exchange", "dense"]),
     "gv-dense": ("LocalAdamW (beta1 0), global variance, dense exchange: no compression",
-                 ["--optimizer", "topk-ef", "--adam", "local", "--exchange", "dense"]),
+                 GV_DENSE),
     "gv-1%": ("hvd_topk 1%, EF, LocalAdamW global variance + lr in residual, dense start over 100 steps",
               [*GV, "--density", "0.01", *START]),
     "gv-0.1%": ("hvd_topk 0.1%, EF, LocalAdamW global variance + lr in residual, dense start over 100 steps",
@@ -158,9 +159,9 @@ CONFIGS = {
                              [*GV, "--density", "0.02", *START, "--lr", "1.5e-2", "--fp16-values"]),
     # long runs: how much of the gap is the optimizer (LocalAdamW) and how much the compression
     "gv-dense-lr1.5e-2": ("LocalAdamW (the recipe's optimizer) at lr 1.5e-2, dense exchange: no compression",
-                          ["--optimizer", "topk-ef", "--adam", "local", "--exchange", "dense", "--lr", "1.5e-2"]),
+                          [*GV_DENSE, "--lr", "1.5e-2"]),
     "gv-dense-lr1e-2": ("LocalAdamW (the recipe's optimizer) at lr 1e-2, dense exchange: no compression",
-                        ["--optimizer", "topk-ef", "--adam", "local", "--exchange", "dense", "--lr", "1e-2"]),
+                        [*GV_DENSE, "--lr", "1e-2"]),
     "gv-1%-lr7e-3-fp16v": ("hvd_topk 1%, the recipe at lr 7e-3, 16-bit values",
                            [*GV, "--density", "0.01", *START, "--lr", "7e-3", "--fp16-values"]),
     "dense-lr1.5e-2": ("Horovod dense fp32, AdamW at lr 1.5e-2", ["--compression", "none", "--lr", "1.5e-2"]),
