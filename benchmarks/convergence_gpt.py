@@ -157,6 +157,12 @@ CONFIGS = {
     # long runs: twice the pairs, for a byte budget a 100-step dense start no longer dominates
     "gv-2%-lr1.5e-2-fp16v": ("hvd_topk 2%, the recipe at lr 1.5e-2, 16-bit values",
                              [*GV, "--density", "0.02", *START, "--lr", "1.5e-2", "--fp16-values"]),
+    # long runs: the dense start stretched over the learning-rate warm-up (10% of the run: 1000 steps
+    # at 10,000), where the 10,000-step gap opened; at 1000 steps this is the recipe's own start
+    "gv-1%-lr1.5e-2-fp16v-start1000": ("hvd_topk 1%, the recipe at lr 1.5e-2, 16-bit values, the dense start over "
+                                       "1000 steps",
+                                       [*GV, "--density", "0.01", "--warmup-steps", "1000", "--warmup-density", "1.0",
+                                        "--lr", "1.5e-2", "--fp16-values"]),
     # long runs: how much of the gap is the optimizer (LocalAdamW) and how much the compression
     "gv-dense-lr1.5e-2": ("LocalAdamW (the recipe's optimizer) at lr 1.5e-2, dense exchange: no compression",
                           [*GV_DENSE, "--lr", "1.5e-2"]),
