@@ -33,8 +33,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hvd_topk.ddp
-from gpt_model import (GPT, add_training_arguments, batches, check_training_arguments, evaluate, load_corpus,
-                       lr_at, split)
+from gpt_model import (GPT, add_training_arguments, batches, check_training_arguments, dense_start_note, evaluate,
+                       load_corpus, lr_at, split)
 from hvd_topk.optim import LocalAdamW
 
 
@@ -139,6 +139,8 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     say = print if rank == 0 and not args.quiet else (lambda *a, **k: None)
+    if dense_start_note(args):
+        say(dense_start_note(args), flush=True)
     amp_dtype = torch.bfloat16 if args.amp == "bf16" else None
 
     def autocast():

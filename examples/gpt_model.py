@@ -78,8 +78,25 @@ def batches(data, context, batch_size, generator):
     return x, y
 
 
+def lr_warmup_steps(args):
+    """How many steps the learning rate ramps up for (--lr-warmup of --steps, at least 1)."""
+    return max(1, int(args.lr_warmup * args.steps))
+
+
+def dense_start_note(args):
+    """A note when --adam local's dense start (--warmup-steps) ends before the learning rate's
+    warm-up, or None. At 10,000 steps a 100-step start in a 1000-step warm-up ended 10% behind
+    dense AdamW, the start over the whole warm-up level with it (docs/adamw.md, long runs)."""
+    ramp = lr_warmup_steps(args)
+    if args.adam != "local" or not 0 < args.warmup_steps < ramp:
+        return None
+    return (f"note: the dense start (--warmup-steps {args.warmup_steps}) ends before the learning-rate warm-up "
+            f"({ramp} steps); the AdamW recipe's start lasts max(100, the warm-up): --warmup-steps {max(100, ramp)} "
+            "(docs/adamw.md, long runs)")
+
+
 def lr_at(step, args):
-    warm = max(1, int(args.lr_warmup * args.steps))
+    warm = lr_warmup_steps(args)
     if step < warm:
         return args.lr * (step + 1) / warm
     progress = (step - warm) / max(1, args.steps - warm)

@@ -40,8 +40,8 @@ import torch.nn.functional as F
 import horovod.torch as hvd
 import hvd_topk
 # the model, data and their options, shared with ddp_gpt.py
-from gpt_model import (GPT, add_training_arguments, batches, check_training_arguments, evaluate, load_corpus,
-                       lr_at, split)
+from gpt_model import (GPT, add_training_arguments, batches, check_training_arguments, dense_start_note, evaluate,
+                       load_corpus, lr_at, split)
 
 
 def parse_args(argv=None):
@@ -235,6 +235,8 @@ def main(argv=None):
         + (f" density={args.density}" if args.compression == "topk" else "")
         + (" (no error feedback)" if args.no_error_feedback else ""), flush=True)
 
+    if dense_start_note(args):
+        say(dense_start_note(args), flush=True)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
     history, t0 = [], time.perf_counter()
     for step in range(args.steps):

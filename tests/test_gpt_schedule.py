@@ -1,0 +1,51 @@
+"""examples/gpt_model.py's schedule helpers, by hand: the learning-rate warm-up's length, and the
+note that the AdamW recipe's dense start should last as long as that warm-up (docs/adamw.md,
+long runs)."""
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_SPEC = importlib.util.spec_from_file_location(
+    "gpt_model", Path(__file__).resolve().parent.parent / "examples" / "gpt_model.py")
+gpt_model = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(gpt_model)
+
+
+def args(steps, warmup_steps=100, adam="local", lr_warmup=0.1, lr=1.0):
+    return argparse.Namespace(steps=steps, warmup_steps=warmup_steps, adam=adam, lr_warmup=lr_warmup, lr=lr)
+
+
+@pytest.mark.parametrize("steps, lr_warmup, expected", [(10000, 0.1, 1000), (1000, 0.1, 100), (300, 0.1, 30),
+                                                         (5, 0.1, 1), (3000, 0.0, 1)])
+def test_lr_warmup_steps_is_the_ramp_of_lr_at(steps, lr_warmup, expected):
+    a = args(steps, lr_warmup=lr_warmup)
+    assert gpt_model.lr_warmup_steps(a) == expected
+    # the rate rises by lr / expected a step up to its peak at step expected - 1, then decays
+    assert gpt_model.lr_at(expected - 1, a) == pytest.approx(1.0)
+    if expected > 1:
+        assert gpt_model.lr_at(0, a) == pytest.approx(1.0 / expected)
+    assert gpt_model.lr_at(expected, a) == pytest.approx(1.0)  # the cosine starts at its top
+    assert gpt_model.lr_at(expected + 1, a) < 1.0
+
+
+def test_dense_start_note_names_the_warmup_when_the_start_ends_first():
+    note = gpt_model.dense_start_note(args(10000, warmup_steps=100))
+    assert "(1000 steps)" in note and "--warmup-steps 1000" in note
+    # a short warm-up still gets the recipe's 100-step floor
+    note = gpt_model.dense_start_note(args(3000, warmup_steps=50))
+    assert "(300 steps)" in note and "--warmup-steps 300" in note
+    assert "--warmup-steps 100 " in gpt_model.dense_start_note(args(600, warmup_steps=20))
+
+
+@pytest.mark.parametrize("a", [
+    args(1000, warmup_steps=100),             # as long as the warm-up: the recipe at 1000 steps
+    args(300, warmup_steps=100),              # longer than the warm-up (30 steps)
+    args(10000, warmup_steps=1000),           # the long-run recipe
+    args(10000, warmup_steps=0),              # no dense start asked for: nothing to stretch
+    args(10000, warmup_steps=100, adam="adamw"),  # not the LocalAdamW recipe
+])
+def test_dense_start_note_is_silent_otherwise(a):
+    assert gpt_model.dense_start_note(a) is None
