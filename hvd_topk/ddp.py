@@ -65,9 +65,9 @@ class TopKState:
             the entries not sent are lost (and training is clearly worse).
         warmup_steps (0), warmup_density (0.25): DGC's exponential density warm-up from
             ``warmup_density`` to ``density`` over that many steps. ``warmup_density=1.0`` over
-            ``max(100, the learning-rate warm-up's steps)`` is the dense start of the AdamW
-            recipe (docs/adamw.md); while the density is high the cost model sends buckets
-            dense anyway.
+            100 steps is the dense start of the AdamW recipe, over the learning-rate warm-up on
+            long runs whose warm-up lasts 1000 steps or more (docs/adamw.md); while the density
+            is high the cost model sends buckets dense anyway.
         optimizer (None): an inner optimizer that works on each rank's own gradient before the
             exchange (``hvd_topk.LocalAdamW``: the AdamW recipe; ``hvd_topk.DeMo``). Its
             ``transform_local_gradient`` runs in the hook; call its ``step()`` as usual.
