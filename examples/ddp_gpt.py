@@ -139,8 +139,9 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     say = print if rank == 0 and not args.quiet else (lambda *a, **k: None)
-    if dense_start_note(args):
-        say(dense_start_note(args), flush=True)
+    note = dense_start_note(args)
+    if note:
+        say(note, flush=True)
     amp_dtype = torch.bfloat16 if args.amp == "bf16" else None
 
     def autocast():

@@ -235,8 +235,9 @@ def main(argv=None):
         + (f" density={args.density}" if args.compression == "topk" else "")
         + (" (no error feedback)" if args.no_error_feedback else ""), flush=True)
 
-    if dense_start_note(args):
-        say(dense_start_note(args), flush=True)
+    note = dense_start_note(args)
+    if note:
+        say(note, flush=True)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
     history, t0 = [], time.perf_counter()
     for step in range(args.steps):
