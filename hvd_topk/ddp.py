@@ -66,7 +66,7 @@ class TopKState:
         warmup_steps (0), warmup_density (0.25): DGC's exponential density warm-up from
             ``warmup_density`` to ``density`` over that many steps. ``warmup_density=1.0`` over
             100 steps is the dense start of the AdamW recipe, over the learning-rate warm-up on
-            long runs whose warm-up lasts 1000 steps or more (docs/adamw.md); while the density
+            long runs whose warm-up lasts 500 steps or more (docs/adamw.md); while the density
             is high the cost model sends buckets dense anyway.
         optimizer (None): an inner optimizer that works on each rank's own gradient before the
             exchange (``hvd_topk.LocalAdamW``: the AdamW recipe; ``hvd_topk.DeMo``). Its

@@ -72,7 +72,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
         momentum_correction (0.0): DGC momentum factor; set the inner optimizer's momentum to 0.
         warmup_steps (0), warmup_density (0.25): exponential density warm-up (DGC). With
             ``LocalAdamW``: ``100`` and ``1.0``; on long runs with a learning-rate warm-up of
-            1000 steps or more, the warm-up's steps (``hvd_topk.options.Options``).
+            500 steps or more, the warm-up's steps (``hvd_topk.options.Options``).
         residual_decay (1.0): each step the residuals are multiplied by this before the new
             gradient is added (a decayed accumulator, as in DeMo; 1.0 keeps everything).
         min_numel (1024): tensors with fewer elements go through a dense allreduce.

@@ -36,13 +36,15 @@ def test_dense_start_note_names_a_long_warmup_when_the_start_ends_first():
     assert "(1000 steps)" in note and "--warmup-steps 1000" in note
     note = gpt_model.dense_start_note(args(20000, warmup_steps=1000))
     assert "(2000 steps)" in note and "--warmup-steps 2000" in note
+    note = gpt_model.dense_start_note(args(5000, warmup_steps=100))   # a 500-step warm-up: the threshold
+    assert "(500 steps)" in note and "--warmup-steps 500" in note
 
 
 @pytest.mark.parametrize("a", [
     args(1000, warmup_steps=100),             # as long as the warm-up: the recipe at 1000 steps
     args(300, warmup_steps=100),              # longer than the warm-up (30 steps)
     args(3000, warmup_steps=100),             # a 300-step warm-up: 100 steps measured better than 300
-    args(9990, warmup_steps=100),             # a 999-step warm-up: below the long-run threshold
+    args(4990, warmup_steps=100),             # a 499-step warm-up: below the long-run threshold
     args(10000, warmup_steps=1000),           # the long-run recipe
     args(10000, warmup_steps=0),              # no dense start asked for: nothing to stretch
     args(10000, warmup_steps=100, adam="adamw"),  # not the LocalAdamW recipe
