@@ -167,6 +167,10 @@ CONFIGS = {
                                       "500 steps (the learning-rate warm-up of a 5000-step run)",
                                       [*GV, "--density", "0.01", "--warmup-steps", "500", "--warmup-density", "1.0",
                                        "--lr", "1.5e-2", "--fp16-values"]),
+    "gv-1%-lr1.5e-2-fp16v-start400": ("hvd_topk 1%, the recipe at lr 1.5e-2, 16-bit values, the dense start over "
+                                      "400 steps (the learning-rate warm-up of a 4000-step run)",
+                                      [*GV, "--density", "0.01", "--warmup-steps", "400", "--warmup-density", "1.0",
+                                       "--lr", "1.5e-2", "--fp16-values"]),
     "gv-1%-lr1.5e-2-fp16v-start300": ("hvd_topk 1%, the recipe at lr 1.5e-2, 16-bit values, the dense start over "
                                       "300 steps (the learning-rate warm-up of a 3000-step run)",
                                       [*GV, "--density", "0.01", "--warmup-steps", "300", "--warmup-density", "1.0",
