@@ -90,8 +90,8 @@ def dense_start_note(args):
     """A note when --adam local's dense start (--warmup-steps) ends before a long learning-rate
     warm-up (LONG_WARMUP steps or more), or None. At 10,000 steps (a 1000-step warm-up) a
     100-step start ended 10% behind dense AdamW and the start over the whole warm-up level with
-    it; at 5000 steps (500) 5.5% and 0.7% behind (3 seeds); at 3000 steps (300) the 100-step
-    start did as well (docs/adamw.md, long runs)."""
+    it; at 5000 steps (500) the 100-step start 5.5% behind, the start over the warm-up 0.7%
+    (3 seeds); at 3000 steps (300) the 100-step start did as well (docs/adamw.md, long runs)."""
     ramp = lr_warmup_steps(args)
     if args.adam != "local" or ramp < LONG_WARMUP or not 0 < args.warmup_steps < ramp:
         return None

@@ -27,8 +27,9 @@ class Options:
       ``warmup_density=1.0``, a dense start; on long runs whose learning rate warms up for 500
       steps or more, ``warmup_steps`` = the warm-up's steps. Measured on the GPT example: at
       10,000 steps the 100-step start ended 10% behind dense AdamW, the start over the warm-up
-      level with it; at 5000 steps (a 500-step warm-up) 5.5% and 0.7% behind (3 seeds); at
-      3000 steps (a 300-step warm-up) 100 steps did as well (docs/adamw.md).
+      level with it; at 5000 steps (a 500-step warm-up) the 100-step start 5.5% behind, the
+      start over the warm-up 0.7% (3 seeds); at 3000 steps (a 300-step warm-up) 100 steps did
+      as well (docs/adamw.md).
     - ``selection_scope="bucket"`` selects one top-k over each fusion bucket (k = density x the
       bucket's size) instead of k per tensor: a layer with large gradients gets more of the
       budget, often better per byte. ``"tensor"`` (default) is the per-tensor contract.
