@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, in one go, on a machine with a CUDA GPU and PyTorch (nothing is downloaded:
 # everything comes from this repository; Horovod is not needed):
-#   1. tests/test_cuda.py: selection, the codec and the DDP hook's 27 numpy-checked scenarios
+#   1. tests/test_cuda.py: selection, the codec and the DDP hook's 23 numpy-checked scenarios
 #      (tests/dist/check_ddp.py, 2 and 3 ranks sharing the GPU over gloo) on the GPU; its two
 #      Horovod checks are left out (Horovod is built from source with our patch, which a GPU
 #      machine with no network cannot do: there the Horovod optimizer's CUDA path is exercised

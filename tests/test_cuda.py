@@ -141,7 +141,7 @@ def test_horovod_checks_on_the_torch_ops_path(script, monkeypatch):
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device here")
 @pytest.mark.parametrize("np_", [2, 3])
 def test_ddp_hook_checks_on_cuda(np_, monkeypatch):
-    """tests/dist/check_ddp.py (27 checks against numpy) with the model and its gradients on
+    """tests/dist/check_ddp.py (23 checks against numpy) with the model and its gradients on
     the GPU, every rank on the one device, over gloo (NCCL takes one rank per GPU)."""
     monkeypatch.setenv("HVD_TOPK_CHECK_DEVICE", "cuda")
     job = launch_mpi(np_, DIST / "check_ddp.py", launcher="torchrun")
