@@ -3,15 +3,16 @@
 # everything comes from this repository; Horovod is not needed):
 #   1. tests/test_cuda.py: selection, the codec and the DDP hook's 23 numpy-checked scenarios
 #      (tests/dist/check_ddp.py, 2 and 3 ranks sharing the GPU over gloo) on the GPU; its two
-#      Horovod checks are left out (Horovod is built from source with our patch, which a GPU
-#      machine with no network cannot do: there the Horovod optimizer's CUDA path is exercised
-#      only through the engine, codec and selection it shares with the DDP hook);
+#      Horovod checks are left out (Horovod is not on the GPU machine, and building it there
+#      from source did not fit a session's 15 minutes: the Horovod optimizer's CUDA path runs
+#      there only through the codec and selection it shares with the DDP hook);
 #   2. benchmarks/cuda_selection.py: selection and codec timings at ResNet-50 / BERT-base shapes;
+#      benchmarks/cuda_syncs.py: host synchronisations per step inside each DDP hook;
 #   3. examples/ddp_gpt.py on the GPU (NCCL, one rank) with each DDP hook: none, fp16,
 #      PowerSGD rank 4, hvd_topk's (the LocalAdamW recipe at 1%), 1000 steps, lr 1e-2; then
 #      none and hvd_topk's again under bf16 autocast.
 # Run from the repository root:  OUT=DIR HVD_TOPK_GIT=COMMIT bash benchmarks/gpu_check.sh
-# Writes DIR/log.txt, DIR/cuda-selection.{json,md}, DIR/gpt-1gpu.{json,txt}.
+# Writes DIR/log.txt, DIR/cuda-selection.{json,md}, DIR/cuda-syncs.{json,md}, DIR/gpt-1gpu.{json,txt}.
 set -uo pipefail
 OUT=${OUT:-/tmp/hvd_topk_gpu}
 mkdir -p "$OUT"
@@ -34,6 +35,10 @@ tail -3 "$LOG"
 step "benchmarks/cuda_selection.py"
 timeout 120 $PY benchmarks/cuda_selection.py --out "$OUT/cuda-selection" >> "$LOG" 2>&1 || status=1
 tail -2 "$LOG"
+
+step "benchmarks/cuda_syncs.py"
+timeout 120 $PY benchmarks/cuda_syncs.py --out "$OUT/cuda-syncs" >> "$LOG" 2>&1 || status=1
+tail -6 "$LOG"
 
 step "examples/ddp_gpt.py on the GPU, $STEPS steps, each hook"
 runs=$(mktemp -d)
