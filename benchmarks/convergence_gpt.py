@@ -118,6 +118,12 @@ CONFIGS = {
                                                                                  "--lr", "1e-2"]),
     "gv-1%-lr1e-2-fp16v": ("hvd_topk 1%, the gv-1% recipe (LocalAdamW) at lr 1e-2, 16-bit values",
                            [*GV, "--density", "0.01", *START, "--lr", "1e-2", "--fp16-values"]),
+    # the same without global_variance: each rank normalises by its own batch's variance (the
+    # control for global_variance's sqrt(P) argument at more than 2 ranks)
+    "gv-1%-lr1e-2-fp16v-rankvar": ("hvd_topk 1%, the recipe at lr 1e-2, 16-bit values, each rank's own variance "
+                                   "(global_variance=False)",
+                                   [*GV, "--density", "0.01", *START, "--lr", "1e-2", "--fp16-values",
+                                    "--no-global-variance"]),
     "gv-0.1%-lr1e-2": ("hvd_topk 0.1%, the gv recipe (LocalAdamW) at lr 1e-2", [*GV, "--density", "0.001", *START,
                                                                                 "--lr", "1e-2"]),
     "gv-noef-1%-lr1e-2": ("hvd_topk 1%, LocalAdamW without error feedback at lr 1e-2",

@@ -16,7 +16,9 @@ pytestmark = pytest.mark.distributed
 
 def test_lightning_example_trains_through_the_hook(tmp_path):
     out = tmp_path / "result.json"
-    epochs = 4
+    # 8 epochs, the example's default: at 4, 1% Top-K ended at 0.84-0.87 on seeds 0-2 on this
+    # machine (2026-11-27; dense 0.94), so whether it cleared 0.9 depended on the CPU's rounding
+    epochs = 8
     proc = subprocess.run([sys.executable, str(REPO / "examples" / "lightning_digits.py"), "--devices", "2",
                            "--epochs", str(epochs), "--json", str(out)], env=script_env(), cwd=tmp_path,
                           capture_output=True, text=True, timeout=280)
@@ -30,4 +32,4 @@ def test_lightning_example_trains_through_the_hook(tmp_path):
     dense = 288 + 32 + 64 + 128 + 10
     total = 18432 + 131072 + 1280 + dense
     assert result["topk_stats"]["bytes_ratio"] == pytest.approx((8 * pairs + 4 * dense) / (4 * total), rel=1e-9)
-    assert result["test_accuracy"] >= 0.9, result  # dense SGD reaches ~0.98 here
+    assert result["test_accuracy"] >= 0.9, result  # 0.978 at seed 0 here; dense SGD at 4 epochs 0.94
