@@ -43,6 +43,7 @@ GV = [*EF, "--adam", "local"]  # LocalAdamW's defaults since 2026-11-25: lr in t
 OLD = ["--no-lr-in-residual", "--no-global-variance"]  # LocalAdamW as it was before (the rows measured then)
 START = ["--warmup-steps", "100", "--warmup-density", "1.0"]  # the dense start
 GV_DENSE = ["--optimizer", "topk-ef", "--adam", "local", "--exchange", "dense"]  # LocalAdamW, no compression
+RECOMMENDED = [*GV, "--density", "0.01", *START, "--lr", "1e-2", "--fp16-values"]  # the 1000-step recommended scheme
 CONFIGS = {
     "dense": ("Horovod dense fp32", ["--compression", "none"]),
     "fp16": ("Horovod fp16", ["--compression", "fp16"]),
@@ -117,13 +118,12 @@ CONFIGS = {
     "gv-1%-lr1e-2": ("hvd_topk 1%, the gv-1% recipe (LocalAdamW) at lr 1e-2", [*GV, "--density", "0.01", *START,
                                                                                  "--lr", "1e-2"]),
     "gv-1%-lr1e-2-fp16v": ("hvd_topk 1%, the gv-1% recipe (LocalAdamW) at lr 1e-2, 16-bit values",
-                           [*GV, "--density", "0.01", *START, "--lr", "1e-2", "--fp16-values"]),
+                           RECOMMENDED),
     # the same without global_variance: each rank normalises by its own batch's variance (the
     # control for global_variance's sqrt(P) argument at more than 2 ranks)
     "gv-1%-lr1e-2-fp16v-rankvar": ("hvd_topk 1%, the recipe at lr 1e-2, 16-bit values, each rank's own variance "
                                    "(global_variance=False)",
-                                   [*GV, "--density", "0.01", *START, "--lr", "1e-2", "--fp16-values",
-                                    "--no-global-variance"]),
+                                   [*RECOMMENDED, "--no-global-variance"]),
     "gv-0.1%-lr1e-2": ("hvd_topk 0.1%, the gv recipe (LocalAdamW) at lr 1e-2", [*GV, "--density", "0.001", *START,
                                                                                 "--lr", "1e-2"]),
     "gv-noef-1%-lr1e-2": ("hvd_topk 1%, LocalAdamW without error feedback at lr 1e-2",
@@ -144,17 +144,15 @@ CONFIGS = {
     "demo-1%-rms": ("hvd_topk 1%, DeMo (rms, beta 0.999, lr 3e-3), the same dense start",
                     [*EF, "--adam", "demo", "--demo-normalise", "rms", "--density", "0.01", *START]),
     "gv-1%-lr1e-2-fp16v-bf16": ("hvd_topk 1%, the recommended scheme (recipe at lr 1e-2, 16-bit values) under bf16 autocast",
-                                [*GV, "--density", "0.01", *START, "--lr", "1e-2", "--fp16-values", "--amp", "bf16"]),
+                                [*RECOMMENDED, "--amp", "bf16"]),
     # the recommended scheme with the exchange `auto` may pick instead of the allgather (the
     # sparse allreduce: each rank chooses the positions in one part of every bucket, fewer
     # entries moved a step, each carrying every rank's work)
     "gv-1%-lr1e-2-fp16v-sar": ("hvd_topk 1%, the recommended scheme (lr 1e-2, 16-bit values) over the sparse allreduce",
-                               [*GV, "--density", "0.01", *START, "--lr", "1e-2", "--fp16-values",
-                                "--exchange", "sparse_allreduce"]),
+                               [*RECOMMENDED, "--exchange", "sparse_allreduce"]),
     # the recommended scheme with the residuals switched off: what error feedback is worth
     "gv-noef-1%-lr1e-2-fp16v": ("hvd_topk 1%, the recommended scheme (lr 1e-2, 16-bit values) without error feedback",
-                                [*GV, "--density", "0.01", *START, "--lr", "1e-2", "--fp16-values",
-                                 "--no-error-feedback"]),
+                                [*RECOMMENDED, "--no-error-feedback"]),
     "gv-1%-lr1.5e-2-fp16v": ("hvd_topk 1%, the recipe at lr 1.5e-2, 16-bit values",
                              [*GV, "--density", "0.01", *START, "--lr", "1.5e-2", "--fp16-values"]),
     # long runs: the learning rate that grew with the length (1e-2 at 1000 steps, 1.5e-2 at 3000)
@@ -197,8 +195,7 @@ CONFIGS = {
                               "values, outer SGD lr 1.0, dense start over 100 steps, lr 1e-2 (0.1%'s bytes)",
                               [*EF, "--sync-every", "8", "--density", "0.008", *START, "--lr", "1e-2", "--fp16-values"]),
     "gv-1%-lr1e-2-fp16v-decay0.995": ("hvd_topk 1%, the recommended scheme with residual_decay=0.995 (old unsent work fades)",
-                                      [*GV, "--density", "0.01", *START, "--lr", "1e-2", "--fp16-values",
-                                       "--residual-decay", "0.995"]),
+                                      [*RECOMMENDED, "--residual-decay", "0.995"]),
     "gv-0.1%-lr2e-2-fp16v": ("hvd_topk 0.1%, the recipe at lr 2e-2, 16-bit values (each entry arrives ~1000 steps late)",
                              [*GV, "--density", "0.001", *START, "--lr", "2e-2", "--fp16-values"]),
     "gv-0.1%-lr1e-2-fp16v-start300": ("hvd_topk 0.1%, the recipe at lr 1e-2, 16-bit values, the dense start over 300 steps",
