@@ -37,30 +37,30 @@ import hvd_topk  # noqa: E402
 import hvd_topk.ddp  # noqa: E402
 from gpt_model import GPT  # noqa: E402
 
-HOOKS = {  # name -> TopKState options (None: no hvd_topk hook)
+HOOKS = {  # name -> (hvd_topk's exchange, LocalAdamW inside the hook); None: not hvd_topk's hook
     "none": None,
     "fp16": None,
-    "topk-allgather": dict(exchange="allgather"),
-    "topk-sparse-allreduce": dict(exchange="sparse_allreduce"),
-    "topk-localadamw": dict(exchange="allgather", local_adamw=True),
+    "topk-allgather": ("allgather", False),
+    "topk-sparse-allreduce": ("sparse_allreduce", False),
+    "topk-localadamw": ("allgather", True),
 }
 
 
 def run(name, device, steps, warmup):
+    """Mean synchronisations per step and phase, and the model's parameter count."""
     torch.manual_seed(0)
     model = GPT(64, 512, 6, 8).to(device)
     ddp = DDP(model, bucket_cap_mb=25)
-    options = HOOKS[name]
-    if options is not None and options.get("local_adamw"):
+    exchange, local = HOOKS[name] or (None, False)
+    if local:
         inner = hvd_topk.LocalAdamW(model.parameters(), lr=1e-3, betas=(0.0, 0.95))
     else:
         inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if name == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif options is not None:
-        kw = {k: v for k, v in options.items() if k != "local_adamw"}
-        state = hvd_topk.ddp.TopKState(density=0.01, warmup_steps=0, named_parameters=model.named_parameters(),
-                                       optimizer=inner if options.get("local_adamw") else None, **kw)
+    elif exchange is not None:
+        state = hvd_topk.ddp.TopKState(density=0.01, warmup_steps=0, exchange=exchange,
+                                       named_parameters=model.named_parameters(), optimizer=inner if local else None)
         hvd_topk.ddp.register(ddp, state)
     gen = torch.Generator().manual_seed(1)
     counts = {"forward": [], "backward": [], "optimizer step": []}
@@ -88,7 +88,7 @@ def run(name, device, steps, warmup):
                 counts[phase].append(sum("synchroniz" in str(w.message) for w in caught))
         if device.type == "cuda":
             torch.cuda.synchronize()
-    return {phase: sum(c) / len(c) for phase, c in counts.items()}
+    return {phase: sum(c) / len(c) for phase, c in counts.items()}, sum(p.numel() for p in model.parameters())
 
 
 def render(report):
@@ -123,7 +123,7 @@ def main(argv=None):
         try:
             rows = {}
             for name in args.hooks:
-                rows[name] = run(name, device, args.steps, args.warmup)
+                rows[name], parameters = run(name, device, args.steps, args.warmup)
                 print(f"{name}: " + ", ".join(f"{k} {v:g}" for k, v in rows[name].items()), flush=True)
         finally:
             dist.destroy_process_group()
@@ -134,7 +134,7 @@ def main(argv=None):
               "device": torch.cuda.get_device_name(device), "torch": torch.__version__, "cuda": torch.version.cuda,
               "python": platform.python_version(), "git": os.environ.get("HVD_TOPK_GIT", "?"),
               "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              "parameters": sum(p.numel() for p in GPT(64, 512, 6, 8).parameters()),
+              "parameters": parameters,
               "steps": args.steps, "warmup": args.warmup, "rows": rows}
     common.write_report(args.out, report, render(report))
 

@@ -324,7 +324,8 @@ _segment_constants = {}
 
 
 def segment_constants(sizes, ks, device):
-    """The bucket's ``_SegmentConstants`` (kept for the 64 most recent layouts)."""
+    """The bucket's ``_SegmentConstants``, made on first use (the cache is emptied when it holds
+    64 layouts, as after buckets were rebuilt many times)."""
     key = (tuple(sizes), tuple(ks), str(device))
     constants = _segment_constants.get(key)
     if constants is None:
@@ -355,8 +356,7 @@ def select_segments_torch(x, sizes, ks, method=DEFAULT_METHOD, seed=None):
         return values, indices, (~torch.isfinite(values)).any().view(1)
     c = segment_constants(sizes, ks, device)
     if method == "exact":
-        starts = c.starts
-        indices = torch.cat([select_exact_torch(x[b:b + n], k)[1] for b, n, k in zip(starts, sizes, ks)])
+        indices = torch.cat([select_exact_torch(x[b:b + n], k)[1] for b, n, k in zip(c.starts, sizes, ks)])
         indices += c.offsets
         values = x[indices]
         return values, indices, _any_per_run(~torch.isfinite(values), c.out_start)

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.distributed
 
 def test_lightning_example_trains_through_the_hook(tmp_path):
     out = tmp_path / "result.json"
-    # 8 epochs, the example's default: at 4, 1% Top-K ended at 0.84-0.87 on seeds 0-2 on this
-    # machine (2026-11-27; dense 0.94), so whether it cleared 0.9 depended on the CPU's rounding
+    # 8 epochs, the example's default: at 4, 1% Top-K ended at 0.84-0.87 on seeds 0-2 on the
+    # machine of 2026-11-27 (dense 0.94), under 0.9, though earlier CI machines had cleared it
     epochs = 8
     proc = subprocess.run([sys.executable, str(REPO / "examples" / "lightning_digits.py"), "--devices", "2",
                            "--epochs", str(epochs), "--json", str(out)], env=script_env(), cwd=tmp_path,
