@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks, in one go, on a machine with a CUDA GPU and PyTorch (nothing is downloaded:
 # everything comes from this repository; Horovod is not needed):
+#   0. the environment, with what building Horovod there would need (nvcc, cmake, g++, CUDA and
+#      NCCL headers);
 #   1. tests/test_cuda.py: selection, the codec and the DDP hook's 23 numpy-checked scenarios
 #      (tests/dist/check_ddp.py, 2 and 3 ranks sharing the GPU over gloo) on the GPU; its two
 #      Horovod checks are left out (Horovod is not on the GPU machine, and building it there
@@ -26,7 +28,21 @@ step() { echo "=== $* ($(date -u +%H:%M:%S))" | tee -a "$LOG"; }
 step environment
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   $PY -c "import torch, platform; print('python', platform.python_version(), 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
-  $PY -m hvd_topk.native 2>&1 | tail -2; } >> "$LOG" 2>&1
+  $PY -m hvd_topk.native 2>&1 | tail -2
+  # what building Horovod there would have (its NCCL operations need nvcc and NCCL's headers)
+  for tool in nvcc cmake g++ make mpirun; do echo "$tool: $(command -v $tool || echo absent)"; done
+  $PY - <<'EOF2'
+import glob, os
+try:
+    import nvidia
+    root = os.path.dirname(list(nvidia.__path__)[0])
+    for header in ("cuda_runtime.h", "nccl.h"):
+        found = glob.glob(os.path.join(root, "nvidia", "*", "include", header))
+        print(header + ":", found[0] if found else "absent from the nvidia wheels")
+except ImportError:
+    print("no nvidia wheels")
+EOF2
+} >> "$LOG" 2>&1
 
 step "tests/test_cuda.py"
 timeout 240 $PY -m pytest -v -p no:cacheprovider -k "not horovod_checks" tests/test_cuda.py >> "$LOG" 2>&1 || status=1
