@@ -332,9 +332,12 @@ def topk_hook(state, bucket):
         state._first_hook(bucket)
     buffer = bucket.buffer()
     world = state.world_size
+    params = bucket.parameters()
+    idle = exchange.unused_here(params)  # this rank's backward left them out (find_unused_parameters)
     if state.optimizer is not None:
-        for p, g in zip(bucket.parameters(), bucket.gradients()):
-            state.optimizer.transform_local_gradient(p, g, world)
+        for i, (p, g) in enumerate(zip(params, bucket.gradients())):
+            if i not in idle:  # as a plain optimizer skips a parameter without a gradient
+                state.optimizer.transform_local_gradient(p, g, world)
     layout = state._layout(bucket)
     step = state.iteration
     if bucket.index() == 0:
@@ -349,7 +352,7 @@ def topk_hook(state, bucket):
     if layout.dense:  # the small tensors: a plain average
         futures.append(exchange.average_dense(state, layout, buffer))
     if layout.sparse:
-        futures.append(exchange.exchange_sparse(state, layout, bucket.index(), step, buffer))
+        futures.append(exchange.exchange_sparse(state, layout, bucket.index(), step, buffer, idle))
     # On the CPU the bucket finishes when its last exchange does, on that exchange's thread, while
     # backward goes on. On a GPU every exchange has been waited for in the hook already
     # (exchange.after says why): the bucket finishes here, on backward's stream, and its future

@@ -192,6 +192,49 @@ def finish(buffer, layout, world):
     return buffer
 
 
+def set_aside(state, layout, idle):
+    """Residuals of parameters this rank did not use this step (``idle``: indices into
+    ``layout.params``) sit the step out: zeroed before the fold and selection, so that this
+    rank sends nothing of them (zeros where a fixed-size message needs pairs), and put back,
+    decayed as every residual is, once the exchange no longer reads ``acc``. Returns that
+    put-back (a no-op where nothing sits out).
+
+    Why: with ``find_unused_parameters=True`` DDP leaves ``p.grad`` alone for a parameter no
+    rank used this step, and the exchanged result for it goes nowhere; entries selected from
+    its residual would be lost. A rank that did not use the parameter sends nothing of it, so
+    nothing is lost whether the others used it or not (DDP writes their average into ``p.grad``
+    then). Which parameters a rank did not use is ``unused_here``."""
+    held = [s for s, i in enumerate(layout.sparse) if i in idle] if state.error_feedback else []
+    if not held:
+        return _nothing
+    segments = layout.acc_segments()
+    kept = [(segments[s], segments[s].clone()) for s in held]
+    for segment, _ in kept:
+        segment.zero_()
+
+    def put_back():
+        for segment, saved in kept:
+            segment.copy_(saved)
+            if state.residual_decay != 1.0:
+                segment.mul_(state.residual_decay)
+    return put_back
+
+
+def _nothing():
+    pass
+
+
+def unused_here(params):
+    """The parameters (indices) this rank's backward gave no gradient: ``p.grad`` is None when
+    the hook runs. DDP (torch 2.13, checked with and without ``gradient_as_bucket_view``,
+    ``find_unused_parameters`` and ``static_graph``) fills an unused parameter's slot of the
+    bucket with zeros and leaves its ``.grad`` unset, while a used parameter's ``.grad`` is
+    set (its own tensor, or the bucket's view) by the time the bucket is ready. After
+    ``zero_grad(set_to_none=False)`` an unused parameter keeps a zero ``.grad`` and is not
+    seen here (docs/ddp.md says so)."""
+    return {i for i, p in enumerate(params) if p.grad is None}
+
+
 def _fold(state, layout, buffer, plan=None, message=None):
     """``acc = decay * residual + grad`` over the sparse parameters (a staging copy without
     error feedback). With ``plan`` and ``message`` (the allgather's send buffer) on the CPU
@@ -246,20 +289,23 @@ def choose(state, layout, plan, world, family):
     return strategy, strategy.wire_bytes(*sizes)
 
 
-def exchange_sparse(state, layout, index, step, buffer):
-    """Start the sparse part's exchange; a future that decodes it into ``buffer``."""
+def exchange_sparse(state, layout, index, step, buffer, idle=()):
+    """Start the sparse part's exchange; a future that decodes it into ``buffer``. ``idle``:
+    the bucket's parameters (indices into ``layout.params``) this rank did not use this step,
+    whose residuals sit out the step (``set_aside``)."""
     world, group = state.world_size, state.process_group
     plan = layout.plan(state.codec, state.schedule.density(step))
+    put_back = set_aside(state, layout, idle)
     # a rank alone (world 1) does what the smallest job would: dense during a dense start,
     # sparse after, so that a one-GPU run trains, and counts bytes, as a 2-rank job does
     strategy = choose(state, layout, plan, max(world, 2), state.family)[0]
     dests = layout.segments(buffer, layout.sparse)
     if strategy is ALLGATHER:
-        return _allgather(state, layout, plan, dests, buffer, sample_seed(step, index))
+        return _allgather(state, layout, plan, dests, buffer, sample_seed(step, index), put_back)
     if strategy is SPARSE_ALLREDUCE:
         folded_bad = _fold_checked(state, layout, buffer)
         return _sparse_allreduce(state, layout, layout.plan(state.codec, plan.density, world), index, step, dests,
-                                 folded_bad)
+                                 folded_bad, put_back)
     _fold(state, layout, buffer)
     if not strategy.sparse:
         # the whole accumulator goes (a dense start): nothing stays behind
@@ -272,10 +318,11 @@ def exchange_sparse(state, layout, index, step, buffer):
             copy_all(dests, [total[int(a):int(b)].to(buffer.dtype).div_(world)
                              for a, b in zip(layout.bounds, layout.bounds[1:])])
             layout.acc.zero_()
+            put_back()  # after the collective has read acc
     return after(fut, dense_done, layout.acc.device)
 
 
-def _allgather(state, layout, plan, dests, buffer, seed):
+def _allgather(state, layout, plan, dests, buffer, seed, put_back):
     """Every rank's fixed-size message of pairs, gathered; decoded in rank order."""
     world, group = state.world_size, state.process_group
     message = layout.message("send", plan.layout.nbytes)
@@ -286,6 +333,7 @@ def _allgather(state, layout, plan, dests, buffer, seed):
     compact = plan.compact() if state.compact else None
     if compact is not None:  # compact pairs; the rounding goes back into the residual
         message = compact.pack(message, residual=layout.acc if state.error_feedback else None)
+    put_back()
     gathered = layout.message("gathered", message.numel() * world)
     state._count(ALLGATHER, bytes_sent=message.numel(), elements_selected=plan.count)
     if world == 1:
@@ -301,7 +349,7 @@ def _allgather(state, layout, plan, dests, buffer, seed):
     return after(fut, gathered_done, layout.acc.device)
 
 
-def _sparse_allreduce(state, layout, plan, index, step, dests, folded_bad=None):
+def _sparse_allreduce(state, layout, plan, index, step, dests, folded_bad, put_back):
     """ScaleCom's cyclic local top-k over torch.distributed, spread (``hvd_topk.exchange``'s
     ``SparseAllreduce``): this rank chooses the positions in its part of the bucket
     (``plan``: one part per rank), the parts' indices are gathered (waited for here, so that no
@@ -341,6 +389,7 @@ def _sparse_allreduce(state, layout, plan, index, step, dests, folded_bad=None):
                  | set(folded_bad if folded_bad is not None else _nonfinite_segments(layout)))
     _wipe(state, layout, bad)
     sums[:-1].copy_(values)
+    put_back()
     sums[-1] = 1.0 if bad else 0.0
     state._count(SPARSE_ALLREDUCE, elements_selected=plan.count,
                  bytes_sent=longest * itemsize + (plan.count + 1) * values.element_size())

@@ -82,10 +82,13 @@ def chosen(family, world, sizes, density):
 
 def check_reference(exchange="allgather", bucket_cap_mb=25, steps=4, density=0.05, warmup_steps=0,
                     warmup_density=0.25, error_feedback=True, residual_decay=1.0, accumulate=1,
-                    unused_on_rank=None, ddp_kwargs=None, amp=False, **state_kwargs):
+                    unused_on_rank=None, unused_at_steps=(), ddp_kwargs=None, amp=False, **state_kwargs):
     """Every step's p.grad against the numpy error-feedback contract; same bits on every rank.
     ``accumulate``: micro-batches per step, all but the last under ``no_sync()``.
-    ``unused_on_rank``: that rank skips head2 (find_unused_parameters=True). Under "auto" the
+    ``unused_on_rank``: that rank skips head2 (find_unused_parameters=True); ``unused_at_steps``:
+    every rank skips it at those steps, so DDP leaves its ``p.grad`` unset and what the ranks
+    held back of it must still arrive later. A rank that skipped it holds its residual back
+    that step (the reference's ``idle``). Under "auto" the
     family each step used is the state's (the measured trial's choice); what that family does
     with each bucket is the hand-written cost model's. Returns the state and the families."""
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -99,7 +102,9 @@ def check_reference(exchange="allgather", bucket_cap_mb=25, steps=4, density=0.0
                                  value_dtype=np.float16 if state_kwargs.get("fp16_values") else None,
                                  compact=state_kwargs.get("compact", False))
     for step in range(steps):
-        use_head2 = rank != unused_on_rank
+        skips = [r for r in range(size) if r == unused_on_rank or step in unused_at_steps]
+        use_head2 = rank not in skips
+        idle = [{"head2.weight"} if r in skips else set() for r in range(size)]
         shadow.load_state_dict(model.state_dict())
         shadow.zero_grad()
         opt.zero_grad(set_to_none=True)
@@ -132,10 +137,14 @@ def check_reference(exchange="allgather", bucket_cap_mb=25, steps=4, density=0.0
                 how = chosen(state.family, size, sizes, d) if size > 1 else "allgather"
                 if how == "sparse_allreduce":
                     if name not in shared:
-                        shared.update(ref.sparse_allreduce_bucket(sparse_names, every, d, step, index))
+                        shared.update(ref.sparse_allreduce_bucket(sparse_names, every, d, step, index, idle=idle))
                     want = shared[name]
                 else:
-                    want = ref.sparse(name, grads, 1.0 if how.startswith("dense") else d)
+                    want = ref.sparse(name, grads, 1.0 if how.startswith("dense") else d, idle=idle)
+            if name.startswith("head2.") and len(skips) == size:  # no rank used it: DDP leaves p.grad unset
+                assert p.grad is None, f"step {step} {name}: unused on every rank, yet p.grad was written"
+                assert not np.any(want), f"step {step} {name}: the reference sent something of an unused tensor"
+                continue
             fp16 = p.numel() >= MIN_NUMEL and how == "dense_fp16"  # summed in float16
             np.testing.assert_allclose(host(p.grad), want, rtol=3e-3 if fp16 else 1e-5, atol=1e-4 if fp16 else 1e-6,
                                        err_msg=f"step {step} {name} (bucket {index}, {state.family})")
@@ -454,6 +463,16 @@ CHECKS = [
     ("no_sync accumulation", lambda: check_reference(accumulate=2)),
     ("find_unused_parameters, rank 1 skips a layer", lambda: check_reference(
         unused_on_rank=1, ddp_kwargs={"find_unused_parameters": True})),
+    ("find_unused_parameters, a layer no rank uses at steps 1 and 2", lambda: check_reference(
+        steps=5, unused_at_steps=(1, 2), ddp_kwargs={"find_unused_parameters": True})),
+    ("find_unused_parameters, sparse allreduce, rank 0 skips a layer, no rank at step 2", lambda: check_reference(
+        "sparse_allreduce", bucket_cap_mb=0.005, steps=5, unused_on_rank=0, unused_at_steps=(2,),
+        ddp_kwargs={"find_unused_parameters": True})),
+    # the trial's first step of each family (dense ones included) follows a sparse step or
+    # another family's, so residuals held back are live there
+    ("find_unused_parameters, auto's trial, a layer no rank uses at its steps 2, 4, 6, 8", lambda: check_reference(
+        "auto", steps=10, bucket_cap_mb=0.005, exchange_trial_steps=1, unused_at_steps=(2, 4, 6, 8),
+        residual_decay=0.8, ddp_kwargs={"find_unused_parameters": True})),
     ("static_graph, gradient_as_bucket_view", lambda: check_reference(
         bucket_cap_mb=0.005, ddp_kwargs={"static_graph": True, "gradient_as_bucket_view": True})),
     ("bf16 autocast", lambda: check_reference(amp=True)),

@@ -61,6 +61,10 @@ class ErrorFeedbackReference:
 
     The sparse allreduce (ScaleCom's CLT-k, ``sparse_allreduce_bucket``): every rank sends its
     own acc at positions chosen part by part from one rank's top-k instead of at its own.
+
+    ``idle`` (per rank, the names of tensors that rank did not use this step; the DDP hook):
+    that rank's residual of them sits the step out (decayed, nothing of it sent) and its acc
+    there counts as zeros (what it selects there, and sends under the sparse allreduce).
     """
 
     def __init__(self, ranks, momentum=0.0, error_feedback=True, decay=1.0, value_dtype=None, compact=False):
@@ -69,11 +73,11 @@ class ErrorFeedbackReference:
         self.residual = [dict() for _ in range(ranks)]
         self.u = [dict() for _ in range(ranks)]
 
-    def sparse(self, name, per_rank_grads, density, average=True):
+    def sparse(self, name, per_rank_grads, density, average=True, idle=None):
         """One tensor's exchanged result (k = density x its size: selection_scope="tensor")."""
-        return self.sparse_bucket([name], {name: per_rank_grads}, density, average)[name]
+        return self.sparse_bucket([name], {name: per_rank_grads}, density, average, idle=idle)[name]
 
-    def sparse_bucket(self, names, grads, density, average=True, sent=None):
+    def sparse_bucket(self, names, grads, density, average=True, sent=None, idle=None):
         """The exchanged results of tensors that share one top-k (selection_scope="bucket"):
         k = density x their total size, taken over their accumulators laid end to end.
         ``grads[name]`` is every rank's raw gradient; returns ``{name: result}``.
@@ -83,12 +87,13 @@ class ErrorFeedbackReference:
         accepts its own choice among those tied entries instead (torch.topk's, on the torch-ops
         path); everything above the k-th must still be sent, nothing below it, k in all."""
         accs, us, edges = self._accumulate(names, grads)
+        held = self._set_aside(names, accs, edges, idle)
         k = k_of(edges[-1], density)
         keeps = [_keep(accs[r], k, None if sent is None else sent[r]) for r in range(self.ranks)]
-        return self._exchange(names, grads, accs, us, edges, keeps, average)
+        return self._exchange(names, grads, accs, us, edges, keeps, average, held)
 
     def sparse_allreduce_bucket(self, names, grads, density, step, bucket, scope="tensor", average=True,
-                                sent=None):
+                                sent=None, idle=None):
         """The sparse allreduce's results for one bucket holding ``names`` (in their order in
         the bucket): the tensors laid end to end (n elements) are cut into P parts as Horovod's
         reduce-scatter splits n (n // P each, the first n mod P one longer); part j's positions
@@ -98,13 +103,26 @@ class ErrorFeedbackReference:
         position. ``sent``: as in ``sparse_bucket``, per rank (each piece's ties judged on the
         rank that chose it)."""
         accs, us, edges = self._accumulate(names, grads)
+        held = self._set_aside(names, accs, edges, idle)
         chosen = []
         for j, a, b in part_pieces(edges, self.ranks, scope):
             owner = (j + step + bucket) % self.ranks
             mask = None if sent is None else sent[owner][a:b]
             chosen.append(a + _keep(accs[owner][a:b], k_of(b - a, density), mask))
         keep = np.concatenate(chosen) if chosen else np.zeros(0, dtype=np.int64)
-        return self._exchange(names, grads, accs, us, edges, [keep] * self.ranks, average)
+        return self._exchange(names, grads, accs, us, edges, [keep] * self.ranks, average, held)
+
+    def _set_aside(self, names, accs, edges, idle):
+        """``idle``'s accumulators (decayed residual, no gradient) kept aside and zeroed in
+        ``accs``; ``{(rank, name): kept}``."""
+        held = {}
+        for r, unused in enumerate(idle or []):
+            for i, n in enumerate(names):
+                if n in unused and self.error_feedback:
+                    assert not self.momentum, "idle tensors are the DDP hook's: no momentum there"
+                    held[r, n] = accs[r][edges[i]:edges[i + 1]].copy()
+                    accs[r][edges[i]:edges[i + 1]] = 0
+        return held
 
     def _accumulate(self, names, grads):
         """Every rank's accumulator over ``names`` laid end to end (and DGC's u), and the edges."""
@@ -127,8 +145,9 @@ class ErrorFeedbackReference:
             us.append(u)
         return accs, us, edges
 
-    def _exchange(self, names, grads, accs, us, edges, keeps, average):
-        """Rank r sends its acc at ``keeps[r]``: the sum (rank order, float32), the residuals."""
+    def _exchange(self, names, grads, accs, us, edges, keeps, average, held=None):
+        """Rank r sends its acc at ``keeps[r]``: the sum (rank order, float32), the residuals
+        (``held``'s put back)."""
         shapes = {n: grads[n][0].shape for n in names}
         total = np.zeros(edges[-1], dtype=np.float32)
         for r in range(self.ranks):
@@ -142,7 +161,7 @@ class ErrorFeedbackReference:
             if self.error_feedback:
                 acc[keep] = acc[keep] - sent[keep] if self.compact else 0
                 for i, n in enumerate(names):
-                    self.residual[r][n] = acc[edges[i]:edges[i + 1]].copy()
+                    self.residual[r][n] = (held or {}).get((r, n), acc[edges[i]:edges[i + 1]]).copy()
                 if self.momentum:
                     u[keep] = 0
                     for i, n in enumerate(names):
