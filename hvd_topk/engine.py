@@ -30,6 +30,7 @@ One step, per bucket:
 import dataclasses
 import hashlib
 import time
+import weakref
 
 import torch
 
@@ -52,6 +53,38 @@ COMPILED_AUTOGRAD_ERROR = (
     "hooks that start each exchange, which hvd_topk does not support. Set "
     "torch._dynamo.config.compiled_autograd = False (torch.compile of the model can stay).")
 
+
+
+_OWNER = {}  # id(parameter) -> (weakref to it, weakref to the engine whose hooks it carries)
+
+
+def _register_hooks(engine):
+    """The parameters' post-accumulate-grad hooks, holding the engine weakly: an optimizer that
+    is dropped (its engine collected) or replaced by a new ``DistributedOptimizer`` over the same
+    parameters (after unfreezing a layer, say) stops exchanging, instead of living on through its
+    hooks and raising, or starting exchanges nobody waits for, at the next backward."""
+    ref = weakref.ref(engine)
+
+    def hook(p):
+        alive = ref()
+        if alive is not None:
+            alive._on_grad(p)
+    for p in engine.params:
+        param_ref, owner_ref = _OWNER.get(id(p), (None, None))
+        old = owner_ref() if param_ref is not None and param_ref() is p else None
+        if old is not None and old is not engine:
+            old.retire()
+        if param_ref is None or param_ref() is not p:
+            weakref.finalize(p, _OWNER.pop, id(p), None)
+        _OWNER[id(p)] = (weakref.ref(p), ref)
+    handles = [p.register_post_accumulate_grad_hook(hook) for p in engine.params]
+    weakref.finalize(engine, _remove_all, handles)
+    return handles
+
+
+def _remove_all(handles):
+    for handle in handles:
+        handle.remove()
 
 class TopKEngine:
     """Buckets, residuals, schedule, statistics and checkpoint state of one optimizer.
@@ -117,8 +150,15 @@ class TopKEngine:
         self.sparse = SparseGradients(names, options.sparse_as_dense)
         self.transform = None      # the inner optimizer's transform_local_gradient(p, grad, ranks), if any
         self.used = {}             # bucket index -> strategy name of its last exchange
-        self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
-                      for p in self.params] if self.member else []
+        self.retired = False
+        self.hooks = _register_hooks(self) if self.member else []
+
+    def retire(self):
+        """Stop exchanging: this engine's gradient hooks come off the parameters (a newer
+        engine took them over, or this one is being collected)."""
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks, self.retired = [], True
 
     # ---- per step --------------------------------------------------------------------------
     def _on_grad(self, p):
@@ -271,6 +311,9 @@ class TopKEngine:
         if not self.member:  # outside the process set: gradients stay local, as in Horovod
             self.synchronized = True
             return
+        if self.retired:
+            raise RuntimeError("this hvd_topk.DistributedOptimizer was replaced by a newer one over the same "
+                               "parameters, which now exchanges their gradients: step the new one")
         check_parameters_unchanged(self)
         if self.ctx is None:
             self._begin_step()

@@ -182,13 +182,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         engine = getattr(self, ENGINE)
         if engine.should_synchronize:
-            if engine.synchronized:
+            if engine.synchronized and not engine.pending():
+                # Horovod warns and averages again, which changes nothing for a dense average;
+                # a second Top-K exchange would send the (clipped) average through the residual
+                # again, so p.grad is used as synchronize() left it
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
                               "context after optimizer.synchronize(). This can cause training "
                               "slowdown. You may want to consider using "
                               "optimizer.skip_synchronize() context if you use "
-                              "optimizer.synchronize() in your code.")
-            self.synchronize()
+                              "optimizer.synchronize() in your code. (hvd_topk: p.grad already "
+                              "holds the exchanged result and is used as it is.)")
+            else:
+                self.synchronize()
         engine.synchronized = False
         return super(self.__class__, self).step(closure)
 

@@ -150,6 +150,69 @@ def check_unfrozen_parameter_refused():
         opt.step()
 
 
+def check_rebuilt_after_unfreezing():
+    """What the refusal above advises: a new DistributedOptimizer built after unfreezing takes
+    the parameters over. The old one, still referenced, no longer hooks them and refuses to
+    step (it once kept exchanging through its hooks and raised "Gradients were computed more
+    than backward_passes_per_step times"); once dropped, a plain torch optimizer works on the
+    model with each rank's own gradient. Truth: the gradient of the same loss without hvd_topk."""
+    torch.manual_seed(0)
+    model = Net()
+    model.fc1.weight.requires_grad_(False)
+    trainable = lambda: [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # noqa: E731
+    old = hvd_topk.DistributedOptimizer(torch.optim.SGD([p for _, p in trainable()], lr=0.1),
+                                        named_parameters=trainable(), min_numel=MIN_NUMEL, exchange="allgather")
+    train(model, old, 2)
+    model.fc1.weight.requires_grad_(True)
+    new = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters(), min_numel=MIN_NUMEL,
+                                        exchange="allgather")
+    train(model, new, 2, start=2)
+    for name, p in model.named_parameters():
+        assert_same_on_all_ranks(p.detach().numpy(), f"after the rebuild: {name}")
+    assert new.compression_stats()["steps"] == 2 and old.compression_stats()["steps"] == 2
+    x, y = batch(4, hvd.rank())
+    old.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    with raises(RuntimeError, match="replaced by a newer one", what="stepping the replaced optimizer"):
+        old.step()
+    del old, new
+    import gc
+    gc.collect()
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    twin = copy.deepcopy(model)
+    plain.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x), y).backward()
+    F.cross_entropy(twin(x), y).backward()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad), f"{name}: the dropped optimizer still touched the gradient"
+    plain.step()
+
+
+def check_step_after_synchronize_without_skip():
+    """Horovod's pattern without ``skip_synchronize()``: synchronize, clip, step. Horovod warns
+    and averages again, which leaves a dense average as it was; hvd_topk warns and uses p.grad
+    as synchronize() left it (a second exchange once sent the clipped average through the
+    residual again and undid the clipping). Truth: the clipped gradient, read before step()."""
+    model, opt = build(min_numel=MIN_NUMEL)
+    for step in range(3):
+        x, y = batch(step, hvd.rank())
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+        clipped = [p.grad.clone() for p in model.parameters()]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        assert any("skip_synchronize" in str(w.message) for w in caught), [str(w.message) for w in caught]
+        for (name, p), want in zip(model.named_parameters(), clipped):
+            assert torch.equal(p.grad, want), f"step {step} {name}: step() changed the synchronized gradient"
+    assert opt.compression_stats()["steps"] == 3, opt.compression_stats()
+    for name, p in model.named_parameters():
+        assert_same_on_all_ranks(p.detach().numpy(), f"synchronize, clip, step: {name}")
+
+
 def check_horovod_unfrozen_parameter_diverges():
     """What Horovod does (dense, and the drop-in TopK): the unfrozen parameter is trained on
     local gradients only, so ranks differ. Backs the README's cells for Horovod."""
@@ -488,6 +551,8 @@ CHECKS = [
     ("rank-0 checkpoint + broadcast_optimizer_state", check_rank0_checkpoint_broadcast),
     ("unfrozen parameter refused", check_unfrozen_parameter_refused),
     ("horovod: unfrozen parameter diverges", check_horovod_unfrozen_parameter_diverges),
+    ("a new optimizer after unfreezing takes over", check_rebuilt_after_unfreezing),
+    ("step() after synchronize() without skip_synchronize", check_step_after_synchronize_without_skip),
     ("sparse_as_dense", check_sparse_as_dense),
     ("sparse_as_dense, two sparse embeddings", lambda: check_sparse_as_dense(second=True)),
     ("sparse gradient without sparse_as_dense: densified, one warning",
