@@ -35,6 +35,7 @@ waits for its parts' index gather inside the hook for the same reason.
 """
 
 import hashlib
+import inspect
 import warnings
 
 import torch
@@ -122,6 +123,10 @@ class TopKState:
             raise TypeError("optimizer must define transform_local_gradient(param, grad, ranks) "
                             f"(hvd_topk.LocalAdamW, hvd_topk.DeMo), got {type(optimizer).__name__}")
         self.optimizer = optimizer
+        # LocalAdamW's finite= (the hook checks a bucket at once); an optimizer of the user's own
+        # may define transform_local_gradient(param, grad, ranks) only
+        self._pass_finite = optimizer is not None and "finite" in inspect.signature(
+            optimizer.transform_local_gradient).parameters
         if exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
         self.exchange = exchange
@@ -335,9 +340,11 @@ def topk_hook(state, bucket):
     params = bucket.parameters()
     idle = exchange.unused_here(params)  # this rank's backward left them out (find_unused_parameters)
     if state.optimizer is not None:
+        # one check of the bucket instead of one per tensor (on a GPU, one wait instead of many)
+        checked = {"finite": True if bool(torch.isfinite(buffer).all()) else None} if state._pass_finite else {}
         for i, (p, g) in enumerate(zip(params, bucket.gradients())):
             if i not in idle:  # as a plain optimizer skips a parameter without a gradient
-                state.optimizer.transform_local_gradient(p, g, world)
+                state.optimizer.transform_local_gradient(p, g, world, **checked)
     layout = state._layout(bucket)
     step = state.iteration
     if bucket.index() == 0:

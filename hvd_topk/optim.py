@@ -97,7 +97,18 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
         return loss
 
 
-class LocalAdamW(torch.optim.Optimizer):
+class _ExchangedUpdates(torch.optim.Optimizer):
+    """An inner optimizer whose ``transform_local_gradient`` turns each gradient into an update
+    before the exchange; ``_transformed`` holds the parameters it did this step."""
+
+    def zero_grad(self, set_to_none=True):
+        """As torch's; also forgets which gradients were transformed (a step skipped by a
+        ``GradScaler`` leaves them marked otherwise)."""
+        self._transformed.clear()
+        super().zero_grad(set_to_none=set_to_none)
+
+
+class LocalAdamW(_ExchangedUpdates):
     """AdamW run by each rank on its own gradient, before the exchange: what Top-K with error
     feedback compresses is Adam's *update*, and the step applies the ranks' average of it.
 
@@ -162,11 +173,23 @@ class LocalAdamW(torch.optim.Optimizer):
         self._new_state(p, _group_of(self, p))
 
     @torch.no_grad()
-    def transform_local_gradient(self, p, grad, ranks=1):
+    def transform_local_gradient(self, p, grad, ranks=1, finite=None):
         """Replace ``grad`` (this rank's gradient of ``p``) in place by this rank's Adam update
         direction ``m_hat / (sqrt(v_hat) + eps)`` (times ``lr`` with ``lr_in_residual``),
         advancing the moments one step. ``ranks``: how many ranks' updates the exchange
-        averages (``global_variance``)."""
+        averages (``global_variance``).
+
+        A gradient holding inf/nan (an overflow, a bad batch) is left as it is, so that the
+        exchange carries it to every rank and the step is skipped there (a ``GradScaler``, or
+        the user), and the moments are not advanced: they would hold inf/nan for good, and every
+        later step would be NaN. That costs one read of the gradient (on a GPU, a wait for it);
+        ``finite=True`` says the caller has checked already (the DDP hook checks a bucket at
+        once)."""
+        if finite is None:
+            finite = bool(torch.isfinite(grad).all())
+        if not finite:
+            self._transformed.add(p)
+            return
         group = _group_of(self, p)
         beta1, beta2 = group["betas"]
         state = self.state[p] or self._new_state(p, group)
@@ -205,7 +228,7 @@ class LocalAdamW(torch.optim.Optimizer):
         return loss
 
 
-class DeMo(torch.optim.Optimizer):
+class DeMo(_ExchangedUpdates):
     """DeMo's decoupled momentum (Peng et al., 2024) on hvd_topk's error feedback: each rank keeps
     a decayed accumulator of ``lr x gradient`` (the engine's residual), Top-K sends its largest
     entries and subtracts them, and every rank applies the *normalised* average of what was sent.
@@ -246,9 +269,10 @@ class DeMo(torch.optim.Optimizer):
         self._transformed = set()
 
     @torch.no_grad()
-    def transform_local_gradient(self, p, grad, ranks=1):
+    def transform_local_gradient(self, p, grad, ranks=1, finite=None):
         """``grad *= lr``: the accumulator holds lr-weighted gradients (an entry that waits is
-        applied at the rates of the steps it stands for)."""
+        applied at the rates of the steps it stands for). No state, so inf/nan harms nothing
+        here (``finite`` is ``LocalAdamW``'s argument, unused)."""
         grad.mul_(_group_of(self, p)["lr"])
         self._transformed.add(p)
 
@@ -294,6 +318,12 @@ def _check_transformed(optimizer, p):
     (RuntimeError); an all-zero one with no state is ``hvd.broadcast_optimizer_state``'s probe
     step (state initialised, False)."""
     if p in optimizer._transformed:
+        return True
+    if optimizer._transformed:
+        # a step of hvd_topk's in which this rank had no gradient of p (a branch it did not
+        # take): the exchange still wrote the ranks' average into p.grad, applied as it is
+        if not optimizer.state[p]:
+            optimizer._init_state(p)
         return True
     if optimizer.state[p] or p.grad.any():
         name = type(optimizer).__name__

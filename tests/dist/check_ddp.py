@@ -361,6 +361,36 @@ def check_nonfinite():
         assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()), f"{exchange}: step after"
 
 
+def check_nonfinite_local_adamw():
+    """The AdamW recipe through the hook: an inf in rank 0's gradient reaches every rank (the
+    step is skipped, as a GradScaler would) and rank 0's LocalAdamW moments do not take it in
+    (they held inf for good, and every later step was NaN). Truth: after three finite steps
+    more, rank 0's fc1 moments have counted three Adam steps, every other tensor four, all
+    finite, and the parameters are the same on every rank."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = Net().to(DEVICE)
+    inner = hvd_topk.LocalAdamW(model.parameters(), lr=0.01, betas=(0.0, 0.95), weight_decay=0.1)
+    ddp = DDP(model)
+    state = hvd_topk.ddp.TopKState(density=0.05, min_numel=MIN_NUMEL, optimizer=inner, exchange="allgather",
+                                   named_parameters=model.named_parameters())
+    hvd_topk.ddp.register(ddp, state)
+    handle = model.fc1.weight.register_hook(
+        lambda g: g.index_fill(1, torch.tensor([3], device=g.device), float("inf")) if rank == 0 else g)
+    x, y = batch(0, rank)
+    F.cross_entropy(ddp(x), y).backward()
+    handle.remove()
+    assert not bool(torch.isfinite(model.fc1.weight.grad).all()), "inf did not reach this rank's result"
+    inner.zero_grad(set_to_none=True)  # skipped
+    train(ddp, inner, 3, start=1)
+    for name, p in model.named_parameters():
+        moments = inner.state[p]
+        want = 3 if (rank == 0 and name == "fc1.weight") else 4
+        assert int(moments["step"]) == want, f"{name}: {int(moments['step'])} Adam steps, expected {want}"
+        assert all(bool(torch.isfinite(t).all()) for t in moments.values() if torch.is_tensor(t)), name
+        assert_same_on_all_ranks(host(p), f"after the skipped step: {name}")
+
+
 def check_join():
     """Uneven inputs under DDP's ``Join``: rank r runs 3 + r steps; a joined rank's DDP runs the
     hook on zero buckets (its residual still sends). The truth: the same job with even inputs,
@@ -482,6 +512,7 @@ CHECKS = [
     ("checkpoint resume, several buckets", check_resume),
     ("checkpoint resume, one bucket, decay", lambda: check_resume(bucket_cap_mb=25, residual_decay=0.9)),
     ("non-finite gradient", check_nonfinite),
+    ("non-finite gradient, LocalAdamW's moments stay finite", check_nonfinite_local_adamw),
     ("Join: uneven inputs", check_join),
     ("bad input", check_bad_input),
     ("a rank alone in its group (world size 1)", check_alone),

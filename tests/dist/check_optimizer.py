@@ -335,6 +335,37 @@ def check_nonfinite(exchange="allgather", culprit=0):
         assert torch.isfinite(p).all()
 
 
+def check_nonfinite_local_adamw():
+    """LocalAdamW: an inf in rank 0's gradient of fc1 at step 0 reaches the average on every
+    rank (the step is then skipped, as a GradScaler would), and rank 0's Adam moments do not
+    take it in (with inf/nan in them every later step was NaN). Truth: after three finite steps
+    more, rank 0's fc1 moments have counted three steps and every other tensor four, all finite,
+    and the parameters are finite and the same on every rank."""
+    rank = hvd.rank()
+    torch.manual_seed(0)
+    model = Net()
+    inner = hvd_topk.LocalAdamW(model.parameters(), lr=0.01, betas=(0.0, 0.95), weight_decay=0.1)
+    opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(), exchange="allgather",
+                                        compression=hvd_topk.TopK(density=0.05), min_numel=500)
+    handle = model.fc1.weight.register_hook(
+        lambda g: g.index_fill(1, torch.tensor([3]), float("inf")) if rank == 0 else g)
+    x, y = batch(0, rank)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.synchronize()
+    handle.remove()
+    assert not torch.isfinite(model.fc1.weight.grad).all(), "inf did not reach this rank's result"
+    opt.zero_grad()  # skipped
+    train(model, opt, 3, start=1)
+    for name, p in model.named_parameters():
+        state = inner.state[p]
+        want = 3 if (rank == 0 and name == "fc1.weight") else 4
+        assert int(state["step"]) == want, f"{name}: {int(state['step'])} Adam steps, expected {want}"
+        assert all(torch.isfinite(t).all() for t in state.values() if torch.is_tensor(t)), f"{name}: moments"
+        assert torch.isfinite(p).all(), name
+        assert_same_on_all_ranks(p.detach().numpy(), f"after the skipped step: {name}")
+
+
 def check_bad_input():
     torch.manual_seed(0)
     model = Net()
@@ -383,15 +414,20 @@ def check_plain_adam_warns():
 
 
 def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-3, wd=0.1,
-                      lr_in_residual=False, residual_decay=1.0, exchange="allgather", global_variance=False):
+                      lr_in_residual=False, residual_decay=1.0, exchange="allgather", global_variance=False,
+                      skip=None):
     """LocalAdamW: each rank's numpy Adam on its own gradient gives its update; the exchanged
     result is the error-feedback contract applied to those updates; the step is
     p * (1 - lr * wd) - lr * result on every rank. (A large eps: with a tiny one the first
     updates are all +-1, and Top-K among ties would compare rounding, not the method.)
     ``lr_in_residual``: the update is lr_t * Adam's, the step p * (1 - lr * wd) - result; the
     learning rate halves every step, so an entry applied at another step's rate shows.
-    ``global_variance``: v is replaced by v/P + (1 - 1/P) mean^2 (bias-corrected EMAs)."""
+    ``global_variance``: v is replaced by v/P + (1 - 1/P) mean^2 (bias-corrected EMAs).
+    ``skip``: ``{step: ranks}`` whose forward leaves head2 out at that step: such a rank's
+    update of head2 is zero and its moments stay (as a plain optimizer skips a parameter
+    without a gradient); the exchanged result is applied all the same."""
     rank, size = hvd.rank(), hvd.size()
+    skip = skip or {}
     torch.manual_seed(0)
     model = Net()
     inner = hvd_topk.LocalAdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd,
@@ -401,7 +437,7 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-
                                         residual_decay=residual_decay)
     shadow = copy.deepcopy(model)
     ref = ErrorFeedbackReference(size, decay=residual_decay)
-    moments = {}  # (rank, name) -> (m, v) in float64
+    moments = {}  # (rank, name) -> (m, v, mean, steps taken) in float64
     base_lr = lr
     for step in range(steps):
         if lr_in_residual:
@@ -409,22 +445,29 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-
             for group in opt.param_groups:
                 group["lr"] = lr
         x, y = batch(step, rank)
+        skipping = skip.get(step, ())
+        use_head2 = rank not in skipping
         shadow.load_state_dict(model.state_dict())
         shadow.zero_grad()
-        F.cross_entropy(shadow(x), y).backward()
+        F.cross_entropy(shadow(x, use_head2), y).backward()
         before = {n: p.detach().numpy().astype(np.float64) for n, p in model.named_parameters()}
         opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        F.cross_entropy(model(x, use_head2), y).backward()
         opt.synchronize()
         every = {}
         for name, p in model.named_parameters():
             updates = []
-            for r, g in enumerate(gather(dict(shadow.named_parameters())[name].grad.numpy().astype(np.float64))):
-                m, v, mean = moments.get((r, name), (0.0, 0.0, 0.0))
+            mine = dict(shadow.named_parameters())[name].grad
+            mine = np.zeros(p.shape) if mine is None else mine.numpy().astype(np.float64)
+            for r, g in enumerate(gather(mine)):
+                if name.startswith("head2.") and r in skipping:
+                    updates.append(np.zeros(p.shape))  # no gradient on rank r: no Adam step
+                    continue
+                m, v, mean, t = moments.get((r, name), (0.0, 0.0, 0.0, 0))
                 m, v = betas[0] * m + (1 - betas[0]) * g, betas[1] * v + (1 - betas[1]) * g * g
                 mean = betas[1] * mean + (1 - betas[1]) * g
-                moments[(r, name)] = (m, v, mean)
-                t = step + 1
+                t += 1
+                moments[(r, name)] = (m, v, mean, t)
                 v_hat, mean_hat = v / (1 - betas[1] ** t), mean / (1 - betas[1] ** t)
                 if global_variance and size > 1:
                     v_hat = mean_hat ** 2 + (v_hat - mean_hat ** 2) / size
@@ -589,6 +632,9 @@ CHECKS = [
     ("LocalAdamW: lr in the residual, decay, checkpoint resume", lambda: check_local_adamw_resume(
         lr_in_residual=True, residual_decay=0.9)),
     ("LocalAdamW: global variance", lambda: check_local_adamw(steps=5, global_variance=True)),
+    ("LocalAdamW: an inf in one rank's gradient leaves its moments finite", check_nonfinite_local_adamw),
+    ("LocalAdamW: a layer rank 0 leaves out at step 1, every rank at step 2", lambda: check_local_adamw(
+        steps=4, global_variance=True, lr_in_residual=True, skip={1: {0}, 2: set(range(hvd.size()))})),
     ("LocalAdamW: global variance, lr in the residual, checkpoint resume", lambda: check_local_adamw_resume(
         lr_in_residual=True, global_variance=True)),
     ("DeMo: sign of the exchanged average", check_demo),
