@@ -4,12 +4,12 @@ Bytes alone do not decide which exchange is fastest: the sparse strategies spend
 time selecting and decoding that a fast network would not, and a dense fp16 allreduce spends
 time casting. So, per job:
 
-1. **Proposal** (``propose``): for each strategy family (dense fp32, dense fp16, allgather,
-   sparse allreduce, and with ``hvd_topk.init()``'s host sets the two sparse ones run
+1. **Proposal** (``propose``): for each strategy family (dense fp32, dense fp16 where values
+   already travel in 16 bits, allgather, sparse allreduce, and with ``hvd_topk.init()``'s host sets the two sparse ones run
    hierarchically: ``hier_allgather``, ``hier_sparse_allreduce``) the engine works out what each bucket would use (a sparse family still
    sends a bucket dense where that moves fewer bytes, as ``dense_fallback`` does) and the
    bytes per step (``hvd_topk.exchange`` cost functions). Families that would do the same as
-   another, and sparse families moving at least as many bytes as dense fp16, are dropped:
+   another, and sparse families moving at least as many bytes as dense, are dropped:
    they cannot be faster.
 2. **Trial** (``Trial``): each remaining family runs ``trial_steps`` real training steps (plus
    one to settle after each switch); the time from one ``synchronize()`` to the next is the
@@ -28,23 +28,27 @@ import time
 
 import torch
 
-FAMILIES = ("dense", "dense_fp16", "allgather", "sparse_allreduce")
 HIER = "hier_"  # prefix of the hierarchical families (hvd_topk.hierarchy)
 SPARSE = ("allgather", "sparse_allreduce")
 
 
-def families(hierarchical_available, hierarchical_only, compact=False):
-    """The families a job may use: the four, plus the sparse ones run hierarchically where the
-    host sets exist; only those (and dense) with ``hierarchical=True``. With compact pairs
-    (``hvd_topk.compact``: the allgather's alone) dense and the flat allgather."""
+def families(hierarchical_available, hierarchical_only, compact=False, fp16=False):
+    """The families a job may use: dense, the two sparse ones, and those run hierarchically
+    where the host sets exist; only the hierarchical ones (and dense) with ``hierarchical=True``.
+    With compact pairs (``hvd_topk.compact``: the allgather's alone) dense and the flat
+    allgather. Dense fp16 only with ``fp16``: where the values already travel in 16 bits
+    (``TopK(fp16_values=True)`` or ``compact=True``, whose dense fallback is fp16 too). For
+    fp32 values it would be a silent change of precision: an entry above 65504 arrives as inf,
+    and the rounding of the start's dense steps is not fed back."""
+    dense = ("dense", "dense_fp16") if fp16 or compact else ("dense",)
     if compact:
-        return ("dense", "dense_fp16", "allgather")
-    if not hierarchical_available:
-        return FAMILIES
+        return dense + ("allgather",)
     hier = tuple(HIER + f for f in SPARSE)
+    if not hierarchical_available:
+        return dense + SPARSE
     if hierarchical_only:
-        return ("dense", "dense_fp16") + hier
-    return FAMILIES + hier
+        return dense + hier
+    return dense + SPARSE + hier
 
 
 class Trial:
@@ -113,14 +117,14 @@ def propose(assignments, byte_counts):
     ``assignments``: family -> tuple of the strategy names its buckets would use;
     ``byte_counts``: family -> modelled bytes into one rank per step. A family that assigns
     exactly what an earlier one does is dropped, and so is a sparse family moving at least as
-    many bytes as dense fp16 (more bytes and a selection on top cannot be faster).
+    many bytes as the cheapest dense one (more bytes and a selection on top cannot be faster).
     """
     chosen, seen = [], set()
+    dense = min((byte_counts[f] for f in ("dense", "dense_fp16") if f in byte_counts), default=None)
     for family in assignments:
         if assignments[family] in seen:
             continue
-        if family.removeprefix(HIER) in SPARSE and "dense_fp16" in byte_counts \
-                and byte_counts[family] >= byte_counts["dense_fp16"]:
+        if family.removeprefix(HIER) in SPARSE and dense is not None and byte_counts[family] >= dense:
             continue
         seen.add(assignments[family])
         chosen.append(family)

@@ -82,7 +82,8 @@ class TopKState:
             ``exchange_trial_steps`` (3) real steps (plus one to settle), the ranks average
             their median step times with one allreduce and all keep the fastest
             (``hvd_topk.auto``, the Horovod optimizer's trial); on a fast network that may be
-            dense, which is the point. Before that, the family moving the fewest bytes. Pin
+            dense, which is the point (dense fp16 only where values travel in 16 bits:
+            ``fp16_values`` or ``compact``). Before that, the family moving the fewest bytes. Pin
             one for quality experiments on one host. A sparse family still sends a bucket
             dense where a ring allreduce moves fewer bytes.
         fp16_values (False): send values as float16 (6 bytes a pair instead of 8); the dense
@@ -263,7 +264,7 @@ class TopKState:
         self.family = self.trial.family()
 
     def _start_trial(self, density):
-        families = auto.families(False, False, self.compact)
+        families = auto.families(False, False, self.compact, self.codec.dense_fp16)
         assignments, byte_counts = {}, {}
         for family in families:
             chosen = [exchange.choose(self, layout, layout.plan(self.codec, density), self.world_size, family)

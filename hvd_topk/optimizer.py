@@ -82,7 +82,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
         exchange ("auto"): how buckets travel. ``"auto"`` times each strategy the cost model
             proposes for ``exchange_trial_steps`` (3) real steps each and keeps the fastest
             (logged once on rank 0; ``compression_stats()["exchange_reason"]``); it may be dense
-            where the network is fast. ``"allgather"``: every rank's pairs (bytes grow with the
+            where the network is fast (dense fp16 only where values travel in 16 bits already:
+            ``TopK(fp16_values=True)`` or ``compact=True``). ``"allgather"``: every rank's pairs (bytes grow with the
             ranks). ``"sparse_allreduce"``: each rank's top-k positions in one part of the bucket
             (rotating), every rank's values there allreduced (bytes grow as (P-1)/P). ``"dense"``,
             ``"dense_fp16"``: Horovod's allreduce, fp32 or fp16. ``exchange_recheck_steps`` (0):

@@ -39,7 +39,8 @@ class ExchangePlanner:
         self.options, self.buckets, self.codec, self.schedule = options, buckets, codec, schedule
         self.hier = hier
         self.process_set, self.name = process_set, name
-        self.families = auto.families(hier is not None, options.hierarchical is True, codec.compact)
+        self.families = auto.families(hier is not None, options.hierarchical is True, codec.compact,
+                                      codec.dense_fp16)
         self.trial, self.trial_world = None, None  # exchange="auto": the trial of this world size
 
     @staticmethod

@@ -173,13 +173,17 @@ def check_dense_exchange(exchange, fallback=False):
     assert stats["bucket_strategies"] == {0: exchange, 1: "dense"}, stats  # small tensors: fp32
 
 
-def check_auto():
+def check_auto(fp16_values=True):
     """exchange="auto": every proposed family runs (one settling step, then the measured ones)
     in the documented order on every rank, all ranks take the same family each step and end
-    with the same parameters, and the choice is the fastest of the agreed medians."""
-    model, opt = build(min_numel=500, exchange="auto", exchange_trial_steps=1)
+    with the same parameters, and the choice is the fastest of the agreed medians. Dense fp16
+    is a candidate only where values travel in 16 bits already (``fp16_values``)."""
+    model, opt = build(min_numel=500, exchange="auto", exchange_trial_steps=1, fp16_values=fp16_values)
+    candidates = ["dense", "dense_fp16", "allgather", "sparse_allreduce"] if fp16_values else \
+        ["dense", "allgather", "sparse_allreduce"]
+    tried = 2 * len(candidates)
     seen = []
-    for step in range(10):
+    for step in range(tried + 2):
         train(model, opt, 1, start=step)
         stats = opt.compression_stats()
         seen.append(stats["exchange_family"])
@@ -188,25 +192,25 @@ def check_auto():
         for p in model.parameters():
             assert_same_on_all_ranks(p.detach().numpy(), f"auto: parameters at step {step}")
     # density 5% at any P <= 3: no family is dominated, each runs 2 steps
-    candidates = ["dense", "dense_fp16", "allgather", "sparse_allreduce"]
     assert stats["exchange_candidates"] == candidates, stats
-    assert seen[:8] == [c for c in candidates for _ in range(2)], seen
+    assert seen[:tried] == [c for c in candidates for _ in range(2)], seen
     medians = stats["exchange_median_step_s"]
     assert sorted(medians) == sorted(candidates) and all(t > 0 for t in medians.values()), stats
     assert stats["exchange_choice"] == min(candidates, key=medians.get), stats
-    assert seen[8:] == [stats["exchange_choice"]] * 2, seen
+    assert seen[tried:] == [stats["exchange_choice"]] * 2, seen
     assert "measured" in stats["exchange_reason"], stats
 
 
 def check_auto_one_candidate():
-    """A sparse family moving at least as many bytes as dense fp16 is not tried. At density
-    0.35, per element: the allgather moves (P-1) x 0.35 x 8 B, the sparse allreduce
-    0.35 x (4 + 2 (P-1)/P x 4), dense fp16 2 (P-1)/P x 2: at P=2 2.8 and 2.8 against 2.0,
-    at P=3 5.6 and 3.27 against 2.67, at P=4 8.4 and 3.5 against 3.0."""
-    model, opt = build(min_numel=500, exchange="auto", density=0.35)
+    """A sparse family that would send its buckets dense anyway is not tried. With 16-bit
+    values at density 0.35, per element: the allgather moves (P-1) x 0.35 x 6 B, more than
+    dense fp16's 2 (P-1)/P x 2 at every P (2.1 against 2.0 at P=2), so its buckets fall back to
+    dense fp16 and it is dense fp16 again; the sparse allreduce moves
+    (P-1)/P x 0.35 x (4 + 2 x 2), less (1.4 against 2.0 at P=2, 2.1 against 3.0 at P=4)."""
+    model, opt = build(min_numel=500, exchange="auto", density=0.35, fp16_values=True)
     train(model, opt, 1)
     stats = opt.compression_stats()
-    assert stats["exchange_candidates"] == ["dense", "dense_fp16"], stats
+    assert stats["exchange_candidates"] == ["dense", "dense_fp16", "sparse_allreduce"], stats
 
 
 def check_cost_model_goes_dense():
@@ -615,6 +619,7 @@ CHECKS = [
     ("fp16 values: the dense fallback is fp16", lambda: check_dense_exchange("dense_fp16", fallback=True)),
     ("auto: trial, agreement, choice", check_auto),
     ("auto: dominated strategies not tried", check_auto_one_candidate),
+    ("auto, fp32 values: no dense fp16 candidate", lambda: check_auto(fp16_values=False)),
     ("cost model goes dense", check_cost_model_goes_dense),
     ("passes equal concatenated batch", check_passes_equal_concatenated_batch),
     ("checkpoint resume", check_checkpoint_resume),
