@@ -328,11 +328,16 @@ class TopKEngine:
         for bucket in self.buckets:
             bucket.inflight.decode_into(bucket)
             bucket.reset()
-        self.active.read()  # (when no sparse bucket read it this step)
+        joined = self._someone_joined()  # (read here when no sparse bucket read it this step)
         self.passes = dict.fromkeys(self.passes, 0)
         self.sparse.restore()
-        self.planner.step_done(self.step, self.world)
-        self.step += 1
+        if not joined:
+            # A step some rank sat out inside hvd.join() does not count: the joined rank's
+            # counter did not move, and the warm-up, the sparse allreduce's rotation and
+            # auto's trial all read the counter, which must agree when the ranks meet again
+            # (Horovod's multi-epoch pattern: uneven batches, hvd.join() at each epoch's end).
+            self.planner.step_done(self.step, self.world)
+            self.step += 1
         self.stats.add(steps=1)
         self.synchronized = True
         self.ctx = None

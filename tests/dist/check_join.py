@@ -84,6 +84,33 @@ def check_uneven_batches_then_join(selection_scope="tensor"):
     assert opt.compression_stats()["steps"] == steps_of(rank)
 
 
+def check_join_every_epoch(exchange, epochs=3, **options):
+    """Horovod's multi-epoch pattern: uneven batches, ``hvd.join()`` at every epoch's end, with
+    a density warm-up spanning the epochs. The steps a rank sat out do not count on the others
+    either, so when the ranks meet again their step counters (which set the density, the sparse
+    allreduce's rotation and auto's trial) agree: once they differed, and the next epoch failed
+    on mismatched messages or hung. Truth: every rank's counter after each epoch is the number
+    of steps every rank took, and training goes on (finite). The ranks that stepped on alone
+    hold other parameters, as with Horovod's own optimizer: the last to join broadcasts its
+    parameters and optimizer state, as a user does."""
+    rank, size = hvd.rank(), hvd.size()
+    model, opt = build(density=DENSITY, min_numel=MIN_NUMEL, exchange=exchange, warmup_steps=5,
+                       warmup_density=0.5, **options)
+    for epoch in range(epochs):
+        for step in range(steps_of(rank)):
+            opt.zero_grad()
+            x, y = batch(10 * epoch + step, rank)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        last = hvd.join()
+        counters = hvd.allgather_object(opt.compression_stats()["step"])
+        assert counters == [(epoch + 1) * steps_of(size - 1)] * size, f"epoch {epoch}: step counters {counters}"
+        hvd.broadcast_parameters(model.state_dict(), root_rank=last)
+        hvd.broadcast_optimizer_state(opt, root_rank=last)
+        for n, p in model.named_parameters():
+            assert bool(torch.isfinite(p).all()), f"epoch {epoch}: {n}"
+
+
 def check_horovod_uneven_batches_then_join(drop_in):
     """Horovod's own optimizer, with ``compression=TopK`` (``drop_in``, no error feedback) or
     without: while every rank is active each tensor is the sum of every rank's top-k (or
@@ -122,6 +149,9 @@ def check_horovod_uneven_batches_then_join(drop_in):
 CHECKS = [
     ("uneven batches then join", check_uneven_batches_then_join),
     ("uneven batches then join, bucket scope", lambda: check_uneven_batches_then_join("bucket")),
+    ("join at every epoch's end, warm-up, allgather", lambda: check_join_every_epoch("allgather")),
+    ("join at every epoch's end, warm-up, sparse allreduce", lambda: check_join_every_epoch("sparse_allreduce")),
+    ("join at every epoch's end, auto's trial", lambda: check_join_every_epoch("auto", exchange_trial_steps=1)),
     ("drop-in TopK: uneven batches then join", lambda: check_horovod_uneven_batches_then_join(True)),
     ("horovod: uneven batches then join", lambda: check_horovod_uneven_batches_then_join(False)),
 ]
