@@ -142,14 +142,21 @@ class TopKState:
             residual_decay_of(optimizer, check_number(residual_decay, "residual_decay")), self.error_feedback)
         self.codec = Codec(method, fp16_values, self.compact)
         # internal
+        # (dist.new_group gives the ranks outside the group a sentinel: the first hook says so)
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup) and \
+                process_group is not dist.GroupMember.NON_GROUP_MEMBER:
+            raise TypeError("process_group must be None (the default group) or a torch.distributed process "
+                            f"group (dist.new_group(...), model.process_group), got {process_group!r}")
         self.process_group = process_group
         self.world_size = self.rank = None       # read at the first hook (the group exists by then)
         self.device = None                      # the gradients' device, read at the first hook
-        self.names = {p: n for n, p in named_parameters} if named_parameters is not None else None
+        self.names = _names(named_parameters) if named_parameters is not None else None
         self.iteration = 0
         self.layouts = {}                       # DDP bucket index -> _Layout
         self.retired = []                       # layouts DDP replaced this step (their residuals move)
         self.pending = {}                       # name -> residual loaded before its bucket was seen
+        self.model_params = set()               # ids of the parameters of the model it serves
+        self.seen_whole_model = False           # a step's last bucket has been seen
         self.checked = False
         self.family = None                      # this step's exchange family (see _begin_step)
         self.trial = None                       # exchange="auto": hvd_topk.auto.Trial, once started
@@ -189,8 +196,10 @@ class TopKState:
         for layout in self.layouts.values():
             for p, segment in layout.residual_segments():
                 residuals[self.names[p]] = segment.detach().clone()
-        return {"version": STATE_VERSION, "iteration": self.iteration, "rank": self.rank,
-                "world_size": self.world_size, "density": self.density, "residuals": residuals}
+        rank, world = (self.rank, self.world_size) if self.rank is not None or not dist.is_initialized() \
+            else _group_rank_and_size(self.process_group)  # before the first step
+        return {"version": STATE_VERSION, "iteration": self.iteration, "rank": rank,
+                "world_size": world, "density": self.density, "residuals": residuals}
 
     def load_state_dict(self, state):
         """Restore ``state_dict()``'s output: the step always; the residuals when the state was
@@ -231,6 +240,14 @@ class TopKState:
         layout = self.layouts.get(bucket.index())
         if layout is not None and layout.matches(params):
             return layout
+        ids = {id(p) for p in params}
+        if self.seen_whole_model and not ids <= self.model_params:
+            # layouts are per DDP bucket index: a second model's buckets would take the first
+            # model's places, and its residuals would be dropped
+            raise RuntimeError("hvd_topk.ddp: this TopKState already serves another DDP model (a bucket "
+                               "holds parameters it has not seen); build one TopKState per "
+                               "DistributedDataParallel model")
+        self.model_params |= ids
         fresh = exchange.BucketLayout(params, bucket.gradients(), bucket.buffer(), self.min_numel,
                                       self.error_feedback)
         sources = [*self.retired, *self.layouts.values()]
@@ -351,6 +368,7 @@ def topk_hook(state, bucket):
     if bucket.index() == 0:
         state._begin_step(step)
     if bucket.is_last():
+        state.seen_whole_model = True
         state.iteration += 1
         state._stats["steps"] += 1
         state.retired = []
@@ -382,6 +400,16 @@ def topk_hook(state, bucket):
             out.set_exception(error)
     torch.futures.collect_all(futures).add_done_callback(done)
     return out
+
+
+def _names(named_parameters):
+    """``{parameter: name}`` from ``model.named_parameters()``, or a clear error."""
+    pairs = list(named_parameters)
+    if not all(isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
+               and isinstance(pair[1], torch.Tensor) for pair in pairs):
+        raise TypeError("named_parameters must be model.named_parameters(): (name, parameter) pairs "
+                        "(model.parameters() has no names)")
+    return {p: n for n, p in pairs}
 
 
 def _group_rank_and_size(group):

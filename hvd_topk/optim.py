@@ -327,9 +327,10 @@ def _check_transformed(optimizer, p):
         return True
     if optimizer.state[p] or p.grad.any():
         name = type(optimizer).__name__
-        raise RuntimeError(f"{name} got a gradient that hvd_topk.DistributedOptimizer did not turn into an "
-                           f"update: use it only as the inner optimizer of hvd_topk.DistributedOptimizer "
-                           "(not alone, not with hvd.DistributedOptimizer)")
+        raise RuntimeError(f"{name} got a gradient that was not turned into an update before the exchange: "
+                           "use it only as the inner optimizer of hvd_topk.DistributedOptimizer, or with DDP "
+                           "pass it to the hook, hvd_topk.ddp.TopKState(optimizer=...) (not alone, not with "
+                           "hvd.DistributedOptimizer or a DDP model without that hook)")
     optimizer._init_state(p)
     return False
 
@@ -366,5 +367,8 @@ def _check_adam_options(lr, betas, eps, weight_decay):
     for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0.0:
             raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2 or \
+            not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas):
+        raise ValueError(f"betas must be a pair of numbers (beta1, beta2), got {betas!r}")
     if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
         raise ValueError(f"betas must be in [0, 1), got {betas}")

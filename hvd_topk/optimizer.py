@@ -166,6 +166,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         the same on every rank). Horovod's own tests and tools read it."""
         return getattr(self, ENGINE).names
 
+    @_parameter_names.setter
+    def _parameter_names(self, value):
+        # hvd.DistributedOptimizer sets it on the optimizer it wraps
+        raise TypeError("hvd_topk.DistributedOptimizer exchanges the gradients itself: do not wrap it in "
+                        "hvd.DistributedOptimizer (wrap the plain torch optimizer in one or the other)")
+
     def synchronize(self):
         """Finish every exchange of this step; afterwards ``p.grad`` holds the averaged result."""
         getattr(self, ENGINE).synchronize()

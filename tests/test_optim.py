@@ -91,6 +91,7 @@ def test_freezing_an_unseen_variance_warns():
 
 @pytest.mark.parametrize("kwargs,match", [({"freeze_step": -1}, "freeze_step"), ({"freeze_step": 2.5}, "freeze_step"),
                                           ({"freeze_step": True}, "freeze_step"), ({"betas": (1.0, 0.9)}, "betas"),
+                                          ({"betas": (0.9,)}, "a pair of numbers"),
                                           ({"lr": -1e-3}, "lr"), ({"lr": float("nan")}, "lr"),
                                           ({"eps": -1.0}, "eps"), ({"weight_decay": "0.1"}, "weight_decay")])
 def test_bad_options_refused(kwargs, match):
@@ -190,7 +191,8 @@ def test_local_adamw_alone_is_refused():
     np.testing.assert_array_equal(p.detach().numpy(), np.ones(3))
     assert set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq", "grad_mean"}  # global_variance (default)
     p.grad = torch.ones(3)
-    with pytest.raises(RuntimeError, match="only as the inner optimizer of hvd_topk.DistributedOptimizer"):
+    with pytest.raises(RuntimeError, match="inner optimizer of hvd_topk.DistributedOptimizer, or with DDP.*"
+                       r"TopKState\(optimizer=...\)"):
         opt.step()
 
 

@@ -437,7 +437,10 @@ def check_bad_input():
                                  ({"compact": 1}, TypeError, "compact must be True or False"),
                                  ({"compact": True, "fp16_values": True}, ValueError, "choose one"),
                                  ({"compact": True, "exchange": "sparse_allreduce"}, ValueError,
-                                  "compact=True packs the allgather's pairs")]:
+                                  "compact=True packs the allgather's pairs"),
+                                 ({"named_parameters": Net().parameters()}, TypeError,
+                                  "named_parameters must be model.named_parameters"),
+                                 ({"process_group": "world"}, TypeError, "process_group must be None")]:
         with raises(error, match=match, what=str(kwargs)):
             P(**kwargs)
     # a process group that is not DDP's
@@ -446,6 +449,15 @@ def check_bad_input():
     ddp = DDP(model)
     with raises(ValueError, match="process group", what="register with another group"):
         hvd_topk.ddp.register(ddp, P(process_group=solo))
+    # one state shared by two DDP models: refused at the second model's first bucket
+    shared = P(min_numel=MIN_NUMEL)
+    first, second = DDP(Net().to(DEVICE)), DDP(Net().to(DEVICE))
+    first.register_comm_hook(shared, hvd_topk.ddp.topk_hook)
+    second.register_comm_hook(shared, hvd_topk.ddp.topk_hook)
+    x, y = batch(0, dist.get_rank())
+    F.cross_entropy(first(x), y).backward()
+    with raises(RuntimeError, match="already serves another DDP model", what="a state shared by two models"):
+        F.cross_entropy(second(x), y).backward()
     # checkpointing without names
     with raises(ValueError, match="named_parameters", what="state_dict without names"):
         P().state_dict()

@@ -393,6 +393,10 @@ def check_bad_input():
     ]:
         with raises(error, match=re.escape(text), what=f"{kwargs}"):
             hvd_topk.DistributedOptimizer(sgd, **kwargs)
+    # hvd.DistributedOptimizer around ours: a clear error (it was an AttributeError on a setter)
+    model, opt = build(min_numel=500)
+    with raises(TypeError, match="do not wrap it in hvd.DistributedOptimizer", what="hvd's wrapper around ours"):
+        hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     # Parameters added after the optimizer was built: a clear error, not silent divergence.
     model, opt = build(min_numel=500)
     opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
