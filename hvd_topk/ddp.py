@@ -308,7 +308,8 @@ class TopKState:
 
     def _first_hook(self, bucket):
         """Once: the group, and a check that every rank wraps the same model (a different model,
-        or a process group that is not DDP's, fails on every rank with one message)."""
+        fails on every rank with one message; a process group that is not DDP's is caught here
+        only where the first buckets differ: ``register`` compares the groups themselves)."""
         if not dist.is_initialized():
             raise RuntimeError("hvd_topk.ddp: torch.distributed is not initialised")
         self.rank, self.world_size = _group_rank_and_size(self.process_group)
