@@ -192,12 +192,14 @@ def finish(buffer, layout, world):
     return buffer
 
 
-def set_aside(state, layout, idle):
+def set_aside(state, layout, idle, zero=True):
     """Residuals of parameters this rank did not use this step (``idle``: indices into
-    ``layout.params``) sit the step out: zeroed before the fold and selection, so that this
-    rank sends nothing of them (zeros where a fixed-size message needs pairs), and put back,
-    decayed as every residual is, once the exchange no longer reads ``acc``. Returns that
-    put-back (a no-op where nothing sits out).
+    ``layout.params``) sit the step out: with ``zero``, zeroed before the fold and selection,
+    so that this rank sends nothing of them (zeros where a fixed-size message needs pairs);
+    without (the sparse allreduce, where the positions a rank chooses are sent by every rank,
+    so they come from its residual as usual), this rank's values there are zeroed by the
+    caller (``held_slots``). Either way they are put back, decayed as every residual is, once
+    the exchange no longer reads ``acc``. Returns that put-back (a no-op where nothing sits out).
 
     Why: with ``find_unused_parameters=True`` DDP leaves ``p.grad`` alone for a parameter no
     rank used this step, and the exchanged result for it goes nowhere; entries selected from
@@ -210,7 +212,8 @@ def set_aside(state, layout, idle):
     segments = layout.acc_segments()
     kept = [(segments[s], segments[s].clone()) for s in held]
     for segment, _ in kept:
-        segment.zero_()
+        if zero:
+            segment.zero_()
 
     def put_back():
         for segment, saved in kept:
@@ -222,6 +225,15 @@ def set_aside(state, layout, idle):
 
 def _nothing():
     pass
+
+
+def held_slots(state, layout, plan, idle):
+    """The message slots of the sparse allreduce's plan that belong to the parameters ``idle``
+    (their pieces in every part): this rank sends zeros there (``set_aside``)."""
+    if not state.error_feedback:
+        return []
+    members = [s for s, i in enumerate(layout.sparse) if i in idle]
+    return [(plan.slots[j], plan.slots[j + 1]) for s in members for j in plan.member_segments[s]]
 
 
 def unused_here(params):
@@ -295,17 +307,18 @@ def exchange_sparse(state, layout, index, step, buffer, idle=()):
     whose residuals sit out the step (``set_aside``)."""
     world, group = state.world_size, state.process_group
     plan = layout.plan(state.codec, state.schedule.density(step))
-    put_back = set_aside(state, layout, idle)
     # a rank alone (world 1) does what the smallest job would: dense during a dense start,
     # sparse after, so that a one-GPU run trains, and counts bytes, as a 2-rank job does
     strategy = choose(state, layout, plan, max(world, 2), state.family)[0]
+    put_back = set_aside(state, layout, idle, zero=strategy is not SPARSE_ALLREDUCE)
     dests = layout.segments(buffer, layout.sparse)
     if strategy is ALLGATHER:
         return _allgather(state, layout, plan, dests, buffer, sample_seed(step, index), put_back)
     if strategy is SPARSE_ALLREDUCE:
         folded_bad = _fold_checked(state, layout, buffer)
-        return _sparse_allreduce(state, layout, layout.plan(state.codec, plan.density, world), index, step, dests,
-                                 folded_bad, put_back)
+        parts = layout.plan(state.codec, plan.density, world)
+        return _sparse_allreduce(state, layout, parts, index, step, dests, folded_bad, put_back,
+                                 held_slots(state, layout, parts, idle))
     _fold(state, layout, buffer)
     if not strategy.sparse:
         # the whole accumulator goes (a dense start): nothing stays behind
@@ -349,7 +362,7 @@ def _allgather(state, layout, plan, dests, buffer, seed, put_back):
     return after(fut, gathered_done, layout.acc.device)
 
 
-def _sparse_allreduce(state, layout, plan, index, step, dests, folded_bad, put_back):
+def _sparse_allreduce(state, layout, plan, index, step, dests, folded_bad, put_back, held=()):
     """ScaleCom's cyclic local top-k over torch.distributed, spread (``hvd_topk.exchange``'s
     ``SparseAllreduce``): this rank chooses the positions in its part of the bucket
     (``plan``: one part per rank), the parts' indices are gathered (waited for here, so that no
@@ -389,6 +402,8 @@ def _sparse_allreduce(state, layout, plan, index, step, dests, folded_bad, put_b
                  | set(folded_bad if folded_bad is not None else _nonfinite_segments(layout)))
     _wipe(state, layout, bad)
     sums[:-1].copy_(values)
+    for lo, hi in held:
+        sums[lo:hi].zero_()
     put_back()
     sums[-1] = 1.0 if bad else 0.0
     state._count(SPARSE_ALLREDUCE, elements_selected=plan.count,

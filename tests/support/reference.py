@@ -63,8 +63,9 @@ class ErrorFeedbackReference:
     own acc at positions chosen part by part from one rank's top-k instead of at its own.
 
     ``idle`` (per rank, the names of tensors that rank did not use this step; the DDP hook):
-    that rank's residual of them sits the step out (decayed, nothing of it sent) and its acc
-    there counts as zeros (what it selects there, and sends under the sparse allreduce).
+    that rank's residual of them sits the step out (decayed, nothing of it sent). It selects
+    from zeros there (whatever it picks sends zeros); under the sparse allreduce it chooses
+    positions from its residual as usual, and sends zeros at every position there.
     """
 
     def __init__(self, ranks, momentum=0.0, error_feedback=True, decay=1.0, value_dtype=None, compact=False):
@@ -103,7 +104,7 @@ class ErrorFeedbackReference:
         position. ``sent``: as in ``sparse_bucket``, per rank (each piece's ties judged on the
         rank that chose it)."""
         accs, us, edges = self._accumulate(names, grads)
-        held = self._set_aside(names, accs, edges, idle)
+        held = self._set_aside(names, accs, edges, idle, zero=False)
         chosen = []
         for j, a, b in part_pieces(edges, self.ranks, scope):
             owner = (j + step + bucket) % self.ranks
@@ -112,16 +113,17 @@ class ErrorFeedbackReference:
         keep = np.concatenate(chosen) if chosen else np.zeros(0, dtype=np.int64)
         return self._exchange(names, grads, accs, us, edges, [keep] * self.ranks, average, held)
 
-    def _set_aside(self, names, accs, edges, idle):
-        """``idle``'s accumulators (decayed residual, no gradient) kept aside and zeroed in
-        ``accs``; ``{(rank, name): kept}``."""
+    def _set_aside(self, names, accs, edges, idle, zero=True):
+        """``idle``'s accumulators (decayed residual, no gradient) kept aside, and with ``zero``
+        zeroed in ``accs``; ``{(rank, name): kept}``."""
         held = {}
         for r, unused in enumerate(idle or []):
             for i, n in enumerate(names):
                 if n in unused and self.error_feedback:
                     assert not self.momentum, "idle tensors are the DDP hook's: no momentum there"
                     held[r, n] = accs[r][edges[i]:edges[i + 1]].copy()
-                    accs[r][edges[i]:edges[i + 1]] = 0
+                    if zero:
+                        accs[r][edges[i]:edges[i + 1]] = 0
         return held
 
     def _accumulate(self, names, grads):
@@ -157,6 +159,9 @@ class ErrorFeedbackReference:
             sent[keep] = acc[keep] if self.value_dtype is None else acc[keep].astype(self.value_dtype)
             if self.compact:
                 sent[keep] = compact_round_trip(acc[keep])
+            for i, n in enumerate(names):
+                if (r, n) in (held or {}):
+                    sent[edges[i]:edges[i + 1]] = 0  # an idle tensor: this rank sends nothing of it
             total += sent  # rank order, float32, like the optimizer
             if self.error_feedback:
                 acc[keep] = acc[keep] - sent[keep] if self.compact else 0
