@@ -192,9 +192,16 @@ def finish(buffer, layout, world):
     return buffer
 
 
-def set_aside(state, layout, idle, zero=True):
-    """Residuals of parameters this rank did not use this step (``idle``: indices into
-    ``layout.params``) sit the step out: with ``zero``, zeroed before the fold and selection,
+def held_members(state, layout, idle):
+    """The sparse members (indices into ``layout.sparse``) whose parameters this rank did not
+    use this step (``idle``: indices into ``layout.params``, from ``unused_here``); none
+    without error feedback, where nothing is kept for later."""
+    return [s for s, i in enumerate(layout.sparse) if i in idle] if state.error_feedback else []
+
+
+def set_aside(state, layout, held, zero=True):
+    """Residuals of parameters this rank did not use this step (``held``: their sparse members,
+    ``held_members``) sit the step out: with ``zero``, zeroed before the fold and selection,
     so that this rank sends nothing of them (zeros where a fixed-size message needs pairs);
     without (the sparse allreduce, where the positions a rank chooses are sent by every rank,
     so they come from its residual as usual), this rank's values there are zeroed by the
@@ -206,7 +213,6 @@ def set_aside(state, layout, idle, zero=True):
     its residual would be lost. A rank that did not use the parameter sends nothing of it, so
     nothing is lost whether the others used it or not (DDP writes their average into ``p.grad``
     then). Which parameters a rank did not use is ``unused_here``."""
-    held = [s for s, i in enumerate(layout.sparse) if i in idle] if state.error_feedback else []
     if not held:
         return _nothing
     segments = layout.acc_segments()
@@ -227,13 +233,10 @@ def _nothing():
     pass
 
 
-def held_slots(state, layout, plan, idle):
-    """The message slots of the sparse allreduce's plan that belong to the parameters ``idle``
+def held_slots(plan, held):
+    """The message slots of the sparse allreduce's plan that belong to the members ``held``
     (their pieces in every part): this rank sends zeros there (``set_aside``)."""
-    if not state.error_feedback:
-        return []
-    members = [s for s, i in enumerate(layout.sparse) if i in idle]
-    return [(plan.slots[j], plan.slots[j + 1]) for s in members for j in plan.member_segments[s]]
+    return [(plan.slots[j], plan.slots[j + 1]) for s in held for j in plan.member_segments[s]]
 
 
 def unused_here(params):
@@ -310,7 +313,8 @@ def exchange_sparse(state, layout, index, step, buffer, idle=()):
     # a rank alone (world 1) does what the smallest job would: dense during a dense start,
     # sparse after, so that a one-GPU run trains, and counts bytes, as a 2-rank job does
     strategy = choose(state, layout, plan, max(world, 2), state.family)[0]
-    put_back = set_aside(state, layout, idle, zero=strategy is not SPARSE_ALLREDUCE)
+    held = held_members(state, layout, idle)
+    put_back = set_aside(state, layout, held, zero=strategy is not SPARSE_ALLREDUCE)
     dests = layout.segments(buffer, layout.sparse)
     if strategy is ALLGATHER:
         return _allgather(state, layout, plan, dests, buffer, sample_seed(step, index), put_back)
@@ -318,7 +322,7 @@ def exchange_sparse(state, layout, index, step, buffer, idle=()):
         folded_bad = _fold_checked(state, layout, buffer)
         parts = layout.plan(state.codec, plan.density, world)
         return _sparse_allreduce(state, layout, parts, index, step, dests, folded_bad, put_back,
-                                 held_slots(state, layout, parts, idle))
+                                 held_slots(parts, held))
     _fold(state, layout, buffer)
     if not strategy.sparse:
         # the whole accumulator goes (a dense start): nothing stays behind

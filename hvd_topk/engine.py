@@ -54,7 +54,6 @@ COMPILED_AUTOGRAD_ERROR = (
     "torch._dynamo.config.compiled_autograd = False (torch.compile of the model can stay).")
 
 
-
 _OWNER = {}  # id(parameter) -> (weakref to it, weakref to the engine whose hooks it carries)
 
 
@@ -85,6 +84,7 @@ def _register_hooks(engine):
 def _remove_all(handles):
     for handle in handles:
         handle.remove()
+
 
 class TopKEngine:
     """Buckets, residuals, schedule, statistics and checkpoint state of one optimizer.
