@@ -55,6 +55,34 @@ def test_decode_adds_ranks_in_order_into_each_tensor(path, dtype, tensor_dtype, 
     np.testing.assert_allclose(torch.cat(dests).double().numpy(), want, rtol=tol, atol=tol)
 
 
+@needs_native
+@pytest.mark.parametrize("dtype,tensor_dtype", [(torch.float32, torch.float32), (torch.float64, torch.float64),
+                                                (torch.float16, torch.float32)])
+def test_decode_of_a_bucket_larger_than_the_cache_writes_exactly_its_tensors(dtype, tensor_dtype):
+    """A bucket of 9-18 MB (the kernel writes buckets from 8 MB on with streaming stores, from a
+    scratch chunk): tensors at unaligned places of one storage, sizes that are not a multiple of
+    anything, get numpy's rank-ordered sums; the entries around and between them stay as they
+    were."""
+    world, k, sizes = 3, 40_000, [5, 2_300_003, 17, 70_001]
+    n = sum(sizes)
+    values, indices = _ranked_pairs(world, k, n, dtype, seed=11)
+    layout = wire.Layout(k, dtype, torch.int32)
+    gathered = torch.cat([layout.pack(values[r], indices[r]) for r in range(world)])
+    storage = torch.full((n + 2 * len(sizes) + 1,), 7.0, dtype=tensor_dtype)
+    starts = [1 + i + sum(sizes[:i]) for i in range(len(sizes))]  # one sentinel before and between
+    dests = [storage[a:a + s] for a, s in zip(starts, sizes)]
+    dests[0].fill_(float("nan"))
+    codec.Codec.decode(gathered, layout, world, dests, torch.tensor([0, *np.cumsum(sizes)]), div=3.0)
+    want = np.zeros(n, dtype=np.float64)
+    for r in range(world):
+        np.add.at(want, indices[r].numpy(), values[r].double().numpy())
+    np.testing.assert_allclose(torch.cat(dests).double().numpy(), want / 3.0, rtol=1e-6, atol=1e-6)
+    untouched = np.ones(storage.numel(), dtype=bool)
+    for a, s in zip(starts, sizes):
+        untouched[a:a + s] = False
+    assert (storage.numpy()[untouched] == 7.0).all()
+
+
 @pytest.mark.parametrize("path", [pytest.param("native", marks=needs_native), "torch"])
 def test_decode_widens_every_16_bit_value_exactly(path):
     """All 65536 half bit patterns (subnormals, +-0, inf, nan) at their own positions of an fp32

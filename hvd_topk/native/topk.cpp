@@ -535,7 +535,42 @@ int64_t segments_dispatch(T* x, int64_t nseg, const int64_t* bounds, const int64
 //
 // The values may be IEEE half (V = Half) while the tensors are fp32: TopK(fp16_values=True)
 // sends 16-bit values, and each is widened exactly (every half is a float) as it is added.
+//
+// A bucket larger than the cache (kStreamBytes) is written with streaming stores: each chunk is
+// built in a scratch buffer in L1 and copied out without reading the destination's lines first
+// (an ordinary store fetches every line before overwriting it: twice the memory traffic).
 constexpr int64_t kChunk = 4096;
+constexpr int64_t kStreamBytes = int64_t(8) << 20;
+
+// Copy n bytes (a multiple of the element size, at least 4-byte aligned) from an L1 buffer to
+// memory with non-temporal stores where the destination is 16-byte aligned, plain ones at the
+// edges. The caller fences once after the last chunk (stream_fence).
+inline void stream_copy(void* to, const void* from, int64_t n) {
+#if defined(__x86_64__)
+  char* d = (char*)to;
+  const char* s = (const char*)from;
+  const int64_t head = std::min<int64_t>(n, (16 - ((uintptr_t)d & 15)) & 15);
+  std::memcpy(d, s, head);
+  d += head, s += head, n -= head;
+  for (; n >= 64; d += 64, s += 64, n -= 64) {
+    const __m128i a = _mm_loadu_si128((const __m128i*)s), b = _mm_loadu_si128((const __m128i*)(s + 16));
+    const __m128i c = _mm_loadu_si128((const __m128i*)(s + 32)), e = _mm_loadu_si128((const __m128i*)(s + 48));
+    _mm_stream_si128((__m128i*)d, a);
+    _mm_stream_si128((__m128i*)(d + 16), b);
+    _mm_stream_si128((__m128i*)(d + 32), c);
+    _mm_stream_si128((__m128i*)(d + 48), e);
+  }
+  std::memcpy(d, s, n);
+#else
+  std::memcpy(to, from, n);
+#endif
+}
+
+inline void stream_fence() {
+#if defined(__x86_64__)
+  _mm_sfence();
+#endif
+}
 
 struct Half {
   uint16_t bits;
@@ -571,11 +606,14 @@ int64_t scatter_segments_impl(T* const* dest, const int64_t* bounds, int64_t nse
   cursor.assign(world, 0);
   last.assign(world, INT64_MIN);
   const T f = static_cast<T>(mul / div);
+  const bool stream = (bounds[nseg] - bounds[0]) * (int64_t)sizeof(T) >= kStreamBytes;
+  alignas(64) static thread_local T scratch_chunk[kChunk];
   int64_t bad = 0;
   for (int64_t s = 0; s < nseg; ++s) {
     for (int64_t c0 = bounds[s]; c0 < bounds[s + 1]; c0 += kChunk) {
       const int64_t c1 = std::min(bounds[s + 1], c0 + kChunk);
-      T* out = dest[s] + (c0 - bounds[s]);
+      T* const to = dest[s] + (c0 - bounds[s]);
+      T* const out = stream ? scratch_chunk : to;
       std::memset(out, 0, (c1 - c0) * sizeof(T));
       for (int64_t r = 0; r < world; ++r) {
         const I* ri = (const I*)(idx + r * row_bytes);
@@ -591,8 +629,10 @@ int64_t scatter_segments_impl(T* const* dest, const int64_t* bounds, int64_t nse
         cursor[r] = j;
         last[r] = prev;
       }
+      if (stream) stream_copy(to, out, (c1 - c0) * sizeof(T));
     }
   }
+  if (stream) stream_fence();
   for (int64_t r = 0; r < world; ++r) bad += k - cursor[r];  // past the end of the bucket
   return bad;
 }
