@@ -251,12 +251,12 @@ def match_names(saved, ours):
     return matched, dropped
 
 
-def warn_dropped(names, shown=5):
+def warn_dropped(names, shown=5, owner="this optimizer"):
     """One warning per load for saved residuals that belong to no parameter here."""
     if not names:
         return
     listed = ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
     warnings.warn(f"hvd_topk: {len(names)} saved error-feedback residual(s) match no parameter that "
-                  f"this optimizer exchanges with error feedback and were dropped: {listed}. Were "
+                  f"{owner} exchanges with error feedback and were dropped: {listed}. Were "
                   "they saved from a different model, or with other named_parameters, min_numel or "
                   "error_feedback? (torch.compile's '_orig_mod.' prefix is mapped automatically.)")

@@ -41,7 +41,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from hvd_topk import auto
+from hvd_topk import auto, checkpoint
 from hvd_topk import ddp_exchange as exchange
 from hvd_topk.codec import Codec
 from hvd_topk.optim import residual_decay_of
@@ -231,6 +231,15 @@ class TopKState:
         self.pending = {name: t.detach().clone() for name, t in state["residuals"].items()}
         for layout in self.layouts.values():
             layout.adopt(self.pending, self.names)
+        if self.seen_whole_model:
+            self._drop_pending()
+
+    def _drop_pending(self):
+        """Loaded residuals that no bucket took once every bucket has been seen: their parameters
+        are dense here (a larger ``min_numel``) or have no error feedback. Dropped, with a warning,
+        as the Horovod optimizer does: kept, ``state_dict()`` would save them again, stale."""
+        checkpoint.warn_dropped(sorted(self.pending), owner="this TopKState")
+        self.pending = {}
 
     # ---- per bucket ----------------------------------------------------------------------
     def _layout(self, bucket):
@@ -370,6 +379,8 @@ def topk_hook(state, bucket):
         state._begin_step(step)
     if bucket.is_last():
         state.seen_whole_model = True
+        if state.pending:
+            state._drop_pending()
         state.iteration += 1
         state._stats["steps"] += 1
         state.retired = []

@@ -30,10 +30,9 @@ import torch
 
 from hvd_topk._horovod import hvd, is_horovod_distributed_optimizer
 from hvd_topk.compressor import TopK
-from hvd_topk.optimizer import ENGINE, DistributedOptimizer, _name_parameters, share_as_subclass
+from hvd_topk.optimizer import ENGINE, LOCAL, DistributedOptimizer, _name_parameters, share_as_subclass
 from hvd_topk.selection import check_flag, check_integer, check_number
 
-LOCAL = "_hvd_topk_local"          # the one attribute LocalSteps adds to the user's optimizer
 STATE_KEY = "hvd_topk_local_steps"  # its section of state_dict(): anchors and the outer optimizer
 PHASE_KEY = "hvd_topk_local_step"   # param group 0: steps since the last synchronisation
 SYNCS_KEY = "hvd_topk_local_syncs"  # param group 0: the outer optimizer's step (synchronisations done)
@@ -52,11 +51,14 @@ class LocalStepsState:
     Tune: ``sync_every``. Internal: ``params`` (trained, in the optimizer's order), ``anchors``
     (the shared weights at the last synchronisation, one per parameter, identical on every
     rank), ``outer`` (the ``hvd_topk.DistributedOptimizer`` over the anchors, with SGD at
-    ``outer_lr``). Statistics: ``steps`` taken on this rank (for ``compression_stats``)."""
+    ``outer_lr``), ``frozen`` (``{parameter: name}`` of those with ``requires_grad=False`` when
+    it was built: they have no anchor). Statistics: ``steps`` taken on this rank (for
+    ``compression_stats``)."""
 
-    def __init__(self, params, anchors, outer, sync_every):
+    def __init__(self, params, anchors, outer, sync_every, frozen):
         self.params, self.anchors, self.outer = params, anchors, outer
         self.sync_every = sync_every
+        self.frozen = frozen
         self.steps = 0
 
 
@@ -113,8 +115,9 @@ def LocalSteps(optimizer, named_parameters=None, *, sync_every, compression=TopK
     outer = DistributedOptimizer(torch.optim.SGD(anchors, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov),
                                  named_parameters=[(names[p], a) for p, a in zip(params, anchors)],
                                  compression=compression, process_set=process_set, **options)
+    frozen = {p: names[p] for g in optimizer.param_groups for p in g["params"] if not p.requires_grad}
     wrapped = share_as_subclass(optimizer, _LocalSteps)
-    setattr(wrapped, LOCAL, LocalStepsState(params, anchors, outer, sync_every))
+    setattr(wrapped, LOCAL, LocalStepsState(params, anchors, outer, sync_every, frozen))
     # param-group options from the start: hvd.broadcast_optimizer_state broadcasts each rank's own
     # keys, so a fresh elastic worker must have the same ones as the others
     wrapped.param_groups[0].setdefault(PHASE_KEY, 0)
@@ -131,8 +134,27 @@ class _LocalSteps(torch.optim.Optimizer):
         checkpoints and ``hvd.broadcast_optimizer_state`` carry it."""
         return self.param_groups[0].get(PHASE_KEY, 0)
 
+    @property
+    def _parameter_names(self):
+        """As Horovod's attribute (``{parameter: name}``, the names the anchors are exchanged under)."""
+        return {p: getattr(self, LOCAL).outer._parameter_names[a]
+                for p, a in zip(getattr(self, LOCAL).params, getattr(self, LOCAL).anchors)}
+
+    @_parameter_names.setter
+    def _parameter_names(self, value):
+        # hvd.DistributedOptimizer sets it on the optimizer it wraps
+        raise TypeError("hvd_topk.LocalSteps exchanges the model itself: do not wrap it in hvd.DistributedOptimizer "
+                        "(wrap the plain torch optimizer in one or the other)")
+
     def step(self, closure=None):
         local = getattr(self, LOCAL)
+        for p, name in local.frozen.items():
+            if p.requires_grad:
+                raise RuntimeError(
+                    f"parameter {name!r} had requires_grad=False when hvd_topk.LocalSteps was built and is "
+                    "trainable now: it has no shared copy, so its changes would never be exchanged and ranks "
+                    "would silently diverge. Set requires_grad=True on every parameter to be trained before "
+                    "building LocalSteps, or build a new one (with a new optimizer) after unfreezing.")
         if self.local_step == 0:
             # A period starts from the shared weights. Taken from the model (identical on every
             # rank here: just reset to the anchors, or broadcast by the user before training,
@@ -147,7 +169,7 @@ class _LocalSteps(torch.optim.Optimizer):
         loss = super(self.__class__, self).step(closure)
         local.steps += 1
         phase = self.local_step + 1
-        if phase == local.sync_every:
+        if phase >= local.sync_every:  # (more: a checkpoint of a longer period, load_state_dict)
             self._synchronise_model()
             self.param_groups[0][SYNCS_KEY] = getattr(local.outer, ENGINE).step
             phase = 0
@@ -185,7 +207,9 @@ class _LocalSteps(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         """A checkpoint without the local-steps section (a plain optimizer's) starts a new
-        period: the anchors are taken from the model at the next ``step()``."""
+        period: the anchors are taken from the model at the next ``step()``. One saved with a
+        larger ``sync_every``, further into its period than this one's length, synchronises at
+        the next ``step()``."""
         local = getattr(self, LOCAL)
         state_dict = dict(state_dict)
         ours = state_dict.pop(STATE_KEY, None)

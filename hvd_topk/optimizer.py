@@ -23,6 +23,7 @@ from hvd_topk.options import Options
 from hvd_topk.selection import check_integer
 
 ENGINE = "_hvd_topk"  # the one attribute hvd_topk adds to the user's optimizer
+LOCAL = "_hvd_topk_local"  # hvd_topk.LocalSteps' one attribute (local_steps.py), checked here too
 
 ADAM_WARNING = (
     "hvd_topk.DistributedOptimizer: Top-K with error feedback in front of plain torch.optim.{0} trains "
@@ -103,6 +104,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if hasattr(optimizer, ENGINE):
         raise ValueError("optimizer is already a hvd_topk.DistributedOptimizer")
+    if hasattr(optimizer, LOCAL):
+        raise ValueError("optimizer is a hvd_topk.LocalSteps, which exchanges the model itself: use it alone "
+                         "(it takes the DistributedOptimizer's options for its exchange)")
     if is_horovod_distributed_optimizer(optimizer):
         raise ValueError("optimizer is already a horovod DistributedOptimizer; wrap the plain "
                          "torch optimizer instead")

@@ -342,6 +342,31 @@ def check_resume(bucket_cap_mb=0.005, **state_kwargs):
     assert state_c.iteration == 3 and all(float(r.abs().sum()) == 0 for r in state_c.state_dict()["residuals"].values())
 
 
+def check_resume_fewer_sparse():
+    """A checkpoint loaded with a larger min_numel (1000: fc2 and head2, 960 elements each, go
+    dense): their saved residuals are dropped with a warning naming them, at the end of the first
+    step when loaded before it, at once when loaded later; fc1's is kept, and ``state_dict()``
+    saves only it from then on."""
+    def fresh(min_numel):
+        model, ddp, state = build(0.005, min_numel=min_numel, density=0.05, exchange="allgather")
+        return model, ddp, torch.optim.SGD(model.parameters(), lr=0.1), state
+    _, ddp, opt, state = fresh(MIN_NUMEL)
+    train(ddp, opt, 3)
+    saved = copy.deepcopy(state.state_dict())
+    assert sorted(saved["residuals"]) == ["fc1.weight", "fc2.weight", "head2.weight"], sorted(saved["residuals"])
+    dropped = "2 saved error-feedback residual(s) match no parameter that this TopKState exchanges"
+    for loaded_after_steps in (0, 1):
+        _, ddp_b, opt_b, state_b = fresh(1000)
+        train(ddp_b, opt_b, loaded_after_steps)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state_b.load_state_dict(saved)
+            train(ddp_b, opt_b, 1, start=3)
+        said = [str(w.message) for w in caught if "saved error-feedback" in str(w.message)]
+        assert len(said) == 1 and dropped in said[0] and "fc2.weight, head2.weight" in said[0], said
+        assert state_b.pending == {} and sorted(state_b.state_dict()["residuals"]) == ["fc1.weight"]
+
+
 def check_nonfinite():
     """An inf in one rank's gradient reaches every rank's result (GradScaler would skip the step
     everywhere), that rank's residual is reset, and the next step is finite again. With the
@@ -528,6 +553,7 @@ CHECKS = [
     ("DeMo through optimizer=", check_demo),
     ("checkpoint resume, several buckets", check_resume),
     ("checkpoint resume, one bucket, decay", lambda: check_resume(bucket_cap_mb=25, residual_decay=0.9)),
+    ("checkpoint loaded with a larger min_numel: residuals of now-dense tensors dropped", check_resume_fewer_sparse),
     ("non-finite gradient", check_nonfinite),
     ("non-finite gradient, LocalAdamW's moments stay finite", check_nonfinite_local_adamw),
     ("Join: uneven inputs", check_join),

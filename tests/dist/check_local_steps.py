@@ -156,6 +156,43 @@ def check_resume(mid_period=True, **options):
         assert torch.equal(a, c), f"resume: {name} differs (max {float((a - c).abs().max())})"
 
 
+def check_unfrozen_after_construction():
+    """fc2 frozen when LocalSteps is built and unfrozen after a step: it has no shared copy, so
+    its changes would never be exchanged; the next step() refuses, on every rank, naming it."""
+    torch.manual_seed(0)
+    model = Net()
+    for p in model.fc2.parameters():
+        p.requires_grad_(False)
+    opt = hvd_topk.LocalSteps(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                              sync_every=2, compression=hvd_topk.TopK(density=0.05), min_numel=MIN_NUMEL,
+                              exchange="allgather")
+    train(model, opt, 1)
+    for p in model.fc2.parameters():
+        p.requires_grad_(True)
+    with raises(RuntimeError, match="parameter 'fc2.weight' had requires_grad=False when hvd_topk.LocalSteps was built",
+                what="a parameter unfrozen after construction"):
+        train(model, opt, 1, start=1)
+
+
+def check_resume_shorter_period():
+    """Saved 5 steps into a period of 8, loaded with sync_every=4: the next step synchronises
+    (every rank the same bits, local_step 0, one synchronisation), and then every 4 steps."""
+    model, opt = build(sgd(), sync_every=8)
+    train(model, opt, 5)
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    model_b, opt_b = build(sgd(), sync_every=4, seed=1)
+    model_b.load_state_dict(saved["model"])
+    opt_b.load_state_dict(saved["opt"])
+    assert opt_b.local_step == 5
+    train(model_b, opt_b, 1, start=5)
+    assert opt_b.local_step == 0 and opt_b.compression_stats()["syncs"] == 1, \
+        (opt_b.local_step, opt_b.compression_stats()["syncs"])
+    assert_same_on_all_ranks(model_b.fc1.weight.detach().numpy(), "after the first step of the shorter period")
+    train(model_b, opt_b, 4, start=6)
+    assert opt_b.local_step == 0 and opt_b.compression_stats()["syncs"] == 2
+    assert_same_on_all_ranks(model_b.fc1.weight.detach().numpy(), "4 steps later")
+
+
 def check_elastic_state():
     """hvd.elastic: a TorchState commit mid-period restores the model, the phase, the anchors
     and the outer residuals; a worker that joins later (fresh objects, the outer optimizer at
@@ -247,6 +284,13 @@ def check_bad_input():
         hvd_topk.LocalSteps(torch.optim.AdamW(model.parameters()), sync_every=4, outer_lr=0.0)
     with raises(ValueError, match="already distributed", what="wrapping twice"):
         hvd_topk.LocalSteps(hvd_topk.LocalSteps(torch.optim.AdamW(model.parameters()), sync_every=2), sync_every=2)
+    with raises(ValueError, match="is a hvd_topk.LocalSteps, which exchanges the model itself",
+                what="LocalSteps inside hvd_topk.DistributedOptimizer"):
+        hvd_topk.DistributedOptimizer(hvd_topk.LocalSteps(torch.optim.AdamW(model.parameters()), sync_every=2))
+    with raises(TypeError, match="do not wrap it in hvd.DistributedOptimizer",
+                what="LocalSteps inside hvd.DistributedOptimizer"):
+        hvd.DistributedOptimizer(hvd_topk.LocalSteps(torch.optim.AdamW(model.parameters()), sync_every=2),
+                                 named_parameters=model.named_parameters())
     _, opt = build(sgd(), sync_every=2)
     state = opt.state_dict()
     state["hvd_topk_local_steps"]["anchors"] = state["hvd_topk_local_steps"]["anchors"][:-1]
@@ -265,6 +309,8 @@ CHECKS = [
     ("checkpoint resume mid-period", check_resume),
     ("checkpoint resume at a synchronisation, sparse allreduce", lambda: check_resume(
         mid_period=False, exchange="sparse_allreduce")),
+    ("checkpoint of a longer period loaded with a shorter sync_every", check_resume_shorter_period),
+    ("a parameter unfrozen after construction is refused", check_unfrozen_after_construction),
     ("hvd.elastic: commit, restore, a new worker", check_elastic_state),
     ("hvd.join with uneven batches", check_join),
     ("bad input", check_bad_input),
