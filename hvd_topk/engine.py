@@ -434,14 +434,20 @@ def check_step_start(engine):
     at the same point)."""
     if compiled_autograd_active():
         raise RuntimeError(COMPILED_AUTOGRAD_ERROR)
-    for p in engine.frozen:
+    check_still_frozen(((p, engine.names[p]) for p in engine.frozen), "hvd_topk.DistributedOptimizer",
+                       "its gradient would never be exchanged")
+
+
+def check_still_frozen(frozen, owner, because):
+    """``frozen``: (parameter, name) pairs that had ``requires_grad=False`` when ``owner`` was
+    built, and so are not exchanged (``because`` says how); one trainable now is refused."""
+    for p, name in frozen:
         if p.requires_grad:
             raise RuntimeError(
-                f"parameter {engine.names[p]!r} had requires_grad=False when "
-                "hvd_topk.DistributedOptimizer was built and is trainable now: its gradient "
-                "would never be exchanged and ranks would silently diverge. Set requires_grad="
-                "True on every parameter to be trained before building the "
-                "DistributedOptimizer, or build a new one after unfreezing.")
+                f"parameter {name!r} had requires_grad=False when {owner} was built and is trainable "
+                f"now: {because} and ranks would silently diverge. Set requires_grad=True on every "
+                f"parameter to be trained before building the {owner.split('.')[-1]}, or build a new "
+                "one after unfreezing.")
 
 
 def check_parameters_unchanged(engine):

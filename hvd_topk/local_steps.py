@@ -30,6 +30,7 @@ import torch
 
 from hvd_topk._horovod import hvd, is_horovod_distributed_optimizer
 from hvd_topk.compressor import TopK
+from hvd_topk.engine import check_still_frozen
 from hvd_topk.optimizer import ENGINE, LOCAL, DistributedOptimizer, _name_parameters, share_as_subclass
 from hvd_topk.selection import check_flag, check_integer, check_number
 
@@ -148,13 +149,8 @@ class _LocalSteps(torch.optim.Optimizer):
 
     def step(self, closure=None):
         local = getattr(self, LOCAL)
-        for p, name in local.frozen.items():
-            if p.requires_grad:
-                raise RuntimeError(
-                    f"parameter {name!r} had requires_grad=False when hvd_topk.LocalSteps was built and is "
-                    "trainable now: it has no shared copy, so its changes would never be exchanged and ranks "
-                    "would silently diverge. Set requires_grad=True on every parameter to be trained before "
-                    "building LocalSteps, or build a new one (with a new optimizer) after unfreezing.")
+        check_still_frozen(local.frozen.items(), "hvd_topk.LocalSteps",
+                           "it has no shared copy, so its changes would never be exchanged")
         if self.local_step == 0:
             # A period starts from the shared weights. Taken from the model (identical on every
             # rank here: just reset to the anchors, or broadcast by the user before training,
