@@ -87,7 +87,10 @@ class TopKState:
             one for quality experiments on one host. A sparse family still sends a bucket
             dense where a ring allreduce moves fewer bytes.
         fp16_values (False): send values as float16 (6 bytes a pair instead of 8); the dense
-            fallback then runs in float16 too.
+            fallback then runs in float16 too. float16 holds magnitudes up to 65504: a larger
+            value arrives in ``p.grad`` as inf, so keep gradients (and, with error feedback,
+            residuals) well below that; the recommended AdamW scheme sends ``lr x`` normalised
+            updates, far below it.
         compact (False): send about 2.4 bytes a pair (``hvd_topk.compact``: an Elias-Fano index
             and an 8-bit log-scale value, the rounding fed back into the residual): 2.5x the
             entries in 16-bit values' bytes, which is what quality at a small byte budget
@@ -194,8 +197,8 @@ class TopKState:
                              "named_parameters=model.named_parameters()")
         residuals = dict(self.pending)
         for layout in self.layouts.values():
-            for p, segment in layout.residual_segments():
-                residuals[self.names[p]] = segment.detach().clone()
+            for p, residual in layout.residuals_by_element():
+                residuals[self.names[p]] = residual.detach().clone(memory_format=torch.contiguous_format).view(-1)
         rank, world = (self.rank, self.world_size) if self.rank is not None or not dist.is_initialized() \
             else _group_rank_and_size(self.process_group)  # before the first step
         return {"version": STATE_VERSION, "iteration": self.iteration, "rank": rank,
@@ -212,11 +215,12 @@ class TopKState:
                              "named_parameters=model.named_parameters()")
         # checked whole before anything is applied: a checkpoint that does not fit changes nothing
         sizes = {name: p.numel() for p, name in self.names.items()}
-        unknown = sorted(set(state["residuals"]) - set(sizes))
+        # names as saved, or equal once torch.compile's "_orig_mod." components are removed
+        residuals, unknown = checkpoint.match_names(state["residuals"], sizes)
         if unknown:
             raise ValueError(f"the checkpoint holds residuals of parameters this model does not have: {unknown[:5]}")
         wrong = [f"{n} ({t.numel()} elements, the parameter has {sizes[n]})"
-                 for n, t in state["residuals"].items() if t.numel() != sizes[n]]
+                 for n, t in residuals.items() if t.numel() != sizes[n]]
         if wrong:
             raise ValueError(f"the checkpoint's residuals do not fit this model's parameters: {wrong[:5]}")
         rank, world = _group_rank_and_size(self.process_group)
@@ -228,7 +232,7 @@ class TopKState:
             warnings.warn(f"hvd_topk.ddp: this state was saved by rank {state['rank']} of {state['world_size']}; "
                           f"this is rank {rank} of {world}: the residuals start from zero (the step is kept)")
             return
-        self.pending = {name: t.detach().clone() for name, t in state["residuals"].items()}
+        self.pending = {name: t.detach().clone() for name, t in residuals.items()}
         for layout in self.layouts.values():
             layout.adopt(self.pending, self.names)
         if self.seen_whole_model:
@@ -257,6 +261,7 @@ class TopKState:
                                "holds parameters it has not seen); build one TopKState per "
                                "DistributedDataParallel model")
         self.model_params |= ids
+        self._check_optimizer_owns(params)
         fresh = exchange.BucketLayout(params, bucket.gradients(), bucket.buffer(), self.min_numel,
                                       self.error_feedback)
         sources = [*self.retired, *self.layouts.values()]
@@ -270,6 +275,31 @@ class TopKState:
             fresh.adopt(self.pending, self.names)
         self.layouts[bucket.index()] = fresh
         return fresh
+
+    def _check_group_unchanged(self):
+        """Once a step: the group's rank and size are read at the first hook; a job that destroyed
+        its process group and initialised a smaller or larger one would send messages of the
+        old size (gloo: "invalid tensor size")."""
+        now = _group_rank_and_size(self.process_group)
+        if now != (self.rank, self.world_size):
+            raise RuntimeError(f"hvd_topk.ddp: this TopKState was first used as rank {self.rank} of "
+                               f"{self.world_size} and its process group is now rank {now[0]} of {now[1]} (a new "
+                               "init_process_group?): build a new TopKState for the new group; load_state_dict() "
+                               "keeps the step and restarts the residuals from zero, with a warning")
+
+    def _check_optimizer_owns(self, params):
+        """``optimizer=`` transforms every gradient of the model: one it does not hold (a second
+        optimizer's parameter) would otherwise fail deep in it, naming nothing."""
+        if self.optimizer is None:
+            return
+        owned = {id(q) for g in self.optimizer.param_groups for q in g["params"]}
+        for i, p in enumerate(params):
+            if id(p) not in owned:
+                name = self.names.get(p, f"#{i} of DDP bucket") if self.names else f"#{i} of its DDP bucket"
+                raise ValueError(f"hvd_topk.ddp: TopKState(optimizer=...) transforms every gradient of the model, and "
+                                 f"parameter {name!r} (shape {tuple(p.shape)}) is not in that optimizer: give "
+                                 f"{type(self.optimizer).__name__} every parameter of the DDP model (one param group "
+                                 "each, with their own lr or weight_decay, where they need other settings)")
 
     def _begin_step(self, step):
         """At a step's first bucket: this step's exchange family. Under ``"auto"`` the measured
@@ -363,17 +393,19 @@ def topk_hook(state, bucket):
     Returns a future of the bucket's averaged result, which DDP writes into ``p.grad``."""
     if not state.checked:
         state._first_hook(bucket)
+    elif bucket.index() == 0:
+        state._check_group_unchanged()
     buffer = bucket.buffer()
     world = state.world_size
     params = bucket.parameters()
     idle = exchange.unused_here(params)  # this rank's backward left them out (find_unused_parameters)
+    layout = state._layout(bucket)
     if state.optimizer is not None:
         # one check of the bucket instead of one per tensor (on a GPU, one wait instead of many)
         checked = {"finite": True if bool(torch.isfinite(buffer).all()) else None} if state._pass_finite else {}
-        for i, (p, g) in enumerate(zip(params, bucket.gradients())):
+        for i, (p, g) in enumerate(zip(params, layout.param_views(buffer))):
             if i not in idle:  # as a plain optimizer skips a parameter without a gradient
                 state.optimizer.transform_local_gradient(p, g, world, **checked)
-    layout = state._layout(bucket)
     step = state.iteration
     if bucket.index() == 0:
         state._begin_step(step)

@@ -78,6 +78,13 @@ class BucketLayout:
     def matches(self, params):
         return [id(p) for p in params] == self.key
 
+    def param_views(self, buffer):
+        """Each parameter's gradient in DDP's buffer, shaped and strided as the parameter: DDP lays
+        a dense parameter out in its own memory order (channels_last too), where
+        ``GradBucket.gradients()`` gives contiguous views, so that an optimizer's per-element
+        state (``LocalAdamW``'s moments, made like the parameter) would meet other elements."""
+        return [_as_param(buffer[start:start + n], p) for p, (start, n) in zip(self.params, self.spans)]
+
     def segments(self, flat, which):
         """Views of ``flat`` (DDP's buffer) at the parameters ``which`` (indices into params)."""
         return [flat[self.spans[i][0]:self.spans[i][0] + self.spans[i][1]] for i in which]
@@ -86,9 +93,18 @@ class BucketLayout:
         return [self.acc[int(a):int(b)] for a, b in zip(self.bounds, self.bounds[1:])]
 
     def residual_segments(self):
+        """(parameter, its residual): a flat view of ``acc`` in the order DDP lays the parameter
+        out in its buffer (its memory order)."""
         if not self.error_feedback:
             return []
         return [(self.params[i], seg) for i, seg in zip(self.sparse, self.acc_segments())]
+
+    def residuals_by_element(self):
+        """(parameter, its residual shaped and strided as the parameter): what checkpoints hold
+        (``.contiguous()``), so that a channels_last weight's residual loads into the same
+        weight in another memory format, or into the Horovod optimizer's order, element for
+        element."""
+        return [(p, _as_param(seg, p)) for p, seg in self.residual_segments()]
 
     def take_residuals_from(self, old):
         """Copy the residuals of parameters ``old`` also held (DDP rebuilt its buckets)."""
@@ -101,13 +117,13 @@ class BucketLayout:
 
     def adopt(self, pending, names):
         """Take loaded residuals (by parameter name) for this bucket's parameters."""
-        for p, seg in self.residual_segments():
+        for p, seg in self.residuals_by_element():
             got = pending.pop(names.get(p), None)
             if got is not None:
                 if got.numel() != seg.numel():
                     raise ValueError(f"residual of {names.get(p)!r}: {got.numel()} elements, the parameter has "
                                      f"{seg.numel()}")
-                seg.copy_(got.reshape(-1))
+                seg.copy_(got.reshape(p.shape))
 
     def clear(self):
         self.acc.zero_()
@@ -130,6 +146,25 @@ class BucketLayout:
                 self.messages.clear()
             out = self.messages[key] = torch.empty(nbytes, dtype=torch.uint8, device=self.acc.device)
         return out
+
+
+def _as_param(flat, p):
+    """``flat`` (``p.numel()`` elements as DDP lays ``p`` out) viewed with ``p``'s shape and
+    strides: a dense parameter (channels_last too) in its memory order, any other as
+    ``view(p.shape)``, as DDP's own bucket views do."""
+    return flat.as_strided(p.shape, p.stride()) if _dense(p) else flat.view(p.shape)
+
+
+def _dense(t):
+    """Whether ``t``'s elements fill its memory without gaps or overlaps, in some order of its
+    dimensions (torch's "non-overlapping and dense", which DDP lays out by memory order)."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda pair: pair[1]):
+        if size != 1:
+            if stride != expected:
+                return False
+            expected *= size
+    return True
 
 
 def average_dense(state, layout, buffer):

@@ -44,12 +44,13 @@ def batch(step, rank, part=0, n=24):
     return nets.batch(step, rank, part, n, DEVICE)
 
 
-def build(bucket_cap_mb=25, seed=0, ddp_kwargs=None, **state_kwargs):
+def build(bucket_cap_mb=25, seed=0, ddp_kwargs=None, names_of=lambda model: model.named_parameters(),
+          **state_kwargs):
     torch.manual_seed(seed)
     model = Net().to(DEVICE)
     ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, **(ddp_kwargs or {}))
     state_kwargs.setdefault("min_numel", MIN_NUMEL)
-    state_kwargs.setdefault("named_parameters", model.named_parameters())
+    state_kwargs.setdefault("named_parameters", names_of(model))
     state = hvd_topk.ddp.TopKState(**state_kwargs)
     hvd_topk.ddp.register(ddp, state)
     return model, ddp, state
@@ -267,6 +268,69 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.0, 0.95), eps=1e-
         assert_same_on_all_ranks(host(p), f"parameters after step {step}")
 
 
+def check_local_adamw_channels_last():
+    """Convolutions in channels_last (DDP lays each weight out in its memory order): LocalAdamW
+    with beta1 = 0 keeps exp_avg = this rank's own gradient after one step, element for element
+    (the gradient views handed to it are strided as the parameters), against the gradient of a
+    copy of the model without DDP."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3)).to(
+        DEVICE, memory_format=torch.channels_last)
+    assert not model[0].weight.is_contiguous() and model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    shadow = copy.deepcopy(model)
+    ddp = DDP(model)
+    inner = hvd_topk.LocalAdamW(model.parameters(), lr=0.01, betas=(0.0, 0.95))
+    hvd_topk.ddp.register(ddp, hvd_topk.ddp.TopKState(density=0.05, optimizer=inner, min_numel=100,
+                                                      exchange="allgather"))
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(4, 3, 9, 9, generator=gen).to(DEVICE, memory_format=torch.channels_last)
+    shadow(x).square().mean().backward()
+    ddp(x).square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), shadow.parameters()):
+        np.testing.assert_allclose(host(inner.state[p]["exp_avg"]), host(q.grad), rtol=1e-6, atol=1e-8,
+                                   err_msg=f"{name}: LocalAdamW's first moment is not this rank's gradient")
+
+
+def check_residuals_channels_last():
+    """A checkpoint holds each residual in its parameter's element order, whatever the memory
+    format: after one step (exact top-5%) a channels_last weight's saved residual is, entry for
+    entry, this rank's own gradient (a copy of the model without DDP) where it was not sent and
+    zero where it was; loaded into the same model in either format and saved again, it is the
+    same tensor."""
+    rank = dist.get_rank()
+
+    def conv(memory_format):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3))
+        model = model.to(DEVICE, memory_format=memory_format)
+        ddp = DDP(model)
+        state = hvd_topk.ddp.TopKState(density=0.05, method="exact", min_numel=100, exchange="allgather",
+                                       named_parameters=model.named_parameters())
+        hvd_topk.ddp.register(ddp, state)
+        return model, ddp, state
+    model, ddp, state = conv(torch.channels_last)
+    shadow = copy.deepcopy(model)
+    x = torch.randn(4, 3, 9, 9, generator=torch.Generator().manual_seed(rank)).to(
+        DEVICE, memory_format=torch.channels_last)
+    shadow(x).square().mean().backward()
+    ddp(x).square().mean().backward()
+    saved = copy.deepcopy(state.state_dict())
+    for name in ("0.weight", "2.weight"):
+        residual, grad = host(saved["residuals"][name]), host(shadow.get_parameter(name).grad).reshape(-1)
+        sent = residual == 0
+        assert sent.sum() == k_of(grad.size, 0.05), f"{name}: {sent.sum()} zeros"
+        np.testing.assert_array_equal(residual[~sent], grad[~sent], err_msg=f"{name}: residual not in element order")
+    for memory_format in (torch.contiguous_format, torch.channels_last):
+        _, ddp_b, state_b = conv(memory_format)
+        ddp_b(x).square().mean().backward()  # its buckets' layouts exist: the load goes into them
+        state_b.load_state_dict(saved)
+        again = state_b.state_dict()["residuals"]
+        for name in ("0.weight", "2.weight"):
+            np.testing.assert_array_equal(host(again[name]), host(saved["residuals"][name]),
+                                          err_msg=f"{name} loaded into {memory_format} and saved again")
+
+
 def check_demo(steps=4, density=0.05, lr=0.05, beta=0.8, wd=0.1):
     """DeMo through the hook: the accumulator is beta * residual + lr * g (TopKState takes DeMo's
     beta as its residual decay), and inner.step() applies p * (1 - lr wd) - lr * sign(result)."""
@@ -309,13 +373,15 @@ def train(ddp, opt, steps, start=0):
         opt.step()
 
 
-def check_resume(bucket_cap_mb=0.005, **state_kwargs):
+def check_resume(bucket_cap_mb=0.005, compiled_names=False, **state_kwargs):
     """Model, optimizer and TopKState saved at step 3 and loaded into fresh objects (a new DDP,
     which starts from its initial buckets again): bitwise equal at step 7 to the run that never
-    stopped; residuals restored by name."""
-    def fresh(seed=0):
+    stopped; residuals restored by name (``compiled_names``: the new state named after
+    ``torch.compile(model)``'s parameters, "_orig_mod.fc1.weight", the saved one after the
+    model's own)."""
+    def fresh(seed=0, names_of=lambda model: model.named_parameters()):
         model, ddp, state = build(bucket_cap_mb, seed=seed, density=0.05, warmup_steps=2, warmup_density=0.5,
-                                  exchange="allgather", **state_kwargs)
+                                  exchange="allgather", names_of=names_of, **state_kwargs)
         return model, ddp, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), state
     model, ddp, opt, state = fresh()
     train(ddp, opt, 7)
@@ -323,7 +389,8 @@ def check_resume(bucket_cap_mb=0.005, **state_kwargs):
     train(ddp_b, opt_b, 3)
     saved = copy.deepcopy({"model": model_b.state_dict(), "opt": opt_b.state_dict(), "topk": state_b.state_dict()})
     assert saved["topk"]["iteration"] == 3 and any(float(r.abs().sum()) for r in saved["topk"]["residuals"].values())
-    model_c, ddp_c, opt_c, state_c = fresh(seed=123)
+    compiled = lambda model: torch.compile(model).named_parameters()  # names only: nothing is compiled
+    model_c, ddp_c, opt_c, state_c = fresh(123, *([compiled] if compiled_names else []))
     model_c.load_state_dict(saved["model"])
     opt_c.load_state_dict(saved["opt"])
     state_c.load_state_dict(saved["topk"])
@@ -331,6 +398,9 @@ def check_resume(bucket_cap_mb=0.005, **state_kwargs):
     for (name, a), c in zip(model.named_parameters(), model_c.parameters()):
         assert torch.equal(a, c), f"resume: {name} differs (max {float((a - c).abs().max())})"
     mine, theirs = state.state_dict()["residuals"], state_c.state_dict()["residuals"]
+    if compiled_names:
+        assert sorted(theirs) == sorted(f"_orig_mod.{n}" for n in mine), sorted(theirs)
+        theirs = {n.replace("_orig_mod.", ""): t for n, t in theirs.items()}
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[n], theirs[n]) for n in mine)
     # saved on another rank: residuals restart from zero, with a warning; the step is kept
     other = copy.deepcopy(saved["topk"])
@@ -485,6 +555,19 @@ def check_bad_input():
     F.cross_entropy(first(x), y).backward()
     with raises(RuntimeError, match="already serves another DDP model", what="a state shared by two models"):
         F.cross_entropy(second(x), y).backward()
+    # an optimizer= that holds only some of the model's parameters
+    model = Net().to(DEVICE)
+    ddp = DDP(model)
+    ddp.register_comm_hook(P(min_numel=MIN_NUMEL, named_parameters=model.named_parameters(),
+                             optimizer=hvd_topk.LocalAdamW(model.fc1.parameters())), hvd_topk.ddp.topk_hook)
+    with raises(ValueError, match=r"parameter '(fc2|head2)\.\w+' .* is not in that optimizer", what="optimizer of part"):
+        F.cross_entropy(ddp(x), y).backward()
+    # the group changed size after the state's first step (a new init_process_group)
+    model, ddp, state = build(exchange="allgather")
+    train(ddp, torch.optim.SGD(model.parameters(), lr=0.1), 1)
+    state.world_size += 1
+    with raises(RuntimeError, match="first used as rank .* build a new TopKState", what="group changed"):
+        train(ddp, torch.optim.SGD(model.parameters(), lr=0.1), 1)
     # checkpointing without names
     with raises(ValueError, match="named_parameters", what="state_dict without names"):
         P().state_dict()
@@ -550,9 +633,12 @@ CHECKS = [
     ("bf16 autocast", lambda: check_reference(amp=True)),
     ("statistics: bytes over the run", check_stats),
     ("LocalAdamW recipe", check_local_adamw),
+    ("LocalAdamW recipe, channels_last convolutions", check_local_adamw_channels_last),
+    ("checkpoint of channels_last weights: residuals in element order", check_residuals_channels_last),
     ("DeMo through optimizer=", check_demo),
     ("checkpoint resume, several buckets", check_resume),
     ("checkpoint resume, one bucket, decay", lambda: check_resume(bucket_cap_mb=25, residual_decay=0.9)),
+    ("checkpoint resume into torch.compile's parameter names", lambda: check_resume(compiled_names=True)),
     ("checkpoint loaded with a larger min_numel: residuals of now-dense tensors dropped", check_resume_fewer_sparse),
     ("non-finite gradient", check_nonfinite),
     ("non-finite gradient, LocalAdamW's moments stay finite", check_nonfinite_local_adamw),
