@@ -295,7 +295,7 @@ class TopKState:
         owned = {id(q) for g in self.optimizer.param_groups for q in g["params"]}
         for i, p in enumerate(params):
             if id(p) not in owned:
-                name = self.names.get(p, f"#{i} of DDP bucket") if self.names else f"#{i} of its DDP bucket"
+                name = (self.names or {}).get(p, f"#{i} of its DDP bucket")
                 raise ValueError(f"hvd_topk.ddp: TopKState(optimizer=...) transforms every gradient of the model, and "
                                  f"parameter {name!r} (shape {tuple(p.shape)}) is not in that optimizer: give "
                                  f"{type(self.optimizer).__name__} every parameter of the DDP model (one param group "

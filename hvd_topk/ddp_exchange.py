@@ -100,10 +100,9 @@ class BucketLayout:
         return [(self.params[i], seg) for i, seg in zip(self.sparse, self.acc_segments())]
 
     def residuals_by_element(self):
-        """(parameter, its residual shaped and strided as the parameter): what checkpoints hold
-        (``.contiguous()``), so that a channels_last weight's residual loads into the same
-        weight in another memory format, or into the Horovod optimizer's order, element for
-        element."""
+        """(parameter, its residual shaped and strided as the parameter): checkpoints hold these
+        in element order, so that a channels_last weight's residual loads into the same weight
+        in another memory format element for element."""
         return [(p, _as_param(seg, p)) for p, seg in self.residual_segments()]
 
     def take_residuals_from(self, old):

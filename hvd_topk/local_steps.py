@@ -138,8 +138,9 @@ class _LocalSteps(torch.optim.Optimizer):
     @property
     def _parameter_names(self):
         """As Horovod's attribute (``{parameter: name}``, the names the anchors are exchanged under)."""
-        return {p: getattr(self, LOCAL).outer._parameter_names[a]
-                for p, a in zip(getattr(self, LOCAL).params, getattr(self, LOCAL).anchors)}
+        local = getattr(self, LOCAL)
+        names = local.outer._parameter_names
+        return {p: names[a] for p, a in zip(local.params, local.anchors)}
 
     @_parameter_names.setter
     def _parameter_names(self, value):
