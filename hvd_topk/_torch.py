@@ -13,7 +13,10 @@ Checked against torch 2.13 (``CHECKED_VERSION``). Each private detail relied on:
    in torch 2.13 and the only sign an optimizer gets that a scaler steps it. hvd_topk's wrapper
    answers it with the wrapped optimizer's own value, after checking that the scaler was
    passed as ``grad_scaler=`` (see ``hvd_topk.optimizer``). If torch stops reading it, that
-   check silently stops firing and the ``grad_scaler`` docs still stand.
+   check silently stops firing and the ``grad_scaler`` docs still stand. ``hvd_topk.LocalSteps``
+   answers True, and then reads the ``grad_scale`` and ``found_inf`` attributes the scaler sets
+   on it for the step (torch 2.13's contract for optimizers that unscale by themselves); if
+   torch stops setting them, its local step runs on scaled gradients and its check fails.
 3. ``copy_all``: ``torch._foreach_copy_`` copies a list of tensors in one call (torch.optim's
    foreach paths use the same family). A bucket stages or hands back dozens of small tensors
    per step; a Python loop of ``copy_`` costs a few microseconds each. Where the function is

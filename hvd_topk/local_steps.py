@@ -29,6 +29,7 @@ from contextlib import contextmanager
 import torch
 
 from hvd_topk._horovod import hvd, is_horovod_distributed_optimizer
+from hvd_topk._torch import AMP_SCALING_ATTRIBUTE
 from hvd_topk.compressor import TopK
 from hvd_topk.engine import check_still_frozen
 from hvd_topk.optimizer import ENGINE, LOCAL, DistributedOptimizer, _name_parameters, share_as_subclass
@@ -163,7 +164,7 @@ class _LocalSteps(torch.optim.Optimizer):
             # the outer optimizer: kept in this optimizer's param groups too, so that
             # hvd.broadcast_optimizer_state brings a new elastic worker to it
             getattr(local.outer, ENGINE).step = self.param_groups[0][SYNCS_KEY]
-        loss = super(self.__class__, self).step(closure)
+        loss = self._local_step(closure)
         local.steps += 1
         phase = self.local_step + 1
         if phase >= local.sync_every:  # (more: a checkpoint of a longer period, load_state_dict)
@@ -172,6 +173,31 @@ class _LocalSteps(torch.optim.Optimizer):
             phase = 0
         self.param_groups[0][PHASE_KEY] = phase
         return loss
+
+    def _local_step(self, closure):
+        """The user's optimizer's step on this rank's gradients; under a ``torch.amp.GradScaler``
+        (which sets ``grad_scale`` and ``found_inf`` on this optimizer, see ``hvd_topk._torch``)
+        the gradients unscaled first, and the step skipped when this rank's are not finite.
+
+        The scaler would otherwise skip the whole ``step()`` on a rank whose gradients overflowed:
+        gradients are not exchanged, so that is one rank only, and its count of steps to the next
+        synchronisation would fall behind the others' (which then wait for it in the exchange).
+        Skipping only the local step keeps every rank's synchronisations at the same steps."""
+        scaled = "found_inf" in self.__dict__
+        found_inf, grad_scale = self.__dict__.pop("found_inf", None), self.__dict__.pop("grad_scale", None)
+        try:
+            if scaled and bool(found_inf.item()):
+                return None
+            if grad_scale is not None:  # None: the user called scaler.unscale_(opt) already
+                inv_scale = grad_scale.double().reciprocal().float()  # as GradScaler.unscale_ does
+                for g in self.param_groups:
+                    for p in g["params"]:
+                        if p.grad is not None:
+                            p.grad.mul_(inv_scale.to(p.grad.device))
+            return super(self.__class__, self).step(closure)
+        finally:
+            if scaled:  # the scaler deletes them after step()
+                self.__dict__.update(found_inf=found_inf, grad_scale=grad_scale)
 
     def _synchronise_model(self):
         """The model change through the outer optimizer, then every replica reset to the anchors."""
@@ -238,3 +264,10 @@ class _LocalSteps(torch.optim.Optimizer):
         if reset:
             local.steps = 0
         return out
+
+
+# torch.amp.GradScaler.step(opt) then hands this optimizer the scale and this rank's overflow flag
+# instead of skipping step() (see _LocalSteps._local_step); a fused inner optimizer's own value,
+# which its __init__ set on the instance, is kept aside and unused.
+setattr(_LocalSteps, AMP_SCALING_ATTRIBUTE, property(lambda self: True,
+                                                     lambda self, value: self.__dict__.__setitem__("_inner_amp", value)))

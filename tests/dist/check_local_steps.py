@@ -48,11 +48,16 @@ def adamw():
 
 
 def check_reference(make_inner, sync_every=3, steps=8, density=0.05, outer_lr=1.0, outer_momentum=0.0,
-                    nesterov=False, residual_decay=1.0, exchange="allgather"):
+                    nesterov=False, residual_decay=1.0, exchange="allgather", overflow_at=None):
     """Every step: this rank's parameters equal its simulated replica; after every
     synchronisation every rank holds the same bits, the anchors stepped by the numpy outer SGD
-    on the error-feedback contract's average of the ranks' model changes."""
+    on the error-feedback contract's average of the ranks' model changes.
+
+    ``overflow_at=(step, rank)``: every rank steps through a ``torch.amp.GradScaler``, and that
+    rank's loss is multiplied by inf at that step; its replica skips that step's update (the
+    others' do not), and the replicas are fed the gradients divided by each rank's scale."""
     rank, size = hvd.rank(), hvd.size()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if overflow_at else None
     model, opt = build(make_inner, sync_every, density=density, outer_lr=outer_lr, outer_momentum=outer_momentum,
                        nesterov=nesterov, residual_decay=residual_decay, exchange=exchange)
     names = [n for n, _ in model.named_parameters()]
@@ -66,12 +71,24 @@ def check_reference(make_inner, sync_every=3, steps=8, density=0.05, outer_lr=1.
     for step in range(steps):
         x, y = batch(step, rank)
         opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        loss = F.cross_entropy(model(x), y)
+        if scaler is None:
+            loss.backward()
+        else:
+            (scaler.scale(loss) * (float("inf") if (step, rank) == overflow_at else 1.0)).backward()
         grads = {n: gather(p.grad.numpy()) for n, p in model.named_parameters()}
-        opt.step()
+        scales = gather(np.float32(scaler.get_scale() if scaler else 1.0))  # powers of two: exact
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
         for r in range(size):
+            if (step, r) == overflow_at:
+                assert not all(np.isfinite(grads[n][r]).all() for n in names), "the overflow did not happen"
+                continue
             for i, n in enumerate(names):
-                replicas[r][i].grad = torch.from_numpy(grads[n][r].copy())
+                replicas[r][i].grad = torch.from_numpy(grads[n][r] / scales[r])
             inners[r].step()
         if (step + 1) % sync_every == 0:
             changes = {n: np.stack([anchor[n] - replicas[r][i].detach().numpy() for r in range(size)])
@@ -304,6 +321,8 @@ CHECKS = [
         adamw(), sync_every=2, steps=6, outer_lr=0.7, outer_momentum=0.9, nesterov=True, residual_decay=0.9,
         exchange="sparse_allreduce")),
     ("AdamW inside, H=1, outer momentum", lambda: check_reference(adamw(), sync_every=1, steps=4, outer_momentum=0.5)),
+    ("GradScaler, an overflow on one rank skips only its local step", lambda: check_reference(
+        adamw(), sync_every=2, steps=6, overflow_at=(2, hvd.size() - 1))),
     ("replicas drift between synchronisations", check_drift_between_syncs),
     ("broadcast after construction", check_broadcast_after_construction),
     ("checkpoint resume mid-period", check_resume),
