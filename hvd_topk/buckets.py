@@ -359,7 +359,8 @@ def make_buckets(params, names, min_numel, fusion_bytes, groups=None):
     (that many buckets) or a list of parameter lists (one bucket each; unlisted parameters are
     bucketed as usual). The small tensors form one dense bucket per dtype/device, last.
     """
-    eligible = [p for p in params if p.is_floating_point() and p.numel() >= min_numel]
+    # (an empty tensor has nothing to select: it travels with the dense ones whatever min_numel)
+    eligible = [p for p in params if p.is_floating_point() and p.numel() >= max(min_numel, 1)]
     chosen = set(map(id, eligible))
     small = [p for p in params if id(p) not in chosen]
     plans = []
@@ -371,9 +372,15 @@ def make_buckets(params, names, min_numel, fusion_bytes, groups=None):
         ordered = []
     elif groups is not None:
         if not isinstance(groups, (list, tuple)) or not all(isinstance(g, (list, tuple)) for g in groups):
-            raise ValueError(f"groups must be None, an int or a list of parameter lists, got {groups!r}")
+            got = type(groups).__name__ if not isinstance(groups, (list, tuple)) else \
+                f"a {type(groups).__name__} of {', '.join(sorted({type(g).__name__ for g in groups}))}"
+            raise ValueError(f"groups must be None, an int or a list of parameter lists, got {got}")
         listed = set()
         for group in groups:
+            for p in group:
+                if p not in names:  # (a dict keyed by the optimizer's parameters, frozen ones too)
+                    what = f"a tensor of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else repr(p)
+                    raise ValueError(f"groups holds {what} that is not one of the optimizer's parameters")
             members = [p for p in group if id(p) in chosen]
             if any(id(p) in listed for p in members):
                 raise ValueError("a parameter appears in more than one of groups")

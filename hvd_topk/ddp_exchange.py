@@ -43,8 +43,8 @@ class BucketLayout:
         self.key = [id(p) for p in self.params]
         base = buffer.storage_offset()
         spans = [(g.storage_offset() - base, g.numel()) for g in grads]
-        self.sparse = [i for i, p in enumerate(self.params) if p.numel() >= min_numel]
-        self.dense = [i for i, p in enumerate(self.params) if p.numel() < min_numel]
+        self.sparse = [i for i, p in enumerate(self.params) if p.numel() >= max(min_numel, 1)]  # (empty: dense)
+        self.dense = [i for i, p in enumerate(self.params) if p.numel() < max(min_numel, 1)]
         self.spans = spans
         self.sizes = [spans[i][1] for i in self.sparse]
         self.bounds = torch.tensor([0, *torch.tensor(self.sizes, dtype=torch.int64).cumsum(0).tolist()],

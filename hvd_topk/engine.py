@@ -149,6 +149,7 @@ class TopKEngine:
         self.active = exchange.ActiveRanks(f"{self.prefix}.active")  # hvd.join() probe
         self.sparse = SparseGradients(names, options.sparse_as_dense)
         self.transform = None      # the inner optimizer's transform_local_gradient(p, grad, ranks), if any
+        self.on_exchanged = None   # and its exchanged(), told when p.grad holds the step's result
         self.used = {}             # bucket index -> strategy name of its last exchange
         self.retired = False
         self.hooks = _register_hooks(self) if self.member else []
@@ -341,6 +342,8 @@ class TopKEngine:
         self.stats.add(steps=1)
         self.synchronized = True
         self.ctx = None
+        if self.on_exchanged is not None:
+            self.on_exchanged()
 
     def pending(self):
         return any(b.inflight is not None for b in self.buckets)
@@ -436,6 +439,9 @@ def check_step_start(engine):
         raise RuntimeError(COMPILED_AUTOGRAD_ERROR)
     check_still_frozen(((p, engine.names[p]) for p in engine.frozen), "hvd_topk.DistributedOptimizer",
                        "its gradient would never be exchanged")
+    check_still_trainable(((p, engine.names[p]) for p in engine.params), "hvd_topk.DistributedOptimizer",
+                          "the exchange would still write its unsent residual into p.grad, and the optimizer "
+                          "would move it")
 
 
 def check_still_frozen(frozen, owner, because):
@@ -448,6 +454,18 @@ def check_still_frozen(frozen, owner, because):
                 f"now: {because} and ranks would silently diverge. Set requires_grad=True on every "
                 f"parameter to be trained before building the {owner.split('.')[-1]}, or build a new "
                 "one after unfreezing.")
+
+
+def check_still_trainable(trainable, owner, because):
+    """``trainable``: (parameter, name) pairs that had ``requires_grad=True`` when ``owner`` was
+    built; one frozen since is refused (a plain torch optimizer would leave it alone: it gets no
+    gradient)."""
+    for p, name in trainable:
+        if not p.requires_grad:
+            raise RuntimeError(
+                f"parameter {name!r} was trainable when {owner} was built and has requires_grad=False "
+                f"now: {because}. Build a new {owner.split('.')[-1]} after freezing (a plain torch "
+                "optimizer over the trainable parameters, wrapped again).")
 
 
 def check_parameters_unchanged(engine):

@@ -31,7 +31,7 @@ import torch
 from hvd_topk._horovod import hvd, is_horovod_distributed_optimizer
 from hvd_topk._torch import AMP_SCALING_ATTRIBUTE
 from hvd_topk.compressor import TopK
-from hvd_topk.engine import check_still_frozen
+from hvd_topk.engine import check_still_frozen, check_still_trainable
 from hvd_topk.optimizer import ENGINE, LOCAL, DistributedOptimizer, _name_parameters, share_as_subclass
 from hvd_topk.selection import check_flag, check_integer, check_number
 
@@ -50,15 +50,16 @@ OUTER_OPTIONS = frozenset({"error_feedback", "residual_decay", "warmup_steps", "
 class LocalStepsState:
     """What ``LocalSteps`` keeps beside the user's optimizer.
 
-    Tune: ``sync_every``. Internal: ``params`` (trained, in the optimizer's order), ``anchors``
+    Tune: ``sync_every``. Internal: ``params`` (trained, in the optimizer's order) and their
+    ``names``, ``anchors``
     (the shared weights at the last synchronisation, one per parameter, identical on every
     rank), ``outer`` (the ``hvd_topk.DistributedOptimizer`` over the anchors, with SGD at
     ``outer_lr``), ``frozen`` (``{parameter: name}`` of those with ``requires_grad=False`` when
     it was built: they have no anchor). Statistics: ``steps`` taken on this rank (for
     ``compression_stats``)."""
 
-    def __init__(self, params, anchors, outer, sync_every, frozen):
-        self.params, self.anchors, self.outer = params, anchors, outer
+    def __init__(self, params, names, anchors, outer, sync_every, frozen):
+        self.params, self.names, self.anchors, self.outer = params, names, anchors, outer
         self.sync_every = sync_every
         self.frozen = frozen
         self.steps = 0
@@ -119,7 +120,7 @@ def LocalSteps(optimizer, named_parameters=None, *, sync_every, compression=TopK
                                  compression=compression, process_set=process_set, **options)
     frozen = {p: names[p] for g in optimizer.param_groups for p in g["params"] if not p.requires_grad}
     wrapped = share_as_subclass(optimizer, _LocalSteps)
-    setattr(wrapped, LOCAL, LocalStepsState(params, anchors, outer, sync_every, frozen))
+    setattr(wrapped, LOCAL, LocalStepsState(params, [names[p] for p in params], anchors, outer, sync_every, frozen))
     # param-group options from the start: hvd.broadcast_optimizer_state broadcasts each rank's own
     # keys, so a fresh elastic worker must have the same ones as the others
     wrapped.param_groups[0].setdefault(PHASE_KEY, 0)
@@ -153,6 +154,9 @@ class _LocalSteps(torch.optim.Optimizer):
         local = getattr(self, LOCAL)
         check_still_frozen(local.frozen.items(), "hvd_topk.LocalSteps",
                            "it has no shared copy, so its changes would never be exchanged")
+        check_still_trainable(zip(local.params, local.names), "hvd_topk.LocalSteps",
+                              "its shared copy would still move by the residual of its earlier changes, "
+                              "and every synchronisation resets it to that copy")
         if self.local_step == 0:
             # A period starts from the shared weights. Taken from the model (identical on every
             # rank here: just reset to the anchors, or broadcast by the user before training,

@@ -33,6 +33,7 @@ dense start ends (docs/adamw.md has the measured settings). Before ``freeze_step
 ``torch.optim.AdamW``.
 """
 
+import math
 import warnings
 
 import torch
@@ -99,12 +100,25 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
 
 class _ExchangedUpdates(torch.optim.Optimizer):
     """An inner optimizer whose ``transform_local_gradient`` turns each gradient into an update
-    before the exchange; ``_transformed`` holds the parameters it did this step."""
+    before the exchange; ``_transformed`` holds the parameters it did this step, ``_exchanged``
+    says that hvd_topk's exchange has written this step's ``p.grad``."""
+
+    _exchanged = False
+
+    def exchanged(self):
+        """Called by ``hvd_topk.DistributedOptimizer`` once the exchange has written ``p.grad``:
+        a gradient this rank did not transform (it ran no backward this step, or took a branch
+        without that parameter) holds the ranks' average, applied as the others are."""
+        self._exchanged = True
+
+    def _step_done(self):
+        self._transformed.clear()
+        self._exchanged = False
 
     def zero_grad(self, set_to_none=True):
         """As torch's; also forgets which gradients were transformed (a step skipped by a
         ``GradScaler`` leaves them marked otherwise)."""
-        self._transformed.clear()
+        self._step_done()
         super().zero_grad(set_to_none=set_to_none)
 
 
@@ -224,7 +238,7 @@ class LocalAdamW(_ExchangedUpdates):
                     continue
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.add_(p.grad, alpha=-1.0 if group.get("lr_in_residual", False) else -group["lr"])
-        self._transformed.clear()
+        self._step_done()
         return loss
 
 
@@ -259,9 +273,9 @@ class DeMo(_ExchangedUpdates):
     NORMALISE = ("sign", "rms")
 
     def __init__(self, params, lr=1e-3, beta=0.999, weight_decay=0.0, normalise="sign"):
-        _check_adam_options(lr, (0.0, beta), 0.0, weight_decay)
-        if not 0.0 < beta <= 1.0:
-            raise ValueError(f"beta must be in (0, 1], got {beta!r}")
+        _check_nonnegative(lr=lr, weight_decay=weight_decay)
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 < beta <= 1.0:
+            raise ValueError(f"beta must be a number in (0, 1], got {beta!r}")
         if normalise not in self.NORMALISE:
             raise ValueError(f"normalise must be one of {self.NORMALISE}, got {normalise!r}")
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, normalise=normalise))
@@ -292,10 +306,10 @@ class DeMo(_ExchangedUpdates):
                 if group["normalise"] == "sign":
                     p.add_(p.grad.sign(), alpha=-lr)
                 else:
-                    rms = float(p.grad.square().mean().sqrt())
+                    rms = _rms(p.grad)
                     if rms > 0.0:
                         p.add_(p.grad, alpha=-lr / rms)
-        self._transformed.clear()
+        self._step_done()
         return loss
 
 
@@ -319,9 +333,10 @@ def _check_transformed(optimizer, p):
     step (state initialised, False)."""
     if p in optimizer._transformed:
         return True
-    if optimizer._transformed:
+    if optimizer._transformed or optimizer._exchanged:
         # a step of hvd_topk's in which this rank had no gradient of p (a branch it did not
-        # take): the exchange still wrote the ranks' average into p.grad, applied as it is
+        # take, or no backward at all): the exchange still wrote the ranks' average into
+        # p.grad, applied as it is
         if not optimizer.state[p]:
             optimizer._init_state(p)
         return True
@@ -363,10 +378,22 @@ def _new_adam_state(state, p):
     return state
 
 
+def _rms(grad):
+    """The root mean square over every entry of ``grad`` (a sparse one's absent entries are
+    zeros: ``nn.Embedding(sparse=True)``'s exchanged gradient is handed back sparse)."""
+    if grad.is_sparse:
+        return float((grad.coalesce().values().square().sum() / grad.numel()).sqrt())
+    return float(grad.square().mean().sqrt())
+
+
+def _check_nonnegative(**values):
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < math.inf:
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
 def _check_adam_options(lr, betas, eps, weight_decay):
-    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0.0:
-            raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    _check_nonnegative(lr=lr, eps=eps, weight_decay=weight_decay)
     if not isinstance(betas, (tuple, list)) or len(betas) != 2 or \
             not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas):
         raise ValueError(f"betas must be a pair of numbers (beta1, beta2), got {betas!r}")

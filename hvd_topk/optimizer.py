@@ -122,6 +122,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
     if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
         raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
     _check_horovod_arguments(op, gradient_predivide_factor, backward_passes_per_step)
+    if not isinstance(process_set, hvd.ProcessSet):
+        raise TypeError(f"process_set must be a horovod ProcessSet (hvd.global_process_set, hvd.add_process_set(...)), "
+                        f"got {type(process_set).__name__}")
+    _check_no_duplicates(optimizer.param_groups, named_parameters)
     if grad_scaler is not None and hasattr(optimizer, "transform_local_gradient"):
         raise ValueError(f"{type(optimizer).__name__} turns each rank's gradient into an update before the "
                          "exchange and does not support loss scaling (grad_scaler): its moments would mix "
@@ -143,6 +147,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
     # An inner optimizer that works on each rank's own gradient before the exchange (LocalAdamW)
     # defines transform_local_gradient(param, grad, ranks): ranks' results will be averaged.
     engine.transform = getattr(wrapped, "transform_local_gradient", None)
+    engine.on_exchanged = getattr(wrapped, "exchanged", None)
     return wrapped
 
 
@@ -177,8 +182,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         "hvd.DistributedOptimizer (wrap the plain torch optimizer in one or the other)")
 
     def synchronize(self):
-        """Finish every exchange of this step; afterwards ``p.grad`` holds the averaged result."""
-        getattr(self, ENGINE).synchronize()
+        """Finish every exchange of this step; afterwards ``p.grad`` holds the averaged result.
+        Called again before ``step()`` with no new backward, it does nothing: Horovod averages
+        again, which changes nothing for a dense average, but a second Top-K exchange would send
+        the average through the residuals again."""
+        engine = getattr(self, ENGINE)
+        if engine.synchronized and not engine.pending():
+            return
+        engine.synchronize()
 
     @contextmanager
     def skip_synchronize(self):
@@ -191,7 +202,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             engine.should_synchronize = True
 
     def step(self, closure=None):
+        """Exchange (unless ``synchronize()`` did, or inside ``skip_synchronize()``), then the
+        inner optimizer's step. A ``closure`` is evaluated once, first, as torch's optimizers do,
+        so that its backward is the one exchanged (an optimizer that evaluates it several times
+        in one step, LBFGS, is not supported: it gets no closure)."""
         engine = getattr(self, ENGINE)
+        loss = None
+        if closure is not None:
+            if not engine.should_synchronize:
+                raise RuntimeError("step(closure) inside skip_synchronize(): the closure's gradients would "
+                                   "never be exchanged. Call step(closure) alone, or run the closure's "
+                                   "backward before synchronize()")
+            with torch.enable_grad():
+                loss = closure()
         if engine.should_synchronize:
             if engine.synchronized and not engine.pending():
                 # Horovod warns and averages again, which changes nothing for a dense average;
@@ -206,7 +229,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             else:
                 self.synchronize()
         engine.synchronized = False
-        return super(self.__class__, self).step(closure)
+        inner = super(self.__class__, self).step()
+        return loss if closure is not None else inner
 
     def zero_grad(self, set_to_none=True):
         engine = getattr(self, ENGINE)
@@ -293,17 +317,32 @@ def _check_horovod_arguments(op, gradient_predivide_factor, passes):
     if op not in (hvd.Average, hvd.Sum):
         raise ValueError(f"op must be hvd.Average or hvd.Sum, got {op!r}")
     f = gradient_predivide_factor
-    if isinstance(f, bool) or not isinstance(f, (int, float)) or not f > 0:
-        raise ValueError(f"gradient_predivide_factor must be > 0, got {f!r}")
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < float("inf"):
+        raise ValueError(f"gradient_predivide_factor must be a finite number > 0, got {f!r}")
     if f != 1.0 and op != hvd.Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     check_integer(passes, "backward_passes_per_step", 1)
+
+
+def _check_no_duplicates(param_groups, named_parameters):
+    """A parameter listed twice in the param groups (torch only warns) would get two gradient
+    hooks, and its first backward would fail with Horovod's "computed more than
+    backward_passes_per_step times", which names neither."""
+    seen = set()
+    for i, p in enumerate(p for g in param_groups for p in g["params"]):
+        if id(p) in seen:
+            raise ValueError(f"the optimizer holds a parameter twice (shape {tuple(p.shape)}, position {i} in its "
+                             "param_groups): list each parameter once, in one param group")
+        seen.add(id(p))
 
 
 def _name_parameters(param_groups, named_parameters):
     """Horovod's naming rules and errors, with unique names for unnamed parameters."""
     if named_parameters is not None:
         named_parameters = list(named_parameters)
+        if not named_parameters and any(g["params"] for g in param_groups):
+            raise ValueError("named_parameters is empty (a model.named_parameters() generator that was "
+                             "already used up? pass list(model.named_parameters()) to reuse it)")
     else:
         named_parameters = [(f"allreduce.noname.{i}", p) for i, p in
                             enumerate(p for g in param_groups for p in g["params"])]

@@ -93,6 +93,7 @@ def test_freezing_an_unseen_variance_warns():
                                           ({"freeze_step": True}, "freeze_step"), ({"betas": (1.0, 0.9)}, "betas"),
                                           ({"betas": (0.9,)}, "a pair of numbers"),
                                           ({"lr": -1e-3}, "lr"), ({"lr": float("nan")}, "lr"),
+                                          ({"lr": float("inf")}, "lr must be a finite number"),
                                           ({"eps": -1.0}, "eps"), ({"weight_decay": "0.1"}, "weight_decay")])
 def test_bad_options_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -213,12 +214,35 @@ def test_demo_on_one_rank_matches_numpy():
         np.testing.assert_allclose(p.detach().numpy(), want, rtol=1e-12, err_msg=normalise)
 
 
-@pytest.mark.parametrize("kwargs,match", [({"beta": 0.0}, "beta"), ({"beta": 1.5}, "beta"),
+def test_demo_rms_of_a_sparse_gradient():
+    """nn.Embedding(sparse=True): the exchanged gradient comes back sparse; "rms" divides by the
+    root mean square over every entry, the absent ones zeros (numpy on the dense equivalent)."""
+    g = np.zeros((6, 4))
+    g[[1, 4]] = np.arange(1.0, 9.0).reshape(2, 4)
+    p = torch.nn.Parameter(torch.ones(6, 4, dtype=torch.float64))
+    opt = DeMo([p], lr=LR, weight_decay=WD, normalise="rms")
+    dense = torch.tensor(g)
+    opt.transform_local_gradient(p, dense)
+    p.grad = dense.to_sparse()
+    opt.step()
+    want = np.ones((6, 4)) * (1 - LR * WD) - LR * (LR * g) / np.sqrt(np.mean((LR * g) ** 2))
+    np.testing.assert_allclose(p.detach().numpy(), want, rtol=1e-12)
+
+
+@pytest.mark.parametrize("kwargs,match", [({"beta": 0.0}, "beta must be a number in \\(0, 1\\]"),
+                                          ({"beta": 1.5}, "beta must be"), ({"beta": True}, "beta must be"),
+                                          ({"beta": "0.9"}, "beta must be"),
                                           ({"normalise": "l2"}, "normalise"), ({"lr": -1.0}, "lr"),
+                                          ({"lr": float("inf")}, "lr must be a finite number"),
                                           ({"weight_decay": float("nan")}, "weight_decay")])
 def test_demo_bad_options_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DeMo([torch.nn.Parameter(torch.zeros(2))], **kwargs)
+
+
+def test_demo_beta_one_accepted():
+    """(0, 1], as documented: 1.0 keeps the whole accumulator (the engine's default decay)."""
+    assert DeMo([torch.nn.Parameter(torch.zeros(2))], beta=1.0).residual_decay == 1.0
 
 
 def test_demo_alone_is_refused():

@@ -150,6 +150,31 @@ def check_unfrozen_parameter_refused():
         opt.step()
 
 
+def check_frozen_parameter_refused():
+    """The other way round: fc1.weight trainable at construction and frozen after two steps (as
+    in fine-tuning). Its residual would still be exchanged into p.grad and the optimizer would
+    move it (a plain torch optimizer leaves a parameter without a gradient alone): the next step
+    refuses, on every rank, naming it."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters(), min_numel=MIN_NUMEL,
+                                        compression=hvd_topk.TopK(density=0.05), exchange="allgather")
+    for step in range(2):
+        x, y = batch(step, hvd.rank())
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    model.fc1.weight.requires_grad_(False)
+    opt.zero_grad()
+    x, y = batch(2, hvd.rank())
+    with raises(RuntimeError, match=r"parameter 'fc1.weight' was trainable when hvd_topk.DistributedOptimizer was "
+                r"built and has requires_grad=False now.*Build a new DistributedOptimizer after freezing",
+                what="frozen after construction"):
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
 def check_rebuilt_after_unfreezing():
     """What the refusal above advises: a new DistributedOptimizer built after unfreezing takes
     the parameters over. The old one, still referenced, no longer hooks them and refuses to
@@ -550,6 +575,7 @@ CHECKS = [
     ("checkpoint names: unmatched residual warns", check_unmatched_residual_warns),
     ("rank-0 checkpoint + broadcast_optimizer_state", check_rank0_checkpoint_broadcast),
     ("unfrozen parameter refused", check_unfrozen_parameter_refused),
+    ("parameter frozen after construction refused", check_frozen_parameter_refused),
     ("horovod: unfrozen parameter diverges", check_horovod_unfrozen_parameter_diverges),
     ("a new optimizer after unfreezing takes over", check_rebuilt_after_unfreezing),
     ("step() after synchronize() without skip_synchronize", check_step_after_synchronize_without_skip),

@@ -191,6 +191,19 @@ def check_unfrozen_after_construction():
         train(model, opt, 1, start=1)
 
 
+def check_frozen_after_construction():
+    """fc1 trainable when LocalSteps is built and frozen after a step: its shared copy would
+    still move by the residual of its earlier changes, and each synchronisation resets it to
+    that copy; the next step() refuses, on every rank, naming it."""
+    model, opt = build(sgd(), sync_every=2)
+    train(model, opt, 3)
+    for p in model.fc1.parameters():
+        p.requires_grad_(False)
+    with raises(RuntimeError, match="parameter 'fc1.weight' was trainable when hvd_topk.LocalSteps was built",
+                what="a parameter frozen after construction"):
+        train(model, opt, 1, start=3)
+
+
 def check_resume_shorter_period():
     """Saved 5 steps into a period of 8, loaded with sync_every=4: the next step synchronises
     (every rank the same bits, local_step 0, one synchronisation), and then every 4 steps."""
@@ -330,6 +343,7 @@ CHECKS = [
         mid_period=False, exchange="sparse_allreduce")),
     ("checkpoint of a longer period loaded with a shorter sync_every", check_resume_shorter_period),
     ("a parameter unfrozen after construction is refused", check_unfrozen_after_construction),
+    ("a parameter frozen after construction is refused", check_frozen_after_construction),
     ("hvd.elastic: commit, restore, a new worker", check_elastic_state),
     ("hvd.join with uneven batches", check_join),
     ("bad input", check_bad_input),

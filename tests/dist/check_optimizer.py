@@ -393,6 +393,25 @@ def check_bad_input():
     ]:
         with raises(error, match=re.escape(text), what=f"{kwargs}"):
             hvd_topk.DistributedOptimizer(sgd, **kwargs)
+    used_up = model.named_parameters()
+    list(used_up)
+    w = model.fc1.weight
+    for kwargs, error, text in [
+        ({"gradient_predivide_factor": float("inf")}, ValueError, "gradient_predivide_factor must be a finite number"),
+        ({"process_set": None}, TypeError, "process_set must be a horovod ProcessSet"),
+        ({"groups": [[torch.zeros(3)]]}, ValueError, "groups holds a tensor of shape (3,) that is not one of the "
+                                                     "optimizer's parameters"),
+        ({"groups": [w, model.fc2.weight]}, ValueError, "got a list of Parameter"),
+        ({"named_parameters": used_up}, ValueError, "named_parameters is empty (a model.named_parameters() generator"),
+    ]:
+        with raises(error, match=re.escape(text), what=f"{kwargs}"):
+            hvd_topk.DistributedOptimizer(sgd, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own "duplicate parameters" warning
+        twice = torch.optim.SGD([{"params": [w, model.fc2.weight, w]}], lr=0.1)
+    with raises(ValueError, match=re.escape("the optimizer holds a parameter twice (shape (96, 40), position 2"),
+                what="a parameter listed twice"):
+        hvd_topk.DistributedOptimizer(twice)
     # hvd.DistributedOptimizer around ours: a clear error (it was an AttributeError on a setter)
     model, opt = build(min_numel=500)
     with raises(TypeError, match="do not wrap it in hvd.DistributedOptimizer", what="hvd's wrapper around ours"):
@@ -402,6 +421,83 @@ def check_bad_input():
     opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
     with raises(RuntimeError, match="parameters changed", what="parameters added after building"):
         train(model, opt, 1)
+
+
+def check_second_synchronize_changes_nothing():
+    """``synchronize()`` twice before ``step()`` (a clipping helper and the training loop both
+    call it): the same bits as calling it once, and one step counted (the density warm-up and
+    the sparse allreduce's rotation read the counter). Truth: the run that calls it once, as
+    Horovod's dense average gives (averaging an average changes nothing)."""
+    runs = []
+    for twice in (False, True):
+        model, opt = build(min_numel=500, warmup_steps=3, warmup_density=0.5)
+        for step in range(4):
+            x, y = batch(step, hvd.rank())
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.synchronize()
+            if twice:
+                opt.synchronize()
+            with opt.skip_synchronize():
+                opt.step()
+        runs.append((model, opt))
+    for (name, a), b in zip(runs[0][0].named_parameters(), runs[1][0].parameters()):
+        assert torch.equal(a, b), f"{name}: a second synchronize() changed the result (max {float((a - b).abs().max())})"
+    assert runs[1][1].compression_stats()["step"] == 4, runs[1][1].compression_stats()["step"]
+
+
+def check_step_closure():
+    """``opt.step(closure)`` with a closure that zeroes, runs forward and backward and returns the
+    loss (torch's convention): evaluated once, before the exchange, so every rank holds the same
+    bits after every step, equal to the run with ``backward()`` before ``step()``; the closure's
+    loss is returned. Inside ``skip_synchronize()`` its gradients could not be exchanged: refused."""
+    models = []
+    for use_closure in (False, True):
+        model, opt = build(min_numel=500)
+        for step in range(3):
+            x, y = batch(step, hvd.rank())
+
+            def closure():
+                opt.zero_grad()
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                return loss
+            if use_closure:
+                loss = opt.step(closure)
+                assert torch.is_tensor(loss) and loss.ndim == 0, f"step(closure) returned {loss!r}"
+            else:
+                closure()
+                opt.step()
+            assert_same_on_all_ranks(model.fc1.weight.detach().numpy(), f"step {step}, closure {use_closure}")
+        models.append(model)
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        assert torch.equal(a, b), f"{name}: step(closure) differs from backward(); step()"
+    with raises(RuntimeError, match="inside skip_synchronize", what="step(closure) inside skip_synchronize()"):
+        with opt.skip_synchronize():
+            opt.step(closure)
+
+
+def check_empty_parameter():
+    """A parameter with no elements and ``min_numel=0`` (which once made it a sparse bucket's
+    member and shifted the bucket's segments by one: a ValueError at the first step): at density
+    1 without the dense fallback every tensor's result is the numpy mean of the ranks' gradients."""
+    torch.manual_seed(0)
+    model = Net()
+    model.empty = torch.nn.Parameter(torch.zeros(0))
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters(), exchange="allgather",
+                                        compression=hvd_topk.TopK(density=1.0), min_numel=0, dense_fallback=False)
+    for step in range(2):
+        x, y = batch(step, hvd.rank())
+        opt.zero_grad()
+        (F.cross_entropy(model(x), y) + model.empty.sum()).backward()
+        grads = {n: np.stack(gather(p.grad.numpy())) for n, p in model.named_parameters()}
+        opt.synchronize()
+        for n, p in model.named_parameters():
+            np.testing.assert_allclose(p.grad.numpy(), grads[n].mean(axis=0), rtol=1e-6, atol=1e-7,
+                                       err_msg=f"step {step} {n}")
+        with opt.skip_synchronize():
+            opt.step()
 
 
 def check_plain_adam_warns():
@@ -423,7 +519,7 @@ def check_plain_adam_warns():
 
 def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-3, wd=0.1,
                       lr_in_residual=False, residual_decay=1.0, exchange="allgather", global_variance=False,
-                      skip=None):
+                      skip=None, idle=None):
     """LocalAdamW: each rank's numpy Adam on its own gradient gives its update; the exchanged
     result is the error-feedback contract applied to those updates; the step is
     p * (1 - lr * wd) - lr * result on every rank. (A large eps: with a tiny one the first
@@ -433,9 +529,10 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-
     ``global_variance``: v is replaced by v/P + (1 - 1/P) mean^2 (bias-corrected EMAs).
     ``skip``: ``{step: ranks}`` whose forward leaves head2 out at that step: such a rank's
     update of head2 is zero and its moments stay (as a plain optimizer skips a parameter
-    without a gradient); the exchanged result is applied all the same."""
+    without a gradient); the exchanged result is applied all the same. ``idle``: ``{step: ranks}``
+    that run no backward at all at that step (every update of theirs zero, the result applied)."""
     rank, size = hvd.rank(), hvd.size()
-    skip = skip or {}
+    skip, idle = skip or {}, idle or {}
     torch.manual_seed(0)
     model = Net()
     inner = hvd_topk.LocalAdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd,
@@ -460,7 +557,8 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-
         F.cross_entropy(shadow(x, use_head2), y).backward()
         before = {n: p.detach().numpy().astype(np.float64) for n, p in model.named_parameters()}
         opt.zero_grad()
-        F.cross_entropy(model(x, use_head2), y).backward()
+        if rank not in idle.get(step, ()):
+            F.cross_entropy(model(x, use_head2), y).backward()
         opt.synchronize()
         every = {}
         for name, p in model.named_parameters():
@@ -468,7 +566,7 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-
             mine = dict(shadow.named_parameters())[name].grad
             mine = np.zeros(p.shape) if mine is None else mine.numpy().astype(np.float64)
             for r, g in enumerate(gather(mine)):
-                if name.startswith("head2.") and r in skipping:
+                if (name.startswith("head2.") and r in skipping) or r in idle.get(step, ()):
                     updates.append(np.zeros(p.shape))  # no gradient on rank r: no Adam step
                     continue
                 m, v, mean, t = moments.get((r, name), (0.0, 0.0, 0.0, 0))
@@ -631,6 +729,9 @@ CHECKS = [
     ("broadcast optimizer state", check_broadcast_optimizer_state),
     ("non-finite gradient", check_nonfinite),
     ("bad input", check_bad_input),
+    ("a second synchronize() before step() changes nothing", check_second_synchronize_changes_nothing),
+    ("step(closure): evaluated once, before the exchange", check_step_closure),
+    ("a parameter with no elements, min_numel=0", check_empty_parameter),
     ("plain Adam/AdamW warns, naming the recipe", check_plain_adam_warns),
     ("LocalAdamW: Adam per rank, updates exchanged", check_local_adamw),
     ("LocalAdamW: checkpoint resume", check_local_adamw_resume),
@@ -644,6 +745,8 @@ CHECKS = [
     ("LocalAdamW: an inf in one rank's gradient leaves its moments finite", check_nonfinite_local_adamw),
     ("LocalAdamW: a layer rank 0 leaves out at step 1, every rank at step 2", lambda: check_local_adamw(
         steps=4, global_variance=True, lr_in_residual=True, skip={1: {0}, 2: set(range(hvd.size()))})),
+    ("LocalAdamW: a rank that runs no backward at step 1, every rank at step 2", lambda: check_local_adamw(
+        steps=4, global_variance=True, lr_in_residual=True, idle={1: {hvd.size() - 1}, 2: set(range(hvd.size()))})),
     ("LocalAdamW: global variance, lr in the residual, checkpoint resume", lambda: check_local_adamw_resume(
         lr_in_residual=True, global_variance=True)),
     ("DeMo: sign of the exchanged average", check_demo),
