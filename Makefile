@@ -44,9 +44,11 @@ image-test:
 two-hosts: setup
 	$(BIN)/python benchmarks/two_hosts.py
 
-# Benchmarks: `make bench-NAME` runs benchmarks/NAME.py (selection, exchange, training,
-# convergence, scaling, overhead); each writes into its group folder of benchmarks/results/ (index: benchmarks/results/README.md).
-bench-%: setup
+# Benchmarks: `make bench-NAME` runs benchmarks/NAME.py (docs/performance.md lists them); each
+# writes into its group folder of benchmarks/results/ (index: benchmarks/results/README.md).
+bench-%:
+	@test -f benchmarks/$*.py || { echo "no benchmark named $*: benchmarks/$*.py does not exist (docs/performance.md lists them)"; exit 2; }
+	$(MAKE) setup
 	$(BIN)/python benchmarks/$*.py
 
 clean:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Convergence on the transformer workload (examples/pytorch_gpt.py, AdamW): dense, Horovod fp16,
+r"""Convergence on the transformer workload (examples/pytorch_gpt.py, AdamW): dense, Horovod fp16,
 hvd_topk 1% and 0.1% with and without error feedback, over several seeds, at a fixed step budget.
 
 Every run is ``mpirun -np 2 python examples/pytorch_gpt.py --quiet --json OUT --steps N --seed S ARGS``;
@@ -13,7 +13,7 @@ same model, corpus and batches through DistributedDataParallel and a communicati
         --out-prefix benchmarks/results/gpt/convergence-gpt-frozen-variance-freeze100
     .venv/bin/python benchmarks/convergence_gpt.py --configs dense local-1% local-0.1% local-noef-0.1% \
         --steps 1000 --timeout 1500 --out-prefix benchmarks/results/gpt/convergence-gpt-local-1000   # LocalAdamW
-    .venv/bin/python benchmarks/convergence_gpt.py --configs dense ef-1% --seeds 42 --steps 60 \\
+    .venv/bin/python benchmarks/convergence_gpt.py --configs dense ef-1% --seeds 42 --steps 60 \
         --out-prefix /tmp/gpt-smoke                                     # quick check
 
 Writes PREFIX.json (every run with its validation history, command, machine, date), PREFIX.md

@@ -2,7 +2,7 @@
 """The GPT example (``pytorch_gpt.py``'s model and corpus) with torchrun + DistributedDataParallel
 instead of Horovod, and a DDP communication hook: none, PyTorch's fp16 or PowerSGD, or hvd_topk's.
 
-    torchrun --nproc_per_node 2 examples/ddp_gpt.py --hook topk --density 0.01     # the AdamW recipe
+    torchrun --nproc_per_node 2 examples/ddp_gpt.py --hook topk --fp16-values --lr 1e-2   # the AdamW recipe
     torchrun --nproc_per_node 2 examples/ddp_gpt.py --hook none                    # dense baseline
     torchrun --nproc_per_node 2 examples/ddp_gpt.py --hook powersgd --powersgd-rank 4
 
@@ -21,6 +21,7 @@ prints progress and validation loss, bytes per step against a dense fp32 allredu
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -75,6 +76,24 @@ def parse_args(argv=None):
         p.error("--powersgd-rank must be positive, --warmup-steps >= 0")
     if args.powersgd_start < 2:
         p.error("--powersgd-start must be >= 2 (DDP rebuilds its buckets after the first step)")
+    topk_only = {"density": 0.01, "exchange": "allgather", "warmup_steps": 100, "warmup_density": 1.0,
+                 "fp16_values": False, "compact": False}
+    for name, default in topk_only.items():
+        if getattr(args, name) != default and args.hook != "topk":
+            p.error(f"--{name.replace('_', '-')} only applies to --hook topk")
+    if (args.powersgd_rank, args.powersgd_start) != (4, 100) and args.hook != "powersgd":
+        p.error("--powersgd-rank and --powersgd-start only apply to --hook powersgd")
+    if args.compact and args.fp16_values:
+        p.error("--fp16-values and --compact are two wire formats: choose one")
+    if args.compact and args.exchange == "sparse_allreduce":
+        p.error("--compact packs the allgather's pairs: use --exchange allgather or auto")
+    try:
+        hvd_topk.selection.check_density(args.density, "--density")
+    except ValueError as exc:
+        p.error(str(exc))
+    if "RANK" not in os.environ:
+        p.error("launch it with torchrun (torchrun --nproc_per_node 2 examples/ddp_gpt.py ...): "
+                "torch.distributed reads its rank and world size from torchrun's environment")
     return args
 
 

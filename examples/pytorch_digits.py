@@ -102,6 +102,8 @@ def bytes_per_step(model, args, compression, opt):
         return s["bytes_sent"] / max(1, s["steps"]), s["bytes_dense"] / max(1, s["steps"])
     if args.compression == "topk":
         s = compression.stats()
+        if not s["bytes_dense"]:  # one rank: Horovod exchanges nothing and never calls the compressor
+            return 0.0, dense
         steps = max(1, s["tensors_sparse"] // sum(1 for _ in model.parameters()))
         return s["bytes_sent"] / steps, s["bytes_dense"] / steps
     return (dense // 2 if args.compression == "fp16" else dense), dense

@@ -67,6 +67,9 @@ def digits():
 
 def main(args):
     hvd.init()
+    if args.fail_rank is not None and hvd.rank() == 0 and os.path.exists(args.fail_marker):
+        print(f"note: {args.fail_marker} exists (an earlier run failed already): no rank will fail in this "
+              "run; delete it to see the failure again", flush=True)
     torch.manual_seed(args.seed)
     x_all, y_all = digits()
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""A small byte-level GPT trained data-parallel with AdamW, Horovod and hvd_topk.
+r"""A small byte-level GPT trained data-parallel with AdamW, Horovod and hvd_topk.
 
     horovodrun -np 2 --gloo python examples/pytorch_gpt.py --optimizer topk-ef --density 0.01
     mpirun -np 2 python examples/pytorch_gpt.py --compression none          # dense baseline
@@ -18,7 +18,9 @@ fix is ``--adam local``: ``hvd_topk.LocalAdamW`` runs Adam on each rank's own gr
 update is what Top-K with error feedback compresses, after a dense start::
 
     horovodrun -np 2 --gloo python examples/pytorch_gpt.py --optimizer topk-ef --exchange allgather \
-        --density 0.01 --adam local --warmup-steps 100 --warmup-density 1.0
+        --density 0.01 --adam local --warmup-steps 100 --warmup-density 1.0 --fp16-values --lr 1e-2
+
+(the recommended scheme, as ``make demo-gpt`` runs it; docs/adamw.md)
 
 (``--adam frozen-variance --freeze-step 100``: 1-bit Adam's frozen variance, good over 300 steps
 only.)
@@ -145,6 +147,12 @@ def parse_args(argv=None):
         p.error("--beta1 must be in [0, 1)")
     if args.amp == "fp16" and not torch.cuda.is_available():
         p.error("--amp fp16 needs CUDA (GradScaler); on CPU use --amp bf16")
+    if args.compression != "topk" and (args.fp16_values or args.compact or args.density != 0.01):
+        p.error("--density, --fp16-values and --compact only apply to --compression topk")
+    if args.compact and args.fp16_values:
+        p.error("--fp16-values and --compact are two wire formats: choose one")
+    if args.compact and args.exchange == "sparse_allreduce":
+        p.error("--compact packs the allgather's pairs: use --exchange allgather or auto")
     if args.compression == "topk":
         try:
             hvd_topk.selection.check_density(args.density, "--density")
@@ -204,6 +212,8 @@ def bytes_per_step(model, args, opt, topk):
         return s["bytes_sent"] / max(1, s["steps"]), s["bytes_dense"] / max(1, s["steps"])
     if args.compression == "topk":
         s = topk.stats()
+        if not s["bytes_dense"]:  # one rank: Horovod exchanges nothing and never calls the compressor
+            return 0.0, dense
         return s["bytes_sent"] / args.steps, s["bytes_dense"] / args.steps
     return (dense // 2 if args.compression == "fp16" else dense), dense
 
