@@ -160,19 +160,12 @@ def check_frozen_parameter_refused():
     opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                         named_parameters=model.named_parameters(), min_numel=MIN_NUMEL,
                                         compression=hvd_topk.TopK(density=0.05), exchange="allgather")
-    for step in range(2):
-        x, y = batch(step, hvd.rank())
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+    train(model, opt, 2)
     model.fc1.weight.requires_grad_(False)
-    opt.zero_grad()
-    x, y = batch(2, hvd.rank())
     with raises(RuntimeError, match=r"parameter 'fc1.weight' was trainable when hvd_topk.DistributedOptimizer was "
                 r"built and has requires_grad=False now.*Build a new DistributedOptimizer after freezing",
                 what="frozen after construction"):
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+        train(model, opt, 1, start=2)
 
 
 def check_rebuilt_after_unfreezing():
