@@ -267,7 +267,7 @@ def select_sampled_torch(flat, k, seed=None):
         return select_exact_torch(flat, k)
     magnitude = flat.abs().nan_to_num_(nan=math.inf, posinf=math.inf)  # NaN counts as largest, as in torch.topk
     sample = magnitude[_positions(n, flat.device, seed)]
-    threshold = torch.kthvalue(sample, SAMPLE - r).values  # the r-th largest (1-based)
+    threshold = _above_zero(torch.kthvalue(sample, SAMPLE - r).values)  # the r-th largest (1-based)
     capacity = min(n, int(1.5 * r * n / SAMPLE) + 16)  # expected count x 1.5
     candidates = torch.nonzero_static(magnitude >= threshold, size=capacity, fill_value=-1).view(-1)
     valid = candidates >= 0
@@ -279,6 +279,16 @@ def select_sampled_torch(flat, k, seed=None):
     indices = torch.where(real, indices, indices[:1])  # short: repeat the largest, value 0
     values = torch.where(real, flat[indices], torch.zeros((), dtype=flat.dtype, device=flat.device))
     return values, indices
+
+
+def _above_zero(threshold):
+    """A sampled threshold of 0 raised to the smallest positive value of its dtype. A gradient
+    that is mostly zeros (an embedding's, dead units') samples 0: every entry would then be a
+    candidate, the fixed-size candidate list would keep the first ones by position (mostly
+    zeros), and the non-zeros after them would not be sent. Zeros are worth nothing to send; a
+    tensor with fewer non-zeros than k fills its slots as a short one does (value 0)."""
+    finfo = torch.finfo(threshold.dtype)
+    return threshold.clamp_min(finfo.tiny * finfo.eps)  # the smallest subnormal
 
 
 class _SegmentConstants:
@@ -365,7 +375,7 @@ def select_segments_torch(x, sizes, ks, method=DEFAULT_METHOD, seed=None):
     pos = (torch.rand(nseg, c.per, generator=gen, device=device, dtype=torch.float64) * c.size_f64[:, None]).long()
     pos = torch.minimum(pos, c.last) + c.start_t[:, None]
     ordered = magnitude[pos].sort(dim=1, descending=True).values
-    threshold = ordered.gather(1, c.rank_index).view(-1).unbind()
+    threshold = _above_zero(ordered.gather(1, c.rank_index).view(-1)).unbind()
     # Candidates: every entry of a segment taken whole, the rest at or above their threshold
     # (one comparison per such segment: cheaper on a GPU than spreading the thresholds over the
     # buffer, which cost ~4 ms at BERT-base's 110M entries on an H100)

@@ -167,6 +167,29 @@ def test_mostly_zeros_gives_k_distinct_entries(method):
     assert set(where.tolist()) <= set(idx.tolist())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_torch_sampled_sends_every_non_zero_of_a_mostly_zero_tensor(dtype):
+    """The torch-ops path (CUDA; CPU 16-bit): fewer non-zeros than k, the sample all zeros. Every
+    non-zero is sent, the other slots carry value 0 (numpy: the set of non-zero positions). A
+    threshold of 0 once made every entry a candidate and the fixed-size candidate list kept the
+    first ones by position: about 100 of 5000 non-zeros were sent."""
+    n, k, nnz = 1_000_000, 10_000, 5000
+    rng = np.random.default_rng(0)
+    where = rng.choice(n, nnz, replace=False)
+    dense = np.zeros(n, dtype=np.float32)
+    dense[where] = rng.standard_normal(nnz).astype(np.float32) + np.sign(rng.standard_normal(nnz)) * 0.5
+    x = torch.from_numpy(dense).to(dtype)
+    values, indices = selection.select_sampled_torch(x, k, seed=1)
+    sent = indices[values != 0].numpy()
+    assert set(sent.tolist()) == set(where.tolist())
+    # and as one segment of a bucket, beside an ordinary one
+    other = torch.randn(300_000, generator=torch.Generator().manual_seed(2)).to(dtype)
+    values, indices, _ = selection.select_segments_torch(torch.cat([x, other]), [n, 300_000], [k, 300], "sampled",
+                                                         seed=1)
+    sent = indices[:k][values[:k] != 0].numpy()
+    assert set(sent.tolist()) == set(where.tolist())
+
+
 @needs_native
 def test_second_pass_down_to_zero_takes_the_true_top_k():
     """An embedding's residual: a few touched rows, their entries slightly more than k, the rest
