@@ -34,8 +34,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hvd_topk.ddp
-from gpt_model import (GPT, add_training_arguments, batches, check_training_arguments, dense_start_note, evaluate,
-                       load_corpus, lr_at, split)
+from gpt_model import (GPT, add_training_arguments, batches, check_topk_arguments, check_training_arguments,
+                       dense_start_note, evaluate, load_corpus, lr_at, split)
 from hvd_topk.optim import LocalAdamW
 
 
@@ -83,14 +83,7 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} only applies to --hook topk")
     if (args.powersgd_rank, args.powersgd_start) != (4, 100) and args.hook != "powersgd":
         p.error("--powersgd-rank and --powersgd-start only apply to --hook powersgd")
-    if args.compact and args.fp16_values:
-        p.error("--fp16-values and --compact are two wire formats: choose one")
-    if args.compact and args.exchange == "sparse_allreduce":
-        p.error("--compact packs the allgather's pairs: use --exchange allgather or auto")
-    try:
-        hvd_topk.selection.check_density(args.density, "--density")
-    except ValueError as exc:
-        p.error(str(exc))
+    check_topk_arguments(p, args)
     if "RANK" not in os.environ:
         p.error("launch it with torchrun (torchrun --nproc_per_node 2 examples/ddp_gpt.py ...): "
                 "torch.distributed reads its rank and world size from torchrun's environment")

@@ -10,6 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hvd_topk.selection import check_density
+
 
 def load_corpus(limit_bytes):
     """The standard library's .py files, sorted by relative path, concatenated, cut to the limit."""
@@ -140,6 +142,19 @@ def add_training_arguments(p):
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--json", metavar="PATH", help="write the final metrics here (rank 0)")
     p.add_argument("--quiet", action="store_true", help="only the final summary")
+
+
+def check_topk_arguments(p, args):
+    """Usage errors (``p.error``) for the Top-K flags both launchers take: ``--density``,
+    ``--fp16-values``, ``--compact`` and ``--exchange``, before anything is started."""
+    if args.compact and args.fp16_values:
+        p.error("--fp16-values and --compact are two wire formats: choose one")
+    if args.compact and args.exchange == "sparse_allreduce":
+        p.error("--compact packs the allgather's pairs: use --exchange allgather or auto")
+    try:
+        check_density(args.density, "--density")
+    except ValueError as exc:
+        p.error(str(exc))
 
 
 def check_training_arguments(p, args):

@@ -42,8 +42,8 @@ import torch.nn.functional as F
 import horovod.torch as hvd
 import hvd_topk
 # the model, data and their options, shared with ddp_gpt.py
-from gpt_model import (GPT, add_training_arguments, batches, check_training_arguments, dense_start_note, evaluate,
-                       load_corpus, lr_at, split)
+from gpt_model import (GPT, add_training_arguments, batches, check_topk_arguments, check_training_arguments,
+                       dense_start_note, evaluate, load_corpus, lr_at, split)
 
 
 def parse_args(argv=None):
@@ -149,15 +149,7 @@ def parse_args(argv=None):
         p.error("--amp fp16 needs CUDA (GradScaler); on CPU use --amp bf16")
     if args.compression != "topk" and (args.fp16_values or args.compact or args.density != 0.01):
         p.error("--density, --fp16-values and --compact only apply to --compression topk")
-    if args.compact and args.fp16_values:
-        p.error("--fp16-values and --compact are two wire formats: choose one")
-    if args.compact and args.exchange == "sparse_allreduce":
-        p.error("--compact packs the allgather's pairs: use --exchange allgather or auto")
-    if args.compression == "topk":
-        try:
-            hvd_topk.selection.check_density(args.density, "--density")
-        except ValueError as exc:
-            p.error(str(exc))
+    check_topk_arguments(p, args)  # (a non-default --density without topk was refused above)
     return args
 
 

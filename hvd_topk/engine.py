@@ -348,6 +348,10 @@ class TopKEngine:
     def pending(self):
         return any(b.inflight is not None for b in self.buckets)
 
+    def holds_result(self):
+        """``p.grad`` holds this step's exchanged result and no backward has started another."""
+        return self.synchronized and not self.pending()
+
     @property
     def step(self):
         """Steps done: drives the warm-up density, so it must agree on every rank.

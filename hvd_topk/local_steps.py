@@ -271,7 +271,6 @@ class _LocalSteps(torch.optim.Optimizer):
 
 
 # torch.amp.GradScaler.step(opt) then hands this optimizer the scale and this rank's overflow flag
-# instead of skipping step() (see _LocalSteps._local_step); a fused inner optimizer's own value,
-# which its __init__ set on the instance, is kept aside and unused.
-setattr(_LocalSteps, AMP_SCALING_ATTRIBUTE, property(lambda self: True,
-                                                     lambda self, value: self.__dict__.__setitem__("_inner_amp", value)))
+# instead of skipping step() (see _LocalSteps._local_step). A fused inner optimizer sets its own
+# value in its __init__; LocalSteps unscales for it, so that value is not needed (setting ignored).
+setattr(_LocalSteps, AMP_SCALING_ATTRIBUTE, property(lambda self: True, lambda self, value: None))

@@ -187,9 +187,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         again, which changes nothing for a dense average, but a second Top-K exchange would send
         the average through the residuals again."""
         engine = getattr(self, ENGINE)
-        if engine.synchronized and not engine.pending():
-            return
-        engine.synchronize()
+        if not engine.holds_result():
+            engine.synchronize()
 
     @contextmanager
     def skip_synchronize(self):
@@ -216,7 +215,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if engine.should_synchronize:
-            if engine.synchronized and not engine.pending():
+            if engine.holds_result():
                 # Horovod warns and averages again, which changes nothing for a dense average;
                 # a second Top-K exchange would send the (clipped) average through the residual
                 # again, so p.grad is used as synchronize() left it
