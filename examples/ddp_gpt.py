@@ -33,6 +33,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from cli import HelpFormatter  # shared by the examples: --help shows the defaults
 import hvd_topk.ddp
 from gpt_model import (GPT, add_training_arguments, batches, check_topk_arguments, check_training_arguments,
                        dense_start_note, evaluate, load_corpus, lr_at, split)
@@ -40,7 +41,7 @@ from hvd_topk.optim import LocalAdamW
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--hook", choices=("none", "fp16", "powersgd", "topk"), default="topk")
     p.add_argument("--density", type=float, default=0.01, help="--hook topk: fraction sent (default 0.01)")
     p.add_argument("--adam", choices=("local", "adamw"), default=None,

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.strategies import DDPStrategy
 
+from cli import HelpFormatter  # shared by the examples: --help shows the defaults
 import hvd_topk.ddp
 from digits_model import DigitsNet, load_digits_split
 
@@ -53,7 +54,7 @@ class RegisterHookOnCpu(lightning.Callback):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--devices", type=int, default=2, help="processes (Lightning starts them unless torchrun did)")
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--epochs", type=int, default=8)

@@ -20,12 +20,13 @@ import torch
 import torch.nn.functional as F
 
 import horovod.torch as hvd
+from cli import HelpFormatter  # shared by the examples: --help shows the defaults
 import hvd_topk
 from digits_model import DigitsNet, load_digits_split  # shared with lightning_digits.py
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--compression", choices=("none", "fp16", "topk"), default="topk")
     p.add_argument("--density", type=float, default=0.01, help="fraction sent by topk (default 0.01)")
     p.add_argument("--optimizer", choices=("horovod", "topk-ef"), default="horovod",

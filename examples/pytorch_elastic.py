@@ -34,11 +34,12 @@ import torch
 import torch.nn.functional as F
 
 import horovod.torch as hvd
+from cli import HelpFormatter  # shared by the examples: --help shows the defaults
 import hvd_topk
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--batches-per-epoch", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=32, help="per worker")

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 import horovod.torch as hvd
+from cli import HelpFormatter  # shared by the examples: --help shows the defaults
 import hvd_topk
 # the model, data and their options, shared with ddp_gpt.py
 from gpt_model import (GPT, add_training_arguments, batches, check_topk_arguments, check_training_arguments,
@@ -47,7 +48,7 @@ from gpt_model import (GPT, add_training_arguments, batches, check_topk_argument
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--compression", choices=("none", "fp16", "topk"), default="topk")
     p.add_argument("--density", type=float, default=0.01, help="fraction sent by topk (default 0.01)")
     p.add_argument("--fp16-values", action="store_true",
