@@ -84,13 +84,14 @@ def chosen(family, world, sizes, density):
 def check_reference(exchange="allgather", bucket_cap_mb=25, steps=4, density=0.05, warmup_steps=0,
                     warmup_density=0.25, error_feedback=True, residual_decay=1.0, accumulate=1,
                     unused_on_rank=None, unused_at_steps=(), skipping=None, ddp_kwargs=None, amp=False,
-                    **state_kwargs):
+                    compiled=False, **state_kwargs):
     """Every step's p.grad against the numpy error-feedback contract; same bits on every rank.
     ``accumulate``: micro-batches per step, all but the last under ``no_sync()``.
     ``unused_on_rank``: that rank skips head2 (find_unused_parameters=True); ``unused_at_steps``:
     every rank skips it at those steps, so DDP leaves its ``p.grad`` unset and what the ranks
     held back of it must still arrive later; ``skipping``: ``{step: ranks}`` that skip it then. A rank that skipped it holds its residual back
-    that step (the reference's ``idle``). Under "auto" the
+    that step (the reference's ``idle``). ``compiled``: the forward runs through
+    ``torch.compile(ddp)`` (dynamo splits the graph at DDP's buckets; the hook runs as in eager). Under "auto" the
     family each step used is the state's (the measured trial's choice); what that family does
     with each bucket is the hand-written cost model's. Returns the state and the families."""
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -98,6 +99,7 @@ def check_reference(exchange="allgather", bucket_cap_mb=25, steps=4, density=0.0
                               warmup_density=warmup_density, error_feedback=error_feedback,
                               residual_decay=residual_decay, ddp_kwargs=ddp_kwargs, **state_kwargs)
     families = []
+    forward = torch.compile(ddp) if compiled else ddp
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     shadow = copy.deepcopy(model)
     ref = ErrorFeedbackReference(size, error_feedback=error_feedback, decay=residual_decay,
@@ -118,10 +120,10 @@ def check_reference(exchange="allgather", bucket_cap_mb=25, steps=4, density=0.0
             if part < accumulate - 1:
                 with ddp.no_sync():
                     with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=amp):
-                        F.cross_entropy(ddp(x, use_head2), y).backward()
+                        F.cross_entropy(forward(x, use_head2), y).backward()
             else:
                 with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=amp):
-                    F.cross_entropy(ddp(x, use_head2), y).backward()
+                    F.cross_entropy(forward(x, use_head2), y).backward()
         members = buckets_of(state)
         d = dgc_density(step, density, warmup_steps, warmup_density)
         families.append(state.family)
@@ -631,6 +633,7 @@ CHECKS = [
     ("static_graph, gradient_as_bucket_view", lambda: check_reference(
         bucket_cap_mb=0.005, ddp_kwargs={"static_graph": True, "gradient_as_bucket_view": True})),
     ("bf16 autocast", lambda: check_reference(amp=True)),
+    ("torch.compile of the DDP model", lambda: check_reference(compiled=True)),
     ("statistics: bytes over the run", check_stats),
     ("LocalAdamW recipe", check_local_adamw),
     ("LocalAdamW recipe, channels_last convolutions", check_local_adamw_channels_last),
