@@ -468,6 +468,22 @@ def check_horovod_bf16_channels_last():
 
 
 # ---- item 9: compiled autograd ------------------------------------------------------------------
+def check_compiled_model_trains_as_eager():
+    """``torch.compile(model)`` with compiled autograd off (the compat table's advice): AOTAutograd's
+    compiled backward still accumulates into ``p.grad`` through the hooks the optimizer
+    registered, so the exchange runs as in eager. Six steps (a dense start, then sparse)
+    end bit for bit where the eager run (checked against numpy in check_optimizer) ends;
+    backend ``aot_eager``, as inductor's fused kernels round the forward differently."""
+    eager, opt = build(min_numel=500, warmup_steps=2)
+    train(eager, opt, 6)
+    model, opt = build(min_numel=500, warmup_steps=2)
+    train(torch.compile(model, backend="aot_eager"), opt, 6)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert torch.equal(p, q), f"{name}: compiled {p.view(-1)[:3].tolist()} eager {q.view(-1)[:3].tolist()}"
+    assert opt.compression_stats()["steps"] == 6
+    assert_same_on_all_ranks(model.fc1.weight.detach().numpy(), "compiled model")
+
+
 def check_compiled_autograd_refused():
     """With compiled autograd on, the first gradient hook refuses (eager backward and a
     torch.compile'd training step), on every rank, before anything is exchanged."""
@@ -566,6 +582,7 @@ CHECKS = [
     ("checkpoint names: compiled to plain", lambda: check_names_across_compile(save_compiled=True)),
     ("checkpoint names: plain to compiled", lambda: check_names_across_compile(save_compiled=False)),
     ("checkpoint names: unmatched residual warns", check_unmatched_residual_warns),
+    ("torch.compile of the model: the eager result", check_compiled_model_trains_as_eager),
     ("rank-0 checkpoint + broadcast_optimizer_state", check_rank0_checkpoint_broadcast),
     ("unfrozen parameter refused", check_unfrozen_parameter_refused),
     ("parameter frozen after construction refused", check_frozen_parameter_refused),
