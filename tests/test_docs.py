@@ -5,9 +5,12 @@ reference in an hvd_topk error message points to an existing file and heading.
 
 Plain Python (no torch, no MPI); a second or less."""
 
+import argparse
 import ast
 import glob
+import importlib.util
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -277,8 +280,8 @@ def test_message_checker_catches_a_missing_section():
 
 
 def _example_module(name):
-    import importlib.util
-    import sys
+    """The example script ``examples/NAME.py`` as a module (its folder on the path while it
+    imports its siblings, as when run as a script)."""
     sys.path.insert(0, str(ROOT / "examples"))
     try:
         spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
@@ -292,7 +295,6 @@ def _example_module(name):
 def test_example_help_shows_every_default():
     """The examples' --help names each option's default (hand-written expectations on a toy
     parser: no help string, a help that names its default already, a flag, a zero)."""
-    import argparse
     cli = _example_module("cli")
     p = argparse.ArgumentParser(prog="x", formatter_class=cli.HelpFormatter)
     p.add_argument("--steps", type=int, default=5)
