@@ -5,12 +5,9 @@ reference in an hvd_topk error message points to an existing file and heading.
 
 Plain Python (no torch, no MPI); a second or less."""
 
-import argparse
 import ast
 import glob
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -278,51 +275,3 @@ def test_message_checker_catches_a_missing_section():
     ])
     assert len(errors) == 3, errors
 
-
-def _example_module(name):
-    """The example script ``examples/NAME.py`` as a module (its folder on the path while it
-    imports its siblings, as when run as a script)."""
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
-
-
-def test_example_help_shows_every_default():
-    """The examples' --help names each option's default (hand-written expectations on a toy
-    parser: no help string, a help that names its default already, a flag, a zero)."""
-    cli = _example_module("cli")
-    p = argparse.ArgumentParser(prog="x", formatter_class=cli.HelpFormatter)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--clip", type=float, default=1.0, help="clipping (default 1.0; 0: off)")
-    p.add_argument("--quiet", action="store_true", help="less output")
-    p.add_argument("--warmup", type=int, default=0, help="dense steps")
-    p.add_argument("--json", default=None, help="where")
-    text = " ".join(p.format_help().split())
-    assert "--steps STEPS (default: 5)" in text
-    assert "clipping (default 1.0; 0: off) --quiet" in text
-    assert "less output --warmup WARMUP dense steps (default: 0) --json JSON where" in text
-    assert text.endswith("where")
-
-
-@pytest.mark.parametrize("script", ["pytorch_gpt", "pytorch_digits", "pytorch_elastic"])
-def test_example_help_defaults_are_the_parsed_ones(script, capsys):
-    """Each option's default in the example's --help is what its parser returns with no flags."""
-    module = _example_module(script)
-    defaults = vars(module.parse_args([]))
-    with pytest.raises(SystemExit):
-        module.parse_args(["--help"])
-    entries = re.split(r"\n  (?=-)", capsys.readouterr().out)[1:]  # one per option, wrapped lines inside
-    shown = {}
-    for entry in entries:
-        entry = " ".join(entry.split())
-        default = re.search(r"\(default: ([^)]*)\)$", entry)
-        if default:
-            shown[re.match(r"--([a-z0-9-]+)", entry).group(1)] = default.group(1)
-    assert len(shown) >= 7, shown
-    for flag, value in shown.items():
-        assert str(defaults[flag.replace("-", "_")]) == value, flag
