@@ -30,12 +30,19 @@ from hvd_topk._horovod import hvd
 
 class Topology(NamedTuple):
     """This rank's place: its host's process set and its cross-host one."""
-    local: object        # hvd.ProcessSet: the ranks of this host
-    cross: object        # hvd.ProcessSet: the ranks with this local rank, one per host
+    local: object        # hvd.ProcessSet: the ranks of this host (None where hosts are uneven)
+    cross: object        # hvd.ProcessSet: the ranks with this local rank, one per host (ditto)
     local_rank: int
     local_size: int
     cross_rank: int
     cross_size: int
+    local_sizes: tuple   # every rank's hvd.local_size(), in rank order: the same on every rank
+
+    @property
+    def uneven(self):
+        """Hosts with different numbers of ranks: their shards would not line up across hosts
+        (local rank l's shard is 1/L of the bucket, and L differs), so there is no hierarchy."""
+        return len(set(self.local_sizes)) > 1
 
 
 _topology = None
@@ -47,21 +54,38 @@ def init(*args, **kwargs):
     Call it on every rank instead of ``hvd.init()``. It turns on Horovod's dynamic process sets
     (``HOROVOD_DYNAMIC_PROCESS_SETS=1``, read by ``hvd.init``) and adds one set per host and
     one per local rank, in the same order everywhere (a collective). Returns the ``Topology``.
+
+    Where hosts have different numbers of ranks it adds no sets (``hierarchical=True`` then
+    says why it cannot run; "auto" stays flat). Call it once, instead of ``hvd.init()``: Horovod
+    reads ``HOROVOD_DYNAMIC_PROCESS_SETS`` only when it starts.
     """
     global _topology
+    if hvd.is_initialized():
+        raise RuntimeError(
+            "hvd_topk.init() starts Horovod itself (with dynamic process sets, which Horovod reads "
+            "only at start-up), but Horovod is already initialized: call hvd_topk.init() instead of "
+            "hvd.init(), once" + (" (it was called before)" if _topology is not None else ""))
     os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
     hvd.init(*args, **kwargs)
-    places = hvd.allgather_object((hvd.cross_rank(), hvd.local_rank()), name="hvd_topk.topology")
-    hosts = sorted({c for c, _ in places})
-    locals_ = sorted({lr for _, lr in places})
+    # Horovod's cross rank is a rank among those with the same local rank, which names the
+    # host only where every host has the same number of ranks
+    places = hvd.allgather_object((hvd.cross_rank(), hvd.local_rank(), hvd.local_size()),
+                                  name="hvd_topk.topology")
+    local_sizes = tuple(size for _, _, size in places)
+    if len(set(local_sizes)) > 1:
+        _topology = Topology(None, None, hvd.local_rank(), hvd.local_size(), hvd.cross_rank(),
+                             hvd.cross_size(), local_sizes)
+        return _topology
+    hosts = sorted({c for c, _, _ in places})
+    locals_ = sorted({lr for _, lr, _ in places})
     mine = places[hvd.rank()]
     local_sets, cross_sets = {}, {}
     for c in hosts:  # every rank adds every set, in this order
-        local_sets[c] = _add([r for r, (cr, _) in enumerate(places) if cr == c])
+        local_sets[c] = _add([r for r, (cr, _, _) in enumerate(places) if cr == c])
     for lr in locals_:
-        cross_sets[lr] = _add([r for r, (_, l) in enumerate(places) if l == lr])
+        cross_sets[lr] = _add([r for r, (_, l, _) in enumerate(places) if l == lr])
     local, cross = local_sets[mine[0]], cross_sets[mine[1]]
-    _topology = Topology(local, cross, local.rank(), local.size(), cross.rank(), cross.size())
+    _topology = Topology(local, cross, local.rank(), local.size(), cross.rank(), cross.size(), local_sizes)
     return _topology
 
 
@@ -74,9 +98,10 @@ def _add(ranks):
 def resolve(setting, process_set, elastic):
     """The topology to use for ``hierarchical=setting`` ("auto", True or False), or None.
 
-    "auto": on when ``init()`` made the sets, the job has more than one host and more than one
-    rank per host, exchanges run over the global set and the job is not elastic. True: on
-    wherever it can be, and a ValueError saying why where it cannot."""
+    "auto": on when ``init()`` made the sets, the job has more than one host and the same number
+    of ranks, more than one, on every host, exchanges run over the global set and the job is
+    not elastic. True: on wherever it can be, and a ValueError saying why where it cannot.
+    Every rank answers alike: each condition reads what every rank sees the same."""
     if setting is False:
         return None
     topo = _topology
@@ -88,13 +113,18 @@ def resolve(setting, process_set, elastic):
         why = "the optimizer exchanges over a process set; hierarchical needs the whole job"
     elif elastic:
         why = "Horovod elastic re-forms the job, and these process sets with it"
+    elif topo.uneven:
+        sizes = sorted(set(topo.local_sizes), reverse=True)
+        why = (f"the hosts have different numbers of ranks ({' or '.join(map(str, sizes))}, from "
+               "hvd.local_size()): each rank's shard of a bucket is 1/(ranks per host) of it, so the "
+               "shards exchanged across hosts would not line up")
     if setting is True:
         if why:
             raise ValueError(f"hierarchical=True: {why}")
         return topo
     if why is None and topo.local_size > 1 and topo.cross_size > 1:
         return topo
-    if why is not None and topo is None and _multi_host_guess():
+    if why is not None and ((topo is None and _multi_host_guess()) or (topo is not None and topo.uneven)):
         warnings.warn(f"hvd_topk: hierarchical exchange is off: {why}.")
     return None
 

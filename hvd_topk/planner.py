@@ -66,16 +66,23 @@ class ExchangePlanner:
 
     def _start_trial(self, density, world):
         assignments = {}
+        sparse_buckets = [b for b in self.buckets if b.sparse]
         for f in self.families:
             strategies = self._assign(f, density, world)
-            hierarchical = self.hierarchical(f) and any(s.sparse for s in strategies)
+            hierarchical = any(s.sparse and self.runs_hierarchically(b, f) for b, s in zip(sparse_buckets, strategies))
             assignments[f] = (hierarchical, tuple(s.name for s in strategies))
         byte_counts = {f: self.modelled_bytes(f, density, world) for f in self.families}
         candidates = auto.propose(assignments, byte_counts)
         self.trial = auto.Trial(candidates, self.options.exchange_trial_steps, self._agree)
         self.trial_world = world
         if self.trial.choice is not None:
-            auto.announce(f"exchange={self.trial.choice} for {world} ranks ({self.trial.reason()})", hvd.rank())
+            self._announce(world)
+
+    def _announce(self, world):
+        """auto's choice, said once, by the first rank of the process set the exchange runs over
+        (hvd.rank() 0 may be outside it)."""
+        auto.announce(f"exchange={self.trial.choice} for {world} ranks ({self.trial.reason()})",
+                      self.process_set.rank())
 
     def _agree(self, medians):
         """The trial's decision: every rank's medians averaged by one Horovod allreduce."""
@@ -87,7 +94,7 @@ class ExchangePlanner:
                 or self.schedule.density(step) != self.schedule.target:
             return
         if self.trial.step_done(step):
-            auto.announce(f"exchange={self.trial.choice} for {world} ranks ({self.trial.reason()})", hvd.rank())
+            self._announce(world)
 
     def forget_trial(self):
         """Measure again from here (a restored checkpoint: every rank restarts alike)."""
@@ -101,7 +108,7 @@ class ExchangePlanner:
         density = self.schedule.density(step)
         codec_plan = self.codec_plan(bucket, density, family, world) if bucket.sparse else None
         strategy = self.strategy(family, bucket, codec_plan, world)
-        hierarchical = strategy.sparse and self.hierarchical(family) and self.hier is not None
+        hierarchical = strategy.sparse and self.runs_hierarchically(bucket, family)
         led = None  # all: the allgather; hierarchical (the cross stage chooses its own, inflight)
         if not strategy.sparse:
             led = range(0)
@@ -116,21 +123,42 @@ class ExchangePlanner:
         chosen = exchange.BY_NAME[family.removeprefix(auto.HIER)]
         if not chosen.sparse or not self.options.dense_fallback:
             return chosen
-        if self.hierarchical(family):  # the sparse part runs across hosts, on one shard
-            return chosen if self._sparse_bytes(chosen, bucket, codec_plan, world, family) < \
-                exchange.DenseAllreduce.wire_bytes(world, bucket.numel, 0, 0, 0, bucket.element_size) \
+        if self.runs_hierarchically(bucket, family):
+            # the sparse part runs across hosts, on one shard
+            dense = exchange.DenseAllreduce.wire_bytes(world, bucket.numel, 0, 0, 0, bucket.element_size)
+            return chosen if self._sparse_bytes(chosen, bucket, codec_plan, world, family) < dense \
                 else exchange.DenseAllreduce
         # with 16-bit values or compact pairs on the wire the dense fallback is 16-bit too
         dense = exchange.DenseAllreduceFp16 if self.codec.dense_fp16 else exchange.DenseAllreduce
         return exchange.cheapest((dense, chosen), world, bucket.numel, codec_plan.count,
                                  *self.codec.pair_itemsizes(codec_plan), bucket.element_size)
 
+    def runs_hierarchically(self, bucket, family):
+        """Whether ``bucket``'s sparse exchange under ``family`` runs in the host and cross-host
+        stages: a hierarchical family and a bucket of at least one element per rank of a host.
+        A smaller one (only with ``min_numel`` lowered) would leave some rank an empty shard; it
+        is exchanged flat, with the family's strategy over the whole job."""
+        return self.hierarchical(family) and self.hier is not None and bucket.numel >= self.hier.local_size
+
+    def _shard_plans(self, bucket, codec_plan):
+        """The codec plans of every local rank's shard of ``bucket``, at ``codec_plan``'s density
+        and parts (``codec_plan``: this rank's)."""
+        return [bucket.plan(self.codec, codec_plan.density, codec_plan.scope,
+                            shard=self.shard(bucket, local_rank), parts=codec_plan.parts)
+                for local_rank in range(self.hier.local_size)]
+
     def _sparse_bytes(self, strategy, bucket, codec_plan, world, family):
-        """Bytes into one rank for ``bucket`` sent by the sparse ``strategy``; a hierarchical
-        family's sparse part runs among the ranks across hosts, on this rank's shard."""
-        ranks = self.hier.cross_size if self.hierarchical(family) else world
-        return strategy.wire_bytes(ranks, codec_plan.numel, codec_plan.count,
-                                   *self.codec.pair_itemsizes(codec_plan), bucket.element_size)
+        """Bytes into one rank for ``bucket`` sent by the sparse ``strategy``. A hierarchical
+        family's sparse part runs among the ranks across hosts, on one shard: counted for the
+        costliest shard, not this rank's (``codec_plan``), so that every rank of a host takes
+        the same decisions from it. Shards, and so their k, can differ by one element; ranks on
+        both sides of break-even would choose different collectives and wait on each other."""
+        if not self.runs_hierarchically(bucket, family):
+            return strategy.wire_bytes(world, codec_plan.numel, codec_plan.count,
+                                       *self.codec.pair_itemsizes(codec_plan), bucket.element_size)
+        return max(strategy.wire_bytes(self.hier.cross_size, plan.numel, plan.count,
+                                       *self.codec.pair_itemsizes(plan), bucket.element_size)
+                   for plan in self._shard_plans(bucket, codec_plan))
 
     def _assign(self, family, density, world):
         """The strategy of every sparse bucket under ``family`` at ``density``."""
@@ -139,22 +167,24 @@ class ExchangePlanner:
 
     def codec_plan(self, bucket, density, family, world):
         """The codec plan of a sparse bucket: over the bucket, or over this rank's shard of it
-        (a hierarchical family). On its 1/L shard a rank selects at L x density, so that it
+        (a hierarchical family, see ``runs_hierarchically``). On its 1/L shard a rank selects at L x density, so that it
         still sends density x n pairs per step, as it would flat: a host then sends as many
         pairs as its L ranks would, taken from the host's sum. Under the sparse allreduce the
         bucket (or shard) is cut into one part per rank taking part (``codec.Plan``'s
         ``parts``)."""
         scope = self.options.selection_scope
         sparse_allreduce = family.removeprefix(auto.HIER) == exchange.SparseAllreduce.name
-        if not self.hierarchical(family):
+        if not self.runs_hierarchically(bucket, family):
             return bucket.plan(self.codec, density, scope, parts=world if sparse_allreduce else 1)
         return bucket.plan(self.codec, min(1.0, density * self.hier.local_size), scope,
                            shard=self.shard(bucket), parts=self.hier.cross_size if sparse_allreduce else 1)
 
-    def shard(self, bucket):
-        """``(lo, hi)``: this rank's shard of ``bucket`` in the host's reduce-scatter."""
+    def shard(self, bucket, local_rank=None):
+        """``(lo, hi)``: this rank's shard of ``bucket`` in the host's reduce-scatter (or
+        ``local_rank``'s)."""
         edges = shard_bounds(bucket.numel, self.hier.local_size)
-        return edges[self.hier.local_rank], edges[self.hier.local_rank + 1]
+        local_rank = self.hier.local_rank if local_rank is None else local_rank
+        return edges[local_rank], edges[local_rank + 1]
 
     def modelled_bytes(self, family, density, world):
         """Bytes into one rank per step for the sparse buckets under ``family`` (the cost model)."""

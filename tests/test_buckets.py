@@ -225,6 +225,38 @@ def test_hierarchical_true_without_init_says_what_to_do(monkeypatch):
     assert hierarchy.resolve(False, hierarchy.hvd.global_process_set, elastic=False) is None
 
 
+def test_init_after_horovod_started_says_what_to_do(monkeypatch):
+    """hvd_topk.init() after hvd.init() (or a second time): Horovod has read its settings, so the
+    dynamic process sets cannot be turned on; say so instead of Horovod's own error."""
+    from hvd_topk import hierarchy
+
+    monkeypatch.setattr(hierarchy.hvd, "is_initialized", lambda: True)
+    monkeypatch.setattr(hierarchy, "_topology", None)
+    with pytest.raises(RuntimeError, match=r"already initialized: call hvd_topk.init\(\) instead of hvd.init\(\), once$"):
+        hierarchy.init()
+    monkeypatch.setattr(hierarchy, "_topology", object())
+    with pytest.raises(RuntimeError, match=r"once \(it was called before\)"):
+        hierarchy.init()
+
+
+def test_hosts_of_different_sizes_have_no_hierarchy(monkeypatch):
+    """2 ranks on one host, 1 on another: the shards would not line up across hosts, so True
+    says why on every rank and "auto" stays flat, with a warning (each rank reads the same
+    ``local_sizes``, so they agree)."""
+    from hvd_topk import hierarchy
+
+    for local_rank, local_size in ((0, 2), (1, 2), (0, 1)):
+        topo = hierarchy.Topology(None, None, local_rank, local_size, 0, 2, local_sizes=(2, 2, 1))
+        monkeypatch.setattr(hierarchy, "_topology", topo)
+        with pytest.raises(ValueError, match=r"different numbers of ranks \(2 or 1"):
+            hierarchy.resolve(True, hierarchy.hvd.global_process_set, elastic=False)
+        with pytest.warns(UserWarning, match="hierarchical exchange is off: the hosts have different"):
+            assert hierarchy.resolve("auto", hierarchy.hvd.global_process_set, elastic=False) is None
+    even = hierarchy.Topology(None, None, 1, 2, 0, 2, local_sizes=(2, 2, 2, 2))
+    monkeypatch.setattr(hierarchy, "_topology", even)
+    assert hierarchy.resolve("auto", hierarchy.hvd.global_process_set, elastic=False) is even
+
+
 @pytest.mark.parametrize("value", ["yes", 1, None])
 def test_hierarchical_option_refuses_other_values(value):
     from hvd_topk.options import Options

@@ -93,7 +93,8 @@ def test_sparse_allreduce_every_rank_selects_one_part():
 def test_hierarchical_plans_cover_this_ranks_shard_at_L_times_the_density():
     """Local rank 1 of 2: shard [5000, 10000) of the weight, selected at 2%: 100 pairs, what the
     rank would send flat, so a host sends as many as its two ranks would."""
-    topo = Topology(local=None, cross=None, local_rank=1, local_size=2, cross_rank=0, cross_size=2)
+    topo = Topology(local=None, cross=None, local_rank=1, local_size=2, cross_rank=0, cross_size=2,
+                    local_sizes=(2, 2, 2, 2))
     plan, (sparse, _) = planner(hier=topo, exchange="allgather")
     assert plan.family(0, 4) == "hier_allgather"
     assert plan.shard(sparse) == (5000, 10000)
@@ -102,6 +103,56 @@ def test_hierarchical_plans_cover_this_ranks_shard_at_L_times_the_density():
     # the sparse part runs among cross_size = 2 ranks: 1 x 100 x 8 bytes
     assert plan.modelled_bytes("hier_allgather", 0.01, 4) == pytest.approx(800)
     assert plan.bucket_step(sparse, 0, "hier_allgather", 4, 1).hierarchical
+
+
+def _host_planners(shapes, local_size, cross_size, **options):
+    """One planner per local rank of a host (``Topology`` ``local_rank`` 0..L-1) over
+    parameters of ``shapes``, and each one's buckets."""
+    out = []
+    for local_rank in range(local_size):
+        params = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
+        opts = Options(**options)
+        buckets = make_buckets(params, {p: f"p{i}" for i, p in enumerate(params)}, opts.min_numel, opts.fusion_bytes)
+        schedule = DensitySchedule(0.01, opts.warmup_steps, opts.warmup_density)
+        topo = Topology(None, None, local_rank, local_size, 0, cross_size, (local_size,) * (local_size * cross_size))
+        out.append((ExchangePlanner(opts, buckets, Codec(), schedule, topo, process_set=None, name="t"), buckets))
+    return out
+
+
+def test_a_hosts_ranks_take_the_same_dense_fallback_decision():
+    """4 hosts x 2 ranks, one bucket of 3977 elements: local rank 0's shard holds 1989, rank 1's
+    1988, so their k differ. By hand (allgather across 4 hosts, 8-byte pairs, against a dense
+    ring allreduce of the whole bucket over 8 ranks: 2 x 7/8 x 3977 x 4 = 27839 bytes): shard
+    density 0.583 gives k = 1160 and 1159, 3 x 8 x k = 27840 and 27816, on both sides of it.
+    Deciding from each rank's own shard split the host (a hang in the collectives); every rank
+    must follow the costlier shard, and so must the cost model that ``auto`` decides from."""
+    ranks = _host_planners([(41, 97)], local_size=2, cross_size=4, exchange="allgather")
+    assert [plan.shard(buckets[0]) for plan, buckets in ranks] == [(0, 1989), (1989, 3977)]
+    for density in [0.2915, *(0.28 + 0.0005 * i for i in range(40))]:
+        chosen = {plan.strategy("hier_allgather", buckets[0], plan.codec_plan(buckets[0], density, "hier_allgather", 8), 8).name
+                  for plan, buckets in ranks}
+        assert len(chosen) == 1, (density, chosen)
+        assert len({plan.modelled_bytes("hier_allgather", density, 8) for plan, _ in ranks}) == 1, density
+    plan, buckets = ranks[1]  # the shorter shard alone would still be sparse at 0.2915
+    assert plan.codec_plan(buckets[0], 0.2915, "hier_allgather", 8).count == 1159
+    assert plan.strategy("hier_allgather", buckets[0], plan.codec_plan(buckets[0], 0.2915, "hier_allgather", 8), 8) \
+        is exchange.DenseAllreduce
+
+
+def test_a_bucket_smaller_than_a_host_is_exchanged_flat():
+    """A 1-element bucket on hosts of 2 ranks (``min_numel`` lowered): the reduce-scatter would
+    leave local rank 1 an empty shard, so the bucket runs flat, its plan over the whole bucket,
+    on every local rank; the 1000-element bucket beside it stays hierarchical."""
+    for plan, buckets in _host_planners([(1000,), (1,)], local_size=2, cross_size=2, exchange="allgather",
+                                        min_numel=1, fusion_bytes=4, dense_fallback=False):
+        small = next(b for b in buckets if b.numel == 1)
+        big = next(b for b in buckets if b.numel == 1000)
+        step = plan.bucket_step(small, 0, "hier_allgather", 4, 0)
+        assert step.strategy is exchange.AllgatherPairs and not step.hierarchical
+        assert step.plan.numel == 1 and step.plan.count == 1
+        assert plan.bucket_step(big, 0, "hier_allgather", 4, 0).hierarchical
+        # 1 pair from each of 4 ranks (3 received) plus bucket `big`'s 10 pairs over 2 hosts
+        assert plan.modelled_bytes("hier_allgather", 0.01, 4) == pytest.approx(3 * 8 + 1 * 10 * 8)
 
 
 def test_describe_says_why_before_any_trial():
