@@ -413,6 +413,9 @@ class TopKEngine:
                    hierarchical=self.hier is not None and self.planner.hierarchical(self.family or ""),
                    exchange_family=self.family)
         out.update(self.planner.describe(self.world))
+        if not self.member:
+            out["exchange_reason"] = ("this rank is outside the optimizer's process set: it exchanges "
+                                      "nothing, its gradients stay local (as in Horovod)")
         out["bucket_strategies"] = dict(self.used)
         return out
 
