@@ -8,7 +8,9 @@ Members exchange among themselves (checked against the numpy reference fed with 
 raw gradients); the rank outside keeps its own gradient, as Horovod's optimizer does.
 """
 
+import contextlib
 import copy
+import io
 import os
 
 import numpy as np
@@ -107,11 +109,41 @@ def check_global_set_still_whole_job():
         assert_same_on_all_ranks(p.detach().numpy(), "global set: parameters")
 
 
+def check_auto_over_a_set_without_rank_0(steps=12):
+    """exchange="auto" over the ranks 1..P-1: the set's first rank announces the trial's choice
+    (rank 0, outside, says nothing and, asked, says why it exchanges nothing)."""
+    members = list(range(1, hvd.size()))
+    process_set = hvd.add_process_set(members)
+    torch.manual_seed(0)
+    model = Net()
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters(),
+                                        compression=hvd_topk.TopK(density=DENSITY), process_set=process_set,
+                                        exchange="auto", exchange_trial_steps=2)
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        for step in range(steps):
+            x, y = batch(step, hvd.rank())
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    stats = opt.compression_stats()
+    hvd.remove_process_set(process_set)
+    if hvd.rank() == 0:
+        assert "outside the optimizer's process set" in stats["exchange_reason"], stats["exchange_reason"]
+        assert "hvd_topk: exchange=" not in said.getvalue()
+    elif hvd.rank() == members[0] and len(members) > 1:  # one rank alone has no trial to announce
+        assert stats["exchange_choice"] is not None, stats
+        assert f"hvd_topk: exchange={stats['exchange_choice']} for {len(members)} ranks" in said.getvalue(), \
+            said.getvalue()
+
+
 CHECKS = [
     ("error-feedback optimizer, rank outside the set", check_error_feedback_optimizer),
     ("drop-in TopK, rank outside the set", check_drop_in_compressor),
     ("horovod dense, rank outside the set", check_horovod_dense),
     ("global set after removing it", check_global_set_still_whole_job),
+    ("auto over a set without rank 0", check_auto_over_a_set_without_rank_0),
 ]
 
 
