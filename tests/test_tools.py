@@ -64,6 +64,25 @@ def test_mpirun_command_names_the_fix_without_mpirun(monkeypatch):
 
 
 # ---- emulated hosts: names, addresses, commands (nothing is set up) ---------------------------
+def test_horovodrun_gloo_command_names_each_host_apart(tmp_path):
+    """2 + 1 ranks: two -H names, both resolving to 127.0.0.1 (so horovodrun runs them here)."""
+    import socket
+
+    python = tmp_path / "python"
+    (tmp_path / "horovodrun").write_text("")
+    cmd = launch.horovodrun_gloo_command([2, 1], ["s.py", 3], python=str(python), timeout_s=90)
+    assert cmd == [str(tmp_path / "horovodrun"), "--gloo", "-np", "3", "-H", "localhost:2,127.0.0.1:1",
+                   "--start-timeout", "90", "--gloo-timeout-seconds", "90", str(python), "s.py", "3"]
+    assert {socket.gethostbyname(h) for h in launch.LOOPBACK_HOSTS} == {"127.0.0.1"}
+    assert len(set(launch.LOOPBACK_HOSTS)) == 4
+
+
+@pytest.mark.parametrize("counts", [[], [1, 1, 1, 1, 1], [2, 0], [True], [1.5]])
+def test_horovodrun_gloo_command_rejects_bad_hosts(counts):
+    with pytest.raises(ValueError, match="ranks_per_host"):
+        launch.horovodrun_gloo_command(counts, ["s.py"])
+
+
 def test_emulated_hosts_layout_before_entering():
     eh = eh_mod.EmulatedHosts(3, rate="1gbit", net=123, tag="beef", ssh_port=2345)
     base = f"hvdtk-{os.getpid()}-beef"

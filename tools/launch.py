@@ -1,4 +1,5 @@
-"""The ``mpirun`` and ``torchrun`` command lines every local multi-rank job uses (tests, benchmarks).
+"""The ``mpirun``, ``torchrun`` and ``horovodrun`` command lines every local multi-rank job uses
+(tests, benchmarks).
 
 One place for the flags this project needs on one machine: ``--oversubscribe`` (more ranks
 than cores), ``--bind-to none`` (ranks sharing cores must not be pinned to the same one), no
@@ -9,6 +10,11 @@ often lack), one OpenMP thread per rank, and ``--allow-run-as-root`` when runnin
 import os
 import shutil
 import sys
+from pathlib import Path
+
+# Spellings of 127.0.0.1 that every resolver accepts (inet_aton's short forms): to horovodrun
+# each is another host, and each is local, so it starts the processes here without ssh.
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "127.0.1", "127.1")
 
 
 def mpirun_command(np, argv, *, env_names=("OMP_NUM_THREADS",), python=None, mca=()):
@@ -57,3 +63,29 @@ def torchrun_command(np, argv, *, python=None, options=()):
         raise ValueError(f"np must be an integer >= 1, got {np!r}")
     return [python or sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
             "--nproc_per_node", str(np), *map(str, options), *map(str, argv)]
+
+
+def horovodrun_gloo_command(ranks_per_host, argv, *, python=None, timeout_s=120):
+    """``horovodrun --gloo -np N -H localhost:A,127.0.0.1:B,... PYTHON ARGV...`` as a list: hosts
+    emulated on this machine, ``ranks_per_host[i]`` ranks on host i (up to 4 hosts; unequal
+    counts allowed).
+
+    Every -H name is a spelling of 127.0.0.1 (``LOOPBACK_HOSTS``), so horovodrun starts all the
+    processes here, but gives each host's its own ``HOROVOD_HOSTNAME``, local and cross ranks,
+    as on separate machines: Horovod's gloo controller then sees that many hosts. The links are
+    loopback (unshaped); for real hosts with their own network see tools/emulated_hosts.py.
+    ``timeout_s``: horovodrun's start-up and gloo rendezvous timeouts (slow on shared cores).
+    """
+    counts = list(ranks_per_host)
+    if not 1 <= len(counts) <= len(LOOPBACK_HOSTS) or any(
+            isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
+        raise ValueError(f"ranks_per_host must be 1 to {len(LOOPBACK_HOSTS)} integers >= 1, got {ranks_per_host!r}")
+    python = python or sys.executable
+    horovodrun = Path(python).parent / "horovodrun"
+    if not horovodrun.exists():
+        horovodrun = shutil.which("horovodrun")
+        if horovodrun is None:
+            raise RuntimeError("horovodrun not found: run `make setup` (installs Horovod)")
+    hosts = ",".join(f"{name}:{c}" for name, c in zip(LOOPBACK_HOSTS, counts))
+    return [str(horovodrun), "--gloo", "-np", str(sum(counts)), "-H", hosts, "--start-timeout", str(timeout_s),
+            "--gloo-timeout-seconds", str(timeout_s), python, *map(str, argv)]

@@ -25,7 +25,7 @@ import horovod.torch as hvd
 import hvd_topk
 from check_optimizer import Net, batch
 from harness import assert_same_on_all_ranks, gather, raw_gradients, raw_then_synchronize, run, step_and_check_same
-from reference import k_of, part_pieces, split_edges
+from reference import ErrorFeedbackReference, k_of, part_pieces, split_edges
 
 MIN_NUMEL = 500
 DENSITY = 0.05
@@ -246,6 +246,54 @@ def check_grads_readable_before_synchronize():
             opt.step()
 
 
+class WithTinyParams(Net):
+    """Net plus a learnable output scale (1 element) and a shift of the first two logits (2)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(1))
+        self.shift = torch.nn.Parameter(torch.zeros(2))
+
+    def forward(self, x):
+        out = super().forward(x) * self.scale
+        return out + F.pad(self.shift, (0, out.shape[1] - 2))
+
+
+def check_buckets_smaller_than_a_host(steps=3):
+    """Every parameter sparse and in a bucket of its own (``min_numel=1``, ``fusion_bytes=4``).
+    A bucket with fewer elements than a host has ranks (the 1- and 2-element ones at 1 x 3, the
+    1-element one at 2 x 2) would leave a rank an empty shard; it is exchanged flat (numpy:
+    per-rank error feedback and Top-K over the whole bucket), every other bucket hierarchically
+    (``HierarchicalReference``), each against its reference at every step."""
+    rank, size = hvd.rank(), hvd.size()
+    where = places()
+    per_host = len({lr for _, lr in where})
+    torch.manual_seed(0)
+    model = WithTinyParams()
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters(),
+                                        compression=hvd_topk.TopK(density=DENSITY), min_numel=1, fusion_bytes=4,
+                                        exchange="allgather", hierarchical=True, dense_fallback=False)
+    shadow = copy.deepcopy(model)
+    params = dict(model.named_parameters())
+    flat = ErrorFeedbackReference(size)
+    hier = {n: HierarchicalReference(where, [p.numel()], "tensor", "allgather")
+            for n, p in params.items() if p.numel() >= per_host}
+    assert len(hier) < len(params) or per_host == 1, "no bucket is smaller than a host"
+    for step in range(steps):
+        x, y = batch(step, rank)
+        raw = raw_then_synchronize(shadow, model, opt, x, y)
+        grads = {n: gather(raw[n]) for n in raw}
+        for name, p in params.items():
+            if name in hier:
+                want = hier[name].step(step, [g.reshape(-1) for g in grads[name]]).reshape(p.shape)
+            else:
+                want = flat.sparse(name, grads[name], DENSITY)
+            np.testing.assert_allclose(p.grad.numpy(), want, rtol=1e-5, atol=1e-6, err_msg=f"step {step} {name}")
+        step_and_check_same(opt, model, f"buckets smaller than a host: step {step}")
+    assert opt.compression_stats()["hierarchical"]
+
+
 def check_topology():
     """The job has the shape it was launched with (HVD_TOPK_EXPECT_TOPOLOGY="HOSTSxRANKS"), so
     the checks above ran across that many hosts."""
@@ -266,6 +314,7 @@ CHECKS = [
     ("checkpoint resume", check_resume),
     ("auto with hierarchical families", check_auto_with_hierarchical_families),
     ("gradients readable before synchronize", check_grads_readable_before_synchronize),
+    ("buckets smaller than a host", check_buckets_smaller_than_a_host),
 ]
 
 

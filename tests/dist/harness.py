@@ -12,7 +12,14 @@ after one rank did, that rank aborts the job (the failing check is already repor
 the failing rank; the checks not run yet are reported missing by tests/test_distributed.py).
 
 ``python SCRIPT --list`` prints the check names, one a line, without starting MPI or Horovod.
+
+Launched by ``horovodrun --gloo`` on emulated hosts (tests/support/mpi.py's
+``launch_gloo_hosts``: ``HARNESS_STORE`` names a tcp:// address) there is no MPI job:
+the harness's messages then go over a torch.distributed gloo group of its own, ranked as Horovod
+ranks the processes (``HOROVOD_RANK`` / ``HOROVOD_SIZE``, set by horovodrun).
 """
+
+import datetime
 
 import os
 import sys
@@ -21,7 +28,7 @@ import time
 import numpy as np
 
 import horovod.torch as hvd
-from check_runner import listed, run_checks, say as _say
+from check_runner import HARNESS_STORE, listed, run_checks, say as _say
 from expect import raises  # noqa: F401  (the checks import it from here)
 
 # MPI.COMM_WORLD, set by run(): importing mpi4py.MPI starts MPI, which --list must not do.
@@ -37,10 +44,14 @@ def run(checks, argv=None, init=None):
         return
 
     global COMM
-    from mpi4py import MPI  # initialise MPI before Horovod so both share it
+    store = os.environ.get(HARNESS_STORE)
+    if store:
+        COMM = control = TorchComm(store, int(os.environ["HOROVOD_RANK"]), int(os.environ["HOROVOD_SIZE"]))
+    else:
+        from mpi4py import MPI  # initialise MPI before Horovod so both share it
 
-    COMM = MPI.COMM_WORLD
-    control = COMM.Dup()  # the harness's messages never pair with a check's own mpi4py calls
+        COMM = MPI.COMM_WORLD
+        control = COMM.Dup()  # the harness's messages never pair with a check's own mpi4py calls
     (init or hvd.init)()
     rank = hvd.rank()
     failed = run_checks(checks, rank, hvd.size(), lambda name: _wait_for_all_ranks(control, name, rank),
@@ -48,6 +59,40 @@ def run(checks, argv=None, init=None):
     control.Free()
     if failed:
         sys.exit(1)
+
+
+class TorchComm:
+    """What the harness and the checks use of an mpi4py communicator (``allgather``, ``bcast``,
+    ``Ibarrier``, ``Abort``, ``Free``), over a torch.distributed gloo group: for jobs that
+    horovodrun --gloo starts, which have no MPI world."""
+
+    def __init__(self, address, rank, size):
+        import torch.distributed as dist
+
+        self.dist = dist
+        dist.init_process_group("gloo", init_method=address, rank=rank, world_size=size,
+                                timeout=datetime.timedelta(seconds=max(SYNC_TIMEOUT_S, 60)))
+        self.size = size
+
+    def allgather(self, obj):
+        out = [None] * self.size
+        self.dist.all_gather_object(out, obj)
+        return out
+
+    def bcast(self, obj, root=0):
+        box = [obj]
+        self.dist.broadcast_object_list(box, src=root)
+        return box[0]
+
+    def Ibarrier(self):
+        work = self.dist.barrier(async_op=True)
+        return type("Request", (), {"Test": lambda _: work.is_completed()})()
+
+    def Abort(self, code):
+        os._exit(code)
+
+    def Free(self):
+        self.dist.destroy_process_group()
 
 
 def _wait_for_all_ranks(control, name, rank):

@@ -7,6 +7,10 @@ import traceback
 
 from results import rank_failure_line, result_line, running_line, validate_names
 
+# tcp:// address of the gloo group tests/dist/harness.py talks over in jobs horovodrun --gloo
+# starts (tests/support/mpi.py's launch_gloo_hosts), which have no MPI world
+HARNESS_STORE = "HVD_TOPK_HARNESS_STORE"
+
 
 def say(text, stream=None):
     stream = stream or sys.stdout

@@ -1,13 +1,15 @@
-"""Run a script under ``mpirun -np N`` (or ``torchrun --nproc_per_node N``) with a hard timeout,
-for the distributed tests."""
+"""Run a script under ``mpirun -np N`` (or ``torchrun --nproc_per_node N``, or ``horovodrun
+--gloo`` on emulated hosts) with a hard timeout, for the distributed tests."""
 
 import os
 import signal
+import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.launch import mpirun_command, torchrun_command
+from check_runner import HARNESS_STORE
+from tools.launch import horovodrun_gloo_command, mpirun_command, torchrun_command
 
 SUPPORT = Path(__file__).resolve().parent
 TESTS = SUPPORT.parent
@@ -58,8 +60,31 @@ def launch_mpi(np, script, *args, timeout=TIMEOUT_S, launcher="mpirun", torchrun
         cmd = torchrun_command(np, [script, *args], options=torchrun_options)
     else:
         cmd = mpirun_command(np, [script, *args], env_names=("OMP_NUM_THREADS", "PYTHONPATH"))
-    # A session of its own, so that a hang is ended with every rank mpirun started.
-    with subprocess.Popen(cmd, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    return _run_killable(cmd, script_env(), timeout, cwd)
+
+
+def launch_gloo_hosts(ranks_per_host, script, *args, timeout=TIMEOUT_S):
+    """Run a tests/dist/harness.py ``script`` under ``horovodrun --gloo`` on emulated hosts,
+    ``ranks_per_host[i]`` ranks on host i (tools/launch.py's ``horovodrun_gloo_command``: every
+    host is this machine, each with its own Horovod local and cross ranks). The harness talks
+    over a gloo group at a free local port (no MPI world there); a hang is killed after
+    ``timeout`` seconds."""
+    env = script_env()
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env[HARNESS_STORE] = f"tcp://127.0.0.1:{free_port()}"
+    return _run_killable(horovodrun_gloo_command(ranks_per_host, [script, *args]), env, timeout, None)
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_killable(cmd, env, timeout, cwd):
+    # A session of its own, so that a hang is ended with every rank the launcher started.
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, start_new_session=True, cwd=cwd) as popen:
         try:
             stdout, stderr = popen.communicate(timeout=timeout)
