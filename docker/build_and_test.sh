@@ -186,9 +186,13 @@ build_image() {
 }
 
 # ---- 4. tests in the image -----------------------------------------------------------------
+# --hostname localhost: the chroot keeps this machine's /etc/hosts, where the container's own
+# (random) host name is missing, and Horovod's gloo transport resolves the host name it runs on
+# (else "Unable to find address for: <name>" and a crash; tests/test_host_shapes.py). A container
+# that Docker or podman starts has its name in /etc/hosts.
 in_image() {
   timeout --kill-after=30 "${HVD_TOPK_IMAGE_TIMEOUT:-1800}" \
-    buildah run --isolation chroot "$CTR" -- bash -c "$1"
+    buildah run --isolation chroot --hostname localhost "$CTR" -- bash -c "$1"
 }
 
 new_container() {

@@ -72,7 +72,7 @@ def test_horovodrun_gloo_command_names_each_host_apart(tmp_path):
     (tmp_path / "horovodrun").write_text("")
     cmd = launch.horovodrun_gloo_command([2, 1], ["s.py", 3], python=str(python), timeout_s=90)
     assert cmd == [str(tmp_path / "horovodrun"), "--gloo", "-np", "3", "-H", "localhost:2,127.0.0.1:1",
-                   "--start-timeout", "90", "--gloo-timeout-seconds", "90", str(python), "s.py", "3"]
+                   "--network-interface", "lo", "--start-timeout", "90", "--gloo-timeout-seconds", "90", str(python), "s.py", "3"]
     assert {socket.gethostbyname(h) for h in launch.LOOPBACK_HOSTS} == {"127.0.0.1"}
     assert len(set(launch.LOOPBACK_HOSTS)) == 4
 

@@ -71,6 +71,7 @@ def launch_gloo_hosts(ranks_per_host, script, *args, timeout=TIMEOUT_S):
     ``timeout`` seconds."""
     env = script_env()
     env.setdefault("OMP_NUM_THREADS", "1")
+    env["GLOO_SOCKET_IFNAME"] = "lo"  # the harness's torch.distributed group, on loopback too
     env[HARNESS_STORE] = f"tcp://127.0.0.1:{free_port()}"
     return _run_killable(horovodrun_gloo_command(ranks_per_host, [script, *args]), env, timeout, None)
 
