@@ -16,7 +16,7 @@
   hierarchical exchange needs (``hierarchical=`` of the optimizer).
 """
 
-import importlib
+import importlib as _importlib
 
 __version__ = "0.1.0"
 __all__ = ["TopK", "DistributedOptimizer", "LocalSteps", "LocalAdamW", "DeMo", "FrozenVarianceAdamW", "init", "__version__"]
@@ -33,13 +33,13 @@ def __getattr__(name):
     module = _LAZY.get(name)
     if module is None:  # a submodule (hvd_topk.exchange, ...), as an eager package would have it
         try:
-            return importlib.import_module(f"hvd_topk.{name}")
+            return _importlib.import_module(f"hvd_topk.{name}")
         except ModuleNotFoundError as exc:
             if exc.name != f"hvd_topk.{name}":
                 raise
             raise AttributeError(f"module 'hvd_topk' has no attribute {name!r}") from None
     try:
-        value = getattr(importlib.import_module(module), name)
+        value = getattr(_importlib.import_module(module), name)
     except ImportError as exc:
         if not str(exc).startswith(_NO_HOROVOD):
             raise
@@ -49,4 +49,4 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted([*globals(), *_LAZY])
+    return sorted([n for n in [*globals(), *_LAZY] if not n.startswith("_") or n.startswith("__")])

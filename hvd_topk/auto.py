@@ -132,6 +132,7 @@ def propose(assignments, byte_counts):
 
 
 def announce(text, rank):
-    """One line on rank 0's stderr (the choice is made once per job shape)."""
+    """One line on stderr from ``rank`` 0 (the first rank of the ranks the choice is for; it
+    is made once per job shape)."""
     if rank == 0:
         print(f"hvd_topk: {text}", file=sys.stderr, flush=True)

@@ -92,7 +92,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
         hierarchical ("auto"): dense reduce-scatter inside each host, Top-K with error feedback on
             this rank's shard of the host's sum, the sparse exchange across hosts only, then an
             allgather inside the host. Needs ``hvd_topk.init()`` in place of ``hvd.init()``;
-            "auto" turns it on for jobs with several hosts of several ranks each.
+            "auto" turns it on for jobs with several hosts, each with the same number of ranks,
+            more than one.
         selection_scope ("tensor"): ``"tensor"``, k = density x n for every tensor, or
             ``"bucket"``, one top-k over each fusion bucket (k = density x the bucket's size).
         grad_scaler (None): with mixed precision, the ``torch.amp.GradScaler`` that scales the

@@ -48,7 +48,7 @@ class Options:
     - ``hierarchical`` (``hvd_topk.hierarchy``): a dense reduce-scatter inside each host, Top-K
       and error feedback on this rank's shard of the host's sum, the sparse exchange only
       across hosts. ``"auto"``: on when ``hvd_topk.init()`` made the process sets and the job has
-      several hosts with several ranks each.
+      several hosts, each with the same number of ranks, more than one.
     - ``residual_decay`` (1.0: none) multiplies every residual by this factor each step before
       the new gradient is folded in (DeMo's and SparseLoCo's decayed accumulator): an entry
       that waits D steps carries ``sum decay^(D-s) g_s``, so old, stale work fades instead of

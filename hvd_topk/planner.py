@@ -151,8 +151,9 @@ class ExchangePlanner:
         """Bytes into one rank for ``bucket`` sent by the sparse ``strategy``. A hierarchical
         family's sparse part runs among the ranks across hosts, on one shard: counted for the
         costliest shard, not this rank's (``codec_plan``), so that every rank of a host takes
-        the same decisions from it. Shards, and so their k, can differ by one element; ranks on
-        both sides of break-even would choose different collectives and wait on each other."""
+        the same decisions from it. Shards differ by an element, their k (rounded per tensor
+        piece) by as much as a few pairs; ranks on both sides of break-even would choose
+        different collectives and wait on each other."""
         if not self.runs_hierarchically(bucket, family):
             return strategy.wire_bytes(world, codec_plan.numel, codec_plan.count,
                                        *self.codec.pair_itemsizes(codec_plan), bucket.element_size)

@@ -87,7 +87,8 @@ def horovodrun_gloo_command(ranks_per_host, argv, *, python=None, timeout_s=120)
         if horovodrun is None:
             raise RuntimeError("horovodrun not found: run `make setup` (installs Horovod)")
     hosts = ",".join(f"{name}:{c}" for name, c in zip(LOOPBACK_HOSTS, counts))
-    # --network-interface lo: gloo binds to loopback, never to the machine's host name, which a
-    # container may not resolve ("Unable to find address for: <name>", then a crash)
+    # --network-interface lo: gloo's traffic on loopback. Horovod 0.28.1's gloo still resolves
+    # the machine's host name, which must therefore resolve (tests/test_host_shapes.py checks;
+    # docker/build_and_test.sh gives its container one)
     return [str(horovodrun), "--gloo", "-np", str(sum(counts)), "-H", hosts, "--network-interface", "lo",
             "--start-timeout", str(timeout_s), "--gloo-timeout-seconds", str(timeout_s), python, *map(str, argv)]

@@ -13,9 +13,9 @@ fp32): the allgather across 3 hosts moves 2 x 8 x k = 26528 and 26512 bytes, the
 allreduce of the bucket over 6 ranks 2 x 5/6 x 3977 x 4 = 26513.3. Both ranks of a host must
 take the same side (dense: the costlier shard decides); one each way hung the job.
 
-Run: HVD_TOPK_HOSTS=2,1 python -c 'import sys; from mpi import launch_gloo_hosts; ...' (see the
-test), or ``horovodrun --gloo -np 3 -H localhost:2,127.0.0.1:1 python tests/dist/check_host_shapes.py``
-with ``HVD_TOPK_HARNESS_STORE=tcp://127.0.0.1:PORT`` set.
+Run: ``pytest tests/test_host_shapes.py``, which launches it through tests/support/mpi.py's
+``launch_gloo_hosts`` (the horovodrun command line is tools/launch.py's
+``horovodrun_gloo_command``; the harness's store address is ``HVD_TOPK_HARNESS_STORE``).
 """
 
 import copy

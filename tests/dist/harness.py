@@ -14,7 +14,7 @@ the failing rank; the checks not run yet are reported missing by tests/test_dist
 ``python SCRIPT --list`` prints the check names, one a line, without starting MPI or Horovod.
 
 Launched by ``horovodrun --gloo`` on emulated hosts (tests/support/mpi.py's
-``launch_gloo_hosts``: ``HARNESS_STORE`` names a tcp:// address) there is no MPI job:
+``launch_gloo_hosts``: ``HVD_TOPK_HARNESS_STORE`` names a tcp:// address) there is no MPI job:
 the harness's messages then go over a torch.distributed gloo group of its own, ranked as Horovod
 ranks the processes (``HOROVOD_RANK`` / ``HOROVOD_SIZE``, set by horovodrun).
 """
@@ -89,7 +89,7 @@ class TorchComm:
         return type("Request", (), {"Test": lambda _: work.is_completed()})()
 
     def Abort(self, code):
-        os._exit(code)
+        os._exit(code)  # horovodrun then ends the other ranks ("Terminating remaining workers")
 
     def Free(self):
         self.dist.destroy_process_group()
