@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from results import failure_message, item_id, job_message, validate_names
+from results import JOB, item_id, item_message, validate_names
 from mpi import DIST, launch_mpi, script_env
 
 pytestmark = pytest.mark.distributed
@@ -28,7 +28,6 @@ SCRIPTS = ["check_compressor.py", "check_optimizer.py", "check_checkpoint.py", "
 TORCHRUN = {"check_ddp.py"}  # launched by torchrun (torch.distributed), not mpirun
 NPS = (2, 3)
 MORE_NPS = {"check_sparse_allreduce.py": (4,)}  # the leader rotates over more ranks
-JOB = "(job)"  # the item for the job as a whole
 LIST_TIMEOUT_S = 120
 
 
@@ -77,10 +76,6 @@ def test_check(script, np_, name):
     if names is None:
         pytest.fail(f"{script} --list failed, so its checks are unknown: {list_error}", pytrace=False)
     ran = job(script, np_)
-    if name == JOB:
-        message = job_message(names, ran.stdout, ran.returncode, ran.problem(), ran.tail())
-    else:
-        ended = ran.problem() or f"the job ended (exit status {ran.returncode}) before rank 0 reported it"
-        message = failure_message(name, ran.stdout, ended, ran.tail())
+    message = item_message(name, names, ran.stdout, ran.returncode, ran.problem(), ran.tail())
     if message:
         pytest.fail(message, pytrace=False)

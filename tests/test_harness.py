@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from results import (failure_message, item_id, job_message, parse_rank_failures, parse_results,
-                           rank_failure_line, result_line, running_line, validate_names)
+from results import (JOB, failure_message, item_id, item_message, job_message, parse_rank_failures,
+                     parse_results, rank_failure_line, result_line, running_line, validate_names)
 from mpi import DIST, script_env
 
 sys.path.insert(0, str(DIST))
@@ -58,6 +58,17 @@ def test_job_message():
     failed = job_output(result_line("a", [None, "tb"]), result_line("b", [None, None]))
     assert job_message(["a", "b"], failed, 1) is None  # the failure is the item of check "a"
     assert "exit status 0 although ['a'] failed" in job_message(["a", "b"], failed, 0)
+
+
+def test_item_message_per_check_and_for_the_job():
+    out = job_output(result_line("a", [None, None]))
+    assert item_message("a", ["a", "b"], out, 1) is None
+    assert item_message("b", ["a", "b"], out, 1).startswith(
+        "check 'b' was not reported: the job ended (exit status 1) before rank 0 reported it")
+    assert item_message("b", ["a", "b"], out, None, "timed out after 300s").startswith(
+        "check 'b' was not reported: timed out after 300s")
+    assert item_message(JOB, ["a", "b"], out, 1) == "not reported: ['b']"
+    assert item_message(JOB, ["a"], out, 0) is None
 
 
 def test_item_ids_and_names():

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from results import failure_message, job_message, validate_names
+from results import JOB, item_message, validate_names
 from test_two_hosts import _missing
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,7 +26,6 @@ SCRIPT = REPO / "tests" / "dist" / "check_hierarchical.py"
 PYTHONPATH = os.pathsep.join(str(p) for p in (REPO, REPO / "tests" / "support", REPO / "tests",
                                               REPO / "tests" / "dist"))
 TOPOLOGIES = {"2x2": (2, 2), "3x1": (3, 1), "1x3": (1, 3)}
-JOB = "(job)"  # the item for a topology's job as a whole
 JOB_TIMEOUT_S = 300
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -96,10 +95,6 @@ def test_hierarchical_matches_numpy_across_emulated_hosts(topology, name):
         pytest.fail(f"check_hierarchical.py --list failed, so its checks are unknown: {LIST_ERROR}",
                     pytrace=False)
     stdout, returncode, problem, tail = job(topology)
-    if name == JOB:
-        message = job_message(NAMES, stdout, returncode, problem, tail)
-    else:
-        ended = problem or f"the job ended (exit status {returncode}) before rank 0 reported it"
-        message = failure_message(name, stdout, ended, tail)
+    message = item_message(name, NAMES, stdout, returncode, problem, tail)
     if message:
         pytest.fail(message, pytrace=False)

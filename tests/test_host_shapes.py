@@ -18,11 +18,10 @@ import sys
 import pytest
 
 from mpi import DIST, launch_gloo_hosts, script_env
-from results import failure_message, job_message, validate_names
+from results import JOB, item_message, validate_names
 
 SCRIPT = DIST / "check_host_shapes.py"
 TOPOLOGIES = ("2,1", "2,2,2")
-JOB = "(job)"
 JOB_TIMEOUT_S = 300
 pytestmark = pytest.mark.distributed
 
@@ -76,10 +75,6 @@ def test_host_shapes(hosts, name):
     if names is None:
         pytest.fail(f"check_host_shapes.py --list failed: {error}", pytrace=False)
     result = job(hosts)
-    if name == JOB:
-        message = job_message(names, result.stdout, result.returncode, result.problem(), result.tail())
-    else:
-        ended = result.problem() or f"the job ended (exit status {result.returncode}) before rank 0 reported it"
-        message = failure_message(name, result.stdout, ended, result.tail())
+    message = item_message(name, names, result.stdout, result.returncode, result.problem(), result.tail())
     if message:
         pytest.fail(message, pytrace=False)

@@ -138,6 +138,18 @@ def job_message(names, stdout, returncode, job_problem=None, tail=""):
     return "\n".join(problems + ([f"--- end of the job's output\n{tail}"] if tail else []))
 
 
+JOB = "(job)"  # the name of the pytest item for a job as a whole, beside one item per check
+
+
+def item_message(name, names, stdout, returncode, job_problem=None, tail=""):
+    """None when pytest item ``name`` passed, else why not: ``JOB`` (``job_message``: every
+    check in ``names`` reported, the exit status agreeing) or one check (``failure_message``)."""
+    if name == JOB:
+        return job_message(names, stdout, returncode, job_problem, tail)
+    ended = job_problem or f"the job ended (exit status {returncode}) before rank 0 reported it"
+    return failure_message(name, stdout, ended, tail)
+
+
 def item_id(script, np, name):
     """The pytest id of one check of one job: ``check_optimizer-np3-contract: sum``."""
     stem = str(script).rsplit("/", 1)[-1]
