@@ -40,9 +40,14 @@ class Topology(NamedTuple):
 
     @property
     def uneven(self):
-        """Hosts with different numbers of ranks: their shards would not line up across hosts
-        (local rank l's shard is 1/L of the bucket, and L differs), so there is no hierarchy."""
-        return len(set(self.local_sizes)) > 1
+        return uneven_hosts(self.local_sizes)
+
+
+def uneven_hosts(local_sizes):
+    """Hosts with different numbers of ranks (``local_sizes``: every rank's local size): their
+    shards would not line up across hosts (local rank l's shard is 1/L of the bucket, and L
+    differs), so there is no hierarchy."""
+    return len(set(local_sizes)) > 1
 
 
 _topology = None
@@ -72,7 +77,7 @@ def init(*args, **kwargs):
     places = hvd.allgather_object((hvd.cross_rank(), hvd.local_rank(), hvd.local_size()),
                                   name="hvd_topk.topology")
     local_sizes = tuple(size for _, _, size in places)
-    if len(set(local_sizes)) > 1:
+    if uneven_hosts(local_sizes):
         _topology = Topology(None, None, hvd.local_rank(), hvd.local_size(), hvd.cross_rank(),
                              hvd.cross_size(), local_sizes)
         return _topology

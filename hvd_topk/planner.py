@@ -17,6 +17,8 @@ It knows nothing of Horovod's collectives beyond the trial's one decision allred
 (``_agree``, handed to ``auto.Trial``); the DDP hook runs the same trial over torch.distributed.
 """
 
+import itertools
+
 from hvd_topk import auto, exchange
 from hvd_topk._horovod import hvd
 from hvd_topk.buckets import BucketStep
@@ -143,9 +145,9 @@ class ExchangePlanner:
     def _shard_plans(self, bucket, codec_plan):
         """The codec plans of every local rank's shard of ``bucket``, at ``codec_plan``'s density
         and parts (``codec_plan``: this rank's)."""
-        return [bucket.plan(self.codec, codec_plan.density, codec_plan.scope,
-                            shard=self.shard(bucket, local_rank), parts=codec_plan.parts)
-                for local_rank in range(self.hier.local_size)]
+        edges = shard_bounds(bucket.numel, self.hier.local_size)
+        return [bucket.plan(self.codec, codec_plan.density, codec_plan.scope, shard=shard, parts=codec_plan.parts)
+                for shard in itertools.pairwise(edges)]
 
     def _sparse_bytes(self, strategy, bucket, codec_plan, world, family):
         """Bytes into one rank for ``bucket`` sent by the sparse ``strategy``. A hierarchical
@@ -168,9 +170,9 @@ class ExchangePlanner:
 
     def codec_plan(self, bucket, density, family, world):
         """The codec plan of a sparse bucket: over the bucket, or over this rank's shard of it
-        (a hierarchical family, see ``runs_hierarchically``). On its 1/L shard a rank selects at L x density, so that it
-        still sends density x n pairs per step, as it would flat: a host then sends as many
-        pairs as its L ranks would, taken from the host's sum. Under the sparse allreduce the
+        (a hierarchical family, see ``runs_hierarchically``). On its 1/L shard a rank selects
+        at L x density, so that it still sends density x n pairs per step, as it would flat: a
+        host then sends as many pairs as its L ranks would, taken from the host's sum. Under the sparse allreduce the
         bucket (or shard) is cut into one part per rank taking part (``codec.Plan``'s
         ``parts``)."""
         scope = self.options.selection_scope
@@ -180,12 +182,10 @@ class ExchangePlanner:
         return bucket.plan(self.codec, min(1.0, density * self.hier.local_size), scope,
                            shard=self.shard(bucket), parts=self.hier.cross_size if sparse_allreduce else 1)
 
-    def shard(self, bucket, local_rank=None):
-        """``(lo, hi)``: this rank's shard of ``bucket`` in the host's reduce-scatter (or
-        ``local_rank``'s)."""
+    def shard(self, bucket):
+        """``(lo, hi)``: this rank's shard of ``bucket`` in the host's reduce-scatter."""
         edges = shard_bounds(bucket.numel, self.hier.local_size)
-        local_rank = self.hier.local_rank if local_rank is None else local_rank
-        return edges[local_rank], edges[local_rank + 1]
+        return edges[self.hier.local_rank], edges[self.hier.local_rank + 1]
 
     def modelled_bytes(self, family, density, world):
         """Bytes into one rank per step for the sparse buckets under ``family`` (the cost model)."""

@@ -10,7 +10,6 @@ fails when the job hung or crashed, did not report every check, or exited with a
 disagrees with its checks.
 """
 
-import os
 import socket
 import subprocess
 import sys
@@ -40,12 +39,9 @@ _JOBS = {}
 
 
 def job(hosts):
-    if hosts not in _JOBS:
-        os.environ["HVD_TOPK_HOSTS"] = hosts  # read by the script on every rank (script_env copies it)
-        try:
-            _JOBS[hosts] = launch_gloo_hosts([int(n) for n in hosts.split(",")], SCRIPT, timeout=JOB_TIMEOUT_S)
-        finally:
-            del os.environ["HVD_TOPK_HOSTS"]
+    if hosts not in _JOBS:  # HVD_TOPK_HOSTS: read by the script on every rank
+        _JOBS[hosts] = launch_gloo_hosts([int(n) for n in hosts.split(",")], SCRIPT, timeout=JOB_TIMEOUT_S,
+                                         env={"HVD_TOPK_HOSTS": hosts})
     return _JOBS[hosts]
 
 
@@ -66,12 +62,15 @@ def _host_name_problem():
     return None
 
 
+HOST_NAME_PROBLEM = _host_name_problem()
+
+
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
 @pytest.mark.parametrize("hosts, name", list(_cases()))
 def test_host_shapes(hosts, name):
     names, error = NAMES[hosts]
-    if _host_name_problem():
-        pytest.fail(_host_name_problem(), pytrace=False)
+    if HOST_NAME_PROBLEM:
+        pytest.fail(HOST_NAME_PROBLEM, pytrace=False)
     if names is None:
         pytest.fail(f"check_host_shapes.py --list failed: {error}", pytrace=False)
     result = job(hosts)

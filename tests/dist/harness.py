@@ -20,7 +20,6 @@ ranks the processes (``HOROVOD_RANK`` / ``HOROVOD_SIZE``, set by horovodrun).
 """
 
 import datetime
-
 import os
 import sys
 import time

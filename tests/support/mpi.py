@@ -63,13 +63,13 @@ def launch_mpi(np, script, *args, timeout=TIMEOUT_S, launcher="mpirun", torchrun
     return _run_killable(cmd, script_env(), timeout, cwd)
 
 
-def launch_gloo_hosts(ranks_per_host, script, *args, timeout=TIMEOUT_S):
+def launch_gloo_hosts(ranks_per_host, script, *args, timeout=TIMEOUT_S, env=None):
     """Run a tests/dist/harness.py ``script`` under ``horovodrun --gloo`` on emulated hosts,
     ``ranks_per_host[i]`` ranks on host i (tools/launch.py's ``horovodrun_gloo_command``: every
     host is this machine, each with its own Horovod local and cross ranks). The harness talks
     over a gloo group at a free local port (no MPI world there); a hang is killed after
-    ``timeout`` seconds."""
-    env = script_env()
+    ``timeout`` seconds. ``env``: more variables for every rank."""
+    env = {**script_env(), **(env or {})}
     env.setdefault("OMP_NUM_THREADS", "1")
     env["GLOO_SOCKET_IFNAME"] = "lo"  # the harness's torch.distributed group, on loopback too
     env[HARNESS_STORE] = f"tcp://127.0.0.1:{free_port()}"
