@@ -236,7 +236,7 @@ class Codec:
         its own ~2.4 bytes, a pair would be cheaper than a dense fp16 ring at every density,
         and the recipe's dense start (``warmup_density=1.0``) would run sparse; measured on
         the GPT example, that cost quality early and in one seed of three at the end
-        (docs/adamw.md, "Compact pairs")."""
+        (docs/adamw-measurements.md, "Compact pairs")."""
         if self.compact:
             return 2, plan.layout.index_itemsize
         return plan.layout.value_itemsize, plan.layout.index_itemsize

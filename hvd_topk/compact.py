@@ -2,7 +2,7 @@
 log-scale value (``TopK(compact=True)``, ``hvd_topk.ddp.TopKState(compact=True)``).
 
 Why: at a fixed byte budget, what decides quality under Top-K is how many entries move per step
-(docs/adamw.md, "More pairs"). A pair is otherwise an int32 index and a 16- or 32-bit value,
+(docs/adamw-measurements.md, "More pairs"). A pair is otherwise an int32 index and a 16- or 32-bit value,
 6 or 8 bytes; here 2.5x as many entries move in the bytes of 16-bit values.
 
 One rank's compact message (``uint8``, padded to 8 bytes), every part of a size fixed by the
