@@ -25,6 +25,11 @@ Checked against Horovod 0.28.1 (``CHECKED_VERSION``). Each private detail relied
    without state; hvd_topk keeps its step counter there (``hvd_topk.engine.TopKEngine.step``).
 6. ``elastic_mode``: ``horovodrun`` sets ``HOROVOD_ELASTIC=1`` in elastic workers (Horovod's own
    optimizer reads it the same way to decide on its hooks).
+7. ``caller_reduction``: from the same frames, which Horovod function compresses the tensor
+   (``allreduce``, ``grouped_allreduce``, ``reducescatter``, their async forms, by function name)
+   and its ``op`` argument, or Horovod's optimizer's ``self.op``; so that the drop-in refuses a
+   reduce-scatter or an op other than Average and Sum with a clear error instead of a failed
+   probe check.
 """
 
 import os
@@ -127,6 +132,29 @@ def caller_process_set(max_depth=6):
             return local["process_set"]
         frame = frame.f_back
     return hvd.global_process_set
+
+
+# Horovod's functions that call a compressor, and whether each reduces the whole tensor
+_COMPRESSING_CALLS = {"allreduce": True, "allreduce_async": True, "grouped_allreduce": True,
+                      "grouped_allreduce_async": True, "reducescatter": False, "grouped_reducescatter": False}
+
+
+def caller_reduction(max_depth=6):
+    """(7) ``(call, op)``: the Horovod function compressing the tensor (``"allreduce"``,
+    ``"reducescatter"``, ...; ``"optimizer"`` for Horovod's optimizer) and the ``op`` it was
+    given (None: its default, Average), or ``(None, None)`` when the calling frames do not say."""
+    frame = sys._getframe(2)
+    for _ in range(max_depth):
+        if frame is None:
+            break
+        local = frame.f_locals
+        owner = local.get("self")
+        if isinstance(getattr(owner, "_parameter_names", None), dict) and hasattr(owner, "op"):
+            return "optimizer", owner.op
+        if frame.f_code.co_name in _COMPRESSING_CALLS and "op" in local:
+            return frame.f_code.co_name, local["op"]
+        frame = frame.f_back
+    return None, None
 
 
 def name_fallbacks():

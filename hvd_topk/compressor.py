@@ -30,7 +30,7 @@ import types
 
 import torch
 
-from hvd_topk._horovod import caller_process_set, hvd, tensor_name_from_caller
+from hvd_topk._horovod import caller_process_set, caller_reduction, hvd, tensor_name_from_caller
 from hvd_topk._torch import compiled_autograd_active
 from hvd_topk.codec import Codec
 from hvd_topk.exchange import ActiveRanks, AllgatherPairs, DenseAllreduce
@@ -47,12 +47,32 @@ ADASUM_ERROR = (
     "which Top-K would truncate. Build hvd.DistributedOptimizer(..., compression=hvd_topk.TopK) "
     "with op=hvd.Average (the default) or op=hvd.Sum. (This is raised at the first backward "
     "pass because Horovod does not show a compressor the op when the optimizer is built.)")
+OP_ERROR = (
+    "hvd_topk.TopK only averages or sums (op=hvd.Average, the default, or op=hvd.Sum) and refuses "
+    "op={op}: that reduction of Top-K pairs is not that reduction of the tensors. Compress with "
+    "Horovod's own Compression.none or Compression.fp16 for this reduction.")
+REDUCESCATTER_ERROR = (
+    "hvd_topk.TopK compresses allreduces (hvd.allreduce, hvd.grouped_allreduce, "
+    "hvd.DistributedOptimizer); hvd.{call} would scatter its few-element reply, not the tensor. "
+    "Use compression=hvd.Compression.none or hvd.Compression.fp16 there.")
 COMPILED_AUTOGRAD_ERROR = (
     "hvd_topk.TopK does not support compiled autograd (torch._dynamo.config.compiled_autograd = "
     "True): Horovod's gradient hooks, which call the compressor, do not run as Horovod expects "
     "under it (Horovod itself then fails with mismatched tensors and shuts down). Set "
     "torch._dynamo.config.compiled_autograd = False (torch.compile of the model can stay) and "
     "build hvd.DistributedOptimizer again (its hook has already counted this backward pass).")
+
+
+_OP_NAMES = {hvd.Adasum: "hvd.Adasum", hvd.Min: "hvd.Min", hvd.Max: "hvd.Max", hvd.Product: "hvd.Product"}
+
+
+def _check_reduction(call, op):
+    """Refuse what the probe would only report as a mismatch: a reduce-scatter, or an op whose
+    result over pairs is not that over the tensors (anything but Average and Sum)."""
+    if call in ("reducescatter", "grouped_reducescatter"):
+        raise ValueError(REDUCESCATTER_ERROR.format(call=call))
+    if op is not None and op not in (hvd.Average, hvd.Sum):
+        raise ValueError(ADASUM_ERROR if op == hvd.Adasum else OP_ERROR.format(op=_OP_NAMES.get(op, f"op={op!r}")))
 
 
 class _OnDefaultInstance:
@@ -216,6 +236,7 @@ class TopK(Compressor):
             return tensor, None
         if isinstance(tensor, torch.nn.Parameter):
             raise ValueError(ADASUM_ERROR)
+        _check_reduction(*caller_reduction())
         if compiled_autograd_active():
             raise RuntimeError(COMPILED_AUTOGRAD_ERROR)
         t0 = time.perf_counter()

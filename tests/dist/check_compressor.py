@@ -160,6 +160,25 @@ def check_adasum_rejected():
         loss.backward()
 
 
+def check_reductions_refused():
+    """The drop-in averages or sums pairs; any other reduction of them is not that reduction of
+    the tensors. Each is refused on every rank, naming the reason, where before the probe's
+    check blamed the process set (Adasum, Min) or a reduce-scatter scattered the probe."""
+    t = torch.randn(2000)
+    with raises(ValueError, match=r"does not support op=hvd.Adasum", what="hvd.allreduce op=Adasum"):
+        hvd.allreduce(t, compression=hvd_topk.TopK, op=hvd.Adasum, name="refused.adasum")
+    for op, label in ((hvd.Min, "hvd.Min"), (hvd.Max, "hvd.Max"), (hvd.Product, "hvd.Product")):
+        with raises(ValueError, match=rf"only averages or sums.*refuses op={label}:", what=f"op={label}"):
+            hvd.allreduce(t, compression=hvd_topk.TopK(density=0.05), op=op, name=f"refused.{label}")
+    with raises(ValueError, match=r"refuses op=hvd.Max:", what="hvd.grouped_allreduce op=Max"):
+        hvd.grouped_allreduce([t, t + 1], compression=hvd_topk.TopK, op=hvd.Max, name="refused.grouped")
+    with raises(ValueError, match=r"compresses allreduces.*hvd.reducescatter", what="hvd.reducescatter"):
+        hvd.reducescatter(torch.randn(6 * hvd.size(), 50), compression=hvd_topk.TopK, name="refused.rs")
+    # the ops it does take still reduce (every rank took part in nothing above)
+    out = hvd.allreduce(torch.ones(2000), compression=hvd_topk.TopK(density=1.0), op=hvd.Sum, name="after.sum")
+    np.testing.assert_array_equal(out.numpy(), np.full(2000, float(hvd.size()), dtype=np.float32))
+
+
 def check_broadcast_optimizer_state(compression):
     """``hvd.broadcast_optimizer_state`` with Horovod's optimizer: every rank ends with rank 0's
     learning rate and momentum buffers (built by a local step on rank-dependent gradients)."""
@@ -221,6 +240,7 @@ CHECKS = [
     optimizer("density=1.0", density=1.0),
     ("grads set by hand", check_grads_set_by_hand),
     ("adasum rejected", check_adasum_rejected),
+    ("reductions refused", check_reductions_refused),
     ("broadcast_optimizer_state", lambda: check_broadcast_optimizer_state(hvd_topk.TopK)),
     # Horovod's optimizer alone, for the README's Compatibility table
     ("horovod dense: groups=2", lambda: check_optimizer(dense=True, groups=2)),
