@@ -226,6 +226,10 @@ for _variant, _what, _args in (
          ["--warmup-steps", "500", "--warmup-density", "0.1"]),
         ("start1x300", "the dense start over 300 steps (about 3x its bytes)",
          ["--warmup-steps", "300", "--warmup-density", "1.0"]),
+        # the dense start as long as the learning rate's warm-up (what closed the 1% gap at 5000 and
+        # 10,000 steps), the warm-up lengthened with it at 1000 steps
+        ("start1x200-lrwarm0.2", "the dense start and the learning rate's warm-up both over 200 steps",
+         ["--warmup-steps", "200", "--warmup-density", "1.0", "--lr-warmup", "0.2"]),
         # lr 2e-2 suits the sparse phase only: reach it later, at dense's 1e-2 when the start ends
         ("lrwarm0.2", "the learning rate's warm-up over 20% of the steps (1e-2 at step 100)",
          ["--lr-warmup", "0.2"]),
