@@ -14,7 +14,8 @@ Checked against Horovod 0.28.1 (``CHECKED_VERSION``). Each private detail relied
    optimizer module; hvd_topk's wrapper class claims that module so no exchange runs there.
    ``caller_process_set`` reads, from the same frames, the process set the tensor is reduced
    over (``self.process_set`` of Horovod's optimizer, or the ``process_set`` argument of
-   ``allreduce(_async)``), so that the drop-in exchanges its pairs among the same ranks.
+   ``allreduce``, ``grouped_allreduce`` and their async forms), so that the drop-in exchanges
+   its pairs among the same ranks.
 3. ``is_horovod_distributed_optimizer``: recognises an optimizer already wrapped by
    ``hvd.DistributedOptimizer`` by its ``_handles`` and ``_compression`` attributes.
 4. ``ALLREDUCE_AS``: dtypes Horovod's torch ``allreduce`` lacks ("Tensor type
@@ -86,24 +87,40 @@ _fallbacks = {"count": 0, "warned": False}
 _fallback_lock = threading.Lock()
 
 
+# Horovod's functions that call a compressor (for the tensor's name, only the single-tensor ones:
+# a grouped call's ``name`` names the group)
+_ALLREDUCES = ("allreduce", "allreduce_async")
+_COMPRESSING_CALLS = (*_ALLREDUCES, "grouped_allreduce", "grouped_allreduce_async", "reducescatter",
+                      "grouped_reducescatter")
+
+
+def _frames_above_compressor(max_depth):
+    """``(function name, locals, Horovod's optimizer or None)`` for up to ``max_depth`` frames
+    above the compressor's caller; the optimizer where the frame is its method (it has
+    ``self._parameter_names``). Used by the public function that the compressor calls, so
+    frame 3 from here (this generator, that function, ``compress``) is ``compress``'s caller."""
+    frame = sys._getframe(3)
+    for _ in range(max_depth):
+        if frame is None:
+            return
+        local = frame.f_locals
+        owner = local.get("self")
+        yield frame.f_code.co_name, local, owner if isinstance(getattr(owner, "_parameter_names", None), dict) else None
+        frame = frame.f_back
+
+
 def tensor_name_from_caller(max_depth=6):
     """(1) The name Horovod gave the tensor being compressed, or None (counted, warned once).
 
     Looks up to ``max_depth`` frames above the compressor's caller for Horovod's optimizer
     (``self._parameter_names`` and the parameter ``p``) or ``hvd.allreduce(..., name=...)``.
     """
-    frame = sys._getframe(2)
-    for _ in range(max_depth):
-        if frame is None:
-            break
-        local = frame.f_locals
-        names = getattr(local.get("self"), "_parameter_names", None)
+    for call, local, optimizer in _frames_above_compressor(max_depth):
         param = local.get("p")
-        if isinstance(names, dict) and param is not None and param in names:
-            return str(names[param])
-        if frame.f_code.co_name in ("allreduce", "allreduce_async") and isinstance(local.get("name"), str):
+        if optimizer is not None and param is not None and param in optimizer._parameter_names:
+            return str(optimizer._parameter_names[param])
+        if call in _ALLREDUCES and isinstance(local.get("name"), str):
             return local["name"]
-        frame = frame.f_back
     with _fallback_lock:
         _fallbacks["count"] += 1
         warn = not _fallbacks["warned"]
@@ -120,40 +137,23 @@ def tensor_name_from_caller(max_depth=6):
 def caller_process_set(max_depth=6):
     """(1) The process set Horovod reduces the tensor being compressed over (the global one
     when the calling frames do not say)."""
-    frame = sys._getframe(2)
-    for _ in range(max_depth):
-        if frame is None:
-            break
-        local = frame.f_locals
-        owner = local.get("self")
-        if isinstance(getattr(owner, "_parameter_names", None), dict) and hasattr(owner, "process_set"):
-            return owner.process_set
-        if frame.f_code.co_name in ("allreduce", "allreduce_async") and "process_set" in local:
+    for call, local, optimizer in _frames_above_compressor(max_depth):
+        if optimizer is not None and hasattr(optimizer, "process_set"):
+            return optimizer.process_set
+        if call in _COMPRESSING_CALLS and "process_set" in local:
             return local["process_set"]
-        frame = frame.f_back
     return hvd.global_process_set
-
-
-# Horovod's functions that call a compressor, and whether each reduces the whole tensor
-_COMPRESSING_CALLS = {"allreduce": True, "allreduce_async": True, "grouped_allreduce": True,
-                      "grouped_allreduce_async": True, "reducescatter": False, "grouped_reducescatter": False}
 
 
 def caller_reduction(max_depth=6):
     """(7) ``(call, op)``: the Horovod function compressing the tensor (``"allreduce"``,
     ``"reducescatter"``, ...; ``"optimizer"`` for Horovod's optimizer) and the ``op`` it was
     given (None: its default, Average), or ``(None, None)`` when the calling frames do not say."""
-    frame = sys._getframe(2)
-    for _ in range(max_depth):
-        if frame is None:
-            break
-        local = frame.f_locals
-        owner = local.get("self")
-        if isinstance(getattr(owner, "_parameter_names", None), dict) and hasattr(owner, "op"):
-            return "optimizer", owner.op
-        if frame.f_code.co_name in _COMPRESSING_CALLS and "op" in local:
-            return frame.f_code.co_name, local["op"]
-        frame = frame.f_back
+    for call, local, optimizer in _frames_above_compressor(max_depth):
+        if optimizer is not None and hasattr(optimizer, "op"):
+            return "optimizer", optimizer.op
+        if call in _COMPRESSING_CALLS and "op" in local:
+            return call, local["op"]
     return None, None
 
 

@@ -175,7 +175,15 @@ class TopK(Compressor):
 
     Non-floating and empty tensors pass through to Horovod unchanged. The pairs are allgathered
     among the ranks of the process set Horovod reduces the tensor over (``process_set=`` of
-    ``hvd.DistributedOptimizer`` or ``hvd.allreduce``).
+    ``hvd.DistributedOptimizer``, ``hvd.allreduce`` or ``hvd.grouped_allreduce``).
+
+    Each instance names its collectives ``hvd_topk.TopK.<n>.…``, ``n`` counting the instances
+    this process has built: build them in the same order on every rank, including ranks outside
+    the process set a tensor is reduced over. Otherwise the ranks' names differ and Horovod
+    stalls, its stall warning listing names that start with ``hvd_topk.TopK.``.
+
+    Other reductions are refused with a ``ValueError`` naming why: ``op=hvd.Min``, ``Max``,
+    ``Product`` (that reduction of pairs is not that of the tensors) and ``hvd.reducescatter``.
 
     ``op=hvd.Adasum`` is refused, at the first step rather than when the optimizer is built:
     ``hvd.DistributedOptimizer`` only stores its compressor and never shows it the ``op``, so

@@ -12,6 +12,7 @@ import contextlib
 import copy
 import io
 import os
+import warnings
 
 import numpy as np
 import torch
@@ -87,6 +88,28 @@ def check_drop_in_compressor(process_set, members):
 
 
 @with_process_set
+def check_drop_in_grouped_allreduce(process_set, members):
+    """``hvd.grouped_allreduce(..., compression=TopK, process_set=...)``: the pairs go among the
+    set's ranks (the process set is read from the grouped call too), each tensor's result the
+    members' average of their top-k pairs."""
+    rank = hvd.rank()
+    gen = torch.Generator().manual_seed(11 + rank)
+    tensors = [torch.randn(3000, generator=gen), torch.randn(40, 50, generator=gen)]
+    every = [gather(t.numpy()) for t in tensors]
+    compression = hvd_topk.TopK(density=DENSITY)  # on every rank: instances are named in order
+    if rank not in members:
+        return
+    with warnings.catch_warnings():  # a grouped call names its tensors by call order (warned)
+        warnings.simplefilter("ignore")
+        out = hvd.grouped_allreduce(tensors, compression=compression,
+                                    process_set=process_set, name="grouped.over.set")
+    for i, (got, all_ranks) in enumerate(zip(out, every)):
+        want = sparse_allreduce([all_ranks[r].reshape(-1) for r in members], DENSITY).astype(np.float32)
+        np.testing.assert_allclose(got.numpy().reshape(-1), want, rtol=1e-6, atol=1e-7,
+                                   err_msg=f"tensor {i} on rank {rank}")
+
+
+@with_process_set
 def check_horovod_dense(process_set, members):
     """Horovod's optimizer alone, for the README's first column."""
     torch.manual_seed(0)
@@ -141,6 +164,7 @@ def check_auto_over_a_set_without_rank_0(steps=12):
 CHECKS = [
     ("error-feedback optimizer, rank outside the set", check_error_feedback_optimizer),
     ("drop-in TopK, rank outside the set", check_drop_in_compressor),
+    ("drop-in TopK, grouped allreduce over the set", check_drop_in_grouped_allreduce),
     ("horovod dense, rank outside the set", check_horovod_dense),
     ("global set after removing it", check_global_set_still_whole_job),
     ("auto over a set without rank 0", check_auto_over_a_set_without_rank_0),
