@@ -230,6 +230,8 @@ for _variant, _what, _args in (
         # 10,000 steps), the warm-up lengthened with it at 1000 steps
         ("start1x200-lrwarm0.2", "the dense start and the learning rate's warm-up both over 200 steps",
          ["--warmup-steps", "200", "--warmup-density", "1.0", "--lr-warmup", "0.2"]),
+        ("start1x600-lrwarm0.2", "the dense start and the learning rate's warm-up both over 600 steps "
+         "(20% of 3000)", ["--warmup-steps", "600", "--warmup-density", "1.0", "--lr-warmup", "0.2"]),
         # lr 2e-2 suits the sparse phase only: reach it later, at dense's 1e-2 when the start ends
         ("lrwarm0.2", "the learning rate's warm-up over 20% of the steps (1e-2 at step 100)",
          ["--lr-warmup", "0.2"]),
