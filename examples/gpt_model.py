@@ -99,7 +99,7 @@ def dense_start_note(args):
     long runs)."""
     ramp = lr_warmup_steps(args)
     sparse, sparse_from = LONG_WARMUP_SPARSE
-    threshold = sparse_from if getattr(args, "density", 1.0) <= sparse else LONG_WARMUP
+    threshold = sparse_from if args.density <= sparse else LONG_WARMUP
     if args.adam != "local" or ramp < threshold or not 0 < args.warmup_steps < ramp:
         return None
     return (f"note: the dense start (--warmup-steps {args.warmup_steps}) ends before the learning-rate warm-up "
