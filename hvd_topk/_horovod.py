@@ -2,8 +2,8 @@
 
 Checked against Horovod 0.28.1 (``CHECKED_VERSION``). Each private detail relied on:
 
-1. ``tensor_name_from_caller``: reads the parameter name from the calling frames of
-   ``horovod.torch.optimizer._DistributedOptimizer._allreduce_grad_async(self, p)`` /
+1. ``caller_context`` (one walk up the calling frames serves 1, 2 and 7): reads the parameter
+   name from the calling frames of ``horovod.torch.optimizer._DistributedOptimizer._allreduce_grad_async(self, p)`` /
    ``_grouped_allreduce_grad_async`` (locals ``self._parameter_names`` and ``p``), or the
    ``name`` argument of ``horovod.torch.mpi_ops.allreduce(_async)``. Horovod's compressor
    interface passes no name, and its ``synchronize()`` starts hook-less parameters in ``set``
@@ -12,7 +12,7 @@ Checked against Horovod 0.28.1 (``CHECKED_VERSION``). Each private detail relied
 2. ``OPTIMIZER_MODULE``: ``hvd.broadcast_optimizer_state`` initialises a fresh optimizer's
    state by calling the *inner* ``step()`` only when the optimizer's class lives in Horovod's
    optimizer module; hvd_topk's wrapper class claims that module so no exchange runs there.
-   ``caller_process_set`` reads, from the same frames, the process set the tensor is reduced
+   ``caller_context`` reads, from the same frames, the process set the tensor is reduced
    over (``self.process_set`` of Horovod's optimizer, or the ``process_set`` argument of
    ``allreduce``, ``grouped_allreduce`` and their async forms), so that the drop-in exchanges
    its pairs among the same ranks.
@@ -26,7 +26,7 @@ Checked against Horovod 0.28.1 (``CHECKED_VERSION``). Each private detail relied
    without state; hvd_topk keeps its step counter there (``hvd_topk.engine.TopKEngine.step``).
 6. ``elastic_mode``: ``horovodrun`` sets ``HOROVOD_ELASTIC=1`` in elastic workers (Horovod's own
    optimizer reads it the same way to decide on its hooks).
-7. ``caller_reduction``: from the same frames, which Horovod function compresses the tensor
+7. ``caller_context``, from the same frames: which Horovod function compresses the tensor
    (``allreduce``, ``grouped_allreduce``, ``reducescatter``, their async forms, by function name)
    and its ``op`` argument, or Horovod's optimizer's ``self.op``; so that the drop-in refuses a
    reduce-scatter or an op other than Average and Sum with a clear error instead of a failed
@@ -37,6 +37,7 @@ import os
 import sys
 import threading
 import warnings
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -94,33 +95,57 @@ _COMPRESSING_CALLS = (*_ALLREDUCES, "grouped_allreduce", "grouped_allreduce_asyn
                       "grouped_reducescatter")
 
 
-def _frames_above_compressor(max_depth):
-    """``(function name, locals, Horovod's optimizer or None)`` for up to ``max_depth`` frames
-    above the compressor's caller; the optimizer where the frame is its method (it has
-    ``self._parameter_names``). Used by the public function that the compressor calls, so
-    frame 3 from here (this generator, that function, ``compress``) is ``compress``'s caller."""
-    frame = sys._getframe(3)
-    for _ in range(max_depth):
-        if frame is None:
-            return
-        local = frame.f_locals
-        owner = local.get("self")
-        yield frame.f_code.co_name, local, owner if isinstance(getattr(owner, "_parameter_names", None), dict) else None
-        frame = frame.f_back
+class CallerContext(NamedTuple):
+    """What the calling frames say about the tensor being compressed (``caller_context``)."""
+    name: Optional[str]  # (1) the name Horovod gave it, or None
+    process_set: object  # (2) the process set it is reduced over
+    call: Optional[str]  # (7) the Horovod function compressing it ("optimizer" for Horovod's optimizer)
+    op: object  # (7) that function's ``op`` (None: its default, Average, or the frames do not say)
 
 
-def tensor_name_from_caller(max_depth=6):
-    """(1) The name Horovod gave the tensor being compressed, or None (counted, warned once).
+def caller_context(max_depth=6):
+    """(1, 2, 7) Name, process set and reduction of the tensor being compressed, read in one walk
+    over up to ``max_depth`` frames above the compressor's caller (frame 2 from here is
+    ``compress``'s caller).
 
-    Looks up to ``max_depth`` frames above the compressor's caller for Horovod's optimizer
-    (``self._parameter_names`` and the parameter ``p``) or ``hvd.allreduce(..., name=...)``.
+    - The name: Horovod's optimizer (``self._parameter_names`` and the parameter ``p``) or
+      ``hvd.allreduce(..., name=...)``; None when neither is found (counted, warned once).
+    - The process set: Horovod's optimizer's ``self.process_set`` or the ``process_set`` argument
+      of the compressing call; the global set when the frames do not say.
+    - The reduction: ``("optimizer", self.op)``, ``(call, op)`` for the compressing call, or
+      ``(None, None)``.
+    Each is taken from the first frame that has it, as three separate walks would.
     """
-    for call, local, optimizer in _frames_above_compressor(max_depth):
-        param = local.get("p")
-        if optimizer is not None and param is not None and param in optimizer._parameter_names:
-            return str(optimizer._parameter_names[param])
-        if call in _ALLREDUCES and isinstance(local.get("name"), str):
-            return local["name"]
+    name = process_set = reduction = None
+    frame = sys._getframe(2)
+    for _ in range(max_depth):
+        if frame is None or (name is not None and process_set is not None and reduction is not None):
+            break
+        call, local = frame.f_code.co_name, frame.f_locals
+        owner = local.get("self")
+        if isinstance(getattr(owner, "_parameter_names", None), dict):  # Horovod's optimizer
+            param = local.get("p")
+            if name is None and param is not None and param in owner._parameter_names:
+                name = str(owner._parameter_names[param])
+            if process_set is None and hasattr(owner, "process_set"):
+                process_set = owner.process_set
+            if reduction is None and hasattr(owner, "op"):
+                reduction = ("optimizer", owner.op)
+        if name is None and call in _ALLREDUCES and isinstance(local.get("name"), str):
+            name = local["name"]
+        if call in _COMPRESSING_CALLS:
+            if process_set is None and "process_set" in local:
+                process_set = local["process_set"]
+            if reduction is None and "op" in local:
+                reduction = (call, local["op"])
+        frame = frame.f_back
+    if name is None:
+        _count_name_fallback()
+    return CallerContext(name, hvd.global_process_set if process_set is None else process_set,
+                         *(reduction or (None, None)))
+
+
+def _count_name_fallback():
     with _fallback_lock:
         _fallbacks["count"] += 1
         warn = not _fallbacks["warned"]
@@ -131,30 +156,6 @@ def tensor_name_from_caller(max_depth=6):
                       f"{CHECKED_VERSION}); naming its allgather by call order instead. That is "
                       "right as long as every rank compresses its tensors in the same order "
                       "(name your tensors in hvd.allreduce(..., name=...) to be safe).")
-    return None
-
-
-def caller_process_set(max_depth=6):
-    """(1) The process set Horovod reduces the tensor being compressed over (the global one
-    when the calling frames do not say)."""
-    for call, local, optimizer in _frames_above_compressor(max_depth):
-        if optimizer is not None and hasattr(optimizer, "process_set"):
-            return optimizer.process_set
-        if call in _COMPRESSING_CALLS and "process_set" in local:
-            return local["process_set"]
-    return hvd.global_process_set
-
-
-def caller_reduction(max_depth=6):
-    """(7) ``(call, op)``: the Horovod function compressing the tensor (``"allreduce"``,
-    ``"reducescatter"``, ...; ``"optimizer"`` for Horovod's optimizer) and the ``op`` it was
-    given (None: its default, Average), or ``(None, None)`` when the calling frames do not say."""
-    for call, local, optimizer in _frames_above_compressor(max_depth):
-        if optimizer is not None and hasattr(optimizer, "op"):
-            return "optimizer", optimizer.op
-        if call in _COMPRESSING_CALLS and "op" in local:
-            return call, local["op"]
-    return None, None
 
 
 def name_fallbacks():

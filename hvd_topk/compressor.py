@@ -30,7 +30,7 @@ import types
 
 import torch
 
-from hvd_topk._horovod import caller_process_set, caller_reduction, hvd, tensor_name_from_caller
+from hvd_topk._horovod import caller_context, hvd
 from hvd_topk._torch import compiled_autograd_active
 from hvd_topk.codec import Codec
 from hvd_topk.exchange import ActiveRanks, AllgatherPairs, DenseAllreduce
@@ -244,7 +244,8 @@ class TopK(Compressor):
             return tensor, None
         if isinstance(tensor, torch.nn.Parameter):
             raise ValueError(ADASUM_ERROR)
-        _check_reduction(*caller_reduction())
+        caller = caller_context()
+        _check_reduction(caller.call, caller.op)
         if compiled_autograd_active():
             raise RuntimeError(COMPILED_AUTOGRAD_ERROR)
         t0 = time.perf_counter()
@@ -255,9 +256,8 @@ class TopK(Compressor):
         if self.compact:  # a buffer per tensor: several are in flight at once
             message = plan.compact().pack(message, out=False)
         t1 = time.perf_counter()
-        hint = tensor_name_from_caller()
-        process_set = caller_process_set()
-        slot, name = (None, f"{self._names.prefix}.{hint}") if hint else self._names.take()
+        process_set = caller.process_set
+        slot, name = (None, f"{self._names.prefix}.{caller.name}") if caller.name else self._names.take()
         job = _Job(message, name, slot, plan, tensor, process_set)
         with self._lock:
             rnd = self._round_of(process_set)
