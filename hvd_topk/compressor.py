@@ -21,6 +21,7 @@ gradients dense instead (the result is what Horovod's own dense path gives: the 
 counts as zeros).
 """
 
+import collections
 import functools
 import heapq
 import itertools
@@ -40,7 +41,9 @@ from hvd_topk.wire import index_dtype_for
 
 from horovod.torch.compression import Compressor  # noqa: E402  (hvd_topk._horovod checked it)
 
-_instance_ids = itertools.count()
+# per process set id: how many TopK instances have compressed over it in this process
+_set_instances = collections.defaultdict(itertools.count)
+_set_instances_lock = threading.Lock()
 
 ADASUM_ERROR = (
     "hvd_topk.TopK does not support op=hvd.Adasum: Adasum combines dense parameter deltas, "
@@ -138,8 +141,9 @@ class _Round:
     compressed again, decompressed or not: that is the next step, which gets a probe of its own.
     """
 
-    def __init__(self, active):
-        self.active = active
+    def __init__(self, prefix):
+        self.names = _NameSlots(prefix)
+        self.active = ActiveRanks(f"{prefix}.active")
         self.jobs = {}      # name -> job: compressed, not yet decompressed
         self.seen = set()   # names compressed in this round, decompressed or not
         self.waiting = []   # jobs whose exchange has not started
@@ -177,9 +181,11 @@ class TopK(Compressor):
     among the ranks of the process set Horovod reduces the tensor over (``process_set=`` of
     ``hvd.DistributedOptimizer``, ``hvd.allreduce`` or ``hvd.grouped_allreduce``).
 
-    Each instance names its collectives ``hvd_topk.TopK.<n>.…``, ``n`` counting the instances
-    this process has built: build them in the same order on every rank, including ranks outside
-    the process set a tensor is reduced over. Otherwise the ranks' names differ and Horovod
+    Each instance names its collectives over a process set ``hvd_topk.TopK.<set>.<n>.…``, ``n``
+    counting the instances that compressed over that set before it, in this process: ranks
+    may build instances the others do not (ranks outside a set, a rank's own evaluation), as
+    long as the instances used over one set first compress there in the same order on each of
+    its ranks, as the same training code does. Otherwise the ranks' names differ and Horovod
     stalls, its stall warning listing names that start with ``hvd_topk.TopK.``.
 
     Other reductions are refused with a ``ValueError`` naming why: ``op=hvd.Min``, ``Max``,
@@ -222,9 +228,8 @@ class TopK(Compressor):
         self._codec = Codec(self.method, self.fp16_values, self.compact)
         self._plans = {}  # (numel, dtype) -> codec.Plan, the same every step
         self._stats = CompressionStats()
-        self._names = _NameSlots(f"hvd_topk.TopK.{next(_instance_ids)}")
         self._probe_checked = set()
-        self._rounds = {}  # process set id -> _Round
+        self._rounds = {}  # process set id -> _Round (and the names this instance uses there)
         self._lock = threading.Lock()
 
     def __repr__(self):
@@ -257,13 +262,13 @@ class TopK(Compressor):
             message = plan.compact().pack(message, out=False)
         t1 = time.perf_counter()
         process_set = caller.process_set
-        slot, name = (None, f"{self._names.prefix}.{caller.name}") if caller.name else self._names.take()
-        job = _Job(message, name, slot, plan, tensor, process_set)
         with self._lock:
             rnd = self._round_of(process_set)
+            slot, name = (None, f"{rnd.names.prefix}.{caller.name}") if caller.name else rnd.names.take()
+            job = _Job(message, name, slot, plan, tensor, process_set)
             for stale in rnd.add(job):
                 if stale.slot is not None:
-                    self._names.give_back(stale.slot)
+                    rnd.names.give_back(stale.slot)
             self._start_if_known(rnd, wait=False)
         rank = float(process_set.rank())
         probe = torch.tensor([1.0, rank, rank * rank], dtype=torch.float32, device=tensor.device)
@@ -279,9 +284,13 @@ class TopK(Compressor):
         return plan
 
     def _round_of(self, process_set):
+        """This instance's round over ``process_set``; at its first use there, its number among
+        the instances used over that set (what its collectives are named by)."""
         key = process_set.process_set_id
         if key not in self._rounds:
-            self._rounds[key] = _Round(ActiveRanks(f"{self._names.prefix}.active.{key}"))
+            with _set_instances_lock:
+                number = next(_set_instances[key])
+            self._rounds[key] = _Round(f"hvd_topk.TopK.{key}.{number}")
         return self._rounds[key]
 
     def _start_if_known(self, rnd, wait):
@@ -333,7 +342,7 @@ class TopK(Compressor):
             out = torch.empty(job.shape.numel(), dtype=job.dtype, device=gathered.device)  # decode overwrites it
             self._codec.decode(gathered, job.plan.layout, count, [out], job.plan.bounds, div=count, mul=scale)
         if job.slot is not None:
-            self._names.give_back(job.slot)
+            rnd.names.give_back(job.slot)
         self._stats.add(time_exchange_s=time.perf_counter() - t0)
         return out.view(job.shape)
 

@@ -96,7 +96,7 @@ def check_drop_in_grouped_allreduce(process_set, members):
     gen = torch.Generator().manual_seed(11 + rank)
     tensors = [torch.randn(3000, generator=gen), torch.randn(40, 50, generator=gen)]
     every = [gather(t.numpy()) for t in tensors]
-    compression = hvd_topk.TopK(density=DENSITY)  # on every rank: instances are named in order
+    compression = hvd_topk.TopK(density=DENSITY)
     if rank not in members:
         return
     with warnings.catch_warnings():  # a grouped call names its tensors by call order (warned)
@@ -107,6 +107,26 @@ def check_drop_in_grouped_allreduce(process_set, members):
         want = sparse_allreduce([all_ranks[r].reshape(-1) for r in members], DENSITY).astype(np.float32)
         np.testing.assert_allclose(got.numpy().reshape(-1), want, rtol=1e-6, atol=1e-7,
                                    err_msg=f"tensor {i} on rank {rank}")
+
+
+@with_process_set
+def check_drop_in_built_on_some_ranks(process_set, members):
+    """A TopK built and used only by the set's members, then one built on every rank and used
+    over the whole job: the second's collectives are named alike on every rank (instances are
+    numbered per process set, at their first use there, not in the order each process built
+    them), so the rank that built one instance fewer does not stall Horovod."""
+    rank = hvd.rank()
+    gen = torch.Generator().manual_seed(21 + rank)
+    in_set, in_job = torch.randn(2000, generator=gen), torch.randn(3000, generator=gen)
+    every_in_set, every_in_job = gather(in_set.numpy()), gather(in_job.numpy())
+    if rank in members:
+        got = hvd.allreduce(in_set, compression=hvd_topk.TopK(density=DENSITY), process_set=process_set,
+                            name="built.on.members")
+        want = sparse_allreduce([every_in_set[r] for r in members], DENSITY).astype(np.float32)
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-7, err_msg=f"set, rank {rank}")
+    got = hvd.allreduce(in_job, compression=hvd_topk.TopK(density=DENSITY), name="built.on.every.rank")
+    want = sparse_allreduce(list(every_in_job), DENSITY).astype(np.float32)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-7, err_msg=f"job, rank {rank}")
 
 
 @with_process_set
@@ -165,6 +185,7 @@ CHECKS = [
     ("error-feedback optimizer, rank outside the set", check_error_feedback_optimizer),
     ("drop-in TopK, rank outside the set", check_drop_in_compressor),
     ("drop-in TopK, grouped allreduce over the set", check_drop_in_grouped_allreduce),
+    ("drop-in TopK, instances built on some ranks only", check_drop_in_built_on_some_ranks),
     ("horovod dense, rank outside the set", check_horovod_dense),
     ("global set after removing it", check_global_set_still_whole_job),
     ("auto over a set without rank 0", check_auto_over_a_set_without_rank_0),
