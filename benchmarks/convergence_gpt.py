@@ -208,7 +208,7 @@ CONFIGS = {
 # the recipe's dense start: "gv-0.1%-lr{LR}-fp16v-decay{DECAY}"
 for _lr, _decay in (("1e-2", "0.999"), ("1e-2", "0.997"), ("1e-2", "0.995"), ("1e-2", "0.99"),
                     ("1.5e-2", "0.995"), ("2e-2", "0.995"), ("2e-2", "0.99"), ("3e-2", "0.995"),
-                    ("3e-2", "0.99"), ("3e-2", "0.98")):
+                    ("3e-2", "0.99"), ("3e-2", "0.98"), ("1.5e-2", "0.99"), ("2e-2", "0.985")):
     CONFIGS[f"gv-0.1%-lr{_lr}-fp16v-decay{_decay}"] = (
         f"hvd_topk 0.1%, the recipe at lr {_lr}, 16-bit values, residual_decay={_decay}",
         [*GV, "--density", "0.001", *START, "--lr", _lr, "--fp16-values", "--residual-decay", _decay])
