@@ -41,7 +41,8 @@ from hvd_topk.wire import index_dtype_for
 
 from horovod.torch.compression import Compressor  # noqa: E402  (hvd_topk._horovod checked it)
 
-# per process set id: how many TopK instances have compressed over it in this process
+# per process set (id and ranks: Horovod reuses a removed set's id for the next set added, with
+# other ranks maybe): how many TopK instances have compressed over it in this process
 _set_instances = collections.defaultdict(itertools.count)
 _set_instances_lock = threading.Lock()
 
@@ -182,7 +183,7 @@ class TopK(Compressor):
     ``hvd.DistributedOptimizer``, ``hvd.allreduce`` or ``hvd.grouped_allreduce``).
 
     Each instance names its collectives over a process set ``hvd_topk.TopK.<set>.<n>.…``, ``n``
-    counting the instances that compressed over that set before it, in this process: ranks
+    counting the instances that compressed over that set (its id and ranks) before it, in this process: ranks
     may build instances the others do not (ranks outside a set, a rank's own evaluation), as
     long as the instances used over one set first compress there in the same order on each of
     its ranks, as the same training code does. Otherwise the ranks' names differ and Horovod
@@ -229,7 +230,7 @@ class TopK(Compressor):
         self._plans = {}  # (numel, dtype) -> codec.Plan, the same every step
         self._stats = CompressionStats()
         self._probe_checked = set()
-        self._rounds = {}  # process set id -> _Round (and the names this instance uses there)
+        self._rounds = {}  # (process set id, ranks) -> _Round (and the names this instance uses there)
         self._lock = threading.Lock()
 
     def __repr__(self):
@@ -286,11 +287,11 @@ class TopK(Compressor):
     def _round_of(self, process_set):
         """This instance's round over ``process_set``; at its first use there, its number among
         the instances used over that set (what its collectives are named by)."""
-        key = process_set.process_set_id
+        key = (process_set.process_set_id, tuple(process_set.ranks or ()))
         if key not in self._rounds:
             with _set_instances_lock:
                 number = next(_set_instances[key])
-            self._rounds[key] = _Round(f"hvd_topk.TopK.{key}.{number}")
+            self._rounds[key] = _Round(f"hvd_topk.TopK.{key[0]}.{number}")
         return self._rounds[key]
 
     def _start_if_known(self, rnd, wait):

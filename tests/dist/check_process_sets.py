@@ -129,6 +129,29 @@ def check_drop_in_built_on_some_ranks(process_set, members):
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-7, err_msg=f"job, rank {rank}")
 
 
+def check_drop_in_over_a_reused_set_id():
+    """Horovod gives a removed set's id to the next set added: a set of the first two ranks,
+    used by an instance there, removed; then a set of the last two gets its id, and an instance
+    used over it is numbered alike on its ranks (the numbering is per id and ranks: on rank 1
+    the old set's instance would otherwise have made it the second)."""
+    rank, size = hvd.rank(), hvd.size()
+    # (at 2 ranks sets of one: a set of every rank would duplicate the global one)
+    first, last = ([0, 1], [size - 2, size - 1]) if size > 2 else ([0], [1])
+    gen = torch.Generator().manual_seed(31 + rank)
+    tensor = torch.randn(2500, generator=gen)
+    every = gather(tensor.numpy())
+    old = hvd.add_process_set(first)
+    if rank in first:
+        hvd.allreduce(tensor, compression=hvd_topk.TopK(density=DENSITY), process_set=old, name="old.set")
+    hvd.remove_process_set(old)
+    new = hvd.add_process_set(last)
+    if rank in last:
+        got = hvd.allreduce(tensor, compression=hvd_topk.TopK(density=DENSITY), process_set=new, name="new.set")
+        want = sparse_allreduce([every[r] for r in last], DENSITY).astype(np.float32)
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-7, err_msg=f"rank {rank}")
+    hvd.remove_process_set(new)  # (a failure leaves the set: removing it is a collective)
+
+
 @with_process_set
 def check_horovod_dense(process_set, members):
     """Horovod's optimizer alone, for the README's first column."""
@@ -186,6 +209,7 @@ CHECKS = [
     ("drop-in TopK, rank outside the set", check_drop_in_compressor),
     ("drop-in TopK, grouped allreduce over the set", check_drop_in_grouped_allreduce),
     ("drop-in TopK, instances built on some ranks only", check_drop_in_built_on_some_ranks),
+    ("drop-in TopK, a set that reuses a removed set's id", check_drop_in_over_a_reused_set_id),
     ("horovod dense, rank outside the set", check_horovod_dense),
     ("global set after removing it", check_global_set_still_whole_job),
     ("auto over a set without rank 0", check_auto_over_a_set_without_rank_0),
