@@ -3,12 +3,13 @@
 Checked against Horovod 0.28.1 (``CHECKED_VERSION``). Each private detail relied on:
 
 1. ``caller_context`` (one walk up the calling frames serves 1, 2 and 7): reads the parameter
-   name from the calling frames of ``horovod.torch.optimizer._DistributedOptimizer._allreduce_grad_async(self, p)`` /
+   name from the calling frames of
+   ``horovod.torch.optimizer._DistributedOptimizer._allreduce_grad_async(self, p)`` /
    ``_grouped_allreduce_grad_async`` (locals ``self._parameter_names`` and ``p``), or the
    ``name`` argument of ``horovod.torch.mpi_ops.allreduce(_async)``. Horovod's compressor
    interface passes no name, and its ``synchronize()`` starts hook-less parameters in ``set``
    order, which differs between ranks. If the frames change, hvd_topk falls back to call-order
-   names, counts it (``name_fallbacks``) and warns once.
+   names, counts it (``count_name_fallback``, ``name_fallbacks``) and warns once.
 2. ``OPTIMIZER_MODULE``: ``hvd.broadcast_optimizer_state`` initialises a fresh optimizer's
    state by calling the *inner* ``step()`` only when the optimizer's class lives in Horovod's
    optimizer module; hvd_topk's wrapper class claims that module so no exchange runs there.
@@ -109,7 +110,8 @@ def caller_context(max_depth=6):
     ``compress``'s caller).
 
     - The name: Horovod's optimizer (``self._parameter_names`` and the parameter ``p``) or
-      ``hvd.allreduce(..., name=...)``; None when neither is found (counted, warned once).
+      ``hvd.allreduce(..., name=...)``; None when neither is found (the caller then names the
+      tensor by call order and calls ``count_name_fallback``).
     - The process set: Horovod's optimizer's ``self.process_set`` or the ``process_set`` argument
       of the compressing call; the global set when the frames do not say.
     - The reduction: ``("optimizer", self.op)``, ``(call, op)`` for the compressing call, or
@@ -139,13 +141,12 @@ def caller_context(max_depth=6):
             if reduction is None and "op" in local:
                 reduction = (call, local["op"])
         frame = frame.f_back
-    if name is None:
-        _count_name_fallback()
     return CallerContext(name, hvd.global_process_set if process_set is None else process_set,
                          *(reduction or (None, None)))
 
 
-def _count_name_fallback():
+def count_name_fallback():
+    """(1) Count a tensor named by call order because the frames gave no name; warn the first time."""
     with _fallback_lock:
         _fallbacks["count"] += 1
         warn = not _fallbacks["warned"]

@@ -31,7 +31,7 @@ import types
 
 import torch
 
-from hvd_topk._horovod import caller_context, hvd
+from hvd_topk._horovod import caller_context, count_name_fallback, hvd
 from hvd_topk._torch import compiled_autograd_active
 from hvd_topk.codec import Codec
 from hvd_topk.exchange import ActiveRanks, AllgatherPairs, DenseAllreduce
@@ -183,10 +183,10 @@ class TopK(Compressor):
     ``hvd.DistributedOptimizer``, ``hvd.allreduce`` or ``hvd.grouped_allreduce``).
 
     Each instance names its collectives over a process set ``hvd_topk.TopK.<set>.<n>.…``, ``n``
-    counting the instances that compressed over that set (its id and ranks) before it, in this process: ranks
-    may build instances the others do not (ranks outside a set, a rank's own evaluation), as
-    long as the instances used over one set first compress there in the same order on each of
-    its ranks, as the same training code does. Otherwise the ranks' names differ and Horovod
+    counting the instances that compressed over that set (its id and ranks) before it, in this
+    process: ranks may build instances the others do not (ranks outside a set, a rank's own
+    evaluation), as long as the instances used over one set first compress there in the same
+    order on each of its ranks, as the same training code does. Otherwise the ranks' names differ and Horovod
     stalls, its stall warning listing names that start with ``hvd_topk.TopK.``.
 
     Other reductions are refused with a ``ValueError`` naming why: ``op=hvd.Min``, ``Max``,
@@ -265,7 +265,11 @@ class TopK(Compressor):
         process_set = caller.process_set
         with self._lock:
             rnd = self._round_of(process_set)
-            slot, name = (None, f"{rnd.names.prefix}.{caller.name}") if caller.name else rnd.names.take()
+            if caller.name:
+                slot, name = None, f"{rnd.names.prefix}.{caller.name}"
+            else:
+                count_name_fallback()
+                slot, name = rnd.names.take()
             job = _Job(message, name, slot, plan, tensor, process_set)
             for stale in rnd.add(job):
                 if stale.slot is not None:
