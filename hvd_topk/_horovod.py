@@ -32,8 +32,13 @@ Checked against Horovod 0.28.1 (``CHECKED_VERSION``). Each private detail relied
    and its ``op`` argument, or Horovod's optimizer's ``self.op``; so that the drop-in refuses a
    reduce-scatter or an op other than Average and Sum with a clear error instead of a failed
    probe check.
+8. ``instance_name``: Horovod 0.28.1 gives a removed process set's id to the next set added,
+   maybe over other ranks (checked: add ``[0]``, remove it, add ``[1]``: both get id 1), so
+   instances are numbered per set id *and* ranks.
 """
 
+import collections
+import itertools
 import os
 import sys
 import threading
@@ -162,3 +167,20 @@ def count_name_fallback():
 def name_fallbacks():
     """How many tensors were named by call order because no Horovod name was found."""
     return _fallbacks["count"]
+
+
+# (8) per kind of instance and process set (id and ranks): how many this process has numbered
+_instances = collections.defaultdict(itertools.count)
+_instances_lock = threading.Lock()
+
+
+def instance_name(kind, process_set):
+    """(8) ``hvd_topk.<kind>.<set id>.<n>``, the prefix of a new instance's collectives over
+    ``process_set``: ``n`` counts the ``kind`` instances this process numbered over that set
+    before it. Ranks may build instances over sets the others do not use (a rank outside a set,
+    a rank's own evaluation); the names agree on every rank of a set as long as its ranks number
+    their instances over it in the same order, as the same training code does."""
+    key = (kind, process_set.process_set_id, tuple(process_set.ranks or ()))
+    with _instances_lock:
+        number = next(_instances[key])
+    return f"hvd_topk.{kind}.{key[1]}.{number}"

@@ -21,17 +21,15 @@ gradients dense instead (the result is what Horovod's own dense path gives: the 
 counts as zeros).
 """
 
-import collections
 import functools
 import heapq
-import itertools
 import threading
 import time
 import types
 
 import torch
 
-from hvd_topk._horovod import caller_context, count_name_fallback, hvd
+from hvd_topk._horovod import caller_context, count_name_fallback, hvd, instance_name
 from hvd_topk._torch import compiled_autograd_active
 from hvd_topk.codec import Codec
 from hvd_topk.exchange import ActiveRanks, AllgatherPairs, DenseAllreduce
@@ -40,11 +38,6 @@ from hvd_topk.stats import CompressionStats
 from hvd_topk.wire import index_dtype_for
 
 from horovod.torch.compression import Compressor  # noqa: E402  (hvd_topk._horovod checked it)
-
-# per process set (id and ranks: Horovod reuses a removed set's id for the next set added, with
-# other ranks maybe): how many TopK instances have compressed over it in this process
-_set_instances = collections.defaultdict(itertools.count)
-_set_instances_lock = threading.Lock()
 
 ADASUM_ERROR = (
     "hvd_topk.TopK does not support op=hvd.Adasum: Adasum combines dense parameter deltas, "
@@ -293,9 +286,7 @@ class TopK(Compressor):
         the instances used over that set (what its collectives are named by)."""
         key = (process_set.process_set_id, tuple(process_set.ranks or ()))
         if key not in self._rounds:
-            with _set_instances_lock:
-                number = next(_set_instances[key])
-            self._rounds[key] = _Round(f"hvd_topk.TopK.{key[0]}.{number}")
+            self._rounds[key] = _Round(instance_name("TopK", process_set))
         return self._rounds[key]
 
     def _start_if_known(self, rnd, wait):

@@ -6,13 +6,12 @@ does), sharing the user's optimizer's state; it adds Horovod's methods and its
 engine (``hvd_topk.engine.TopKEngine``).
 """
 
-import itertools
 import warnings
 from contextlib import contextmanager
 
 import torch
 
-from hvd_topk._horovod import OPTIMIZER_MODULE, elastic_mode, hvd, is_horovod_distributed_optimizer
+from hvd_topk._horovod import OPTIMIZER_MODULE, elastic_mode, hvd, instance_name, is_horovod_distributed_optimizer
 from hvd_topk._torch import AMP_SCALING_ATTRIBUTE
 from hvd_topk.compressor import TopK
 from hvd_topk import checkpoint
@@ -32,11 +31,6 @@ ADAM_WARNING = (
     "weight_decay=...), wrapped as hvd_topk.DistributedOptimizer(inner, named_parameters, "
     "compression=hvd_topk.TopK(density=0.01, fp16_values=True), warmup_steps=100, warmup_density=1.0) "
     "(README.md, 'Transformers with AdamW').")
-
-# Optimizers are built in the same order on every rank, so this numbering names their
-# collectives alike everywhere and keeps two optimizers' messages apart.
-_optimizer_ids = itertools.count()
-
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                          backward_passes_per_step=1, op=hvd.Average,
@@ -100,6 +94,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
             loss. Pass it: residuals are rescaled when the loss scale changes. Without it they
             would be added back at a stale scale, so ``scaler.step(opt)`` raises a RuntimeError
             naming this option.
+
+    Its collectives are named ``hvd_topk.opt.<set>.<n>.…``, ``n`` counting the optimizers built
+    over ``process_set`` before it in this process: ranks may build optimizers over sets that
+    others do not use, as long as the ranks of one set build theirs over it in the same order.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -141,7 +139,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
     engine = TopKEngine(optimizer.param_groups, names, compression, options, op=op,
                         gradient_predivide_factor=gradient_predivide_factor,
                         backward_passes_per_step=backward_passes_per_step, process_set=process_set,
-                        groups=groups, prefix=f"hvd_topk.opt{next(_optimizer_ids)}",
+                        groups=groups, prefix=instance_name("opt", process_set),
                         grad_scaler=grad_scaler)
     wrapped = share_as_subclass(optimizer, _DistributedOptimizer)
     setattr(wrapped, ENGINE, engine)

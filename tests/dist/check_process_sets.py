@@ -159,6 +159,30 @@ def check_drop_in_over_a_reused_set_id():
 
 
 @with_process_set
+def check_optimizer_built_on_some_ranks(process_set, members):
+    """An error-feedback optimizer built and stepped by the set's members only, then one built
+    on every rank over the whole job: the second's collectives are named alike on every rank
+    (optimizers are numbered per process set, not in the order each process built them), so
+    the rank that built one optimizer fewer does not stall Horovod, and the job's optimizer
+    gives every rank the numpy reference's result."""
+    rank = hvd.rank()
+    if rank in members:
+        model, opt = build(density=DENSITY, min_numel=500, process_set=process_set)
+        x, y = batch(0, rank)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    model, opt = build(density=DENSITY, min_numel=500, seed=1)
+    everyone = list(range(hvd.size()))
+    ref = ErrorFeedbackReference(len(everyone))
+    big = {n for n, p in model.named_parameters() if p.numel() >= 500}
+
+    def expected(name, grads):
+        return ref.sparse(name, grads, DENSITY) if name in big else np.sum(grads, axis=0) / len(grads)
+
+    train_and_check(model, opt, everyone, expected)
+
+
+@with_process_set
 def check_horovod_dense(process_set, members):
     """Horovod's optimizer alone, for the README's first column."""
     torch.manual_seed(0)
@@ -216,6 +240,7 @@ CHECKS = [
     ("drop-in TopK, grouped allreduce over the set", check_drop_in_grouped_allreduce),
     ("drop-in TopK, instances built on some ranks only", check_drop_in_built_on_some_ranks),
     ("drop-in TopK, a set that reuses a removed set's id", check_drop_in_over_a_reused_set_id),
+    ("error-feedback optimizer, built on some ranks only", check_optimizer_built_on_some_ranks),
     ("horovod dense, rank outside the set", check_horovod_dense),
     ("global set after removing it", check_global_set_still_whole_job),
     ("auto over a set without rank 0", check_auto_over_a_set_without_rank_0),
