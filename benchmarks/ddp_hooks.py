@@ -3,7 +3,10 @@
 hvd_topk's, on a real model's tensor shapes, one rank per host with a shaped link.
 
 One ``torchrun`` per host and method (``--nnodes P --node_rank i``, static rendezvous at host 0,
-gloo over the emulated links; tools/emulated_hosts.py). A step = ``zero_grad(set_to_none=True)``,
+gloo over the emulated links; tools/emulated_hosts.py), or with ``--interleave`` one per host
+running every method, their timed steps interleaved: step i runs each method once, the order
+rotating with i, so that the machine's drift over minutes (the ``none`` step has moved between
+205 and 415 ms from one job to the next) falls on every method alike. A step = ``zero_grad(set_to_none=True)``,
 forward, a real backward into fresh gradients (``loss = sum_p (p * c_p).sum()`` over the model's
 shapes: autograd deposits a fresh ``p.grad`` per parameter, in reverse order, and DDP's buckets
 are reduced as they fill), ``opt.step()`` (SGD); the median over ``--steps`` of the slowest
@@ -42,6 +45,8 @@ machine's 2 cores.
         --output-name ddp-hooks-smoke                                      # quick check
     sudo .venv/bin/python benchmarks/ddp_hooks.py --ranks 2 --rates 1gbit --rounds 5 \\
         --methods none fp16 powersgd-r4 topk topk-fp16v                    # the ratios' spread
+    sudo .venv/bin/python benchmarks/ddp_hooks.py --ranks 2 --rates 1gbit --rounds 3 --interleave \
+        --methods none fp16 powersgd-r4 topk                               # the same, in one job each
 Results: benchmarks/results/exchange/<output-name>.{json,md} (default ddp-hooks-resnet50).
 """
 
@@ -69,82 +74,110 @@ PORT = 29511
 
 
 # ---- one rank ----------------------------------------------------------------------------------
+class Method:
+    """One method's model (its own copy of the shapes), DDP wrapper, hook state and optimizer."""
+
+    def __init__(self, method, args, shapes, torch):
+        import torch.distributed as dist  # noqa: F401  (the process group is up)
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        import hvd_topk.ddp
+
+        class Shapes(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                gen = torch.Generator().manual_seed(0)
+                self.params = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(s, generator=gen) * 0.01)
+                                                     for s in shapes)
+
+            def forward(self, cs):
+                return common.forward(list(self.params), cs)
+
+        self.method, self.state = method, None
+        self.model = self.runner = Shapes()
+        if method != "none":
+            one_bucket = method.startswith("powersgd")
+            self.runner = DDP(self.model, bucket_cap_mb=1e5 if one_bucket else 25,
+                              gradient_as_bucket_view=args.bucket_view or method.endswith("-view"))
+            if method == "fp16":
+                self.runner.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            elif one_bucket:
+                self.state = powersgd.PowerSGDState(process_group=None,
+                                                    matrix_approximation_rank=int(method.split("-r")[1]),
+                                                    start_powerSGD_iter=2)
+                self.runner.register_comm_hook(self.state, powersgd.powerSGD_hook)
+            elif method.startswith("topk"):
+                self.state = hvd_topk.ddp.TopKState(density=args.density, exchange=FORCED.get(method, "auto"),
+                                                    fp16_values=method == "topk-fp16v",
+                                                    compact=method == "topk-compact")
+                hvd_topk.ddp.register(self.runner, self.state)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        # exchange="auto": its measured trial (after DDP's rebuild, up to 4 families x (1 + 3)
+        # steps) runs in the warm-up, so that the timed steps use the family it chose
+        self.warmup = args.warmup + (hvd_topk.ddp.TRIAL_FROM_STEP + 4 * 4 + 1 if method.startswith("topk") else 0)
+        self.steps_done, self.times, self.tx = 0, [], 0
+
+    def step(self, consts):
+        """One training step; its seconds."""
+        t0 = time.perf_counter()
+        self.opt.zero_grad(set_to_none=True)
+        self.runner(consts).backward()
+        self.opt.step()
+        self.steps_done += 1
+        return time.perf_counter() - t0
+
+
 def worker(args):
+    """Every method of ``--method`` (comma-separated) on this rank: each warmed up alone, then,
+    with several, their timed steps interleaved (step i runs every method once, the order
+    rotating with i, a barrier before each), so that the machine's drift over minutes falls on
+    every method alike; each method's link bytes are counted around its own timed steps."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import hvd_topk.ddp
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     shapes = common.model_shapes(args.model)
     consts = common.loss_constants(shapes, args.pool, seed=rank, torch=torch)
-
-    class Shapes(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            gen = torch.Generator().manual_seed(0)
-            self.params = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(s, generator=gen) * 0.01)
-                                                 for s in shapes)
-
-        def forward(self, cs):
-            return common.forward(list(self.params), cs)
-
-    model = Shapes()
-    method, state = args.method, None
-    runner = model
-    if method != "none":
-        one_bucket = method.startswith("powersgd")
-        runner = DDP(model, bucket_cap_mb=1e5 if one_bucket else 25,
-                     gradient_as_bucket_view=args.bucket_view or method.endswith("-view"))
-        if method == "fp16":
-            runner.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif one_bucket:
-            state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=int(method.split("-r")[1]),
-                                           start_powerSGD_iter=2)
-            runner.register_comm_hook(state, powersgd.powerSGD_hook)
-        elif method.startswith("topk"):
-            state = hvd_topk.ddp.TopKState(density=args.density, exchange=FORCED.get(method, "auto"),
-                                           fp16_values=method == "topk-fp16v", compact=method == "topk-compact")
-            hvd_topk.ddp.register(runner, state)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    times = []
-    # exchange="auto": its measured trial (after DDP's rebuild, up to 4 families x (1 + 3) steps)
-    # runs in the warm-up, so that the timed steps use the family it chose
-    warmup = args.warmup + (hvd_topk.ddp.TRIAL_FROM_STEP + 4 * 4 + 1 if method.startswith("topk") else 0)
-    tx = None
-    for step in range(warmup + args.steps):
-        if step == warmup:
+    methods = [Method(m, args, shapes, torch) for m in args.method.split(",")]
+    for m in methods:
+        for _ in range(m.warmup):
+            m.step(consts[m.steps_done % args.pool])
+        if m.method.startswith("topk"):
+            m.state.bytes_before_timing = m.state.stats()["bytes_sent"]
+    counted = link_tx_bytes() is not None
+    for i in range(args.steps):
+        for m in methods[i % len(methods):] + methods[:i % len(methods)]:
+            dist.barrier()
             tx = link_tx_bytes()
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        runner(consts[step % args.pool]).backward()
-        opt.step()
-        if step >= warmup:
-            times.append(time.perf_counter() - t0)
-        elif step == warmup - 1 and method.startswith("topk"):
-            state.bytes_before_timing = state.stats()["bytes_sent"]
-    after = link_tx_bytes()
-    wire = (after - tx) / args.steps if tx is not None and after is not None else None
-    every = [None] * size
-    dist.all_gather_object(every, (times, float(sum(p.detach().double().sum() for p in model.parameters())), wire))
-    if rank == 0:
+            m.times.append(m.step(consts[m.steps_done % args.pool]))
+            if counted:
+                m.tx += link_tx_bytes() - tx
+    rows = []
+    for m in methods:
+        every = [None] * size
+        wire = m.tx / args.steps if counted else None
+        dist.all_gather_object(every, (m.times, float(sum(p.detach().double().sum() for p in m.model.parameters())),
+                                       wire))
+        if rank != 0:
+            continue
         slowest = [max(t[i] for t, _, _ in every) for i in range(args.steps)]
         sums = [s for _, s, _ in every]
-        row = {"method": method, "median_ms": 1e3 * statistics.median(slowest), "min_ms": 1e3 * min(slowest),
+        row = {"method": m.method, "median_ms": 1e3 * statistics.median(slowest), "min_ms": 1e3 * min(slowest),
                "max_ms": 1e3 * max(slowest), "step_ms_slowest_rank": [1e3 * t for t in slowest],
-               "ranks_agree": method == "none" or all(s == sums[0] for s in sums),
-               "mb_per_rank_step": bytes_sent(method, shapes, state, args.steps) / 1e6,
+               "ranks_agree": m.method == "none" or all(s == sums[0] for s in sums),
+               "mb_per_rank_step": bytes_sent(m.method, shapes, m.state, args.steps) / 1e6,
                "wire_tx_mb_each_rank": [None if w is None else w / 1e6 for _, _, w in every]}
-        if method.startswith("topk"):
-            st = state.stats()
+        if m.method.startswith("topk"):
+            st = m.state.stats()
             row["exchange"] = st["exchange_family"]
             row["exchange_reason"] = st.get("exchange_reason")
-        Path(args.out).write_text(json.dumps(row))
+        rows.append(row)
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(rows))
     dist.destroy_process_group()
 
 
@@ -180,8 +213,9 @@ def bytes_sent(method, shapes, state, steps):
 
 
 # ---- the driver --------------------------------------------------------------------------------
-def run_method(eh, P, method, args, out):
-    """One torchrun per emulated host; all of them together are one job."""
+def run_methods(eh, P, method, args, out):
+    """One torchrun per emulated host; all of them together are one job, running ``method``
+    (one, or several comma-separated: interleaved). Returns its rows and the command."""
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), GLOO_SOCKET_IFNAME="eth0",
                PYTHONPATH=":".join(x for x in (os.environ.get("PYTHONPATH"), str(common.REPO)) if x))
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(P), "--nproc_per_node", "1",
@@ -224,7 +258,10 @@ def render(report):
              "slowest rank; one rank per emulated host (tbf-shaped link, burst 1 ms of the rate); "
              "torch.distributed gloo; PowerSGD in one DDP bucket, the others in DDP's 25 MB buckets"
              + ("; every DDP method with `gradient_as_bucket_view=True` (`--bucket-view`; DDP's default is "
-                "False)." if report["settings"].get("bucket_view") else "."),
+                "False)" if report["settings"].get("bucket_view") else "")
+             + ("; the methods in one job, their timed steps interleaved (`--interleave`: step i runs every "
+                "method once, the order rotating with i, a barrier before each)." if report["settings"].get("interleave")
+                else "; one job per method, run in turn."),
              "", "Overhead = step - the `none` step (the same forward, backward and SGD step without DDP). "
              "CPU only: PowerSGD's matrix products are far cheaper on a GPU.", ""]
     for run in report["runs"]:
@@ -292,6 +329,10 @@ def main(argv=None):
     ap.add_argument("--bucket-view", action="store_true",
                     help="gradient_as_bucket_view=True for every DDP method (DDP's default is False: it copies "
                          "the gradients into its buckets and back, for every hook alike)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="run the methods in one job per P, rate and round, their timed steps interleaved (each "
+                         "step runs every method once, in rotating order), so that the machine's drift over "
+                         "minutes falls on every method alike, not on whichever ran during it")
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--output-name", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -314,14 +355,15 @@ def main(argv=None):
                 eh.set_rate(rate)
                 for round_ in range(1, args.rounds + 1):
                     rows = []
-                    for method in args.methods:
+                    for method in ([",".join(args.methods)] if args.interleave else args.methods):
                         print(f"P={P} {rate} {method}" + (f" round {round_}" if args.rounds > 1 else "") + " ... ",
                               end="", flush=True)
-                        row, cmd = run_method(eh, P, method, args,
-                                              eh.tmpdir / f"{P}-{rate}-{method}-{round_}.json")
-                        row["torchrun"] = cmd
-                        rows.append(row)
-                        print(f"{row['median_ms']:.1f} ms", flush=True)
+                        got, cmd = run_methods(eh, P, method, args,
+                                               eh.tmpdir / f"{P}-{rate}-{method.replace(',', '+')}-{round_}.json")
+                        for row in got:
+                            row["torchrun"] = cmd
+                        rows += got
+                        print(", ".join(f"{r['method']} {r['median_ms']:.1f} ms" for r in got), flush=True)
                     runs.append({"P": P, "rate": rate, "round": round_, "rows": rows})
                 report = {"benchmark": "ddp_hooks", "command": shlex.join([".venv/bin/python", "benchmarks/ddp_hooks.py",
                                                                            *(sys.argv[1:] if argv is None else argv)]),
