@@ -1,5 +1,5 @@
 """hvd_topk/_horovod.py (what hvd_topk needs from Horovod), single process: the message when
-Horovod is missing, the dtype bf16 is allreduced in."""
+Horovod is missing, the dtype bf16 is allreduced in, how instances are numbered."""
 
 import subprocess
 import sys
@@ -27,3 +27,19 @@ def test_bf16_allreduced_as_float32():
 
     assert allreduce_dtype(torch.bfloat16) == torch.float32
     assert allreduce_dtype(torch.float16) == torch.float16 and allreduce_dtype(torch.float32) == torch.float32
+
+
+def test_instance_names_count_per_kind_set_id_and_ranks():
+    """(8) Each kind of instance is numbered per process set, its id *and* ranks (Horovod
+    reuses a removed set's id for the next set added): hand-written expected names."""
+    from types import SimpleNamespace
+
+    from hvd_topk._horovod import instance_name
+
+    first = SimpleNamespace(process_set_id=907, ranks=[0, 1])
+    reused = SimpleNamespace(process_set_id=907, ranks=[1, 2])  # the same id over other ranks
+    assert instance_name("opt", first) == "hvd_topk.opt.907.0"
+    assert instance_name("opt", first) == "hvd_topk.opt.907.1"
+    assert instance_name("TopK", first) == "hvd_topk.TopK.907.0"  # its own count
+    assert instance_name("opt", reused) == "hvd_topk.opt.907.0"   # a new set: counted from 0
+    assert instance_name("opt", first) == "hvd_topk.opt.907.2"
