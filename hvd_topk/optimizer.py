@@ -32,6 +32,7 @@ ADAM_WARNING = (
     "compression=hvd_topk.TopK(density=0.01, fp16_values=True), warmup_steps=100, warmup_density=1.0) "
     "(README.md, 'Transformers with AdamW').")
 
+
 def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                          backward_passes_per_step=1, op=hvd.Average,
                          gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
