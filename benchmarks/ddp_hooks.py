@@ -260,8 +260,8 @@ def render(report):
              + ("; every DDP method with `gradient_as_bucket_view=True` (`--bucket-view`; DDP's default is "
                 "False)" if report["settings"].get("bucket_view") else "")
              + ("; the methods in one job, their timed steps interleaved (`--interleave`: step i runs every "
-                "method once, the order rotating with i, a barrier before each)." if report["settings"].get("interleave")
-                else "; one job per method, run in turn."),
+                "method once, the order rotating with i, a barrier before each)."
+                if report["settings"].get("interleave") else "; one job per method, run in turn."),
              "", "Overhead = step - the `none` step (the same forward, backward and SGD step without DDP). "
              "CPU only: PowerSGD's matrix products are far cheaper on a GPU.", ""]
     for run in report["runs"]:
