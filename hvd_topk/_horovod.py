@@ -174,13 +174,18 @@ _instances = collections.defaultdict(itertools.count)
 _instances_lock = threading.Lock()
 
 
+def set_key(process_set):
+    """(8) What tells process sets apart: the id *and* the ranks (an id alone may be reused)."""
+    return process_set.process_set_id, tuple(process_set.ranks or ())
+
+
 def instance_name(kind, process_set):
     """(8) ``hvd_topk.<kind>.<set id>.<n>``, the prefix of a new instance's collectives over
     ``process_set``: ``n`` counts the ``kind`` instances this process numbered over that set
     before it. Ranks may build instances over sets the others do not use (a rank outside a set,
     a rank's own evaluation); the names agree on every rank of a set as long as its ranks number
     their instances over it in the same order, as the same training code does."""
-    key = (kind, process_set.process_set_id, tuple(process_set.ranks or ()))
+    key = (kind, *set_key(process_set))
     with _instances_lock:
         number = next(_instances[key])
-    return f"hvd_topk.{kind}.{key[1]}.{number}"
+    return f"hvd_topk.{kind}.{process_set.process_set_id}.{number}"

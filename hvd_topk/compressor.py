@@ -29,7 +29,7 @@ import types
 
 import torch
 
-from hvd_topk._horovod import caller_context, count_name_fallback, hvd, instance_name
+from hvd_topk._horovod import caller_context, count_name_fallback, hvd, instance_name, set_key
 from hvd_topk._torch import compiled_autograd_active
 from hvd_topk.codec import Codec
 from hvd_topk.exchange import ActiveRanks, AllgatherPairs, DenseAllreduce
@@ -179,8 +179,8 @@ class TopK(Compressor):
     counting the instances that compressed over that set (its id and ranks) before it, in this
     process: ranks may build instances the others do not (ranks outside a set, a rank's own
     evaluation), as long as the instances used over one set first compress there in the same
-    order on each of its ranks, as the same training code does. Otherwise the ranks' names differ and Horovod
-    stalls, its stall warning listing names that start with ``hvd_topk.TopK.``.
+    order on each of its ranks, as the same training code does. Otherwise the ranks' names
+    differ and Horovod stalls, its stall warning listing names that start with ``hvd_topk.TopK.``.
 
     Other reductions are refused with a ``ValueError`` naming why: ``op=hvd.Min``, ``Max``,
     ``Product`` (that reduction of pairs is not that of the tensors) and ``hvd.reducescatter``.
@@ -284,7 +284,7 @@ class TopK(Compressor):
     def _round_of(self, process_set):
         """This instance's round over ``process_set``; at its first use there, its number among
         the instances used over that set (what its collectives are named by)."""
-        key = (process_set.process_set_id, tuple(process_set.ranks or ()))
+        key = set_key(process_set)
         if key not in self._rounds:
             self._rounds[key] = _Round(instance_name("TopK", process_set))
         return self._rounds[key]
