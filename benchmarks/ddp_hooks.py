@@ -6,8 +6,8 @@ One ``torchrun`` per host and method (``--nnodes P --node_rank i``, static rende
 gloo over the emulated links; tools/emulated_hosts.py), or with ``--interleave`` one per host
 running every method, their timed steps interleaved: step i runs each method once, the order
 rotating with i, so that the machine's drift over minutes (the ``none`` step has moved between
-205 and 415 ms from one job to the next) falls on every method alike. A step = ``zero_grad(set_to_none=True)``,
-forward, a real backward into fresh gradients (``loss = sum_p (p * c_p).sum()`` over the model's
+205 and 415 ms from one job to the next) falls on every method alike. A step =
+``zero_grad(set_to_none=True)``, forward, a real backward into fresh gradients (``loss = sum_p (p * c_p).sum()`` over the model's
 shapes: autograd deposits a fresh ``p.grad`` per parameter, in reverse order, and DDP's buckets
 are reduced as they fill), ``opt.step()`` (SGD); the median over ``--steps`` of the slowest
 rank's step, after ``--warmup`` steps (DDP rebuilds its buckets after the first; PowerSGD
@@ -45,7 +45,7 @@ machine's 2 cores.
         --output-name ddp-hooks-smoke                                      # quick check
     sudo .venv/bin/python benchmarks/ddp_hooks.py --ranks 2 --rates 1gbit --rounds 5 \\
         --methods none fp16 powersgd-r4 topk topk-fp16v                    # the ratios' spread
-    sudo .venv/bin/python benchmarks/ddp_hooks.py --ranks 2 --rates 1gbit --rounds 3 --interleave \
+    sudo .venv/bin/python benchmarks/ddp_hooks.py --ranks 2 --rates 1gbit --rounds 3 --interleave \\
         --methods none fp16 powersgd-r4 topk                               # the same, in one job each
 Results: benchmarks/results/exchange/<output-name>.{json,md} (default ddp-hooks-resnet50).
 """
@@ -78,7 +78,6 @@ class Method:
     """One method's model (its own copy of the shapes), DDP wrapper, hook state and optimizer."""
 
     def __init__(self, method, args, shapes, torch):
-        import torch.distributed as dist  # noqa: F401  (the process group is up)
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
         from torch.nn.parallel import DistributedDataParallel as DDP
