@@ -15,6 +15,13 @@ starts compressing at step 2, its minimum). ``none`` is the same step without DD
 others add to it is their exchange overhead. Methods:
 
 - ``none``: no DDP, no exchange; ``ddp``: DDP's default allreduce (fp32, 25 MB buckets);
+- ``noop`` (a reference, not a method: no exchange, the ranks drift apart): DDP with a hook that
+  hands its bucket back unchanged, so its overhead is what DDP itself adds at these settings
+  (the copies into and out of its buckets, the hook's plumbing);
+- ``ef-floor`` (a reference, not a method: nothing is sent): DDP with a hook that does only the
+  memory work every error-feedback hook must, ``residual += bucket`` and a fresh dense result
+  (``bucket.zero_()``; nothing selected), so its overhead is the least a Top-K hook with
+  residuals can add here before selecting, encoding, the wire and decoding;
 - ``fp16``: PyTorch's ``fp16_compress_hook``;
 - ``powersgd-rR``: PowerSGD rank R (``PowerSGDState(matrix_approximation_rank=R,
   start_powerSGD_iter=2)``, one DDP bucket: with several its chained allreduces abort on gloo);
@@ -66,10 +73,11 @@ sys.path.insert(0, str(HERE))
 
 import _common as common  # noqa: E402
 
-METHODS = ("none", "ddp", "fp16", "powersgd-r1", "powersgd-r2", "powersgd-r4", "topk", "topk-fp16v", "topk-compact",
+METHODS = ("none", "noop", "ef-floor", "ddp", "fp16", "powersgd-r1", "powersgd-r2", "powersgd-r4", "topk", "topk-fp16v", "topk-compact",
            "topk-view",
            "topk-ag", "topk-sar")
 FORCED = {"topk-ag": "allgather", "topk-sar": "sparse_allreduce"}
+REFERENCES = ("noop", "ef-floor")  # DDP with a hook that exchanges nothing: what the others are measured against
 PORT = 29511
 
 
@@ -102,6 +110,8 @@ class Method:
                               gradient_as_bucket_view=args.bucket_view or method.endswith("-view"))
             if method == "fp16":
                 self.runner.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            elif method in REFERENCES:
+                self.runner.register_comm_hook({}, floor_hook if method == "ef-floor" else noop_hook)
             elif one_bucket:
                 self.state = powersgd.PowerSGDState(process_group=None,
                                                     matrix_approximation_rank=int(method.split("-r")[1]),
@@ -126,6 +136,30 @@ class Method:
         self.opt.step()
         self.steps_done += 1
         return time.perf_counter() - t0
+
+
+def noop_hook(residuals, bucket):
+    """``noop``: the bucket back unchanged (no exchange)."""
+    import torch
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+
+
+def floor_hook(residuals, bucket):
+    """``ef-floor``: error feedback's own memory passes and nothing else: the bucket is added
+    into this bucket's residual (read both, write the residual) and DDP is handed a dense result
+    (the bucket, zeroed: nothing selected, nothing sent)."""
+    import torch
+    buffer = bucket.buffer()
+    residual = residuals.get(bucket.index())
+    if residual is None or residual.numel() != buffer.numel():
+        residual = residuals[bucket.index()] = torch.zeros_like(buffer)
+    residual.add_(buffer)
+    buffer.zero_()
+    done = torch.futures.Future()
+    done.set_result(buffer)
+    return done
 
 
 def worker(args):
@@ -167,7 +201,7 @@ def worker(args):
         sums = [s for _, s, _ in every]
         row = {"method": m.method, "median_ms": 1e3 * statistics.median(slowest), "min_ms": 1e3 * min(slowest),
                "max_ms": 1e3 * max(slowest), "step_ms_slowest_rank": [1e3 * t for t in slowest],
-               "ranks_agree": m.method == "none" or all(s == sums[0] for s in sums),
+               "ranks_agree": None if m.method in ("none", "noop") else all(s == sums[0] for s in sums),
                "mb_per_rank_step": bytes_sent(m.method, shapes, m.state, args.steps) / 1e6,
                "wire_tx_mb_each_rank": [None if w is None else w / 1e6 for _, _, w in every]}
         if m.method.startswith("topk"):
@@ -193,7 +227,7 @@ def bytes_sent(method, shapes, state, steps):
     rank r (n + m) r floats per matrix it compresses (viewed n x m, at least 2x smaller: its
     ``min_compression_rate``), the rest dense; hvd_topk's own count over the timed steps."""
     n = common.numel(shapes)
-    if method == "none":
+    if method == "none" or method in REFERENCES:
         return 0
     if method == "ddp":
         return 4 * n
@@ -276,12 +310,18 @@ def render(report):
             name = f"{m} (auto chose {r['exchange']})" if r.get("exchange") else m
             lines.append(f"| {name} | {r['median_ms']:.1f} ({r['min_ms']:.0f}-{r['max_ms']:.0f}) | {over} | "
                          f"{r['mb_per_rank_step']:.2f} | {wire_cell(r.get('wire_tx_mb_each_rank'))} | "
-                         f"{'yes' if r['ranks_agree'] else 'NO'} |")
+                         f"{agree_cell(r['method'], r['ranks_agree'])} |")
         reasons = [f"{m}: {r['exchange_reason']}" for m, r in rows.items() if r.get("exchange_reason")]
         if reasons:
             lines += ["", "auto's trial: " + "; ".join(reasons)]
         for mine, peer, theirs, ours in overhead_ratios(rows):
             lines += ["", f"Overhead ratio {peer} / {mine}: {theirs:.1f} / {ours:.1f} ms = {ratio(theirs, ours):.1f}x"]
+        if base is not None and "fp16" in rows and "ef-floor" in rows:
+            budget, floor = (rows["fp16"]["median_ms"] - base) / 8, rows["ef-floor"]["median_ms"] - base
+            lines += ["", f"8x below the fp16 hook's overhead leaves {budget:.1f} ms; error feedback's memory "
+                          f"passes under DDP (`ef-floor`) took {floor:.1f} ms of it"
+                      + (f" (DDP's own part, `noop`: {rows['noop']['median_ms'] - base:.1f} ms)" if "noop" in rows else "")
+                      + f", leaving {budget - floor:.1f} ms for selection, encoding, the wire and decoding"]
         lines.append("")
     rounds = {}
     for run in report["runs"]:
@@ -295,6 +335,15 @@ def render(report):
                          f"{statistics.median(values):.1f}x | {min(values):.1f}x |")
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def agree_cell(method, agree):
+    """``ranks agree``: yes / NO, or why it does not apply (no DDP; a hook that exchanges nothing)."""
+    if method == "none":
+        return "n/a (no DDP)"
+    if method == "noop":
+        return "n/a (nothing exchanged)"
+    return "yes" if agree else "NO"
 
 
 def overhead_ratios(rows):
