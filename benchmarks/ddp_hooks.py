@@ -54,6 +54,8 @@ machine's 2 cores.
         --methods none fp16 powersgd-r4 topk topk-fp16v                    # the ratios' spread
     sudo .venv/bin/python benchmarks/ddp_hooks.py --ranks 2 --rates 1gbit --rounds 3 --interleave \\
         --methods none fp16 powersgd-r4 topk                               # the same, in one job each
+    sudo .venv/bin/python benchmarks/ddp_hooks.py --ranks 2 --rates 1gbit --rounds 3 --interleave \\
+        --methods none noop ef-floor fp16 topk                             # against the floor under any hook
 Results: benchmarks/results/exchange/<output-name>.{json,md} (default ddp-hooks-resnet50).
 """
 
