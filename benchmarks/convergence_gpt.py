@@ -240,6 +240,11 @@ for _variant, _what, _args in (
         ("sar", "the sparse allreduce (2/3 of the allgather's bytes at P = 2)", ["--exchange", "sparse_allreduce"]),
         ("sar0.15", "the sparse allreduce at 0.15% (the allgather's bytes at 0.1%, P = 2)",
          ["--exchange", "sparse_allreduce", "--density", "0.0015"]),
+        # each rank's own variance: global_variance scales a noisy entry's local update by up to
+        # sqrt(P), and at 0.1% the residual's random walk then competes harder with the signal for
+        # Top-K's few slots (its steps are up to sqrt(P) smaller without: lr 3e-2 too)
+        ("localvar", "each rank's own variance (global_variance=False)", ["--no-global-variance"]),
+        ("localvar-lr3e-2", "each rank's own variance, lr 3e-2", ["--no-global-variance", "--lr", "3e-2"]),
         # how much more positions per step would buy (a denser wire format at 0.1%'s bytes)
         ("d0.15", "density 0.15% (1.5x the pairs)", ["--density", "0.0015"]),
         ("d0.2", "density 0.2% (2x the pairs)", ["--density", "0.002"]),
