@@ -75,9 +75,8 @@ sys.path.insert(0, str(HERE))
 
 import _common as common  # noqa: E402
 
-METHODS = ("none", "noop", "ef-floor", "ddp", "fp16", "powersgd-r1", "powersgd-r2", "powersgd-r4", "topk", "topk-fp16v", "topk-compact",
-           "topk-view",
-           "topk-ag", "topk-sar")
+METHODS = ("none", "noop", "ef-floor", "ddp", "fp16", "powersgd-r1", "powersgd-r2", "powersgd-r4", "topk", "topk-fp16v",
+           "topk-compact", "topk-view", "topk-ag", "topk-sar")
 FORCED = {"topk-ag": "allgather", "topk-sar": "sparse_allreduce"}
 REFERENCES = ("noop", "ef-floor")  # DDP with a hook that exchanges nothing: what the others are measured against
 PORT = 29511
@@ -321,9 +320,9 @@ def render(report):
         if base is not None and "fp16" in rows and "ef-floor" in rows:
             budget, floor = (rows["fp16"]["median_ms"] - base) / 8, rows["ef-floor"]["median_ms"] - base
             lines += ["", f"8x below the fp16 hook's overhead leaves {budget:.1f} ms; error feedback's memory "
-                          f"passes under DDP (`ef-floor`) took {floor:.1f} ms of it"
+                          f"passes under DDP (`ef-floor`) take {floor:.1f} ms"
                       + (f" (DDP's own part, `noop`: {rows['noop']['median_ms'] - base:.1f} ms)" if "noop" in rows else "")
-                      + f", leaving {budget - floor:.1f} ms for selection, encoding, the wire and decoding"]
+                      + f": {budget - floor:+.1f} ms left for selection, encoding, the wire and decoding"]
         lines.append("")
     rounds = {}
     for run in report["runs"]:
