@@ -245,6 +245,12 @@ for _variant, _what, _args in (
         # Top-K's few slots (its steps are up to sqrt(P) smaller without: lr 3e-2 too)
         ("localvar", "each rank's own variance (global_variance=False)", ["--no-global-variance"]),
         ("localvar-lr3e-2", "each rank's own variance, lr 3e-2", ["--no-global-variance", "--lr", "3e-2"]),
+        # the variance's horizon: beta2 0.95 averages over ~20 steps, the decayed residual over ~100
+        ("beta2-0.99", "Adam's beta2 0.99", ["--beta2", "0.99"]),
+        ("beta2-0.9", "Adam's beta2 0.9", ["--beta2", "0.9"]),
+        # with the residual decaying, old work fades anyway: the rate applied at send time instead
+        ("lr-at-send", "the learning rate applied when an entry is sent (lr_in_residual=False)",
+         ["--no-lr-in-residual"]),
         # how much more positions per step would buy (a denser wire format at 0.1%'s bytes)
         ("d0.15", "density 0.15% (1.5x the pairs)", ["--density", "0.0015"]),
         ("d0.2", "density 0.2% (2x the pairs)", ["--density", "0.002"]),

@@ -99,6 +99,7 @@ def parse_args(argv=None):
     p.add_argument("--nesterov", action="store_true", help="--sync-every: Nesterov outer momentum (DiLoCo)")
     p.add_argument("--beta1", type=float, default=None,
                    help="Adam's beta1 (default 0.9; 0 with --adam local, and with frozen-variance + error feedback)")
+    p.add_argument("--beta2", type=float, default=0.95, help="Adam's beta2 (the variance's horizon)")
     p.add_argument("--freeze-step", type=int, default=0, help="with --adam frozen-variance (e.g. = --warmup-steps)")
     add_training_arguments(p)
     p.add_argument("--clip", type=float, default=None,
@@ -146,6 +147,8 @@ def parse_args(argv=None):
         args.clip = 0.0 if args.adam in ("local", "demo") else 1.0
     if args.beta1 is not None and not 0 <= args.beta1 < 1:
         p.error("--beta1 must be in [0, 1)")
+    if not 0 <= args.beta2 < 1:
+        p.error("--beta2 must be in [0, 1)")
     if args.amp == "fp16" and not torch.cuda.is_available():
         p.error("--amp fp16 needs CUDA (GradScaler); on CPU use --amp bf16")
     if args.compression != "topk" and (args.fp16_values or args.compact or args.density != 0.01):
@@ -165,14 +168,14 @@ def make_optimizer(args, model, scaler):
                             and not args.no_error_feedback)
     beta1 = args.beta1 if args.beta1 is not None else 0.0 if momentum_in_exchange or args.adam == "local" else 0.9
     if args.adam == "frozen-variance":
-        inner = hvd_topk.FrozenVarianceAdamW(groups, lr=args.lr, betas=(beta1, 0.95), freeze_step=args.freeze_step)
+        inner = hvd_topk.FrozenVarianceAdamW(groups, lr=args.lr, betas=(beta1, args.beta2), freeze_step=args.freeze_step)
     elif args.adam == "local":
-        inner = hvd_topk.LocalAdamW(groups, lr=args.lr, betas=(beta1, 0.95), lr_in_residual=args.lr_in_residual,
+        inner = hvd_topk.LocalAdamW(groups, lr=args.lr, betas=(beta1, args.beta2), lr_in_residual=args.lr_in_residual,
                                     global_variance=args.global_variance)
     elif args.adam == "demo":
         inner = hvd_topk.DeMo(groups, lr=args.lr, beta=args.demo_beta, normalise=args.demo_normalise)
     else:
-        inner = torch.optim.AdamW(groups, lr=args.lr, betas=(beta1, 0.95))
+        inner = torch.optim.AdamW(groups, lr=args.lr, betas=(beta1, args.beta2))
     topk = hvd_topk.TopK(density=args.density, fp16_values=args.fp16_values,
                          compact=args.compact) if args.compression == "topk" else None
     if args.sync_every > 1:
