@@ -107,10 +107,20 @@ def dense_start_note(args):
             "(docs/adamw.md, long runs)")
 
 
+LR_SCHEDULES = ("cosine", "wsd")
+WSD_DECAY = 0.2  # --lr-schedule wsd: the linear decay to 0 spans the last 20% of the steps
+
+
 def lr_at(step, args):
+    """The learning rate of ``step`` (from 0): a linear warm-up over ``lr_warmup_steps``, then
+    ``cosine``: a cosine from --lr to 0 at the last step; ``wsd`` (warm-up, stable, decay): --lr
+    until the last WSD_DECAY of the steps, then linearly to 0."""
     warm = lr_warmup_steps(args)
     if step < warm:
         return args.lr * (step + 1) / warm
+    if args.lr_schedule == "wsd":
+        decay = max(1, int(WSD_DECAY * args.steps))
+        return args.lr * min(1.0, (args.steps - step) / decay)
     progress = (step - warm) / max(1, args.steps - warm)
     return args.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
@@ -140,6 +150,8 @@ def add_training_arguments(p):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--lr-warmup", type=float, default=0.1, help="fraction of --steps for the LR warm-up")
+    p.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="cosine",
+                   help="after the warm-up: a cosine to 0, or wsd: constant, then linear to 0 over the last 20%%")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--corpus-mb", type=float, default=4.0, help="bytes of the corpus used, MB")
     p.add_argument("--eval-every", type=int, default=100)

@@ -14,9 +14,9 @@ gpt_model = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(gpt_model)
 
 
-def args(steps, warmup_steps=100, adam="local", lr_warmup=0.1, lr=1.0, density=0.01):
+def args(steps, warmup_steps=100, adam="local", lr_warmup=0.1, lr=1.0, density=0.01, lr_schedule="cosine"):
     return argparse.Namespace(steps=steps, warmup_steps=warmup_steps, adam=adam, lr_warmup=lr_warmup, lr=lr,
-                              density=density)
+                              density=density, lr_schedule=lr_schedule)
 
 
 @pytest.mark.parametrize("steps, lr_warmup, expected", [(10000, 0.1, 1000), (1000, 0.1, 100), (300, 0.1, 30),
@@ -30,6 +30,14 @@ def test_lr_warmup_steps_is_the_ramp_of_lr_at(steps, lr_warmup, expected):
         assert gpt_model.lr_at(0, a) == pytest.approx(1.0 / expected)
     assert gpt_model.lr_at(expected, a) == pytest.approx(1.0)  # the cosine starts at its top
     assert gpt_model.lr_at(expected + 1, a) < 1.0
+
+
+def test_wsd_holds_the_rate_then_decays_linearly_over_the_last_fifth():
+    a = args(1000, lr_schedule="wsd", lr=2.0)                # warm-up 100 steps, decay over steps 800-999
+    assert gpt_model.lr_at(49, a) == pytest.approx(1.0)      # half-way up the warm-up
+    assert [gpt_model.lr_at(s, a) for s in (99, 100, 500, 800)] == pytest.approx([2.0] * 4)
+    assert gpt_model.lr_at(900, a) == pytest.approx(1.0)     # 100 of the decay's 200 steps left
+    assert gpt_model.lr_at(999, a) == pytest.approx(2.0 / 200)
 
 
 def test_dense_start_note_names_a_long_warmup_when_the_start_ends_first():
