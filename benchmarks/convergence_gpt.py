@@ -284,9 +284,9 @@ CONFIGS["gv-0.1%-lr3e-2-fp16v-decay0.99-lrwarm0.3"] = (
     "30% of the steps (1e-2 at step 100)",
     [*CONFIGS["gv-0.1%-lr3e-2-fp16v-decay0.99"][1], "--lr-warmup", "0.3"])
 # the warm-up-stable-decay schedule (--lr-schedule wsd: the rate held until the last 20% of the
-# steps, then linear to 0) for dense AdamW and for 0.1%: "{CONFIG}-wsd"
-for _name in ("dense-lr1e-2", "dense-lr2e-2", "gv-1%-lr1e-2-fp16v", "gv-1%-lr1.5e-2-fp16v", "gv-0.1%-lr2e-2-fp16v-decay0.99",
-              "gv-0.1%-lr1e-2-fp16v-decay0.99"):
+# steps, then linear to 0) for dense AdamW, the 1% recipe and 0.1%: "{CONFIG}-wsd"
+for _name in ("dense-lr6e-3", "dense-lr1e-2", "dense-lr2e-2", "gv-1%-lr1e-2-fp16v", "gv-1%-lr1.5e-2-fp16v",
+              "gv-0.1%-lr2e-2-fp16v-decay0.99", "gv-0.1%-lr1e-2-fp16v-decay0.99"):
     CONFIGS[f"{_name}-wsd"] = (f"{CONFIGS[_name][0]}, the wsd schedule", [*CONFIGS[_name][1], "--lr-schedule", "wsd"])
 # torchrun + DDP (examples/ddp_gpt.py, the same model and data): no hook, PowerSGD, hvd_topk's hook
 DDP_EXAMPLE = ROOT / "examples" / "ddp_gpt.py"
