@@ -111,6 +111,11 @@ LR_SCHEDULES = ("cosine", "wsd")
 WSD_DECAY = 0.2  # --lr-schedule wsd: the linear decay to 0 spans the last 20% of the steps
 
 
+def wsd_decay_steps(args):
+    """How many steps --lr-schedule wsd's linear decay lasts (WSD_DECAY of --steps, at least 1)."""
+    return max(1, int(WSD_DECAY * args.steps))
+
+
 def lr_at(step, args):
     """The learning rate of ``step`` (from 0): a linear warm-up over ``lr_warmup_steps``, then
     ``cosine``: a cosine from --lr to 0 at the last step; ``wsd`` (warm-up, stable, decay): --lr
@@ -119,8 +124,7 @@ def lr_at(step, args):
     if step < warm:
         return args.lr * (step + 1) / warm
     if args.lr_schedule == "wsd":
-        decay = max(1, int(WSD_DECAY * args.steps))
-        return args.lr * min(1.0, (args.steps - step) / decay)
+        return args.lr * min(1.0, (args.steps - step) / wsd_decay_steps(args))
     progress = (step - warm) / max(1, args.steps - warm)
     return args.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
@@ -183,3 +187,6 @@ def check_training_arguments(p, args):
         p.error("--width must be a multiple of --heads")
     if args.lr <= 0 or not 0 <= args.lr_warmup < 1 or args.corpus_mb <= 0:
         p.error("--lr and --corpus-mb must be positive, --lr-warmup in [0, 1)")
+    if args.lr_schedule == "wsd" and lr_warmup_steps(args) > args.steps - wsd_decay_steps(args):
+        p.error(f"--lr-schedule wsd: the warm-up ({lr_warmup_steps(args)} steps) must end before the decay over "
+                f"the last {wsd_decay_steps(args)} steps; lower --lr-warmup")

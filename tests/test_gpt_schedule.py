@@ -40,6 +40,18 @@ def test_wsd_holds_the_rate_then_decays_linearly_over_the_last_fifth():
     assert gpt_model.lr_at(999, a) == pytest.approx(2.0 / 200)
 
 
+def test_wsd_refuses_a_warmup_that_runs_into_its_decay():
+    p = argparse.ArgumentParser()
+    gpt_model.add_training_arguments(p)
+    ok = p.parse_args(["--steps", "1000", "--lr-schedule", "wsd", "--lr-warmup", "0.8"])  # 800 + 200 steps
+    gpt_model.check_training_arguments(p, ok)
+    late = p.parse_args(["--steps", "1000", "--lr-schedule", "wsd", "--lr-warmup", "0.81"])
+    with pytest.raises(SystemExit):
+        gpt_model.check_training_arguments(p, late)
+    cosine = p.parse_args(["--steps", "1000", "--lr-warmup", "0.81"])                  # no decay window to hit
+    gpt_model.check_training_arguments(p, cosine)
+
+
 def test_dense_start_note_names_a_long_warmup_when_the_start_ends_first():
     note = gpt_model.dense_start_note(args(10000, warmup_steps=100))
     assert "(1000 steps)" in note and "--warmup-steps 1000" in note
