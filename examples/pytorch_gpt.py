@@ -98,8 +98,10 @@ def parse_args(argv=None):
     p.add_argument("--outer-momentum", type=float, default=0.0, help="--sync-every: the outer SGD's momentum")
     p.add_argument("--nesterov", action="store_true", help="--sync-every: Nesterov outer momentum (DiLoCo)")
     p.add_argument("--beta1", type=float, default=None,
-                   help="Adam's beta1 (default 0.9; 0 with --adam local, and with frozen-variance + error feedback)")
-    p.add_argument("--beta2", type=float, default=0.95, help="Adam's beta2 (the variance's horizon)")
+                   help="Adam's beta1 (default 0.9; 0 with --adam local, and with frozen-variance + error feedback; "
+                        "not with --adam demo, which has no Adam moments)")
+    p.add_argument("--beta2", type=float, default=None,
+                   help="Adam's beta2, the variance's horizon (default 0.95; not with --adam demo)")
     p.add_argument("--freeze-step", type=int, default=0, help="with --adam frozen-variance (e.g. = --warmup-steps)")
     add_training_arguments(p)
     p.add_argument("--clip", type=float, default=None,
@@ -145,8 +147,13 @@ def parse_args(argv=None):
         p.error(f"--adam {args.adam} does not support the GradScaler of --amp fp16; use --amp bf16")
     if args.clip is None:
         args.clip = 0.0 if args.adam in ("local", "demo") else 1.0
+    if args.adam == "demo" and (args.beta1 is not None or args.beta2 is not None):
+        p.error("--beta1 and --beta2 do not apply to --adam demo (DeMo keeps no Adam moments; its accumulator's "
+                "decay is --demo-beta)")
     if args.beta1 is not None and not 0 <= args.beta1 < 1:
         p.error("--beta1 must be in [0, 1)")
+    if args.beta2 is None:
+        args.beta2 = 0.95
     if not 0 <= args.beta2 < 1:
         p.error("--beta2 must be in [0, 1)")
     if args.amp == "fp16" and not torch.cuda.is_available():

@@ -59,3 +59,18 @@ def test_example_help_defaults_are_the_parsed_ones(script, capsys):
     assert len(shown) >= 7, shown
     for flag, value in shown.items():
         assert str(defaults[flag.replace("-", "_")]) == value, flag
+
+
+def test_gpt_example_refuses_adam_betas_with_demo(capsys):
+    """DeMo keeps no Adam moments: --beta1/--beta2 with --adam demo are a usage error naming
+    them, not silently dropped; elsewhere --beta2 is what was passed, 0.95 when not."""
+    module = _example_module("pytorch_gpt")
+    demo = ["--optimizer", "topk-ef", "--compression", "topk", "--adam", "demo", "--clip", "0"]
+    for flag in ("--beta1", "--beta2"):
+        with pytest.raises(SystemExit):
+            module.parse_args([*demo, flag, "0.9"])
+        assert "--beta1 and --beta2 do not apply to --adam demo" in capsys.readouterr().err
+    assert module.parse_args(demo).beta2 == 0.95
+    local = ["--optimizer", "topk-ef", "--compression", "topk", "--adam", "local", "--clip", "0"]
+    assert module.parse_args([*local, "--beta2", "0.9"]).beta2 == 0.9
+    assert module.parse_args(local).beta2 == 0.95
