@@ -35,7 +35,7 @@ ADAM_WARNING = (
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                          backward_passes_per_step=1, op=hvd.Average,
-                         gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
+                         gradient_predivide_factor=1.0, num_groups=0, groups=None, sparse_as_dense=False,
                          process_set=hvd.global_process_set, *, error_feedback=True,
                          momentum_correction=0.0, warmup_steps=0, warmup_density=0.25,
                          min_numel=1024, fusion_bytes=64 * 1024 * 1024, dense_fallback=True,
@@ -57,6 +57,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
             (op is ``hvd.Average`` or ``hvd.Sum``).
         groups: ``None`` (buckets of ``fusion_bytes``), an int (that many buckets) or a list of
             parameter lists (one bucket each): which tensors share one packed message.
+        num_groups: Horovod's deprecated spelling of ``groups=int``, kept so that calls (also
+            positional ones) written for ``hvd.DistributedOptimizer`` work unchanged; it warns
+            as Horovod does.
         sparse_as_dense: as in Horovod: a sparse gradient (``nn.Embedding(sparse=True)``) is
             made dense, exchanged (and compressed) like any other, and handed to the inner
             optimizer sparse again. hvd_topk does this for every sparse gradient (Horovod's
@@ -110,6 +113,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
     if is_horovod_distributed_optimizer(optimizer):
         raise ValueError("optimizer is already a horovod DistributedOptimizer; wrap the plain "
                          "torch optimizer instead")
+    if num_groups != 0:  # as Horovod 0.28.1 does
+        warnings.warn("Parameter `num_groups` has been replaced by `groups`", DeprecationWarning, stacklevel=2)
+        if groups is None:
+            groups = num_groups
     residual_decay = residual_decay_of(optimizer, residual_decay)
     options = Options(error_feedback=error_feedback, momentum_correction=momentum_correction,
                       warmup_steps=warmup_steps, warmup_density=warmup_density, min_numel=min_numel,
@@ -133,9 +140,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                          "hvd_topk.FrozenVarianceAdamW / torch.optim.AdamW with grad_scaler=.")
     if error_feedback and type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
         warnings.warn(ADAM_WARNING.format(type(optimizer).__name__), stacklevel=2)
-    if momentum_correction and any(g.get("momentum", 0) for g in optimizer.param_groups):
-        warnings.warn("momentum_correction applies momentum before compression; the inner "
-                      "optimizer's own momentum should be 0 (DGC), or momentum is applied twice")
+    if momentum_correction:
+        check_single_momentum(optimizer)
     names = _name_parameters(optimizer.param_groups, named_parameters)
     engine = TopKEngine(optimizer.param_groups, names, compression, options, op=op,
                         gradient_predivide_factor=gradient_predivide_factor,
@@ -149,6 +155,20 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
     engine.transform = getattr(wrapped, "transform_local_gradient", None)
     engine.on_exchanged = getattr(wrapped, "exchanged", None)
     return wrapped
+
+
+def check_single_momentum(optimizer):
+    """``momentum_correction`` keeps DGC's momentum before compression; warn where the inner
+    optimizer has one of its own (SGD's ``momentum``, Adam's beta1), which would apply momentum
+    twice, or where its residual already is one (``transform_local_gradient``: LocalAdamW, DeMo)."""
+    name = type(optimizer).__name__
+    if hasattr(optimizer, "transform_local_gradient"):
+        warnings.warn(f"momentum_correction with {name}: it exchanges each rank's update, whose residual already "
+                      "carries the past (a momentum on top of error feedback's measured to hurt, docs/adamw.md); "
+                      "leave momentum_correction at 0", stacklevel=3)
+    elif any(g.get("momentum", 0) or g.get("betas", (0.0,))[0] for g in optimizer.param_groups):
+        warnings.warn(f"momentum_correction applies momentum before compression; {name}'s own momentum (SGD's "
+                      "momentum, Adam's beta1) should be 0 (DGC), or momentum is applied twice", stacklevel=3)
 
 
 def share_as_subclass(optimizer, methods):

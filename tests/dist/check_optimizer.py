@@ -520,6 +520,49 @@ def check_plain_adam_warns():
         assert recipe_warnings(make, **kwargs) == [], (make, kwargs)
 
 
+def check_momentum_twice_warns():
+    """momentum_correction with an inner optimizer's own momentum (SGD's momentum, Adam's beta1)
+    warns that momentum is applied twice; with LocalAdamW or DeMo (whose residual already
+    carries the past) it warns to leave it at 0; with SGD without momentum, or Adam with beta1 0
+    (FrozenVarianceAdamW as its docstring says to build it), it is silent."""
+    def caught(make):
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            hvd_topk.DistributedOptimizer(make(Net().parameters()), exchange="allgather", momentum_correction=0.9)
+        return [str(w.message) for w in got if "momentum_correction" in str(w.message)]
+    for make in (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                 lambda ps: hvd_topk.FrozenVarianceAdamW(ps, betas=(0.9, 0.95), freeze_step=5)):
+        got = caught(make)
+        assert len(got) == 1 and "applied twice" in got[0], got
+    for make in (hvd_topk.LocalAdamW, hvd_topk.DeMo):
+        got = caught(make)
+        assert len(got) == 1 and "leave momentum_correction at 0" in got[0], got
+    for make in (lambda ps: torch.optim.SGD(ps, lr=0.1),
+                 lambda ps: hvd_topk.FrozenVarianceAdamW(ps, betas=(0.0, 0.95), freeze_step=5)):
+        assert caught(make) == [], make
+
+
+def check_horovod_positional_call():
+    """A call written for hvd.DistributedOptimizer (0.28.1's order: ..., gradient_predivide_factor,
+    num_groups, groups, sparse_as_dense, process_set), positional arguments included, works:
+    num_groups=2 is groups=2 (the same buckets) with Horovod's DeprecationWarning."""
+    def buckets(opt):
+        engine = getattr(opt, hvd_topk.optimizer.ENGINE)
+        return [[engine.names[m.param] for m in b.members] for b in engine.buckets]
+    model = Net()
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        old = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                            hvd_topk.TopK, 1, hvd.Average, 1.0, 2, None, False,
+                                            hvd.global_process_set, min_numel=500)
+    assert any(issubclass(w.category, DeprecationWarning) and "num_groups" in str(w.message) for w in got), got
+    new = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                        groups=2, min_numel=500)
+    default = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                            min_numel=500)
+    assert buckets(old) == buckets(new) != buckets(default), (buckets(old), buckets(new), buckets(default))
+
+
 def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-3, wd=0.1,
                       lr_in_residual=False, residual_decay=1.0, exchange="allgather", global_variance=False,
                       skip=None, idle=None):
@@ -736,6 +779,8 @@ CHECKS = [
     ("step(closure): evaluated once, before the exchange", check_step_closure),
     ("a parameter with no elements, min_numel=0", check_empty_parameter),
     ("plain Adam/AdamW warns, naming the recipe", check_plain_adam_warns),
+    ("momentum_correction over the inner optimizer's own momentum warns", check_momentum_twice_warns),
+    ("a positional call written for hvd.DistributedOptimizer, num_groups", check_horovod_positional_call),
     ("LocalAdamW: Adam per rank, updates exchanged", check_local_adamw),
     ("LocalAdamW: checkpoint resume", check_local_adamw_resume),
     ("LocalAdamW: lr in the residual, residual decay", lambda: check_local_adamw(
