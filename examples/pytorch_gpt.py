@@ -98,8 +98,9 @@ def parse_args(argv=None):
     p.add_argument("--outer-momentum", type=float, default=0.0, help="--sync-every: the outer SGD's momentum")
     p.add_argument("--nesterov", action="store_true", help="--sync-every: Nesterov outer momentum (DiLoCo)")
     p.add_argument("--beta1", type=float, default=None,
-                   help="Adam's beta1 (default 0.9; 0 with --adam local, and with frozen-variance + error feedback; "
-                        "not with --adam demo, which has no Adam moments)")
+                   help="Adam's beta1 (default 0.9; 0 with --adam local; with frozen-variance + error feedback it "
+                        "is the exchange's momentum_correction and the inner beta1 is 0; not with --adam demo, "
+                        "which has no Adam moments)")
     p.add_argument("--beta2", type=float, default=None,
                    help="Adam's beta2, the variance's horizon (default 0.95; not with --adam demo)")
     p.add_argument("--freeze-step", type=int, default=0, help="with --adam frozen-variance (e.g. = --warmup-steps)")
@@ -114,10 +115,20 @@ def parse_args(argv=None):
     if args.optimizer == "topk-ef" and args.compression != "topk":
         p.error("--optimizer topk-ef always compresses with TopK; use --compression topk")
     topk_ef_only = {"no_error_feedback": False, "selection_scope": "tensor", "exchange": "auto", "warmup_steps": 0,
-                    "min_numel": 1024, "residual_decay": 1.0}
+                    "warmup_density": 0.25, "min_numel": 1024, "residual_decay": 1.0}
     for name, default in topk_ef_only.items():
         if getattr(args, name) != default and args.optimizer != "topk-ef":
             p.error(f"--{name.replace('_', '-')} only applies to --optimizer topk-ef")
+    if args.warmup_steps < 0:
+        p.error(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    if args.warmup_density != 0.25 and not args.warmup_steps:
+        p.error("--warmup-density sets where the density warm-up starts: it needs --warmup-steps N > 0 "
+                "(the recipe: --warmup-steps 100 --warmup-density 1.0)")
+    if not 0 < args.warmup_density <= 1:  # (NaN fails this too)
+        p.error(f"--warmup-density must be in (0, 1], got {args.warmup_density}")
+    if 0 < args.warmup_steps < args.sync_every:
+        p.error(f"--warmup-steps {args.warmup_steps} is shorter than one synchronisation (--sync-every "
+                f"{args.sync_every}): the outer optimizer would get no warm-up")
     if (args.adam == "frozen-variance") != (args.freeze_step > 0):
         p.error("--adam frozen-variance needs --freeze-step N > 0, and --freeze-step needs it")
     if args.adam in ("local", "demo") and args.optimizer != "topk-ef":
@@ -164,16 +175,22 @@ def parse_args(argv=None):
     return args
 
 
+def beta1_and_momentum_correction(args):
+    """(the inner Adam's beta1, the exchange's momentum_correction). With frozen-variance and
+    error feedback beta1's momentum is kept before compression (DGC's momentum correction, as
+    1-bit Adam does), so the inner optimizer has none: one momentum, never two."""
+    beta1 = args.beta1 if args.beta1 is not None else 0.0 if args.adam == "local" else 0.9
+    if args.adam == "frozen-variance" and args.optimizer == "topk-ef" and not args.no_error_feedback:
+        return 0.0, beta1
+    return beta1, 0.0
+
+
 def make_optimizer(args, model, scaler):
     """(the distributed optimizer, the TopK instance it compresses with, or None)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # frozen-variance with error feedback: beta1's momentum is kept before compression (DGC's
-    # momentum correction), so the inner optimizer has none
-    momentum_in_exchange = (args.adam == "frozen-variance" and args.optimizer == "topk-ef"
-                            and not args.no_error_feedback)
-    beta1 = args.beta1 if args.beta1 is not None else 0.0 if momentum_in_exchange or args.adam == "local" else 0.9
+    beta1, momentum_correction = beta1_and_momentum_correction(args)
     if args.adam == "frozen-variance":
         inner = hvd_topk.FrozenVarianceAdamW(groups, lr=args.lr, betas=(beta1, args.beta2), freeze_step=args.freeze_step)
     elif args.adam == "local":
@@ -201,7 +218,7 @@ def make_optimizer(args, model, scaler):
                                             warmup_steps=args.warmup_steps, warmup_density=args.warmup_density,
                                             min_numel=args.min_numel, grad_scaler=scaler,
                                             residual_decay=args.residual_decay,
-                                            momentum_correction=0.9 if momentum_in_exchange else 0.0)
+                                            momentum_correction=momentum_correction)
         return opt, topk
     compression = topk or {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[args.compression]
     return hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=compression), topk

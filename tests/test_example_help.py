@@ -74,3 +74,32 @@ def test_gpt_example_refuses_adam_betas_with_demo(capsys):
     local = ["--optimizer", "topk-ef", "--compression", "topk", "--adam", "local", "--clip", "0"]
     assert module.parse_args([*local, "--beta2", "0.9"]).beta2 == 0.9
     assert module.parse_args(local).beta2 == 0.95
+
+
+def test_gpt_example_one_momentum_with_frozen_variance():
+    """--adam frozen-variance with error feedback moves beta1 (default 0.9, or --beta1) into the
+    exchange's momentum_correction and leaves the inner beta1 at 0; elsewhere --beta1 is Adam's."""
+    module = _example_module("pytorch_gpt")
+    frozen = ["--optimizer", "topk-ef", "--compression", "topk", "--adam", "frozen-variance", "--freeze-step", "10"]
+    pick = module.beta1_and_momentum_correction
+    assert pick(module.parse_args(frozen)) == (0.0, 0.9)
+    assert pick(module.parse_args([*frozen, "--beta1", "0.8"])) == (0.0, 0.8)
+    assert pick(module.parse_args([*frozen, "--beta1", "0.8", "--no-error-feedback"])) == (0.8, 0.0)
+    assert pick(module.parse_args(["--beta1", "0.8"])) == (0.8, 0.0)
+    assert pick(module.parse_args(["--optimizer", "topk-ef", "--adam", "local", "--clip", "0"])) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--warmup-density", "0.5"], "--warmup-density only applies to --optimizer topk-ef"),
+    (["--optimizer", "topk-ef", "--warmup-density", "1.0"], "--warmup-density sets where the density warm-up "
+                                                            "starts: it needs --warmup-steps N > 0"),
+    (["--optimizer", "topk-ef", "--warmup-steps", "100", "--warmup-density", "5"], "--warmup-density must be in (0, 1]"),
+    (["--optimizer", "topk-ef", "--warmup-steps", "2", "--sync-every", "4"], "shorter than one synchronisation"),
+])
+def test_gpt_example_refuses_a_warmup_density_that_would_do_nothing(argv, message, capsys):
+    """A dense-start flag that would be silently ignored (no --warmup-steps, not topk-ef) or is out
+    of range is a usage error naming it."""
+    module = _example_module("pytorch_gpt")
+    with pytest.raises(SystemExit):
+        module.parse_args(argv)
+    assert message in " ".join(capsys.readouterr().err.split())
