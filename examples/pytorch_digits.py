@@ -60,6 +60,10 @@ def parse_args(argv=None):
         p.error("--hierarchical only applies to --optimizer topk-ef")
     if args.exchange != "auto" and args.optimizer != "topk-ef":
         p.error("--exchange only applies to --optimizer topk-ef (the drop-in TopK is an allgather)")
+    if args.hierarchical and args.exchange in ("dense", "dense_fp16"):
+        p.error(f"--hierarchical sends sparse pairs across hosts; --exchange {args.exchange} sends every bucket dense")
+    if args.compression != "topk" and args.density != 0.01:
+        p.error("--density only applies to --compression topk")
     if args.compression == "topk":
         try:
             hvd_topk.selection.check_density(args.density, "--density")

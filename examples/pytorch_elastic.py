@@ -49,14 +49,31 @@ def parse_args(argv=None):
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--fail-rank", type=int, default=None, help="this rank exits once, mid-step")
-    p.add_argument("--fail-epoch", type=int, default=1)
+    p.add_argument("--fail-epoch", type=int, default=1, help="with --fail-rank: the epoch it fails in")
     p.add_argument("--fail-marker", default="/tmp/hvd_topk_elastic_failed",
                    help="file recording that the failure happened (so it happens once)")
     p.add_argument("--epoch-log", default=None, help="append one JSON line per epoch (rank 0)")
     p.add_argument("--epoch-wait", type=float, default=0.0,
                    help="seconds to wait before each commit (lets host changes be discovered)")
     p.add_argument("--seed", type=int, default=42)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("epochs", "batches_per_epoch", "batch_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be a positive integer")
+    if not args.lr > 0 or args.epoch_wait < 0:
+        p.error("--lr must be positive, --epoch-wait >= 0")
+    if args.optimizer == "dense" and args.density != 0.01:
+        p.error("--density only applies to --optimizer topk-ef or topk")
+    try:
+        hvd_topk.selection.check_density(args.density, "--density")
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.fail_rank is None and args.fail_epoch != 1:
+        p.error("--fail-epoch only applies with --fail-rank")
+    if args.fail_rank is not None and not (args.fail_rank >= 0 and 0 <= args.fail_epoch < args.epochs):
+        p.error(f"--fail-rank must be >= 0 and --fail-epoch in [0, --epochs={args.epochs}) (epochs count from 0), "
+                f"or the failure never happens")
+    return args
 
 
 def digits():
@@ -75,7 +92,7 @@ def main(args):
     x_all, y_all = digits()
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
     inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    compressor = hvd_topk.TopK(density=args.density)
+    compressor = hvd_topk.TopK(density=args.density) if args.optimizer != "dense" else None
     if args.optimizer == "topk-ef":
         opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
                                             compression=compressor, min_numel=1000)

@@ -45,6 +45,7 @@ from hvd_topk import auto, checkpoint
 from hvd_topk import ddp_exchange as exchange
 from hvd_topk.codec import Codec
 from hvd_topk.optim import residual_decay_of
+from hvd_topk.options import warn_ignored
 from hvd_topk.schedule import DensitySchedule
 from hvd_topk.selection import (DEFAULT_METHOD, check_density, check_flag, check_integer, check_number,
                                 check_residual_decay)
@@ -135,6 +136,7 @@ class TopKState:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
         self.exchange = exchange
         self.exchange_trial_steps = check_integer(exchange_trial_steps, "exchange_trial_steps", 1)
+        warn_ignored(exchange, 2, exchange_trial_steps=(self.exchange_trial_steps, 3))
         self.fp16_values = check_flag(fp16_values, "fp16_values")
         self.compact = check_flag(compact, "compact")
         if self.compact and exchange == "sparse_allreduce":
@@ -142,7 +144,8 @@ class TopKState:
                              "wire and keeps wide pairs: use exchange='allgather' or 'auto'")
         self.min_numel = check_integer(min_numel, "min_numel", 0)
         self.residual_decay = check_residual_decay(
-            residual_decay_of(optimizer, check_number(residual_decay, "residual_decay")), self.error_feedback)
+            residual_decay_of(optimizer, check_number(residual_decay, "residual_decay"), self.error_feedback),
+            self.error_feedback)
         self.codec = Codec(method, fp16_values, self.compact)
         # internal
         # (dist.new_group gives the ranks outside the group a sentinel: the first hook says so)

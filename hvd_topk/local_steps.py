@@ -24,6 +24,7 @@ Tuning (what the papers and our runs say; docs/adamw.md has the measurements):
 - ``warmup_steps`` of the outer optimizer count synchronisations, not steps.
 """
 
+import inspect
 from contextlib import contextmanager
 
 import torch
@@ -95,13 +96,19 @@ def LocalSteps(optimizer, named_parameters=None, *, sync_every, compression=TopK
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if hasattr(optimizer, ENGINE) or hasattr(optimizer, LOCAL) or is_horovod_distributed_optimizer(optimizer):
         raise ValueError("optimizer is already distributed (hvd_topk or Horovod); wrap the plain torch optimizer")
-    if type(optimizer).__module__ == "hvd_topk.optim":
-        raise ValueError(f"hvd_topk.{type(optimizer).__name__} works on exchanged gradients; LocalSteps runs the "
-                         "optimizer on each rank's own gradients: use torch.optim.AdamW (or any plain optimizer)")
-    unknown = sorted(set(options) - OUTER_OPTIONS)
+    if hasattr(optimizer, "transform_local_gradient"):
+        raise ValueError(f"{type(optimizer).__name__} turns each rank's gradient into an update for the exchange; "
+                         "LocalSteps exchanges no gradients, it runs the optimizer on each rank's own: use "
+                         "torch.optim.AdamW (or any plain optimizer)")
+    outside = set(options) - OUTER_OPTIONS
+    gradient_side = sorted(outside & set(inspect.signature(DistributedOptimizer).parameters))
+    unknown = sorted(outside - set(gradient_side))
     if unknown:
-        raise TypeError(f"LocalSteps got option(s) {', '.join(unknown)} that act on gradients, which it does not "
-                        f"exchange; it takes {', '.join(sorted(OUTER_OPTIONS))}")
+        raise TypeError(f"LocalSteps() got unexpected keyword argument(s) {', '.join(unknown)}; besides its own it "
+                        f"takes {', '.join(sorted(OUTER_OPTIONS))}")
+    if gradient_side:
+        raise TypeError(f"LocalSteps got option(s) {', '.join(gradient_side)} that act on gradients, which it does "
+                        f"not exchange; it takes {', '.join(sorted(OUTER_OPTIONS))}")
     sync_every = check_integer(sync_every, "sync_every", 1)
     outer_lr, outer_momentum = check_number(outer_lr, "outer_lr"), check_number(outer_momentum, "outer_momentum")
     check_flag(nesterov, "nesterov")

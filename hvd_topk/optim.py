@@ -350,10 +350,13 @@ def _check_transformed(optimizer, p):
     return False
 
 
-def residual_decay_of(optimizer, residual_decay):
+def residual_decay_of(optimizer, residual_decay, error_feedback=True):
     """The residual decay to use: an inner optimizer that owns it (``hvd_topk.DeMo``'s ``beta``,
     its attribute ``residual_decay``) sets it unless the argument says otherwise."""
     owned = getattr(optimizer, "residual_decay", None)
+    if owned is not None and owned != 1.0 and not error_feedback:
+        raise ValueError(f"{type(optimizer).__name__} keeps its momentum in the residual (beta={owned!r}), which "
+                         "error_feedback=False leaves out: pass error_feedback=True, or beta=1.0")
     if owned is None or residual_decay == owned:
         return residual_decay
     if residual_decay != 1.0:

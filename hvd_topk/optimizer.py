@@ -117,7 +117,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
         warnings.warn("Parameter `num_groups` has been replaced by `groups`", DeprecationWarning, stacklevel=2)
         if groups is None:
             groups = num_groups
-    residual_decay = residual_decay_of(optimizer, residual_decay)
+    residual_decay = residual_decay_of(optimizer, residual_decay, error_feedback)
     options = Options(error_feedback=error_feedback, momentum_correction=momentum_correction,
                       warmup_steps=warmup_steps, warmup_density=warmup_density, min_numel=min_numel,
                       fusion_bytes=fusion_bytes, dense_fallback=dense_fallback,

@@ -103,3 +103,28 @@ def test_gpt_example_refuses_a_warmup_density_that_would_do_nothing(argv, messag
     with pytest.raises(SystemExit):
         module.parse_args(argv)
     assert message in " ".join(capsys.readouterr().err.split())
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("pytorch_digits", ["--compression", "none", "--density", "0.1"], "--density only applies to --compression topk"),
+    ("pytorch_digits", ["--compression", "fp16", "--density", "7"], "--density only applies to --compression topk"),
+    ("pytorch_digits", ["--optimizer", "topk-ef", "--hierarchical", "--exchange", "dense"],
+     "--exchange dense sends every bucket dense"),
+    ("pytorch_elastic", ["--optimizer", "dense", "--density", "0.05"], "--density only applies to --optimizer"),
+    ("pytorch_elastic", ["--density", "1.5"], "--density"),
+    ("pytorch_elastic", ["--fail-epoch", "2"], "--fail-epoch only applies with --fail-rank"),
+    ("pytorch_elastic", ["--fail-rank", "1", "--fail-epoch", "4"], "or the failure never happens"),
+    ("pytorch_elastic", ["--epochs", "0"], "--epochs must be a positive integer"),
+])
+def test_examples_refuse_flags_that_would_do_nothing(script, argv, message, capsys):
+    """A flag the example would ignore, or a failure that would never happen, is a usage error."""
+    module = _example_module(script)
+    with pytest.raises(SystemExit):
+        module.parse_args(argv)
+    assert message in " ".join(capsys.readouterr().err.split())
+
+
+def test_elastic_example_accepts_its_documented_failure():
+    """docs/api.md's command (--epochs 4 --fail-rank 1 --fail-epoch 1) parses."""
+    args = _example_module("pytorch_elastic").parse_args(["--epochs", "4", "--fail-rank", "1", "--fail-epoch", "1"])
+    assert (args.fail_rank, args.fail_epoch) == (1, 1)

@@ -245,6 +245,20 @@ def test_demo_beta_one_accepted():
     assert DeMo([torch.nn.Parameter(torch.zeros(2))], beta=1.0).residual_decay == 1.0
 
 
+def test_demo_without_error_feedback_names_its_beta():
+    """DeMo's momentum lives in the residual: error_feedback=False is refused naming DeMo's beta
+    (the user never passed residual_decay), through the DDP hook's state as through the engine's
+    helper; with beta=1.0 (no decay) it is accepted."""
+    import hvd_topk.ddp
+    from hvd_topk.optim import residual_decay_of
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError, match=r"DeMo keeps its momentum in the residual \(beta=0.9\).*error_feedback=True"):
+        hvd_topk.ddp.TopKState(optimizer=DeMo(params, beta=0.9), error_feedback=False)
+    with pytest.raises(ValueError, match=r"beta=0.5"):
+        residual_decay_of(DeMo(params, beta=0.5), 1.0, error_feedback=False)
+    assert residual_decay_of(DeMo(params, beta=1.0), 1.0, error_feedback=False) == 1.0
+
+
 def test_demo_alone_is_refused():
     """A raw gradient stepped without the exchange's transform is refused (as for LocalAdamW);
     broadcast_optimizer_state's zero-gradient probe step leaves the parameter alone."""

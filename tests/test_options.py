@@ -21,3 +21,51 @@ def test_engine_options_checked_by_type(kwargs, error, text):
 
     with pytest.raises(error, match=re.escape(text)):
         Options(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, error, text", [
+    ({"hierarchical": True, "exchange": "dense"}, ValueError, "hierarchical=True sends sparse pairs across hosts, "
+                                                              "exchange='dense' every bucket dense"),
+    ({"hierarchical": True, "exchange": "dense_fp16"}, ValueError, "exchange='dense_fp16' every bucket dense"),
+])
+def test_engine_option_combinations_refused(kwargs, error, text):
+    from hvd_topk.options import Options
+
+    with pytest.raises(error, match=re.escape(text)):
+        Options(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, ignored", [
+    ({"exchange": "allgather", "exchange_trial_steps": 5}, "exchange_trial_steps has no effect with exchange='allgather'"),
+    ({"exchange": "sparse_allreduce", "exchange_recheck_steps": 10, "exchange_trial_steps": 2},
+     "exchange_trial_steps, exchange_recheck_steps have no effect with exchange='sparse_allreduce'"),
+    ({"exchange": "dense", "selection_scope": "bucket", "dense_fallback": False},
+     "selection_scope, dense_fallback have no effect with exchange='dense'"),
+    ({"exchange": "auto", "exchange_trial_steps": 5, "selection_scope": "bucket"}, None),
+    ({"exchange": "allgather", "selection_scope": "bucket", "dense_fallback": False}, None),
+    ({"exchange": "dense_fp16"}, None),
+])
+def test_options_without_effect_warn(kwargs, ignored):
+    """An option set away from its default where the exchange never reads it (the trial's with a
+    forced exchange, a sparse bucket's with a dense one) warns, naming it; otherwise silence."""
+    import warnings
+
+    from hvd_topk.options import Options
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Options(**kwargs)
+    messages = [str(w.message) for w in caught]
+    assert messages == ([ignored] if ignored else []), messages
+
+
+def test_ddp_state_warns_of_a_trial_option_with_a_forced_exchange():
+    import warnings
+
+    import hvd_topk.ddp
+
+    with pytest.warns(UserWarning, match=re.escape("exchange_trial_steps has no effect with exchange='allgather'")):
+        hvd_topk.ddp.TopKState(exchange="allgather", exchange_trial_steps=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hvd_topk.ddp.TopKState(exchange="auto", exchange_trial_steps=5)

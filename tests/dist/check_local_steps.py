@@ -304,10 +304,15 @@ def check_bad_input():
         hvd_topk.LocalSteps(torch.optim.AdamW(model.parameters()), sync_every=0)
     with raises(TypeError, match="sync_every must be an integer", what="sync_every=2.5"):
         hvd_topk.LocalSteps(torch.optim.AdamW(model.parameters()), sync_every=2.5)
-    with raises(ValueError, match="works on exchanged gradients", what="LocalAdamW inside"):
-        hvd_topk.LocalSteps(hvd_topk.LocalAdamW(model.parameters()), sync_every=4)
+    for inner in (hvd_topk.LocalAdamW, hvd_topk.DeMo):
+        with raises(ValueError, match="turns each rank's gradient into an update", what=f"{inner.__name__} inside"):
+            hvd_topk.LocalSteps(inner(model.parameters()), sync_every=4)
     with raises(TypeError, match="act on gradients", what="op="):
         hvd_topk.LocalSteps(torch.optim.AdamW(model.parameters()), sync_every=4, op=hvd.Sum)
+    with raises(TypeError, match="unexpected keyword argument.s. warmup_step;", what="a misspelt warmup_steps"):
+        hvd_topk.LocalSteps(torch.optim.AdamW(model.parameters()), sync_every=4, warmup_step=25)
+    # FrozenVarianceAdamW is a plain optimizer of gradients: each rank may run it alone
+    hvd_topk.LocalSteps(hvd_topk.FrozenVarianceAdamW(model.parameters(), freeze_step=5), sync_every=4)
     with raises(ValueError, match="nesterov=True needs outer_momentum", what="nesterov without momentum"):
         hvd_topk.LocalSteps(torch.optim.AdamW(model.parameters()), sync_every=4, nesterov=True)
     with raises(ValueError, match="outer_lr must be > 0", what="outer_lr=0"):
