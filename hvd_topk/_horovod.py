@@ -157,11 +157,12 @@ def count_name_fallback():
         warn = not _fallbacks["warned"]
         _fallbacks["warned"] = True
     if warn:
-        warnings.warn("hvd_topk.TopK could not read Horovod's name for a tensor (Horovod "
+        warnings.warn("hvd_topk.TopK found no name for a tensor: hvd.allreduce(...) called without name=, or "
+                      "a Horovod whose internals differ (this is "
                       f"{getattr(sys.modules.get('horovod'), '__version__', '?')}, checked with "
                       f"{CHECKED_VERSION}); naming its allgather by call order instead. That is "
                       "right as long as every rank compresses its tensors in the same order "
-                      "(name your tensors in hvd.allreduce(..., name=...) to be safe).")
+                      "(pass hvd.allreduce(..., name=...) to be safe).")
 
 
 def name_fallbacks():

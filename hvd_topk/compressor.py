@@ -363,8 +363,11 @@ class TopK(Compressor):
     def compression_stats(self, reset=False):
         """Totals on this rank since construction or the last ``reset=True``: bytes sent vs the
         dense bytes replaced, density, timings. The same call as the error-feedback
-        optimizer's ``compression_stats``."""
+        optimizer's ``compression_stats``, without its ``steps``: Horovod hands the drop-in one
+        tensor at a time and never says where a step ends (count ``tensors_sparse`` +
+        ``tensors_dense`` per step yourself, or divide by the steps your loop ran)."""
         out = self._stats.as_dict()
+        del out["steps"]
         if reset:
             self._stats.reset()
         return out

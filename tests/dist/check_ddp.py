@@ -539,6 +539,7 @@ def check_bad_input():
                                   "compact=True packs the allgather's pairs"),
                                  ({"named_parameters": Net().parameters()}, TypeError,
                                   "named_parameters must be model.named_parameters"),
+                                 ({"named_parameters": 5}, TypeError, "named_parameters must be model.named_parameters"),
                                  ({"process_group": "world"}, TypeError, "process_group must be None")]:
         with raises(error, match=match, what=str(kwargs)):
             P(**kwargs)
