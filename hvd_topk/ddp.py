@@ -45,10 +45,9 @@ from hvd_topk import auto, checkpoint
 from hvd_topk import ddp_exchange as exchange
 from hvd_topk.codec import Codec
 from hvd_topk.optim import residual_decay_of
-from hvd_topk.options import warn_ignored
 from hvd_topk.schedule import DensitySchedule
 from hvd_topk.selection import (DEFAULT_METHOD, check_density, check_flag, check_integer, check_number,
-                                check_residual_decay)
+                                check_residual_decay, warn_ignored)
 
 EXCHANGES = ("auto", "allgather", "sparse_allreduce", "dense", "dense_fp16")
 TRIAL_FROM_STEP = 2  # DDP rebuilds its buckets after its first step: measure from the third

@@ -3,10 +3,10 @@ guide (``hvd_topk.DistributedOptimizer``'s docstring points here)."""
 
 import dataclasses
 import numbers
-import warnings
 
 from hvd_topk import exchange
-from hvd_topk.selection import check_density, check_flag, check_integer, check_number, check_residual_decay
+from hvd_topk.selection import (DENSE_EXCHANGES, check_density, check_flag, check_integer, check_number,
+                                check_residual_decay, warn_ignored)
 
 SCOPES = ("tensor", "bucket")
 HIERARCHICAL = ("auto", True, False)
@@ -101,23 +101,6 @@ class Options:
         warn_ignored(self.exchange, 4, exchange_trial_steps=(self.exchange_trial_steps, 3),
                      exchange_recheck_steps=(self.exchange_recheck_steps, 0),
                      selection_scope=(self.selection_scope, "tensor"), dense_fallback=(self.dense_fallback, True))
-
-
-DENSE_EXCHANGES = ("dense", "dense_fp16")
-AUTO_ONLY = ("exchange_trial_steps", "exchange_recheck_steps")  # options of exchange="auto"'s trial
-SPARSE_ONLY = ("selection_scope", "dense_fallback")             # options of a sparse bucket
-
-
-def warn_ignored(exchange_choice, stacklevel=2, **given):
-    """Warn once where options set away from their defaults (``name=(value, default)``) have no
-    effect with this ``exchange``: the trial's with a forced exchange, a sparse bucket's with a
-    dense one. Both transports' options call it."""
-    ignored = [name for name, (value, default) in given.items() if value != default and (
-        (name in AUTO_ONLY and exchange_choice != "auto")
-        or (name in SPARSE_ONLY and exchange_choice in DENSE_EXCHANGES))]
-    if ignored:
-        warnings.warn(f"{', '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no effect with "
-                      f"exchange={exchange_choice!r}", stacklevel=stacklevel + 1)
 
 
 def check_choice(value, name, choices, spelled=None):

@@ -22,6 +22,7 @@ import ctypes
 import itertools
 import math
 import numbers
+import warnings
 
 import torch
 
@@ -79,6 +80,23 @@ def check_residual_decay(decay, error_feedback):
     if value != 1.0 and not error_feedback:
         raise ValueError("residual_decay needs error_feedback=True (without it there is no residual)")
     return value
+
+
+DENSE_EXCHANGES = ("dense", "dense_fp16")
+AUTO_ONLY = ("exchange_trial_steps", "exchange_recheck_steps")  # options of exchange="auto"'s trial
+SPARSE_ONLY = ("selection_scope", "dense_fallback")             # options of a sparse bucket
+
+
+def warn_ignored(exchange_choice, stacklevel=2, **given):
+    """Warn once where options set away from their defaults (``name=(value, default)``) have no
+    effect with this ``exchange``: the trial's with a forced exchange, a sparse bucket's with a
+    dense one. Both transports' options call it (here: no Horovod import)."""
+    ignored = [name for name, (value, default) in given.items() if value != default and (
+        (name in AUTO_ONLY and exchange_choice != "auto")
+        or (name in SPARSE_ONLY and exchange_choice in DENSE_EXCHANGES))]
+    if ignored:
+        warnings.warn(f"{', '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no effect with "
+                      f"exchange={exchange_choice!r}", stacklevel=stacklevel + 1)
 
 
 def check_method(method):
