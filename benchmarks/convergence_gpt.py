@@ -254,7 +254,14 @@ for _variant, _what, _args in (
         # how much more positions per step would buy (a denser wire format at 0.1%'s bytes)
         ("d0.15", "density 0.15% (1.5x the pairs)", ["--density", "0.0015"]),
         ("d0.2", "density 0.2% (2x the pairs)", ["--density", "0.002"]),
-        ("d0.3", "density 0.3% (3x the pairs)", ["--density", "0.003"])):
+        ("d0.3", "density 0.3% (3x the pairs)", ["--density", "0.003"]),
+        # diagnostics, not budgets: where the 0.1% gap sits, by sending some tensors dense
+        # (min_numel; this model's sizes: token embedding and head 32768, position embedding and
+        # attention output 16384, attention input 49152, MLP 65536 each)
+        ("dense33k", "diagnostic: embeddings, head and attention outputs dense (min_numel 33000)",
+         ["--min-numel", "33000"]),
+        ("dense16k", "diagnostic: position embedding and attention outputs dense (min_numel 16385)",
+         ["--min-numel", "16385"])):
     CONFIGS[f"gv-0.1%-lr2e-2-fp16v-decay0.99-{_variant}"] = (
         f"hvd_topk 0.1%, the recipe at lr 2e-2, 16-bit values, residual_decay=0.99, {_what}",
         [*CONFIGS["gv-0.1%-lr2e-2-fp16v-decay0.99"][1], *_args])

@@ -24,6 +24,7 @@ import torch
 STATE_KEY = "hvd_topk"  # the optimizer state_dict's entry holding this section
 STATE_FORMAT = 2
 COMPILED_MODULE = "_orig_mod"  # the attribute torch.compile's OptimizedModule keeps the model in
+WRAPPER_MODULE = "module"      # the attribute DistributedDataParallel (and DataParallel) keeps it in
 
 
 # Inner-optimizer state entries that hold one value per parameter element (torch's built-in
@@ -231,14 +232,19 @@ def _restore(bucket, flat, saved):
 
 
 def plain_name(name):
-    """``name`` without ``torch.compile``'s ``_orig_mod`` components: a compiled model's
-    ``_orig_mod.fc.weight`` (or ``block._orig_mod.fc.weight``) is the plain model's ``fc.weight``."""
-    return ".".join(part for part in name.split(".") if part != COMPILED_MODULE)
+    """``name`` without ``torch.compile``'s ``_orig_mod`` components and without the leading
+    ``module.`` that wrapping in ``DistributedDataParallel`` adds: a compiled model's
+    ``_orig_mod.fc.weight`` (or ``block._orig_mod.fc.weight``) and ``ddp_model.named_parameters()``'s
+    ``module.fc.weight`` are the plain model's ``fc.weight``."""
+    parts = name.split(".")
+    while len(parts) > 1 and parts[0] in (WRAPPER_MODULE, COMPILED_MODULE):
+        parts = parts[1:]
+    return ".".join(part for part in parts if part != COMPILED_MODULE)
 
 
 def match_names(saved, ours):
     """``saved`` re-keyed by the names in ``ours`` (exact name first, else equal once the
-    ``_orig_mod`` prefixes are removed), and the saved names that matched none."""
+    wrappers' prefixes are removed, ``plain_name``), and the saved names that matched none."""
     by_plain = {plain_name(n): n for n in ours}
     ours = set(ours)
     matched, dropped = {}, []
@@ -259,4 +265,5 @@ def warn_dropped(names, shown=5, owner="this optimizer"):
     warnings.warn(f"hvd_topk: {len(names)} saved error-feedback residual(s) match no parameter that "
                   f"{owner} exchanges with error feedback and were dropped: {listed}. Were "
                   "they saved from a different model, or with other named_parameters, min_numel or "
-                  "error_feedback? (torch.compile's '_orig_mod.' prefix is mapped automatically.)")
+                  "error_feedback? (torch.compile's '_orig_mod.' and DistributedDataParallel's leading 'module.' "
+                  "are mapped automatically.)")

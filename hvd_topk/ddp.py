@@ -173,7 +173,7 @@ class TopKState:
 
     # ---- statistics --------------------------------------------------------------------
     def stats(self):
-        """Totals since the start (or since ``load_state_dict``): ``bytes_ratio`` is bytes handed
+        """Totals since the start (``load_state_dict`` keeps them): ``bytes_ratio`` is bytes handed
         to the network over a dense fp32 allreduce's, averaged over the whole run."""
         out = dict(self._stats)
         out["bytes_ratio"] = out["bytes_sent"] / out["bytes_dense"] if out["bytes_dense"] else 0.0

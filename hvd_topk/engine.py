@@ -151,6 +151,7 @@ class TopKEngine:
         self.transform = None      # the inner optimizer's transform_local_gradient(p, grad, ranks), if any
         self.on_exchanged = None   # and its exchanged(), told when p.grad holds the step's result
         self.used = {}             # bucket index -> strategy name of its last exchange
+        self.verify_step = True    # the next step's first launch checks that the ranks' steps agree
         self.retired = False
         self.hooks = _register_hooks(self) if self.member else []
 
@@ -210,7 +211,7 @@ class TopKEngine:
         if self.world > 1:
             # Started before the first fold, read when the first sparse bucket launches (by
             # then it has long arrived).
-            self.active.start(self.process_set)
+            self.active.start(self.process_set, self.step)
 
     def _fold(self, bucket, position, grad):
         current = bucket.current or self._begin_bucket(bucket)
@@ -287,6 +288,8 @@ class TopKEngine:
         strategy = current.strategy
         name = f"{self.prefix}.bucket{bucket.index}.{strategy.name}"
         self.stats.add(elements_total=bucket.numel, bytes_dense=bucket.numel * bucket.element_size)
+        if self.verify_step:
+            self._check_steps_agree()
         if strategy.sparse and self._someone_joined():
             # hvd.join(): Horovod's joined ranks answer allreduces (with zeros), not allgathers.
             if current.encode is not None and self.options.error_feedback:
@@ -306,6 +309,23 @@ class TopKEngine:
     def _someone_joined(self):
         active = self.active.read()
         return active is not None and active < self.world
+
+    def _check_steps_agree(self):
+        """At the first launch after construction or ``load_state_dict`` (a checkpoint loaded on
+        one rank only is where steps part), before any collective of the step: a RuntimeError
+        where the ranks are at different steps (their warm-up densities, strategies and messages
+        would differ, and the exchange would hang). It waits for the step's ``hvd.join()`` probe
+        (started at the first gradient, carrying the step) on that step only; on the others the
+        probe is read where a sparse bucket needs it, by then long arrived."""
+        self.verify_step = False
+        self.active.read()
+        if not self.active.steps_agree:
+            raise RuntimeError(
+                f"hvd_topk.DistributedOptimizer: the ranks are at different steps (this rank: {self.step}), so "
+                "their densities and messages would not match. After loading a checkpoint on one rank, "
+                "hvd.broadcast_optimizer_state carries its step to the others, except for an optimizer "
+                "without state (such as SGD without momentum), for which Horovod broadcasts nothing: load "
+                "the checkpoint on every rank.")
 
     def synchronize(self):
         """Finish every exchange of this step; afterwards ``p.grad`` holds the averaged result."""
@@ -394,6 +414,7 @@ class TopKEngine:
         state) the step is kept and the residuals start from zero.
         """
         self.forget_step()
+        self.verify_step = True
         # exchange="auto": measure again from here. Every rank restoring (and an elastic job's new
         # worker, whose trial has not started) then starts its trial at the same step.
         self.planner.forget_trial()

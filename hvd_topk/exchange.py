@@ -170,14 +170,24 @@ class ActiveRanks:
     set's size means a rank has joined and only allreduces may follow in this round.
     """
 
+    STEP_MODULUS = 2 ** 20  # steps compared modulo this: n x the sum of squares stays exact in float64
+
     def __init__(self, name):
         self.name = name
         self.one = torch.ones(1)
-        self.handle, self.count = None, None
+        self.handle, self.count, self.steps_agree = None, None, True
 
-    def start(self, process_set):
-        self.handle, self.count = hvd.allreduce_async(self.one, name=self.name, op=hvd.Sum,
-                                                      process_set=process_set), None
+    def start(self, process_set, step=None):
+        """With ``step``, the probe also carries it (as ``[1, s, s^2]``, ``s`` the step modulo
+        ``STEP_MODULUS``, in float64): ``steps_agree`` then says whether every rank taking part
+        is at the same step (n x sum(s^2) == sum(s)^2 only when all are equal; a joined rank's
+        zeros count for nothing)."""
+        probe = self.one
+        if step is not None:
+            s = float(step % self.STEP_MODULUS)
+            probe = torch.tensor([1.0, s, s * s], dtype=torch.float64)
+        self.handle, self.count, self.steps_agree = hvd.allreduce_async(probe, name=self.name, op=hvd.Sum,
+                                                                        process_set=process_set), None, True
 
     def arrived(self):
         return self.count is not None or (self.handle is not None and hvd.poll(self.handle))
@@ -185,11 +195,14 @@ class ActiveRanks:
     def read(self):
         """The ranks taking part (None when not started this round)."""
         if self.handle is not None:
-            self.count, self.handle = int(hvd.synchronize(self.handle)), None
+            sums = hvd.synchronize(self.handle)
+            self.count, self.handle = int(sums[0]), None
+            if sums.numel() == 3:
+                self.steps_agree = bool(sums[0] * sums[2] == sums[1] * sums[1])
         return self.count
 
     def forget(self):
-        self.handle, self.count = None, None
+        self.handle, self.count, self.steps_agree = None, None, True
 
 
 BY_NAME = {s.name: s for s in (DenseAllreduce, DenseAllreduceFp16, AllgatherPairs, SparseAllreduce)}

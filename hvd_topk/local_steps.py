@@ -36,9 +36,16 @@ from hvd_topk.engine import check_still_frozen, check_still_trainable
 from hvd_topk.optimizer import ENGINE, LOCAL, DistributedOptimizer, _name_parameters, share_as_subclass
 from hvd_topk.selection import check_flag, check_integer, check_number
 
-STATE_KEY = "hvd_topk_local_steps"  # its section of state_dict(): anchors and the outer optimizer
+STATE_KEY = "hvd_topk_local_steps"  # its section of state_dict(): this rank's outer optimizer
 PHASE_KEY = "hvd_topk_local_step"   # param group 0: steps since the last synchronisation
 SYNCS_KEY = "hvd_topk_local_syncs"  # param group 0: the outer optimizer's step (synchronisations done)
+# param group 0 of state_dict() (never of the live groups): what every rank shares, the anchors and
+# the outer SGD's momentum buffers. hvd.broadcast_optimizer_state broadcasts a state_dict()'s
+# param-group options from the root and sets them on the live groups, where the next step()
+# takes them in (_adopt_shared); load_state_dict takes them in at once. Horovod 0.28.1 broadcasts
+# nothing for an optimizer without state (SGD without momentum): the check at each
+# synchronisation (_check_shared) then says so.
+SHARED_KEY = "hvd_topk_local_shared"
 
 # The outer DistributedOptimizer's keyword options that make sense here; the others (op,
 # backward_passes_per_step, grad_scaler, momentum_correction, ...) act on gradients, which never
@@ -46,6 +53,12 @@ SYNCS_KEY = "hvd_topk_local_syncs"  # param group 0: the outer optimizer's step 
 OUTER_OPTIONS = frozenset({"error_feedback", "residual_decay", "warmup_steps", "warmup_density", "min_numel",
                            "fusion_bytes", "dense_fallback", "selection_scope", "exchange", "exchange_trial_steps",
                            "exchange_recheck_steps", "hierarchical", "groups"})
+
+
+def _momentum_buffer(outer, anchor):
+    """The outer SGD's momentum buffer of ``anchor`` (a copy), or None (no momentum, or none yet)."""
+    buffer = outer.state.get(anchor, {}).get("momentum_buffer")
+    return None if buffer is None else buffer.detach().clone()
 
 
 class LocalStepsState:
@@ -78,9 +91,9 @@ def LocalSteps(optimizer, named_parameters=None, *, sync_every, compression=TopK
     for), so code written for the DistributedOptimizer runs unchanged.
 
     Args:
-        optimizer: a plain torch optimizer (``torch.optim.AdamW``). hvd_topk's inner optimizers
-            (``LocalAdamW``, ``DeMo``, ``FrozenVarianceAdamW``) work on exchanged gradients and
-            are refused.
+        optimizer: a plain torch optimizer (``torch.optim.AdamW``). ``LocalAdamW`` and ``DeMo``
+            turn each rank's gradient into an update for an exchange of gradients and are refused
+            (``FrozenVarianceAdamW``, a plain optimizer of gradients, may run on each rank).
         named_parameters: as in Horovod; the names the anchors are exchanged under.
         sync_every: steps between synchronisations (H >= 1; 1 exchanges the change every step).
         compression: ``hvd_topk.TopK(density=...)`` for the model change.
@@ -164,6 +177,7 @@ class _LocalSteps(torch.optim.Optimizer):
         check_still_trainable(zip(local.params, local.names), "hvd_topk.LocalSteps",
                               "its shared copy would still move by the residual of its earlier changes, "
                               "and every synchronisation resets it to that copy")
+        self._adopt_shared()
         if self.local_step == 0:
             # A period starts from the shared weights. Taken from the model (identical on every
             # rank here: just reset to the anchors, or broadcast by the user before training,
@@ -171,10 +185,6 @@ class _LocalSteps(torch.optim.Optimizer):
             with torch.no_grad():
                 for a, p in zip(local.anchors, local.params):
                     a.copy_(p)
-            # and at the shared synchronisation count (the outer warm-up's step), which lives in
-            # the outer optimizer: kept in this optimizer's param groups too, so that
-            # hvd.broadcast_optimizer_state brings a new elastic worker to it
-            getattr(local.outer, ENGINE).step = self.param_groups[0][SYNCS_KEY]
         loss = self._local_step(closure)
         local.steps += 1
         phase = self.local_step + 1
@@ -213,6 +223,11 @@ class _LocalSteps(torch.optim.Optimizer):
     def _synchronise_model(self):
         """The model change through the outer optimizer, then every replica reset to the anchors."""
         local = getattr(self, LOCAL)
+        self._check_shared()
+        # The shared synchronisation count (the outer warm-up's step) lives in the outer optimizer;
+        # kept in this optimizer's param groups too, so that hvd.broadcast_optimizer_state brings
+        # a rank that did not take part (a new elastic worker, a rank that loaded nothing) to it.
+        getattr(local.outer, ENGINE).step = self.param_groups[0][SYNCS_KEY]
         with torch.no_grad():
             for p, a in zip(local.params, local.anchors):
                 if a.grad is None:
@@ -230,37 +245,95 @@ class _LocalSteps(torch.optim.Optimizer):
         yield
 
     def state_dict(self):
-        """The user's optimizer's state (with the phase in its param groups) plus, under
-        ``"hvd_topk_local_steps"``, the anchors and the outer optimizer's state (residuals are per
-        rank: save one file per rank for a bitwise resume)."""
+        """The user's optimizer's state (with the phase in its param groups and, in param group 0,
+        what every rank shares: the anchors and the outer SGD's momentum) plus, under
+        ``"hvd_topk_local_steps"``, this rank's outer optimizer (its residuals are per rank: save
+        one file per rank for a bitwise resume)."""
         local = getattr(self, LOCAL)
         state = super(self.__class__, self).state_dict()
-        state[STATE_KEY] = {"anchors": [a.detach().clone() for a in local.anchors],
-                            "outer": local.outer.state_dict()}
+        state["param_groups"][0][SHARED_KEY] = {
+            "anchors": [a.detach().clone() for a in local.anchors],
+            "outer_momentum": [_momentum_buffer(local.outer, a) for a in local.anchors]}
+        state[STATE_KEY] = {"outer": local.outer.state_dict()}
         return state
 
     def load_state_dict(self, state_dict):
         """A checkpoint without the local-steps section (a plain optimizer's) starts a new
         period: the anchors are taken from the model at the next ``step()``. One saved with a
         larger ``sync_every``, further into its period than this one's length, synchronises at
-        the next ``step()``."""
+        the next ``step()``. (Checkpoints written before the anchors moved to param group 0 hold
+        them in the local-steps section: read from there.)"""
         local = getattr(self, LOCAL)
         state_dict = dict(state_dict)
         ours = state_dict.pop(STATE_KEY, None)
-        if ours is not None:
-            anchors = ours["anchors"]
-            if len(anchors) != len(local.anchors) or any(a.shape != b.shape for a, b in zip(anchors, local.anchors)):
-                raise ValueError("the checkpoint's local-steps anchors do not match this optimizer's parameters "
-                                 f"({len(anchors)} saved, {len(local.anchors)} here, or their shapes differ)")
+        if ours is not None and "anchors" in ours:
+            groups = [dict(g) for g in state_dict["param_groups"]]
+            groups[0].setdefault(SHARED_KEY, {"anchors": ours["anchors"]})
+            state_dict["param_groups"] = groups
+        shared = state_dict["param_groups"][0].get(SHARED_KEY) if state_dict.get("param_groups") else None
+        if shared is not None:
+            self._check_shared_shapes(shared)
         super(self.__class__, self).load_state_dict(state_dict)
         if ours is None:
+            self.param_groups[0].pop(SHARED_KEY, None)
             self.param_groups[0][PHASE_KEY] = 0
             self.param_groups[0].setdefault(SYNCS_KEY, 0)
             return
-        with torch.no_grad():
-            for a, saved in zip(local.anchors, ours["anchors"]):
-                a.copy_(saved)
+        self._adopt_shared()
         local.outer.load_state_dict(ours["outer"])
+
+    def _check_shared_shapes(self, shared):
+        """ValueError naming the first anchor whose saved shape differs (nothing changed yet)."""
+        local = getattr(self, LOCAL)
+        anchors = shared["anchors"]
+        if len(anchors) != len(local.anchors):
+            raise ValueError(f"the checkpoint's local-steps anchors do not match this optimizer's parameters "
+                             f"({len(anchors)} saved, {len(local.anchors)} here)")
+        for name, saved, here in zip(local.names, anchors, local.anchors):
+            if tuple(saved.shape) != tuple(here.shape):
+                raise ValueError(f"the checkpoint's local-steps anchors do not match this optimizer's parameters: "
+                                 f"{name} was saved with shape {tuple(saved.shape)}, here it is {tuple(here.shape)}")
+
+    def _adopt_shared(self):
+        """Copy shared state set on param group 0 (by ``hvd.broadcast_optimizer_state`` or
+        ``load_state_dict``) into the anchors and the outer momentum, and take it off the group."""
+        shared = self.param_groups[0].pop(SHARED_KEY, None)
+        if shared is None:
+            return
+        local = getattr(self, LOCAL)
+        self._check_shared_shapes(shared)
+        momenta = shared.get("outer_momentum") or [None] * len(local.anchors)
+        with torch.no_grad():
+            for a, saved, momentum in zip(local.anchors, shared["anchors"], momenta):
+                a.copy_(saved)
+                if momentum is not None:
+                    local.outer.state[a]["momentum_buffer"] = momentum.to(a.device, a.dtype).clone()
+
+    def _check_shared(self):
+        """Before a synchronisation: every rank at the same synchronisation count with the same
+        anchors (a float64 checksum), or a RuntimeError saying how they came apart. A cheap
+        allgather every ``sync_every`` steps. A rank inside ``hvd.join()`` answers allreduces but not
+        allgathers (horovod#3471): a count of the active ranks first, and no check while one has
+        joined (the broadcasts after ``hvd.join()`` bring the ranks together again)."""
+        local = getattr(self, LOCAL)
+        engine = getattr(local.outer, ENGINE)  # its name and process set name this check's collectives
+        active = hvd.allreduce(torch.ones(1), name=f"{engine.prefix}.local_steps_active", op=hvd.Sum,
+                               process_set=engine.process_set)
+        if int(active.item()) < engine.world:
+            return
+        with torch.no_grad():
+            checksum = torch.stack([a.detach().double().sum() for a in local.anchors]).sum().cpu() \
+                if local.anchors else torch.zeros((), dtype=torch.float64)
+        mine = torch.stack([torch.tensor(float(self.param_groups[0][SYNCS_KEY]), dtype=torch.float64),
+                            torch.tensor(float(self.local_step), dtype=torch.float64), checksum]).reshape(1, 3)
+        rows = hvd.allgather(mine, name=f"{engine.prefix}.local_steps_agree", process_set=engine.process_set)
+        if not bool((rows == rows[0]).all()):
+            raise RuntimeError(
+                "hvd_topk.LocalSteps: the ranks hold different shared weights or are at different points of "
+                f"their period (synchronisations, step in the period, anchor checksum per rank: {rows.tolist()}). "
+                "Load a checkpoint on every rank (or hvd.broadcast_optimizer_state it from one: that carries "
+                "the shared weights, except for an inner optimizer without state, such as SGD without "
+                "momentum, for which Horovod broadcasts nothing), and broadcast the model with it.")
 
     def compression_stats(self, reset=False):
         """The outer optimizer's statistics, with bytes compared to a dense allreduce at every

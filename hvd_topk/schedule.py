@@ -1,5 +1,7 @@
 """Density warm-up: DGC's exponential schedule from a high density down to the target."""
 
+import warnings
+
 from hvd_topk.selection import check_density, check_integer
 
 
@@ -15,7 +17,12 @@ class DensitySchedule:
     def __init__(self, target, warmup_steps=0, start=0.25):
         self.target = check_density(target)
         self.warmup_steps = check_integer(warmup_steps, "warmup_steps", 0)
-        self.start = max(check_density(start, "warmup_density"), self.target)
+        start = check_density(start, "warmup_density")
+        if self.warmup_steps and start <= self.target:
+            warnings.warn(f"warmup_density={start!r} is not above the density {self.target!r}: the warm-up over "
+                          f"{self.warmup_steps} steps does nothing (a dense start is warmup_density=1.0)",
+                          stacklevel=3)
+        self.start = max(start, self.target)
 
     def density(self, step):
         if step >= self.warmup_steps:

@@ -16,6 +16,20 @@ def test_checkpoint_names_map_torch_compile_prefix():
     assert matched == {"_orig_mod.fc.weight": 1, "_orig_mod.x": 2} and dropped == []
 
 
+def test_checkpoint_names_map_the_ddp_wrapper_prefix():
+    """DistributedDataParallel's named_parameters() add a leading "module." (twice when wrapped
+    twice, and before torch.compile's prefix): saved either way, loaded the other way; a
+    "module" inside the name is a real submodule and stays."""
+    from hvd_topk.checkpoint import match_names
+
+    ours = ["fc.weight", "block.module.conv.weight"]
+    saved = {"module.fc.weight": 1, "module.block.module.conv.weight": 2, "module.gone": 3}
+    assert match_names(saved, ours) == ({"fc.weight": 1, "block.module.conv.weight": 2}, ["module.gone"])
+    assert match_names({"fc.weight": 1}, ["module.module.fc.weight"]) == ({"module.module.fc.weight": 1}, [])
+    assert match_names({"module._orig_mod.fc.weight": 1}, ["fc.weight"]) == ({"fc.weight": 1}, [])
+    assert match_names({"block.conv.weight": 1}, ["block.module.conv.weight"]) == ({}, ["block.conv.weight"])
+
+
 def test_dropped_residuals_warn_once_listing_a_few():
     from hvd_topk.checkpoint import warn_dropped as _warn_dropped
 

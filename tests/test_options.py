@@ -69,3 +69,21 @@ def test_ddp_state_warns_of_a_trial_option_with_a_forced_exchange():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         hvd_topk.ddp.TopKState(exchange="auto", exchange_trial_steps=5)
+
+
+def test_a_warmup_that_does_nothing_warns():
+    """A warm-up from a density at or below the target changes nothing: it warns, naming
+    warmup_density (DensitySchedule, which both transports use); a real warm-up is silent and
+    starts where it says (DGC's curve, hand-computed: 0.16 -> 0.01 over 4 steps halves twice)."""
+    import warnings
+
+    import hvd_topk.ddp
+    from hvd_topk.schedule import DensitySchedule
+
+    with pytest.warns(UserWarning, match=re.escape("warmup_density=0.001 is not above the density 0.01")):
+        hvd_topk.ddp.TopKState(density=0.01, warmup_steps=10, warmup_density=0.001)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        schedule = DensitySchedule(0.01, 4, 0.16)
+        DensitySchedule(0.01, 0, 0.001)  # no warm-up: warmup_density is not used
+    assert [schedule.density(s) for s in range(5)] == pytest.approx([0.16, 0.08, 0.04, 0.02, 0.01])

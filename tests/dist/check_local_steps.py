@@ -238,7 +238,8 @@ def check_elastic_state():
     state.restore()
     restored = opt.state_dict()
     assert opt.local_step == 1, opt.local_step
-    for a, b in zip(restored["hvd_topk_local_steps"]["anchors"], committed["opt"]["hvd_topk_local_steps"]["anchors"]):
+    shared = "hvd_topk_local_shared"  # param group 0 of state_dict(): the anchors
+    for a, b in zip(restored["param_groups"][0][shared]["anchors"], committed["opt"]["param_groups"][0][shared]["anchors"]):
         assert torch.equal(a, b), "anchors not restored"
     for name, r in committed["opt"]["hvd_topk_local_steps"]["outer"]["hvd_topk"]["residuals"].items():
         assert torch.equal(restored["hvd_topk_local_steps"]["outer"]["hvd_topk"]["residuals"][name], r), name
@@ -258,6 +259,62 @@ def check_elastic_state():
     train(model, opt, 4, start=4)
     for n, p in model.named_parameters():
         assert_same_on_all_ranks(p.detach().numpy(), f"after the new worker's first synchronisations: {n}")
+
+
+def fresh_then_broadcast(make_inner, saved, **options):
+    """Every rank builds fresh objects from its own seed, rank 0 loads ``saved`` (its model and
+    optimizer), then Horovod's usual broadcasts from rank 0."""
+    model, opt = build(make_inner, sync_every=3, seed=100 + hvd.rank(), **options)
+    if hvd.rank() == 0:
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    return model, opt
+
+
+def check_broadcast_mid_period():
+    """A checkpoint loaded on rank 0 alone, two steps into a period (H=3), then broadcast: the
+    other ranks take rank 0's phase, shared weights (anchors) and outer momentum, so after the
+    next synchronisation every rank holds the same bits. (The anchors once stayed behind:
+    replicas parted for good.)"""
+    model, opt = build(adamw(), sync_every=3, outer_momentum=0.9)
+    train(model, opt, 5)
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    model, opt = fresh_then_broadcast(adamw(), saved, outer_momentum=0.9)
+    assert opt.local_step == 2, opt.local_step
+    train(model, opt, 4, start=5)  # a synchronisation at step 6 (1 step on), and at 9
+    for n, p in model.named_parameters():
+        assert_same_on_all_ranks(p.detach().numpy(), f"after the synchronisations: {n}")
+
+
+def check_stateless_broadcast_refused():
+    """The same with SGD without momentum, whose state Horovod does not broadcast (nor its
+    phase): at the first synchronisation the ranks see that they disagree and every rank raises
+    a RuntimeError saying so, where they once went on with different shared weights."""
+    model, opt = build(sgd(), sync_every=3)
+    train(model, opt, 5)
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    model, opt = fresh_then_broadcast(sgd(), saved)
+    with raises(RuntimeError, match="the ranks hold different shared weights", what="the first synchronisation"):
+        train(model, opt, 3, start=5)
+
+
+def check_join_then_next_epoch():
+    """hvd.join() with uneven batches (rank 0: 4 steps, the others 2; H=3, AdamW), then the usual
+    broadcasts from the rank that joined last, then a second epoch: every rank's phase, shared
+    weights and model are rank 0's, and after the next synchronisation they hold the same bits."""
+    model, opt = build(adamw(), sync_every=3)
+    train(model, opt, 4 if hvd.rank() == 0 else 2)
+    last = hvd.join()
+    assert last == 0, last
+    hvd.broadcast_parameters(model.state_dict(), root_rank=last)
+    hvd.broadcast_optimizer_state(opt, root_rank=last)
+    assert opt.local_step == 1, opt.local_step
+    train(model, opt, 2, start=4)  # rank 0's phase 1 + 2: a synchronisation on every rank
+    assert opt.local_step == 0, opt.local_step
+    for n, p in model.named_parameters():
+        assert_same_on_all_ranks(p.detach().numpy(), f"after the second epoch's synchronisation: {n}")
 
 
 def check_join():
@@ -328,8 +385,14 @@ def check_bad_input():
                                  named_parameters=model.named_parameters())
     _, opt = build(sgd(), sync_every=2)
     state = opt.state_dict()
-    state["hvd_topk_local_steps"]["anchors"] = state["hvd_topk_local_steps"]["anchors"][:-1]
+    shared = state["param_groups"][0]["hvd_topk_local_shared"]
+    shared["anchors"] = shared["anchors"][:-1]
     with raises(ValueError, match="anchors do not match", what="a checkpoint of another model"):
+        opt.load_state_dict(state)
+    state = opt.state_dict()
+    state["param_groups"][0]["hvd_topk_local_shared"]["anchors"][0] = torch.zeros(3, 5)
+    with raises(ValueError, match=r"fc1.weight was saved with shape \(3, 5\), here it is \(96, 40\)",
+                what="a resized layer"):
         opt.load_state_dict(state)
 
 
@@ -351,6 +414,9 @@ CHECKS = [
     ("a parameter frozen after construction is refused", check_frozen_after_construction),
     ("hvd.elastic: commit, restore, a new worker", check_elastic_state),
     ("hvd.join with uneven batches", check_join),
+    ("a checkpoint on rank 0 alone, broadcast mid-period", check_broadcast_mid_period),
+    ("the same with a stateless inner optimizer: the ranks' disagreement is an error", check_stateless_broadcast_refused),
+    ("hvd.join, broadcasts from the last rank, a second epoch", check_join_then_next_epoch),
     ("bad input", check_bad_input),
 ]
 

@@ -302,6 +302,29 @@ def check_broadcast_optimizer_state():
     assert isinstance(opt, torch.optim.SGD)
 
 
+def check_stateless_checkpoint_on_one_rank_refused():
+    """SGD without momentum has no state, so hvd.broadcast_optimizer_state broadcasts nothing, not
+    even the step: a checkpoint loaded on rank 0 alone leaves the ranks at different steps of
+    the density warm-up. Every rank raises a RuntimeError saying so at the next step, where a
+    hang or a message-size error came before; a checkpoint loaded on every rank trains on."""
+    model, opt = build(momentum=0.0, min_numel=500, warmup_steps=4, warmup_density=0.5)
+    train(model, opt, 2)
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    for everywhere in (False, True):
+        model, opt = build(momentum=0.0, min_numel=500, warmup_steps=4, warmup_density=0.5, seed=7)
+        if everywhere or hvd.rank() == 0:
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        if everywhere:
+            train(model, opt, 2, start=2)
+            assert opt.compression_stats()["step"] == 4
+        else:
+            with raises(RuntimeError, match="the ranks are at different steps", what="rank 0 at step 2, the rest at 0"):
+                train(model, opt, 1, start=2)
+
+
 def check_nonfinite(exchange="allgather", culprit=0):
     """An inf in one rank's gradient reaches the average on every rank, never the residual.
     With the sparse allreduce, ``culprit="chooser"`` is the rank that chooses the positions of
@@ -773,6 +796,8 @@ CHECKS = [
     ("checkpoint resume", check_checkpoint_resume),
     ("elastic state", check_elastic_state),
     ("broadcast optimizer state", check_broadcast_optimizer_state),
+    ("a stateless optimizer's checkpoint on one rank: the ranks' steps differ, an error",
+     check_stateless_checkpoint_on_one_rank_refused),
     ("non-finite gradient", check_nonfinite),
     ("bad input", check_bad_input),
     ("a second synchronize() before step() changes nothing", check_second_synchronize_changes_nothing),
