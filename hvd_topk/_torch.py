@@ -17,7 +17,11 @@ Checked against torch 2.13 (``CHECKED_VERSION``). Each private detail relied on:
    answers True, and then reads the ``grad_scale`` and ``found_inf`` attributes the scaler sets
    on it for the step (torch 2.13's contract for optimizers that unscale by themselves); if
    torch stops setting them, its local step runs on scaled gradients and its check fails.
-3. ``copy_all``: ``torch._foreach_copy_`` copies a list of tensors in one call (torch.optim's
+3. ``unscaled_already``: whether ``scaler.unscale_(optimizer)`` ran this step, read from
+   ``GradScaler._per_optimizer_states[id(optimizer)]["stage"]`` (``OptState.UNSCALED``), torch
+   2.13's record of it. If these names move it answers False, and unscaling before the exchange
+   is no longer refused (the docs' pattern still stands).
+4. ``copy_all``: ``torch._foreach_copy_`` copies a list of tensors in one call (torch.optim's
    foreach paths use the same family). A bucket stages or hands back dozens of small tensors
    per step; a Python loop of ``copy_`` costs a few microseconds each. Where the function is
    missing, the loop is used.
@@ -45,6 +49,16 @@ def compiled_autograd_active():
     engine = sys.modules.get("torch._dynamo.compiled_autograd")
     return engine is not None and (getattr(engine, "compiled_autograd_enabled", False) is True
                                    or getattr(engine, "in_compiled_autograd_region", False) is True)
+
+
+def unscaled_already(scaler, optimizer):
+    """True when ``scaler.unscale_(optimizer)`` ran since the scaler's last ``update()`` (see
+    the module docstring)."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    opt_state = getattr(getattr(torch.amp, "grad_scaler", None), "OptState", None)
+    if not states or opt_state is None or id(optimizer) not in states:  # (a defaultdict: no lookup)
+        return False
+    return states[id(optimizer)].get("stage") is getattr(opt_state, "UNSCALED", None)
 
 
 def copy_all(dests, srcs):

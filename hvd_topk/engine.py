@@ -142,6 +142,7 @@ class TopKEngine:
         self.step = 0  # a param-group option from the start: hvd.broadcast_optimizer_state expects it
         self.stats = CompressionStats()
         self.synchronized = False
+        self.synchronized_for_scaler = False  # GradScaler.step(opt) exchanged before unscaling (optimizer.py)
         self.should_synchronize = True
         self.residual_scale = ResidualScale(grad_scaler)  # the loss scale residuals are kept in
         self.ctx = None            # this step's inflight.StepContext, from _begin_step

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import torch
 
 from hvd_topk._horovod import OPTIMIZER_MODULE, elastic_mode, hvd, instance_name, is_horovod_distributed_optimizer
-from hvd_topk._torch import AMP_SCALING_ATTRIBUTE
+from hvd_topk._torch import AMP_SCALING_ATTRIBUTE, unscaled_already
 from hvd_topk.compressor import TopK
 from hvd_topk import checkpoint
 from hvd_topk.checkpoint import STATE_KEY
@@ -208,6 +208,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         the average through the residuals again."""
         engine = getattr(self, ENGINE)
         if not engine.holds_result():
+            scaler = engine.residual_scale.scaler
+            if scaler is not None and unscaled_already(scaler, self):
+                raise RuntimeError(
+                    "scaler.unscale_(opt) ran before this step's exchange: it unscaled this rank's own "
+                    "gradients, which the exchange replaces with the still-scaled average. Exchange first: "
+                    "opt.synchronize(); scaler.unscale_(opt); (clip); with opt.skip_synchronize(): "
+                    "scaler.step(opt) (Horovod's pattern), or scaler.step(opt) without unscale_.")
             engine.synchronize()
 
     @contextmanager
@@ -235,7 +242,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if engine.should_synchronize:
-            if engine.holds_result():
+            if engine.holds_result() and not engine.synchronized_for_scaler:
                 # Horovod warns and averages again, which changes nothing for a dense average;
                 # a second Top-K exchange would send the (clipped) average through the residual
                 # again, so p.grad is used as synchronize() left it
@@ -246,8 +253,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               "optimizer.synchronize() in your code. (hvd_topk: p.grad already "
                               "holds the exchanged result and is used as it is.)")
             else:
-                self.synchronize()
-        engine.synchronized = False
+                self.synchronize()  # (nothing left to do after scaler.step's exchange)
+        engine.synchronized = engine.synchronized_for_scaler = False
         inner = super(self.__class__, self).step()
         return loss if closure is not None else inner
 
@@ -258,6 +265,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                  "optimizer.step() or optimizer.synchronize(). This is prohibited "
                                  "as it can cause a race condition.")
         engine.synchronized = False  # gradients of a synchronized but skipped step are dropped
+        engine.synchronized_for_scaler = False
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
@@ -298,6 +306,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 "built without it: error-feedback residuals hold scaled gradients and would be "
                 "added back at a stale scale after the scaler changes its scale. Pass it: "
                 "hvd_topk.DistributedOptimizer(optimizer, ..., grad_scaler=scaler).")
+        if engine.should_synchronize and not engine.holds_result():
+            # GradScaler.step reads this before it unscales and looks for inf/nan: exchange now,
+            # so that it unscales the exchanged average (the same on every rank, so an overflow
+            # skips the step on every rank), not this rank's own gradients, which step() would
+            # then replace with the still-scaled average. (PyTorch's plain loop:
+            # scaler.scale(loss).backward(); scaler.step(opt); scaler.update().)
+            self.synchronize()
+            engine.synchronized_for_scaler = True
         return self.__dict__.get(AMP_SCALING_ATTRIBUTE, False)
 
     def _amp_scaling_set(self, value):  # fused optimizers set it in their __init__

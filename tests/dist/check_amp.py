@@ -12,6 +12,7 @@ unscaled result must match it as tightly as an unscaled run does.
 """
 
 import copy
+import warnings
 
 import numpy as np
 import torch
@@ -149,6 +150,51 @@ def check_overflow_skipped_everywhere():
         assert_same_on_all_ranks(p.detach().numpy(), f"after the overflow: {n}")
 
 
+def check_plain_pytorch_loop():
+    """PyTorch's own loop, ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()``
+    (no synchronize, no unscale_): scaler.step exchanges before it unscales, so every step
+    equals Horovod's pattern bit for bit (that pattern is checked against numpy above), through
+    the scale changes and an overflow on rank 0 only (skipped on every rank). Unscaling first,
+    ``scaler.unscale_(opt)`` before the exchange, is a RuntimeError on every rank: it would
+    unscale this rank's own gradients and apply the still-scaled average. (Both once trained
+    on gradients 2^10 times too large, silently.)"""
+    rank = hvd.rank()
+
+    def run_with(pattern):
+        model, opt, scaler = build_scaled(pass_scaler=True)
+        for step, scale in enumerate(SCALES):
+            x, y = batch(step, rank)
+            opt.zero_grad()
+            with torch.no_grad():
+                if step == 3 and rank == 0:
+                    x = x.clone()
+                    x[0, 0] = float("inf")  # an overflow on rank 0 only
+            scaler.scale(F.cross_entropy(model(x), y)).backward()
+            if pattern == "horovod":
+                opt.synchronize()
+                scaler.unscale_(opt)
+                with opt.skip_synchronize():
+                    scaler.step(opt)
+            else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")  # no "step() after synchronize()" warning either
+                    scaler.step(opt)
+            scaler.update(new_scale=scale if step != 3 else None)
+        return model
+
+    horovod, plain = run_with("horovod"), run_with("plain")
+    for (n, a), b in zip(horovod.named_parameters(), plain.parameters()):
+        assert torch.isfinite(a).all(), n
+        assert torch.equal(a, b), f"{n}: PyTorch's loop differs from Horovod's pattern"
+        assert_same_on_all_ranks(b.detach().numpy(), f"PyTorch's loop: {n}")
+    model, opt, scaler = build_scaled(pass_scaler=True)
+    x, y = batch(0, rank)
+    scaler.scale(F.cross_entropy(model(x), y)).backward()
+    scaler.unscale_(opt)
+    with raises(RuntimeError, match="scaler.unscale_\\(opt\\) ran before this step's exchange", what="unscale_ first"):
+        scaler.step(opt)
+
+
 def check_horovod_scaler(drop_in):
     """Horovod's optimizer, dense or with the drop-in TopK (no residuals), under the same pattern
     and scale changes: the unscaled result is the mean of the true-unit gradients, or of each
@@ -174,6 +220,7 @@ CHECKS = [
     ("GradScaler.step without grad_scaler refused", check_scaler_step_without_the_option_refused),
     ("grad_scaler type checked", check_rejects_other_objects),
     ("gradient overflow skipped on every rank", check_overflow_skipped_everywhere),
+    ("PyTorch's plain GradScaler loop equals Horovod's pattern; unscale_ first refused", check_plain_pytorch_loop),
     ("drop-in: GradScaler pattern", lambda: check_horovod_scaler(drop_in=True)),
     ("horovod dense: GradScaler pattern", lambda: check_horovod_scaler(drop_in=False)),
 ]
