@@ -67,11 +67,12 @@ def start(ctx, bucket, strategy, name):
 def payload_bytes(strategy, plan, led, codec):
     """What one rank hands to the network for a sparse bucket: its packed message (compact or
     wide), or for the sparse allreduce the indices of its part (``led``, its segments) plus the
-    values and the flag slot."""
+    values and the flag slot, in the dtype they are allreduced in (bfloat16 goes as float32)."""
     layout = plan.layout
     if strategy is exchange.SparseAllreduce:
         lo, hi = plan.slot_range(led)
-        return (hi - lo) * layout.index_itemsize + (layout.count + 1) * layout.value_itemsize
+        value_bytes = torch.empty(0, dtype=allreduce_dtype(layout.value_dtype)).element_size()
+        return (hi - lo) * layout.index_itemsize + (layout.count + 1) * value_bytes
     return codec.message_nbytes(plan)
 
 

@@ -403,6 +403,11 @@ def check_bf16_topk_path(exchange):
         want = np.zeros(256)
         want[keep] = total[keep] / hvd.size()
         want = want.reshape(16, 16)
+        # bytes: this rank's part's indices (4 bytes each), then every value and the flag slot as
+        # float32 (Horovod allreduces bfloat16 as float32), then the biases' dense allreduce
+        mine = [k_of(b - a, 0.05) for j, a, b in part_pieces([0, 256], hvd.size()) if j == hvd.rank()]
+        sent = 4 * sum(mine) + 4 * (len(keep) + 1) + 16 * 4
+        assert opt.compression_stats()["bytes_sent"] == sent, (opt.compression_stats()["bytes_sent"], sent)
     else:
         want = sparse_allreduce(gather(raw["weight"]), 0.05)
     np.testing.assert_allclose(weight.grad.double().numpy(), want, rtol=2 ** -7, atol=0)
