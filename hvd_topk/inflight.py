@@ -71,8 +71,7 @@ def payload_bytes(strategy, plan, led, codec):
     layout = plan.layout
     if strategy is exchange.SparseAllreduce:
         lo, hi = plan.slot_range(led)
-        value_bytes = torch.empty(0, dtype=allreduce_dtype(layout.value_dtype)).element_size()
-        return (hi - lo) * layout.index_itemsize + (layout.count + 1) * value_bytes
+        return (hi - lo) * layout.index_itemsize + (layout.count + 1) * allreduce_dtype(layout.value_dtype).itemsize
     return codec.message_nbytes(plan)
 
 

@@ -307,7 +307,7 @@ class _LocalSteps(torch.optim.Optimizer):
             for a, saved, momentum in zip(local.anchors, shared["anchors"], momenta):
                 a.copy_(saved)
                 if momentum is not None:
-                    local.outer.state[a]["momentum_buffer"] = momentum.to(a.device, a.dtype).clone()
+                    local.outer.state[a]["momentum_buffer"] = momentum.to(a.device, a.dtype, copy=True)
 
     def _check_shared(self):
         """Before a synchronisation: every rank at the same synchronisation count with the same
@@ -321,11 +321,10 @@ class _LocalSteps(torch.optim.Optimizer):
                                process_set=engine.process_set)
         if int(active.item()) < engine.world:
             return
-        with torch.no_grad():
-            checksum = torch.stack([a.detach().double().sum() for a in local.anchors]).sum().cpu() \
-                if local.anchors else torch.zeros((), dtype=torch.float64)
-        mine = torch.stack([torch.tensor(float(self.param_groups[0][SYNCS_KEY]), dtype=torch.float64),
-                            torch.tensor(float(self.local_step), dtype=torch.float64), checksum]).reshape(1, 3)
+        with torch.no_grad():  # summed in float64 where they lie (no float64 copy), read once
+            checksum = float(torch.stack([a.sum(dtype=torch.float64) for a in local.anchors]).sum()) \
+                if local.anchors else 0.0
+        mine = torch.tensor([[self.param_groups[0][SYNCS_KEY], self.local_step, checksum]], dtype=torch.float64)
         rows = hvd.allgather(mine, name=f"{engine.prefix}.local_steps_agree", process_set=engine.process_set)
         if not bool((rows == rows[0]).all()):
             raise RuntimeError(

@@ -98,9 +98,10 @@ class Options:
         if self.hierarchical is True and self.exchange in DENSE_EXCHANGES:
             raise ValueError(f"hierarchical=True sends sparse pairs across hosts, exchange={self.exchange!r} every "
                              "bucket dense: pass one or the other")
-        warn_ignored(self.exchange, 4, exchange_trial_steps=(self.exchange_trial_steps, 3),
-                     exchange_recheck_steps=(self.exchange_recheck_steps, 0),
-                     selection_scope=(self.selection_scope, "tensor"), dense_fallback=(self.dense_fallback, True))
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        warn_ignored(self.exchange, 4, **{name: (getattr(self, name), defaults[name])
+                                          for name in ("exchange_trial_steps", "exchange_recheck_steps",
+                                                       "selection_scope", "dense_fallback")})
 
 
 def check_choice(value, name, choices, spelled=None):
