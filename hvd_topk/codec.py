@@ -267,6 +267,8 @@ class Codec:
                                                nonfinite=plan.nonfinite[lo:hi])
             if out is not values:
                 values[a:b].copy_(out[a:b])
+                if zero_sent:
+                    self.feed_back(x, indices[a:b], out[a:b], values[a:b])
             bad = (plan.nonfinite[lo:hi].nonzero().view(-1) + lo).tolist() if result.nonfinite else []
             encoded = Encoded(bad, result.passes - (hi - lo), result.filled)
         elif lo == hi:
@@ -281,6 +283,7 @@ class Codec:
             indices[a:b].copy_(got_indices)
             if zero_sent:  # x - x == 0 exactly; repeated fill-up slots subtract 0
                 x.index_put_((got_indices,), -got_values, accumulate=True)
+                self.feed_back(x, got_indices, got_values, values[a:b])
             if not whole:  # one flag per segment of the plan
                 bad = torch.zeros(len(plan.sizes), dtype=torch.bool, device=x.device).index_copy_(
                     0, torch.arange(lo, hi, device=x.device), bad)
@@ -318,25 +321,48 @@ class Codec:
 
     @staticmethod
     def take(x, indices, out, zero=False):
-        """``out = x[indices]`` and, with ``zero``, ``x[indices] = 0`` (flat ``x``): what a rank
-        that did not select sends at the selecting rank's positions. Native on CPU fp32/fp64
+        """``out = x[indices]`` and, with ``zero``, ``x[indices] = 0`` (flat ``x``; what rounding
+        to a narrower ``out`` took stays in ``x``): what a rank that did not select sends at the
+        selecting rank's positions. Native on CPU fp32/fp64
         (one visit per position), torch ops elsewhere."""
         if native_ok(x) and out.dtype == x.dtype and out.is_contiguous() and indices.is_contiguous():
             return selection.take_native(x, indices, out, zero)
         where = indices.long()
-        out.copy_(x.index_select(0, where))
+        full = x.index_select(0, where)
+        out.copy_(full)
         if zero:
             x.index_fill_(0, where, 0)
+            Codec.feed_back(x, where, full, out)
         return out
 
-    @staticmethod
-    def finish_segments(plan, message, dtype):
-        """After a ``SegmentEncoder`` call for every segment of a ``dtype`` buffer: values converted to
-        the wire dtype, padding zeroed."""
-        values, _ = plan.layout.views(message)
+    @classmethod
+    def finish_segments(cls, plan, message, dtype, residual=None, slots=None):
+        """After a ``SegmentEncoder`` call for every segment of a ``dtype`` buffer (or for those
+        whose slots are ``slots``, ``(lo, hi)``): values converted to the wire dtype (their
+        rounding fed back into ``residual``, the buffer they were selected from with error
+        feedback), padding zeroed."""
+        values, indices = plan.layout.views(message)
         if values.dtype != dtype:
-            values.copy_(plan.value_scratch(dtype))
+            full = plan.value_scratch(dtype)
+            values.copy_(full)
+            if residual is not None:
+                lo, hi = slots or (0, len(values))
+                cls.feed_back(residual, indices[lo:hi], full[lo:hi], values[lo:hi])
         plan.layout.zero_padding(message)
+
+    @staticmethod
+    def feed_back(residual, indices, full, wire):
+        """Error feedback of a narrower wire dtype (``TopK(fp16_values=True)``):
+        ``residual[indices] += full - wire``, what rounding the sent values ``full`` (their
+        entries of the flat ``residual`` zeroed already; a scratch of ``residual``'s dtype,
+        overwritten here) to ``wire`` took, so that it is sent later rather than lost, as
+        compact pairs do with their coarser rounding. Where that is not finite (a value beyond
+        float16's 65504 arrives as inf; inf/nan sent) nothing is added: the caller wipes such
+        residuals."""
+        if wire.dtype == full.dtype or not wire.numel():
+            return
+        lost = torch.nan_to_num_(full.sub_(wire), nan=0.0, posinf=0.0, neginf=0.0)
+        residual.index_add_(0, indices, lost)
 
     @staticmethod
     def decode(gathered, layout, world, dests, bounds, div=1.0, mul=1.0):

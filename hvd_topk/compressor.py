@@ -199,7 +199,8 @@ class TopK(Compressor):
             ``hvd_topk.selection``.
         fp16_values: send values as float16 (halves the value bytes); in
             ``hvd_topk.DistributedOptimizer`` a bucket sent dense is then sent in float16 too.
-            float16 holds magnitudes up to 65504: a larger value arrives as inf.
+            float16 holds magnitudes up to 65504: a larger value arrives as inf. With error
+            feedback what float16 rounds off a sent value stays in its residual.
         compact: send about 2.4 bytes a pair (an Elias-Fano index of about 2 + log2(1/density)
             bits and a sign + 7-bit log-scale value, ``hvd_topk.compact``) instead of 8 (or 6
             with ``fp16_values``): 2.5x the entries in 16-bit values' bytes at 0.25%. Each value

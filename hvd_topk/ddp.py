@@ -90,7 +90,7 @@ class TopKState:
             fallback then runs in float16 too. float16 holds magnitudes up to 65504: a larger
             value arrives in ``p.grad`` as inf, so keep gradients (and, with error feedback,
             residuals) well below that; the recommended AdamW scheme sends ``lr x`` normalised
-            updates, far below it.
+            updates, far below it. What float16 rounds off a sent value stays in its residual.
         compact (False): send about 2.4 bytes a pair (``hvd_topk.compact``: an Elias-Fano index
             and an 8-bit log-scale value, the rounding fed back into the residual): 2.5x the
             entries in 16-bit values' bytes, which is what quality at a small byte budget

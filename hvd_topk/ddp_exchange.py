@@ -301,7 +301,7 @@ def _fold(state, layout, buffer, plan=None, message=None):
             if nonfinite:
                 bad.append(s)
             repasses, filled = repasses + extra, filled + fill
-        Codec.finish_segments(plan, message, layout.acc.dtype)
+        Codec.finish_segments(plan, message, layout.acc.dtype, layout.acc)
         return Encoded(bad, repasses, filled)
     accs = layout.acc_segments()
     if not state.error_feedback:
@@ -433,6 +433,8 @@ def _sparse_allreduce(state, layout, plan, index, step, dests, folded_bad, put_b
             Codec.take(layout.acc, indices[lo:hi], out[lo:hi], zero=state.error_feedback)
             if out is not values:
                 values[lo:hi].copy_(out[lo:hi])
+                if state.error_feedback:
+                    Codec.feed_back(layout.acc, indices[lo:hi], out[lo:hi], values[lo:hi])
     # the tensors that held inf/nan: where this rank selected one (sent, so zeroed already) or
     # where one is left; each is wiped (and counted) once
     chosen = set(_flagged(encoded.nonfinite))

@@ -117,7 +117,8 @@ class _FlatSparse:
         plan, message, ef = current.plan, current.message, ctx.error_feedback
         encoded = Encoded([], 0, 0)
         if current.encode is not None:
-            ctx.codec.finish_segments(plan, message, bucket.dtype)
+            ctx.codec.finish_segments(plan, message, bucket.dtype, bucket.acc if ef else None,
+                                      plan.slot_range(current.led))
             encoded = Encoded(current.nonfinite, current.repasses, current.filled)
         elif current.selects:
             encoded = ctx.codec.encode(bucket.acc, plan, message, zero_sent=ef,

@@ -125,10 +125,12 @@ def test_decode_refuses_pairs_outside_the_bucket_or_out_of_order(bad):
         codec.Codec.decode(gathered, layout, 1, [torch.zeros(10_000)], torch.tensor([0, 10_000]))
 
 
+@pytest.mark.parametrize("fp16_values", [False, True])
 @pytest.mark.parametrize("path", ["native", "torch"])
-def test_encode_zeroes_what_it_sent_and_flags_the_segment_with_nan(path):
-    """Error feedback in the codec: the sent entries of the buffer become 0, the rest stay;
-    a NaN is sent and flags its own segment only."""
+def test_encode_zeroes_what_it_sent_and_flags_the_segment_with_nan(path, fp16_values):
+    """Error feedback in the codec: the sent entries of the buffer become 0 (with 16-bit values,
+    what float16 rounded off them: x - float16(x), numpy), the rest stay; a NaN is sent and
+    flags its own segment only."""
     if path == "native" and native.library() is None:
         pytest.skip("native kernel did not build")
     sizes = [3000, 500_000, 20_000]
@@ -138,19 +140,23 @@ def test_encode_zeroes_what_it_sent_and_flags_the_segment_with_nan(path):
         x = torch.zeros(2 * x.numel())[::2].copy_(x)
         assert not selection.native_ok(x)
     before = x.clone()
-    plan = codec.Codec("exact").plan(sizes, 0.01, "tensor", x.dtype, torch.int32)
+    cod = codec.Codec("exact", fp16_values=fp16_values)
+    plan = cod.plan(sizes, 0.01, "tensor", x.dtype, torch.int32)
     message = torch.empty(plan.layout.nbytes, dtype=torch.uint8)
-    encoded = codec.Codec("exact").encode(x, plan, message, zero_sent=True)
+    encoded = cod.encode(x, plan, message, zero_sent=True)
     values, indices = plan.layout.unpack(message, 1)
     sent = indices[0].long().numpy()
     bad = encoded.nonfinite if isinstance(encoded.nonfinite, list) else encoded.nonfinite.nonzero().view(-1).tolist()
     assert bad == [1]
     assert 3000 + 1234 in sent.tolist()
     want = before.numpy().copy()
-    want[sent] = 0
+    wire = want[sent].astype(np.float16) if fp16_values else want[sent]
+    want[sent] = want[sent] - wire.astype(np.float32) if fp16_values else 0
     clean = np.r_[0:3000, 503_000:523_000]  # a flagged segment is wiped by the engine instead
     np.testing.assert_array_equal(x.numpy()[clean], want[clean])
-    np.testing.assert_array_equal(values[0].numpy(), before.numpy()[sent])
+    if fp16_values:
+        assert np.count_nonzero(want[sent]) > len(sent) // 2  # a rounding to keep, in most sent entries
+    np.testing.assert_array_equal(values[0].numpy(), wire)
 
 
 @needs_native
@@ -171,7 +177,7 @@ def test_segment_encoder_folds_and_selects_each_segment_into_its_slots(value_dty
     assert cod.segment_encoder(x, plan, message, zero_sent=True) is encoder  # prepared once
     for s in (2, 0, 1):
         assert encoder(s, grads[s]) == (False, 0, 0)
-    cod.finish_segments(plan, message, x.dtype)
+    cod.finish_segments(plan, message, x.dtype, residual=x)
     values, indices = plan.layout.unpack(message, 1)
     total = residual.numpy() + torch.cat([g.reshape(-1) for g in grads]).numpy()
     truth = segment_truth(torch.from_numpy(total), list(bounds), plan.ks)
@@ -182,7 +188,8 @@ def test_segment_encoder_folds_and_selects_each_segment_into_its_slots(value_dty
     sent = indices[0].long().numpy()
     np.testing.assert_allclose(values[0].float().numpy(), total[sent], rtol=1e-3 if value_dtype == torch.float16 else 0)
     want = total.copy()
-    want[sent] = 0
+    # what float16 rounded off a sent value stays in its residual entry
+    want[sent] = total[sent] - total[sent].astype(np.float16).astype(np.float32) if value_dtype == torch.float16 else 0
     np.testing.assert_array_equal(x.numpy(), want)
     with pytest.raises(ValueError, match="segment 1: expected a contiguous CPU torch.float32 gradient of 300000"):
         encoder(1, torch.zeros(10))
@@ -233,6 +240,26 @@ def test_take_gathers_and_zeroes_the_positions(path, dtype, index_dtype, zero):
     if zero:
         want[where] = 0
     np.testing.assert_array_equal(x.numpy(), want)
+
+
+def test_take_into_16_bit_values_keeps_their_rounding():
+    """The sparse allreduce's take into 16-bit values (``fp16_values``): out = float16(x), and
+    with error feedback x keeps x - float16(x) there, a value beyond float16's range nothing
+    (it arrives as inf, and the engine wipes what held it); numpy reference."""
+    x = sample("normal", 100_000, seed=6)
+    x[17] = 1e6
+    before = x.numpy().copy()
+    where = np.r_[17, np.sort(np.random.default_rng(6).choice(np.arange(18, 100_000), 999, replace=False))]
+    out = torch.empty(1000, dtype=torch.float16)
+    codec.Codec.take(x, torch.from_numpy(where).int(), out, zero=True)
+    wire = before[where].astype(np.float16)
+    np.testing.assert_array_equal(out.numpy(), wire)
+    want = before.copy()
+    with np.errstate(invalid="ignore", over="ignore"):
+        lost = before[where] - wire.astype(np.float32)
+    want[where] = np.where(np.isfinite(lost), lost, 0)
+    np.testing.assert_array_equal(x.numpy(), want)
+    assert want[17] == 0 and np.count_nonzero(want[where]) > 900
 
 
 def test_bucket_scope_gives_one_k_for_the_whole_buffer():

@@ -150,12 +150,17 @@ def check_reference(exchange="allgather", bucket_cap_mb=25, steps=4, density=0.0
                 assert p.grad is None, f"step {step} {name}: unused on every rank, yet p.grad was written"
                 assert not np.any(want), f"step {step} {name}: the reference sent something of an unused tensor"
                 continue
-            fp16 = p.numel() >= MIN_NUMEL and how == "dense_fp16"  # summed in float16
+            # summed in float16 (the dense fp16 ring; the sparse allreduce of 16-bit values)
+            fp16 = p.numel() >= MIN_NUMEL and (how == "dense_fp16" or (how == "sparse_allreduce" and state.fp16_values))
             np.testing.assert_allclose(host(p.grad), want, rtol=3e-3 if fp16 else 1e-5, atol=1e-4 if fp16 else 1e-6,
                                        err_msg=f"step {step} {name} (bucket {index}, {state.family})")
             assert_same_on_all_ranks(host(p.grad), f"step {step} {name}")
         opt.step()
     assert state.stats()["steps"] == steps
+    if error_feedback:  # each rank's own: exact whatever the sum's rounding
+        for name, residual in state.state_dict()["residuals"].items():
+            np.testing.assert_allclose(host(residual).reshape(-1), ref.residual[rank][name].reshape(-1),
+                                       rtol=1e-5, atol=1e-6, err_msg=f"residual {name}")
     return state, families
 
 
@@ -612,6 +617,8 @@ CHECKS = [
     ("auto: measured trial, agreement, choice", check_auto_trial),
     ("dense_fp16 exchange", lambda: check_reference("dense_fp16", steps=3)),
     ("allgather, 16-bit values, several buckets", lambda: check_reference(bucket_cap_mb=0.005, fp16_values=True)),
+    ("sparse allreduce, 16-bit values, several buckets, decay", lambda: check_reference(
+        "sparse_allreduce", bucket_cap_mb=0.005, fp16_values=True, residual_decay=0.8)),
     ("allgather, compact pairs, several buckets, decay", lambda: check_reference(
         bucket_cap_mb=0.005, compact=True, residual_decay=0.8)),
     ("no error feedback", lambda: check_reference(error_feedback=False)),

@@ -55,9 +55,9 @@ class ErrorFeedbackReference:
     with the sent entries zeroed (and u's too); result = sum of sent pairs over ranks / ranks.
     With ``decay`` (``residual_decay``): acc = decay * residual + grad. With ``value_dtype``
     (``TopK(fp16_values=True)``: numpy.float16) each sent value is rounded to it on the wire;
-    the sent entries' residuals are zeroed all the same (the rounding is not fed back). With
-    ``compact`` (``TopK(compact=True)``) each top-k's values arrive as ``compact_round_trip``
-    gives them, and what that rounding took stays in the residual.
+    what that rounding took (float32 acc minus the float16 value, where finite) stays in the
+    residual. With ``compact`` (``TopK(compact=True)``) each top-k's values arrive as
+    ``compact_round_trip`` gives them, and what that rounding took stays in the residual.
 
     The sparse allreduce (ScaleCom's CLT-k, ``sparse_allreduce_bucket``): every rank sends its
     own acc at positions chosen part by part from one rank's top-k instead of at its own.
@@ -164,7 +164,11 @@ class ErrorFeedbackReference:
                     sent[edges[i]:edges[i + 1]] = 0  # an idle tensor: this rank sends nothing of it
             total += sent  # rank order, float32, like the optimizer
             if self.error_feedback:
-                acc[keep] = acc[keep] - sent[keep] if self.compact else 0
+                if self.compact or self.value_dtype is not None:
+                    lost = acc[keep] - sent[keep]
+                    acc[keep] = np.where(np.isfinite(lost), lost, np.float32(0))
+                else:
+                    acc[keep] = 0
                 for i, n in enumerate(names):
                     self.residual[r][n] = (held or {}).get((r, n), acc[edges[i]:edges[i + 1]]).copy()
                 if self.momentum:
