@@ -40,7 +40,7 @@ import torch
 from hvd_topk import costs
 from hvd_topk._horovod import allreduce_dtype, hvd
 from hvd_topk.codec import rotating_part
-from hvd_topk.costs import cheapest  # noqa: F401  (re-exported: the planner's and benchmarks' name for it)
+from hvd_topk.costs import cheapest  # noqa: F401  (re-exported: the benchmarks' name for it)
 
 
 class DenseAllreduce:

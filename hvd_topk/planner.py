@@ -20,7 +20,7 @@ It knows nothing of Horovod's collectives beyond the trial's one decision allred
 import itertools
 
 from hvd_topk import auto, exchange
-from hvd_topk._horovod import hvd
+from hvd_topk._horovod import allreduce_dtype, hvd
 from hvd_topk.buckets import BucketStep
 from hvd_topk.codec import shard_bounds
 
@@ -127,13 +127,24 @@ class ExchangePlanner:
             return chosen
         if self.runs_hierarchically(bucket, family):
             # the sparse part runs across hosts, on one shard
-            dense = exchange.DenseAllreduce.wire_bytes(world, bucket.numel, 0, 0, 0, bucket.element_size)
+            dense = self.wire_bytes(exchange.DenseAllreduce, world, bucket, codec_plan)
             return chosen if self._sparse_bytes(chosen, bucket, codec_plan, world, family) < dense \
                 else exchange.DenseAllreduce
         # with 16-bit values or compact pairs on the wire the dense fallback is 16-bit too
         dense = exchange.DenseAllreduceFp16 if self.codec.dense_fp16 else exchange.DenseAllreduce
-        return exchange.cheapest((dense, chosen), world, bucket.numel, codec_plan.count,
-                                 *self.codec.pair_itemsizes(codec_plan), bucket.element_size)
+        return min((dense, chosen), key=lambda s: self.wire_bytes(s, world, bucket, codec_plan))
+
+    def wire_bytes(self, strategy, world, bucket, codec_plan):
+        """Bytes into one rank for ``bucket`` (its ``codec_plan``: pairs and their sizes) sent by
+        ``strategy`` among ``world`` ranks, in the dtypes Horovod moves them in: an allreduce
+        of a dtype it cannot reduce (bfloat16, ``allreduce_dtype``) runs in float32, so a
+        bfloat16 bucket's dense allreduce and its sparse allreduce's values count 4 bytes an
+        element; the allgather's pairs travel as they are."""
+        value_bytes, index_bytes = self.codec.pair_itemsizes(codec_plan)
+        if strategy is exchange.SparseAllreduce:
+            value_bytes = allreduce_dtype(codec_plan.layout.value_dtype).itemsize
+        return strategy.wire_bytes(world, bucket.numel, codec_plan.count, value_bytes, index_bytes,
+                                   allreduce_dtype(bucket.dtype).itemsize)
 
     def runs_hierarchically(self, bucket, family):
         """Whether ``bucket``'s sparse exchange under ``family`` runs in the host and cross-host
@@ -157,10 +168,8 @@ class ExchangePlanner:
         piece) by as much as a few pairs; ranks on both sides of break-even would choose
         different collectives and wait on each other."""
         if not self.runs_hierarchically(bucket, family):
-            return strategy.wire_bytes(world, codec_plan.numel, codec_plan.count,
-                                       *self.codec.pair_itemsizes(codec_plan), bucket.element_size)
-        return max(strategy.wire_bytes(self.hier.cross_size, plan.numel, plan.count,
-                                       *self.codec.pair_itemsizes(plan), bucket.element_size)
+            return self.wire_bytes(strategy, world, bucket, codec_plan)
+        return max(self.wire_bytes(strategy, self.hier.cross_size, bucket, plan)
                    for plan in self._shard_plans(bucket, codec_plan))
 
     def _assign(self, family, density, world):
@@ -196,8 +205,7 @@ class ExchangePlanner:
             if strategy.sparse:
                 total += self._sparse_bytes(strategy, b, codec_plan, world, family)
             else:
-                total += strategy.wire_bytes(world, b.numel, codec_plan.count,
-                                             *self.codec.pair_itemsizes(codec_plan), b.element_size)
+                total += self.wire_bytes(strategy, world, b, codec_plan)
         return total
 
     def describe(self, world):

@@ -16,8 +16,9 @@ from hvd_topk.schedule import DensitySchedule
 N = 10_000  # the weight's elements: k = 100 at 1%
 
 
-def planner(density=0.01, hier=None, codec=None, **options):
-    weight, bias = torch.nn.Parameter(torch.zeros(100, 100)), torch.nn.Parameter(torch.zeros(100))
+def planner(density=0.01, hier=None, codec=None, dtype=torch.float32, **options):
+    weight = torch.nn.Parameter(torch.zeros(100, 100, dtype=dtype))
+    bias = torch.nn.Parameter(torch.zeros(100, dtype=dtype))
     options = Options(**options)
     buckets = make_buckets([weight, bias], {weight: "w", bias: "b"}, options.min_numel, options.fusion_bytes)
     schedule = DensitySchedule(density, options.warmup_steps, options.warmup_density)
@@ -62,6 +63,27 @@ def test_fp16_values_fall_back_to_a_16_bit_dense_allreduce():
 def test_modelled_bytes_match_the_ring_formulas(family, world, want):
     plan, _ = planner()
     assert plan.modelled_bytes(family, 0.01, world) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("family, world, want", [
+    ("allgather", 2, 1 * 100 * (2 + 4)),                  # bfloat16 values allgathered as they are
+    ("sparse_allreduce", 4, 3 / 4 * 100 * 4 + 2 * 3 / 4 * 101 * 4),  # the values allreduced in float32
+    ("dense", 4, 2 * 3 / 4 * N * 4),                       # Horovod allreduces bfloat16 as float32
+])
+def test_bfloat16_buckets_are_counted_in_the_dtypes_horovod_moves(family, world, want):
+    plan, _ = planner(dtype=torch.bfloat16)
+    assert plan.modelled_bytes(family, 0.01, world) == pytest.approx(want)
+
+
+def test_a_bfloat16_bucket_falls_back_to_dense_against_the_float32_ring():
+    """At 40% and P = 2 a bfloat16 bucket's 4000 pairs move 4000 x 6 = 24,000 bytes; its dense
+    allreduce runs in float32, 2 (P-1)/P N 4 = 40,000: sparse wins (counted at 2 bytes an
+    element, 20,000, the ring would have won); at 70%, 42,000 bytes, dense does."""
+    plan, (sparse, _) = planner(exchange="allgather", dtype=torch.bfloat16)
+    assert plan.strategy("allgather", sparse, plan.codec_plan(sparse, 0.4, "allgather", 2), 2) is \
+        exchange.AllgatherPairs
+    assert plan.strategy("allgather", sparse, plan.codec_plan(sparse, 0.7, "allgather", 2), 2) is \
+        exchange.DenseAllreduce
 
 
 def test_auto_during_warm_up_takes_the_fewest_bytes_without_a_trial():
