@@ -260,6 +260,10 @@ for _variant, _what, _args in (
         # attention output 16384, attention input 49152, MLP 65536 each)
         ("dense33k", "diagnostic: embeddings, head and attention outputs dense (min_numel 33000)",
          ["--min-numel", "33000"]),
+        # the 1-D parameters (norms, biases) go dense every step (below min_numel): at lr 2e-2 they
+        # step at twice dense AdamW's best rate, which only the sparse matrices' decayed residuals need
+        ("vec0.5", "the 1-D parameters (sent dense) at half the rate (1e-2)", ["--vector-lr-scale", "0.5"]),
+        ("vec0.5-lr2.5e-2", "lr 2.5e-2, the 1-D parameters at 1.25e-2", ["--lr", "2.5e-2", "--vector-lr-scale", "0.5"]),
         ("dense16k", "diagnostic: position embedding and attention outputs dense (min_numel 16385)",
          ["--min-numel", "16385"])):
     CONFIGS[f"gv-0.1%-lr2e-2-fp16v-decay0.99-{_variant}"] = (

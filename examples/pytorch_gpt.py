@@ -103,6 +103,9 @@ def parse_args(argv=None):
                         "which has no Adam moments)")
     p.add_argument("--beta2", type=float, default=None,
                    help="Adam's beta2, the variance's horizon (default 0.95; not with --adam demo)")
+    p.add_argument("--vector-lr-scale", type=float, default=1.0,
+                   help="the learning rate of the 1-D parameters (norms, biases: below --min-numel, so sent "
+                        "dense every step) as a multiple of --lr")
     p.add_argument("--freeze-step", type=int, default=0, help="with --adam frozen-variance (e.g. = --warmup-steps)")
     add_training_arguments(p)
     p.add_argument("--clip", type=float, default=None,
@@ -189,7 +192,8 @@ def make_optimizer(args, model, scaler):
     """(the distributed optimizer, the TopK instance it compresses with, or None)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": args.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0, "lr_scale": args.vector_lr_scale}]
     beta1, momentum_correction = beta1_and_momentum_correction(args)
     if args.adam == "frozen-variance":
         inner = hvd_topk.FrozenVarianceAdamW(groups, lr=args.lr, betas=(beta1, args.beta2), freeze_step=args.freeze_step)
@@ -272,7 +276,7 @@ def main(argv=None):
     history, t0 = [], time.perf_counter()
     for step in range(args.steps):
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, args)
+            group["lr"] = lr_at(step, args) * group.get("lr_scale", 1.0)
         x, y = batches(train, args.context, args.batch_size, gen)
         opt.zero_grad()  # torch >= 2.0: sets the gradients to None (Horovod 0.28.1 takes no argument)
         with autocast():
