@@ -122,6 +122,8 @@ def parse_args(argv=None):
     for name, default in topk_ef_only.items():
         if getattr(args, name) != default and args.optimizer != "topk-ef":
             p.error(f"--{name.replace('_', '-')} only applies to --optimizer topk-ef")
+    if not args.vector_lr_scale > 0:
+        p.error(f"--vector-lr-scale must be > 0, got {args.vector_lr_scale}")
     if args.warmup_steps < 0:
         p.error(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     if args.warmup_density != 0.25 and not args.warmup_steps:

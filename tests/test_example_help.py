@@ -115,6 +115,7 @@ def test_gpt_example_refuses_a_warmup_density_that_would_do_nothing(argv, messag
     ("pytorch_elastic", ["--fail-epoch", "2"], "--fail-epoch only applies with --fail-rank"),
     ("pytorch_elastic", ["--fail-rank", "1", "--fail-epoch", "4"], "or the failure never happens"),
     ("pytorch_elastic", ["--epochs", "0"], "--epochs must be a positive integer"),
+    ("pytorch_gpt", ["--vector-lr-scale", "0"], "--vector-lr-scale must be > 0, got 0.0"),
 ])
 def test_examples_refuse_flags_that_would_do_nothing(script, argv, message, capsys):
     """A flag the example would ignore, or a failure that would never happen, is a usage error."""
