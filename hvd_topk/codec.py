@@ -95,9 +95,11 @@ class Plan:
             return 0, self.slots[-1]
         return self.slots[segments.start], self.slots[segments.stop]
 
-    def value_scratch(self, dtype):
-        if self._values is None or self._values.dtype != dtype:
-            self._values = torch.empty(self.count, dtype=dtype)
+    def value_scratch(self, dtype, device="cpu"):
+        """``count`` values of ``dtype`` on ``device`` (the native paths': the CPU), reused."""
+        device = torch.device(device)
+        if self._values is None or self._values.dtype != dtype or self._values.device != device:
+            self._values = torch.empty(self.count, dtype=dtype, device=device)
         return self._values
 
 
@@ -329,9 +331,15 @@ class Codec:
             return selection.take_native(x, indices, out, zero)
         where = indices.long()
         full = x.index_select(0, where)
-        out.copy_(full)
         if zero:
             x.index_fill_(0, where, 0)
+            if where.numel() > 1:
+                # a position listed again (a short segment's spare slots repeat one) sends its
+                # value once, as the native take does: it was zeroed by the first
+                ordered, order = torch.sort(where, stable=True)
+                full.index_fill_(0, order[1:][ordered[1:] == ordered[:-1]], 0)
+        out.copy_(full)
+        if zero:
             Codec.feed_back(x, where, full, out)
         return out
 
@@ -359,8 +367,8 @@ class Codec:
         compact pairs do with their coarser rounding. Where that is not finite (a value beyond
         float16's 65504 arrives as inf; inf/nan sent) nothing is added: the caller wipes such
         residuals."""
-        if wire.dtype == full.dtype or not wire.numel():
-            return
+        if wire.dtype == full.dtype or wire.element_size() > full.element_size() or not wire.numel():
+            return  # nothing rounded off: the same dtype, or a wider one (float32 holds every bfloat16)
         lost = torch.nan_to_num_(full.sub_(wire), nan=0.0, posinf=0.0, neginf=0.0)
         residual.index_add_(0, indices, lost)
 

@@ -427,7 +427,7 @@ def _sparse_allreduce(state, layout, plan, index, step, dests, folded_bad, put_b
     for r, (lo, hi) in enumerate(slots):
         if r != state.rank:
             indices[lo:hi].copy_(gathered[r * longest:r * longest + hi - lo])
-    out = values if values.dtype == layout.acc.dtype else plan.value_scratch(layout.acc.dtype)
+    out = values if values.dtype == layout.acc.dtype else plan.value_scratch(layout.acc.dtype, layout.acc.device)
     for lo, hi in ((0, mine[0]), (mine[1], plan.count)):  # the other ranks' parts
         if hi > lo:
             Codec.take(layout.acc, indices[lo:hi], out[lo:hi], zero=state.error_feedback)

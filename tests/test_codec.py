@@ -242,6 +242,40 @@ def test_take_gathers_and_zeroes_the_positions(path, dtype, index_dtype, zero):
     np.testing.assert_array_equal(x.numpy(), want)
 
 
+@pytest.mark.parametrize("path", [pytest.param("native", marks=needs_native), "torch", "torch-fp16"])
+def test_take_sends_a_repeated_position_once(path):
+    """A short segment's spare slots repeat a position (value 0 where it was selected): with
+    error feedback a non-selecting rank sends its value there once, at the first slot, and 0 at
+    the repeats (the native take visits in turn and zeroes as it goes; the torch ops must agree),
+    so the sum does not count it twice; numpy reference."""
+    x = sample("normal", 1000, seed=2)
+    if path != "native":  # strided: not native-eligible
+        x = torch.zeros(2000)[::2].copy_(x)
+    before = x.numpy().copy()
+    where = np.array([3, 5, 5, 5, 9, 2, 9])
+    out = torch.empty(len(where), dtype=torch.float16 if path == "torch-fp16" else torch.float32)
+    codec.Codec.take(x, torch.from_numpy(where).int(), out, zero=True)
+    first = np.array([True, True, False, False, True, True, False])
+    sent = np.where(first, before[where], 0).astype(out.numpy().dtype)
+    np.testing.assert_array_equal(out.numpy(), sent)
+    want = before.copy()
+    want[where] = 0
+    for i in where[first]:  # what float16 rounded off stays (nothing for float32 values)
+        want[i] = before[i] - np.float32(sent[list(where).index(i)])
+    np.testing.assert_array_equal(x.numpy(), want)
+
+
+def test_value_scratch_is_made_on_the_device_asked_for():
+    """The DDP hook's sparse allreduce takes a CUDA residual's values into the plan's scratch
+    and feeds float16's rounding back from it: the scratch must be on the residual's device
+    (meta stands in for CUDA here), and is remade, not reused, when the device changes."""
+    plan = codec.Codec(fp16_values=True).plan([1000], 0.01, "tensor", torch.float32, torch.int32)
+    cpu = plan.value_scratch(torch.float32)
+    assert cpu.device.type == "cpu" and plan.value_scratch(torch.float32) is cpu
+    meta = plan.value_scratch(torch.float32, torch.device("meta"))
+    assert meta.device.type == "meta" and meta.numel() == plan.count
+
+
 def test_take_into_16_bit_values_keeps_their_rounding():
     """The sparse allreduce's take into 16-bit values (``fp16_values``): out = float16(x), and
     with error feedback x keeps x - float16(x) there, a value beyond float16's range nothing
