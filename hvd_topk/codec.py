@@ -325,19 +325,20 @@ class Codec:
     def take(x, indices, out, zero=False):
         """``out = x[indices]`` and, with ``zero``, ``x[indices] = 0`` (flat ``x``; what rounding
         to a narrower ``out`` took stays in ``x``): what a rank that did not select sends at the
-        selecting rank's positions. Native on CPU fp32/fp64
-        (one visit per position), torch ops elsewhere."""
+        selecting rank's positions, a position listed twice once. Native on CPU fp32/fp64 (one
+        visit per position; the native selection never repeats a position), torch ops elsewhere."""
         if native_ok(x) and out.dtype == x.dtype and out.is_contiguous() and indices.is_contiguous():
             return selection.take_native(x, indices, out, zero)
         where = indices.long()
         full = x.index_select(0, where)
+        if where.numel() > 1:
+            # a position listed again (the torch-ops selection's spare slots of a short segment
+            # repeat one, with value 0 from the rank that chose it) sends its value once, at the
+            # first slot, or the sum would count it again at every repeat
+            ordered, order = torch.sort(where, stable=True)
+            full.index_fill_(0, order[1:][ordered[1:] == ordered[:-1]], 0)
         if zero:
             x.index_fill_(0, where, 0)
-            if where.numel() > 1:
-                # a position listed again (a short segment's spare slots repeat one) sends its
-                # value once, as the native take does: it was zeroed by the first
-                ordered, order = torch.sort(where, stable=True)
-                full.index_fill_(0, order[1:][ordered[1:] == ordered[:-1]], 0)
         out.copy_(full)
         if zero:
             Codec.feed_back(x, where, full, out)

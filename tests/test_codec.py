@@ -242,26 +242,26 @@ def test_take_gathers_and_zeroes_the_positions(path, dtype, index_dtype, zero):
     np.testing.assert_array_equal(x.numpy(), want)
 
 
-@pytest.mark.parametrize("path", [pytest.param("native", marks=needs_native), "torch", "torch-fp16"])
-def test_take_sends_a_repeated_position_once(path):
-    """A short segment's spare slots repeat a position (value 0 where it was selected): with
-    error feedback a non-selecting rank sends its value there once, at the first slot, and 0 at
-    the repeats (the native take visits in turn and zeroes as it goes; the torch ops must agree),
-    so the sum does not count it twice; numpy reference."""
-    x = sample("normal", 1000, seed=2)
-    if path != "native":  # strided: not native-eligible
-        x = torch.zeros(2000)[::2].copy_(x)
+@pytest.mark.parametrize("zero", [True, False])
+@pytest.mark.parametrize("path", ["torch", "torch-fp16"])
+def test_take_sends_a_repeated_position_once(path, zero):
+    """The torch-ops selection's spare slots of a short segment repeat a position (value 0 from
+    the rank that chose it): a non-selecting rank sends its value there once, at the first
+    slot, and 0 at the repeats, so the sum does not count it again; with error feedback the
+    position is zeroed (float16's rounding kept); numpy reference."""
+    x = torch.zeros(2000)[::2].copy_(sample("normal", 1000, seed=2))  # strided: the torch ops
     before = x.numpy().copy()
     where = np.array([3, 5, 5, 5, 9, 2, 9])
     out = torch.empty(len(where), dtype=torch.float16 if path == "torch-fp16" else torch.float32)
-    codec.Codec.take(x, torch.from_numpy(where).int(), out, zero=True)
+    codec.Codec.take(x, torch.from_numpy(where).int(), out, zero=zero)
     first = np.array([True, True, False, False, True, True, False])
     sent = np.where(first, before[where], 0).astype(out.numpy().dtype)
     np.testing.assert_array_equal(out.numpy(), sent)
     want = before.copy()
-    want[where] = 0
-    for i in where[first]:  # what float16 rounded off stays (nothing for float32 values)
-        want[i] = before[i] - np.float32(sent[list(where).index(i)])
+    if zero:
+        want[where] = 0
+        for i in where[first]:  # what float16 rounded off stays (nothing for float32 values)
+            want[i] = before[i] - np.float32(sent[list(where).index(i)])
     np.testing.assert_array_equal(x.numpy(), want)
 
 
