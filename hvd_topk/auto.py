@@ -30,6 +30,7 @@ import torch
 
 HIER = "hier_"  # prefix of the hierarchical families (hvd_topk.hierarchy)
 SPARSE = ("allgather", "sparse_allreduce")
+TRIAL_STEPS = 3  # exchange_trial_steps' default, both transports: timed steps per candidate family
 
 
 def families(hierarchical_available, hierarchical_only, compact=False, fp16=False):

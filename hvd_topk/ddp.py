@@ -117,7 +117,7 @@ class TopKState:
     """
 
     def __init__(self, process_group=None, density=0.01, *, error_feedback=True, warmup_steps=0,
-                 warmup_density=0.25, optimizer=None, exchange="auto", exchange_trial_steps=3, fp16_values=False,
+                 warmup_density=0.25, optimizer=None, exchange="auto", exchange_trial_steps=auto.TRIAL_STEPS, fp16_values=False,
                  compact=False, min_numel=1024, residual_decay=1.0, method=DEFAULT_METHOD, named_parameters=None):
         # tune
         self.density = check_density(density)
@@ -135,7 +135,7 @@ class TopKState:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
         self.exchange = exchange
         self.exchange_trial_steps = check_integer(exchange_trial_steps, "exchange_trial_steps", 1)
-        warn_ignored(exchange, 2, exchange_trial_steps=(self.exchange_trial_steps, 3))
+        warn_ignored(exchange, 2, exchange_trial_steps=(self.exchange_trial_steps, auto.TRIAL_STEPS))
         self.fp16_values = check_flag(fp16_values, "fp16_values")
         self.compact = check_flag(compact, "compact")
         if self.compact and exchange == "sparse_allreduce":

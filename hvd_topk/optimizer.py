@@ -13,6 +13,7 @@ import torch
 
 from hvd_topk._horovod import OPTIMIZER_MODULE, elastic_mode, hvd, instance_name, is_horovod_distributed_optimizer
 from hvd_topk._torch import AMP_SCALING_ATTRIBUTE, unscaled_already
+from hvd_topk.auto import TRIAL_STEPS
 from hvd_topk.compressor import TopK
 from hvd_topk import checkpoint
 from hvd_topk.checkpoint import STATE_KEY
@@ -40,7 +41,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                          momentum_correction=0.0, warmup_steps=0, warmup_density=0.25,
                          min_numel=1024, fusion_bytes=64 * 1024 * 1024, dense_fallback=True,
                          selection_scope="tensor", grad_scaler=None, exchange="auto",
-                         exchange_trial_steps=3, exchange_recheck_steps=0, hierarchical="auto",
+                         exchange_trial_steps=TRIAL_STEPS, exchange_recheck_steps=0, hierarchical="auto",
                          residual_decay=1.0):
     """Wrap ``optimizer`` so that gradients are exchanged as Top-K pairs with error feedback.
 

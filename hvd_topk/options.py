@@ -4,7 +4,7 @@ guide (``hvd_topk.DistributedOptimizer``'s docstring points here)."""
 import dataclasses
 import numbers
 
-from hvd_topk import exchange
+from hvd_topk import auto, exchange
 from hvd_topk.selection import (DENSE_EXCHANGES, check_density, check_flag, check_integer, check_number,
                                 check_residual_decay, warn_ignored)
 
@@ -71,7 +71,7 @@ class Options:
     selection_scope: str = "tensor"
     sparse_as_dense: bool = False
     exchange: str = "auto"
-    exchange_trial_steps: int = 3
+    exchange_trial_steps: int = auto.TRIAL_STEPS
     exchange_recheck_steps: int = 0
     hierarchical: object = "auto"
     residual_decay: float = 1.0
