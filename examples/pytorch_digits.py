@@ -36,7 +36,7 @@ def parse_args(argv=None):
                    help="topk-ef: k per tensor (default) or one top-k per fusion bucket")
     p.add_argument("--exchange", choices=hvd_topk.exchange.CHOICES, default="auto",
                    help="topk-ef: how buckets travel (default auto: a measured trial picks the "
-                        "fastest of dense, dense_fp16, allgather and sparse_allreduce)")
+                        "fastest of dense, allgather and sparse_allreduce)")
     p.add_argument("--hierarchical", action="store_true",
                    help="topk-ef: dense inside each host, sparse across hosts (starts Horovod with "
                         "hvd_topk.init(), which adds the host process sets)")

@@ -6,8 +6,10 @@ Two emulated hosts that are both this machine ("localhost" and "127.0.0.1", one 
 discovery script says which are up:
 
     printf '#!/bin/sh\\necho localhost:1\\necho 127.0.0.1:1\\n' > /tmp/hosts.sh; chmod +x /tmp/hosts.sh
-    horovodrun -np 2 --min-np 1 --max-np 2 --host-discovery-script /tmp/hosts.sh \\
+    horovodrun -np 2 --min-np 1 --max-np 2 --network-interface lo --host-discovery-script /tmp/hosts.sh \\
         python examples/pytorch_elastic.py --epochs 4
+
+(``--network-interface lo`` lets Horovod start with one host; without it elastic Gloo waits for two.)
 
 Workers can fail (``--fail-rank R --fail-epoch E``: that rank exits in the middle of a step, after
 its backward pass, once: ``--fail-marker`` records it) or come and go (change the discovery script's output while it

@@ -35,11 +35,12 @@ def test_example_help_shows_every_default():
     p.add_argument("--quiet", action="store_true", help="less output")
     p.add_argument("--warmup", type=int, default=0, help="dense steps")
     p.add_argument("--json", default=None, help="where")
+    p.add_argument("--adam", default="adamw", help="local: beta1 0 by default")
     text = " ".join(p.format_help().split())
     assert "--steps STEPS (default: 5)" in text
     assert "clipping (default 1.0; 0: off) --quiet" in text
     assert "less output --warmup WARMUP dense steps (default: 0) --json JSON where" in text
-    assert text.endswith("where")
+    assert "--json JSON where --adam ADAM local: beta1 0 by default (default: adamw)" in text
 
 
 @pytest.mark.parametrize("script", ["pytorch_gpt", "pytorch_digits", "pytorch_elastic"])

@@ -98,6 +98,18 @@ def test_emulated_hosts_layout_before_entering():
         assert eh_mod.pid_of_name(ns) == os.getpid()
 
 
+def test_emulated_hosts_refuse_without_root(monkeypatch):
+    """Without root, entering says so before making anything (no namespace, no handler)."""
+    eh = eh_mod.EmulatedHosts(2, net=103, tag="0c0c")
+    made = []
+    monkeypatch.setattr(eh, "_setup", lambda: made.append("setup"))
+    monkeypatch.setattr(eh_mod.os, "geteuid", lambda: 1000)
+    with pytest.raises(PermissionError, match="emulated hosts need root"):
+        with eh:
+            pass
+    assert made == [] and eh._old_handlers == {}
+
+
 def test_emulated_hosts_rejects_no_hosts():
     with pytest.raises(ValueError):
         eh_mod.EmulatedHosts(0)

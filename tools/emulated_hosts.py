@@ -203,6 +203,9 @@ class EmulatedHosts:
 
     # ---- set-up ---------------------------------------------------------------------------
     def __enter__(self):
+        if hasattr(os, "geteuid") and os.geteuid() != 0:
+            raise PermissionError("emulated hosts need root (network namespaces, tc and sshd): run the "
+                                  "benchmark or test as root, e.g. with sudo")
         self._install_signal_handlers()
         try:
             self._setup()
