@@ -192,7 +192,7 @@ class TopK(Compressor):
     (``ADASUM_ERROR``) then names the fix. ``hvd_topk.DistributedOptimizer`` refuses Adasum
     when it is built.
 
-    Args:
+    Args (read-only attributes afterwards: build another ``TopK`` for other settings):
         density: fraction of entries to send, in (0, 1].
         method: ``"sampled"`` (default: threshold from a sample, one pass, exactly k entries,
             >= 95% of the true top-k) or ``"exact"`` (the same set as ``torch.topk``); see
@@ -216,16 +216,29 @@ class TopK(Compressor):
     DEFAULT_DENSITY = 0.01
 
     def __init__(self, density=DEFAULT_DENSITY, method=DEFAULT_METHOD, fp16_values=False, compact=False):
-        self.density = check_density(density)
-        self.method = check_method(method)
-        self.fp16_values = check_flag(fp16_values, "fp16_values")
-        self.compact = check_flag(compact, "compact")
+        object.__setattr__(self, "_options", {"density": check_density(density), "method": check_method(method),
+                                              "fp16_values": check_flag(fp16_values, "fp16_values"),
+                                              "compact": check_flag(compact, "compact")})
         self._codec = Codec(self.method, self.fp16_values, self.compact)
         self._plans = {}  # (numel, dtype) -> codec.Plan, the same every step
         self._stats = CompressionStats()
         self._probe_checked = set()
         self._rounds = {}  # (process set id, ranks) -> _Round (and the names this instance uses there)
         self._lock = threading.Lock()
+
+    # Fixed once built: the codec and the per-shape plans are made from them, and
+    # hvd_topk.DistributedOptimizer copies them when it is built; a change would apply to some
+    # tensors and not others, or not at all.
+    density = property(lambda self: self._options["density"])
+    method = property(lambda self: self._options["method"])
+    fp16_values = property(lambda self: self._options["fp16_values"])
+    compact = property(lambda self: self._options["compact"])
+
+    def __setattr__(self, name, value):
+        if name in self.__dict__.get("_options", ()):
+            raise AttributeError(f"TopK's {name} is fixed when it is built (its plans and any optimizer built "
+                                 f"with it use it): build a new TopK({name}=...) instead")
+        object.__setattr__(self, name, value)
 
     def __repr__(self):
         compact = ", compact=True" if self.compact else ""
@@ -242,9 +255,13 @@ class TopK(Compressor):
     def compress(self, tensor):
         if not tensor.is_floating_point() or tensor.numel() == 0:
             return tensor, None
-        if isinstance(tensor, torch.nn.Parameter):
-            raise ValueError(ADASUM_ERROR)
         caller = caller_context()
+        if isinstance(tensor, torch.nn.Parameter):
+            # Horovod's Adasum optimizer compresses the parameter itself, with no op in sight; a
+            # parameter handed to hvd.allreduce (a call in the frames) is a tensor like any other
+            if caller.call is None:
+                raise ValueError(ADASUM_ERROR)
+            tensor = tensor.detach()
         _check_reduction(caller.call, caller.op)
         if compiled_autograd_active():
             raise RuntimeError(COMPILED_AUTOGRAD_ERROR)

@@ -38,6 +38,12 @@ def test_topk_class_and_instance():
     assert isinstance(c, Compressor) and c.density == 0.001
     with pytest.raises(ValueError, match="1.5"):
         hvd_topk.TopK(density=1.5)
+    # Its options are fixed once built (its per-shape plans were made from them): setting one says
+    # so, where before a density set after the first compress was silently ignored.
+    for name, value in (("density", 0.5), ("method", "exact"), ("fp16_values", False), ("compact", True)):
+        with pytest.raises(AttributeError, match=f"TopK's {name} is fixed when it is built"):
+            setattr(c, name, value)
+    assert (c.density, c.method, c.fp16_values, c.compact) == (0.001, "sampled", True, False)
     # Non-floating and empty tensors pass through without any communication.
     ints = torch.arange(5)
     assert hvd_topk.TopK.compress(ints) == (ints, None)

@@ -56,6 +56,13 @@ def check_allreduce():
         out = hvd.allreduce(t, compression=hvd_topk.TopK(density=0.01, method=method), name=f"ar.big.{method}")
         np.testing.assert_allclose(out.numpy(), sparse_allreduce(gather(t.numpy()), 0.01), rtol=1e-6,
                                    atol=1e-7, err_msg=method)
+    # A parameter handed to hvd.allreduce is reduced as its values (Horovod's own path does), not
+    # refused as Adasum's parameter delta (only Horovod's Adasum optimizer compresses without an op).
+    p = torch.nn.Parameter(torch.randn(2000, generator=gen))
+    before = p.detach().numpy().copy()
+    out = hvd.allreduce(p, compression=hvd_topk.TopK(density=0.02), name="ar.parameter")
+    np.testing.assert_allclose(out.detach().numpy(), sparse_allreduce(gather(before), 0.02), rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(p.detach().numpy(), before)
     # Integer and empty tensors pass through to Horovod's dense allreduce.
     t = torch.arange(10, dtype=torch.int32) * (rank + 1)
     out = hvd.allreduce(t, op=hvd.Sum, compression=hvd_topk.TopK, name="ar.int")
