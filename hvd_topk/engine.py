@@ -107,7 +107,7 @@ class TopKEngine:
         self.param_ids = [id(p) for g in param_groups for p in g["params"]]
         self.params = [p for g in param_groups for p in g["params"] if p.requires_grad]
         self.frozen = [p for g in param_groups for p in g["params"] if not p.requires_grad]
-        self.shapes = [p.shape for p in self.params]
+        self.layout = parameter_layout(self.params)
         self.names = names
         self.options = options
         self.density = compression.density
@@ -336,7 +336,8 @@ class TopKEngine:
         if self.retired:
             raise RuntimeError("this hvd_topk.DistributedOptimizer was replaced by a newer one over the same "
                                "parameters, which now exchanges their gradients: step the new one")
-        check_parameters_unchanged(self)
+        check_parameters_unchanged(self.param_groups, self.param_ids, self.params, self.layout,
+                                   "hvd_topk.DistributedOptimizer")
         if self.ctx is None:
             self._begin_step()
         for bucket in self.buckets:
@@ -497,9 +498,19 @@ def check_still_trainable(trainable, owner, because):
                 "optimizer over the trainable parameters, wrapped again).")
 
 
-def check_parameters_unchanged(engine):
-    ids = [id(p) for g in engine.param_groups for p in g["params"]]
-    if ids != engine.param_ids or any(p.shape != s for p, s in zip(engine.params, engine.shapes)):
-        raise RuntimeError("the optimizer's parameters changed after hvd_topk.DistributedOptimizer "
-                           "was built (parameters added, removed, replaced or resized); build "
-                           "the DistributedOptimizer after the model and its param_groups are final")
+def parameter_layout(params):
+    """What the buffers built over ``params`` depend on: each one's shape, dtype and device."""
+    return [(p.shape, p.dtype, p.device) for p in params]
+
+
+def check_parameters_unchanged(param_groups, param_ids, params, layout, owner):
+    """RuntimeError if ``param_groups`` no longer hold the parameters ``owner`` was built over
+    (``param_ids``, every parameter's id in order) or a trained one (``params``) changed its
+    shape, dtype or device since (``layout``): its buffers (residuals, shared copies) were made
+    for them, and a parameter they miss would silently train on one rank only."""
+    ids = [id(p) for g in param_groups for p in g["params"]]
+    if ids != param_ids or parameter_layout(params) != layout:
+        raise RuntimeError(f"the optimizer's parameters changed after {owner} was built (parameters added, "
+                           "removed, replaced or resized, or moved to another dtype or device, e.g. "
+                           f"model.double() or .cuda()); build the {owner.split('.')[-1]} after the model "
+                           "(its dtype and device included) and its param_groups are final")

@@ -32,7 +32,7 @@ import torch
 from hvd_topk._horovod import hvd, is_horovod_distributed_optimizer
 from hvd_topk._torch import AMP_SCALING_ATTRIBUTE
 from hvd_topk.compressor import TopK
-from hvd_topk.engine import check_still_frozen, check_still_trainable
+from hvd_topk.engine import check_parameters_unchanged, check_still_frozen, check_still_trainable, parameter_layout
 from hvd_topk.optimizer import ENGINE, LOCAL, DistributedOptimizer, _name_parameters, share_as_subclass
 from hvd_topk.selection import check_flag, check_integer, check_number
 
@@ -69,13 +69,16 @@ class LocalStepsState:
     (the shared weights at the last synchronisation, one per parameter, identical on every
     rank), ``outer`` (the ``hvd_topk.DistributedOptimizer`` over the anchors, with SGD at
     ``outer_lr``), ``frozen`` (``{parameter: name}`` of those with ``requires_grad=False`` when
-    it was built: they have no anchor). Statistics: ``steps`` taken on this rank (for
+    it was built: they have no anchor), ``param_ids`` and ``layout`` (every parameter of the
+    optimizer's groups, and the trained ones' shapes, dtypes and devices, when it was built: the
+    anchors were made for them). Statistics: ``steps`` taken on this rank (for
     ``compression_stats``)."""
 
-    def __init__(self, params, names, anchors, outer, sync_every, frozen):
+    def __init__(self, params, names, anchors, outer, sync_every, frozen, param_ids):
         self.params, self.names, self.anchors, self.outer = params, names, anchors, outer
         self.sync_every = sync_every
         self.frozen = frozen
+        self.param_ids, self.layout = param_ids, parameter_layout(params)
         self.steps = 0
 
 
@@ -125,8 +128,8 @@ def LocalSteps(optimizer, named_parameters=None, *, sync_every, compression=TopK
     sync_every = check_integer(sync_every, "sync_every", 1)
     outer_lr, outer_momentum = check_number(outer_lr, "outer_lr"), check_number(outer_momentum, "outer_momentum")
     check_flag(nesterov, "nesterov")
-    if not outer_lr > 0:
-        raise ValueError(f"outer_lr must be > 0, got {outer_lr!r}")
+    if not 0 < outer_lr < float("inf"):
+        raise ValueError(f"outer_lr must be a finite number > 0, got {outer_lr!r}")
     if not 0 <= outer_momentum < 1:
         raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
     if nesterov and not outer_momentum:
@@ -140,7 +143,9 @@ def LocalSteps(optimizer, named_parameters=None, *, sync_every, compression=TopK
                                  compression=compression, process_set=process_set, **options)
     frozen = {p: names[p] for g in optimizer.param_groups for p in g["params"] if not p.requires_grad}
     wrapped = share_as_subclass(optimizer, _LocalSteps)
-    setattr(wrapped, LOCAL, LocalStepsState(params, [names[p] for p in params], anchors, outer, sync_every, frozen))
+    param_ids = [id(p) for g in optimizer.param_groups for p in g["params"]]
+    setattr(wrapped, LOCAL, LocalStepsState(params, [names[p] for p in params], anchors, outer, sync_every, frozen,
+                                            param_ids))
     # param-group options from the start: hvd.broadcast_optimizer_state broadcasts each rank's own
     # keys, so a fresh elastic worker must have the same ones as the others
     wrapped.param_groups[0].setdefault(PHASE_KEY, 0)
@@ -172,6 +177,7 @@ class _LocalSteps(torch.optim.Optimizer):
 
     def step(self, closure=None):
         local = getattr(self, LOCAL)
+        check_parameters_unchanged(self.param_groups, local.param_ids, local.params, local.layout, "hvd_topk.LocalSteps")
         check_still_frozen(local.frozen.items(), "hvd_topk.LocalSteps",
                            "it has no shared copy, so its changes would never be exchanged")
         check_still_trainable(zip(local.params, local.names), "hvd_topk.LocalSteps",
@@ -326,6 +332,12 @@ class _LocalSteps(torch.optim.Optimizer):
                 if local.anchors else 0.0
         mine = torch.tensor([[self.param_groups[0][SYNCS_KEY], self.local_step, checksum]], dtype=torch.float64)
         rows = hvd.allgather(mine, name=f"{engine.prefix}.local_steps_agree", process_set=engine.process_set)
+        if not bool(rows[:, 2].isfinite().all()):  # (NaN != NaN: the comparison below would blame the ranks)
+            raise RuntimeError(
+                "hvd_topk.LocalSteps: the shared weights are not finite (inf or NaN) on ranks "
+                f"{[r for r, ok in enumerate(rows[:, 2].isfinite().tolist()) if not ok]}: a non-finite "
+                "model change was exchanged (a diverged step, too high a learning rate, or a NaN in the data). "
+                "Restore the last good checkpoint on every rank.")
         if not bool((rows == rows[0]).all()):
             raise RuntimeError(
                 "hvd_topk.LocalSteps: the ranks hold different shared weights or are at different points of "

@@ -372,8 +372,9 @@ def check_bad_input():
     hvd_topk.LocalSteps(hvd_topk.FrozenVarianceAdamW(model.parameters(), freeze_step=5), sync_every=4)
     with raises(ValueError, match="nesterov=True needs outer_momentum", what="nesterov without momentum"):
         hvd_topk.LocalSteps(torch.optim.AdamW(model.parameters()), sync_every=4, nesterov=True)
-    with raises(ValueError, match="outer_lr must be > 0", what="outer_lr=0"):
-        hvd_topk.LocalSteps(torch.optim.AdamW(model.parameters()), sync_every=4, outer_lr=0.0)
+    for bad in (0.0, float("inf"), float("nan")):
+        with raises(ValueError, match="outer_lr must be a finite number > 0", what=f"outer_lr={bad}"):
+            hvd_topk.LocalSteps(torch.optim.AdamW(model.parameters()), sync_every=4, outer_lr=bad)
     with raises(ValueError, match="already distributed", what="wrapping twice"):
         hvd_topk.LocalSteps(hvd_topk.LocalSteps(torch.optim.AdamW(model.parameters()), sync_every=2), sync_every=2)
     with raises(ValueError, match="is a hvd_topk.LocalSteps, which exchanges the model itself",
@@ -394,6 +395,28 @@ def check_bad_input():
     with raises(ValueError, match=r"fc1.weight was saved with shape \(3, 5\), here it is \(96, 40\)",
                 what="a resized layer"):
         opt.load_state_dict(state)
+    # Parameters added, or the model moved to another dtype, after building: the anchors were made
+    # for the old ones; a clear error at the next step, where a new parameter trained on each rank
+    # alone (never exchanged nor reset) and float64 weights were rounded to float32 at each sync.
+    model, opt = build(sgd(), sync_every=2)
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    with raises(RuntimeError, match="parameters changed after hvd_topk.LocalSteps was built",
+                what="a parameter group added after building"):
+        train(model, opt, 1)
+    model, opt = build(sgd(), sync_every=2)
+    model.double()
+    with raises(RuntimeError, match=r"moved to another dtype or device, e.g. model.double\(\)",
+                what="model.double() after building"):
+        opt.step()
+    # A model gone non-finite is said to be so, not blamed on the ranks disagreeing (NaN != NaN).
+    model, opt = build(sgd(), sync_every=2)
+    train(model, opt, 1)
+    with torch.no_grad():
+        model.fc1.weight[0, 0] = float("nan")
+    train(model, opt, 1, start=1)  # the first synchronisation exchanges it into the shared weights
+    with raises(RuntimeError, match=r"the shared weights are not finite \(inf or NaN\) on ranks \[0, 1",
+                what="a NaN model change"):
+        train(model, opt, 2, start=2)
 
 
 CHECKS = [

@@ -452,6 +452,12 @@ def check_bad_input():
     opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
     with raises(RuntimeError, match="parameters changed", what="parameters added after building"):
         train(model, opt, 1)
+    # The model moved to float64 after building: its float32 residuals rounded every gradient.
+    model, opt = build(min_numel=500)
+    model.double()
+    with raises(RuntimeError, match=r"moved to another dtype or device, e.g. model.double\(\)",
+                what="model.double() after building"):
+        opt.synchronize()
 
 
 def check_second_synchronize_changes_nothing():
