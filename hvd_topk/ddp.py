@@ -36,6 +36,7 @@ waits for its parts' index gather inside the hook for the same reason.
 
 import hashlib
 import inspect
+import numbers
 import warnings
 
 import torch
@@ -216,15 +217,34 @@ class TopKState:
             raise ValueError("TopKState.load_state_dict() needs parameter names: build the state with "
                              "named_parameters=model.named_parameters()")
         # checked whole before anything is applied: a checkpoint that does not fit changes nothing
+        missing = [k for k in ("iteration", "rank", "world_size", "residuals") if k not in state]
+        if missing:
+            raise ValueError(f"the TopKState checkpoint lacks {missing} (truncated, or written by something "
+                             "else); nothing was loaded")
+        for key in ("iteration", "rank", "world_size"):
+            value = state[key]
+            if (value is not None or key == "iteration") and (isinstance(value, bool) or not isinstance(
+                    value, numbers.Integral) or value < 0):
+                raise ValueError(f"the TopKState checkpoint has {key}={value!r}, not a count; nothing was loaded")
+        saved = state["residuals"]
+        if not isinstance(saved, dict) or not all(torch.is_tensor(t) and t.is_floating_point()
+                                                  for t in saved.values()):
+            raise ValueError("the TopKState checkpoint's 'residuals' is not a dict of floating-point tensors by "
+                             "parameter name; nothing was loaded")
         sizes = {name: p.numel() for p, name in self.names.items()}
         # names as saved, or equal once torch.compile's "_orig_mod." components are removed
-        residuals, unknown = checkpoint.match_names(state["residuals"], sizes)
+        residuals, unknown = checkpoint.match_names(saved, sizes)
         if unknown:
             raise ValueError(f"the checkpoint holds residuals of parameters this model does not have: {unknown[:5]}")
         wrong = [f"{n} ({t.numel()} elements, the parameter has {sizes[n]})"
                  for n, t in residuals.items() if t.numel() != sizes[n]]
         if wrong:
             raise ValueError(f"the checkpoint's residuals do not fit this model's parameters: {wrong[:5]}")
+        nonfinite = sorted(n for n, t in residuals.items() if not bool(torch.isfinite(t).all()))
+        if nonfinite:  # as the Horovod optimizer does: a residual of an overflow would spread it
+            warnings.warn(f"hvd_topk.ddp: the checkpoint's residuals of {nonfinite[:5]} held inf/nan (saved after "
+                          "an overflow?): those start from zero")
+            residuals = {n: t for n, t in residuals.items() if n not in nonfinite}
         rank, world = _group_rank_and_size(self.process_group)
         self.iteration = int(state["iteration"])
         for layout in self.layouts.values():
@@ -263,6 +283,7 @@ class TopKState:
                                "holds parameters it has not seen); build one TopKState per "
                                "DistributedDataParallel model")
         self.model_params |= ids
+        self._check_named(params)
         self._check_optimizer_owns(params)
         fresh = exchange.BucketLayout(params, bucket.gradients(), bucket.buffer(), self.min_numel,
                                       self.error_feedback)
@@ -288,6 +309,17 @@ class TopKState:
                                f"{self.world_size} and its process group is now rank {now[0]} of {now[1]} (a new "
                                "init_process_group?): build a new TopKState for the new group; load_state_dict() "
                                "keeps the step and restarts the residuals from zero, with a warning")
+
+    def _check_named(self, params):
+        """``named_parameters=`` names what checkpoints hold: one parameter of the model it lacks
+        (another model's, or part of this one's) would otherwise fail only at ``state_dict()``."""
+        if self.names is None:
+            return
+        for i, p in enumerate(params):
+            if p not in self.names:
+                raise ValueError(f"hvd_topk.ddp: TopKState(named_parameters=...) does not name parameter #{i} "
+                                 f"(shape {tuple(p.shape)}) of a DDP bucket: pass the DDP model's own "
+                                 "model.named_parameters(), all of them")
 
     def _check_optimizer_owns(self, params):
         """``optimizer=`` transforms every gradient of the model: one it does not hold (a second

@@ -570,6 +570,16 @@ def check_bad_input():
                              optimizer=hvd_topk.LocalAdamW(model.fc1.parameters())), hvd_topk.ddp.topk_hook)
     with raises(ValueError, match=r"parameter '(fc2|head2)\.\w+' .* is not in that optimizer", what="optimizer of part"):
         F.cross_entropy(ddp(x), y).backward()
+    # named_parameters= of another model, or of part of this one: refused at the first bucket, where
+    # training ran and state_dict() failed later with a bare KeyError
+    for label, named in (("another model's", lambda m: Net().named_parameters()),
+                         ("part of the model's", lambda m: m.fc1.named_parameters())):
+        model = Net().to(DEVICE)
+        ddp = DDP(model)
+        ddp.register_comm_hook(P(min_numel=MIN_NUMEL, named_parameters=named(model)), hvd_topk.ddp.topk_hook)
+        with raises(ValueError, match=r"does not name parameter #\d+ \(shape .*model.named_parameters\(\), all of them",
+                    what=f"named_parameters of {label}"):
+            F.cross_entropy(ddp(x), y).backward()
     # the group changed size after the state's first step (a new init_process_group)
     model, ddp, state = build(exchange="allgather")
     train(ddp, torch.optim.SGD(model.parameters(), lr=0.1), 1)
@@ -590,9 +600,32 @@ def check_bad_input():
         state.load_state_dict({**saved, "residuals": {**saved["residuals"], "fc9.weight": torch.zeros(3)}})
     with raises(ValueError, match="do not fit", what="residual of another size"):
         state.load_state_dict({**saved, "residuals": {**saved["residuals"], "fc1.weight": torch.zeros(3)}})
+    # malformed ones: a clear ValueError where a KeyError, an AttributeError or, at the first
+    # stats(), a ZeroDivisionError came before
+    fc1 = saved["residuals"]["fc1.weight"]
+    for bad, text in (({k: v for k, v in saved.items() if k != "residuals"}, r"lacks \['residuals'\]"),
+                      ({**saved, "residuals": list(saved["residuals"].values())}, "not a dict of floating-point"),
+                      ({**saved, "residuals": {**saved["residuals"], "fc1.weight": fc1.to(torch.int64)}},
+                       "not a dict of floating-point"),
+                      ({**saved, "iteration": -5}, r"iteration=-5, not a count"),
+                      ({**saved, "world_size": 2.5}, r"world_size=2.5, not a count")):
+        with raises(ValueError, match=text, what=f"malformed checkpoint: {text}"):
+            state.load_state_dict(bad)
     after = state.state_dict()  # refused whole: nothing applied
     assert after["iteration"] == saved["iteration"] == 1
     assert all(torch.equal(after["residuals"][n], saved["residuals"][n]) for n in saved["residuals"])
+    # a residual holding inf/nan (saved after an overflow) starts from zero, with a warning, as in the
+    # Horovod optimizer; before, it was loaded and the next step's gradients went non-finite
+    poisoned = fc1.clone()
+    poisoned[0] = float("inf")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state.load_state_dict({**saved, "residuals": {**saved["residuals"], "fc1.weight": poisoned}})
+    assert any("['fc1.weight'] held inf/nan" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    after = state.state_dict()
+    assert torch.count_nonzero(after["residuals"]["fc1.weight"]) == 0
+    assert all(torch.equal(after["residuals"][n], saved["residuals"][n]) for n in saved["residuals"]
+               if n != "fc1.weight")
 
 
 class _FakeBucket:
