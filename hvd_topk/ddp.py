@@ -410,6 +410,9 @@ class TopKState:
 def register(model, state, hook=None):
     """``model.register_comm_hook(state, hook or topk_hook)``, after checking that ``state``
     reduces over the process group ``model`` (a ``DistributedDataParallel``) uses."""
+    if not hasattr(model, "register_comm_hook"):
+        raise TypeError(f"hvd_topk.ddp.register takes the DistributedDataParallel model, got a "
+                        f"{type(model).__name__}: wrap it first, DistributedDataParallel(model)")
     mine = state.process_group if state.process_group is not None else dist.group.WORLD
     theirs = getattr(model, "process_group", None)
     if theirs is not None and mine is not theirs and dist.get_process_group_ranks(mine) != \

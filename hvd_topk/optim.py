@@ -53,12 +53,21 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, freeze_step=0):
         # (defaults for every argument: Horovod's optimizer wrappers re-run __init__ with params only)
-        _check_adam_options(lr, betas, eps, weight_decay)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, freeze_step=freeze_step)
+        self._check_options(defaults)
+        super().__init__(params, defaults)
+        self._warned = False
+
+    @staticmethod
+    def _check_options(options):
+        _check_adam_options(options)
+        freeze_step = options["freeze_step"]
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 0:
             raise ValueError(f"freeze_step must be a non-negative integer, got {freeze_step!r}")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                      freeze_step=freeze_step))
-        self._warned = False
+
+    def add_param_group(self, param_group):
+        """As torch's, with the group's options checked as the constructor's are."""
+        _add_checked_group(self, param_group)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -104,6 +113,11 @@ class _ExchangedUpdates(torch.optim.Optimizer):
     says that hvd_topk's exchange has written this step's ``p.grad``."""
 
     _exchanged = False
+
+    def add_param_group(self, param_group):
+        """As torch's, with the group's options checked as the constructor's are (a group's own
+        ``betas`` or ``normalise`` would otherwise be used unchecked)."""
+        _add_checked_group(self, param_group)
 
     def exchanged(self):
         """Called by ``hvd_topk.DistributedOptimizer`` once the exchange has written ``p.grad``:
@@ -169,13 +183,18 @@ class LocalAdamW(_ExchangedUpdates):
 
     def __init__(self, params, lr=1e-3, betas=(0.0, 0.999), eps=1e-8, weight_decay=1e-2, lr_in_residual=True,
                  global_variance=True):
-        _check_adam_options(lr, betas, eps, weight_decay)
-        for name, value in (("lr_in_residual", lr_in_residual), ("global_variance", global_variance)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name} must be True or False, got {value!r}")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                      lr_in_residual=lr_in_residual, global_variance=global_variance))
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, lr_in_residual=lr_in_residual,
+                        global_variance=global_variance)
+        self._check_options(defaults)
+        super().__init__(params, defaults)
         self._transformed = set()  # parameters whose gradient became an update this step
+
+    @staticmethod
+    def _check_options(options):
+        _check_adam_options(options)
+        for name in ("lr_in_residual", "global_variance"):
+            if not isinstance(options[name], bool):
+                raise ValueError(f"{name} must be True or False, got {options[name]!r}")
 
     def _new_state(self, p, group):
         state = _new_adam_state(self.state[p], p)
@@ -273,12 +292,11 @@ class DeMo(_ExchangedUpdates):
     NORMALISE = ("sign", "rms")
 
     def __init__(self, params, lr=1e-3, beta=0.999, weight_decay=0.0, normalise="sign"):
-        _check_nonnegative(lr=lr, weight_decay=weight_decay)
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 < beta <= 1.0:
             raise ValueError(f"beta must be a number in (0, 1], got {beta!r}")
-        if normalise not in self.NORMALISE:
-            raise ValueError(f"normalise must be one of {self.NORMALISE}, got {normalise!r}")
-        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, normalise=normalise))
+        defaults = dict(lr=lr, weight_decay=weight_decay, normalise=normalise)
+        self._check_options(defaults)
+        super().__init__(params, defaults)
         self.residual_decay = float(beta)  # read by hvd_topk.DistributedOptimizer
         self._transformed = set()
 
@@ -289,6 +307,12 @@ class DeMo(_ExchangedUpdates):
         here (``finite`` is ``LocalAdamW``'s argument, unused)."""
         grad.mul_(_group_of(self, p)["lr"])
         self._transformed.add(p)
+
+    @classmethod
+    def _check_options(cls, options):
+        _check_nonnegative(lr=options["lr"], weight_decay=options["weight_decay"])
+        if options["normalise"] not in cls.NORMALISE:
+            raise ValueError(f"normalise must be one of {cls.NORMALISE}, got {options['normalise']!r}")
 
     def _init_state(self, p):
         """No per-parameter state: the momentum is the engine's residual."""
@@ -395,7 +419,16 @@ def _check_nonnegative(**values):
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
-def _check_adam_options(lr, betas, eps, weight_decay):
+def _add_checked_group(optimizer, param_group):
+    """torch's ``add_param_group`` after ``optimizer._check_options`` on the group's options (its
+    own, else the defaults), so a group cannot bring what the constructor refuses."""
+    if isinstance(param_group, dict):
+        optimizer._check_options({**optimizer.defaults, **param_group})
+    torch.optim.Optimizer.add_param_group(optimizer, param_group)
+
+
+def _check_adam_options(options):
+    lr, betas, eps, weight_decay = (options[k] for k in ("lr", "betas", "eps", "weight_decay"))
     _check_nonnegative(lr=lr, eps=eps, weight_decay=weight_decay)
     if not isinstance(betas, (tuple, list)) or len(betas) != 2 or \
             not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas):

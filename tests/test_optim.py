@@ -101,6 +101,23 @@ def test_bad_options_refused(kwargs, match):
     if "freeze_step" not in kwargs:
         with pytest.raises(ValueError, match=match):
             LocalAdamW([torch.nn.Parameter(torch.zeros(2))], **kwargs)
+    # the same in a param group of its own, at construction or added later (a group's options were
+    # used unchecked before); a refused group is not added
+    for make in (FrozenVarianceAdamW, LocalAdamW):
+        if make is LocalAdamW and "freeze_step" in kwargs:
+            continue
+        with pytest.raises(ValueError, match=match):
+            make([{"params": [torch.nn.Parameter(torch.zeros(2))], **kwargs}])
+        opt = make([torch.nn.Parameter(torch.zeros(2))])
+        with pytest.raises(ValueError, match=match):
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], **kwargs})
+        assert len(opt.param_groups) == 1
+
+
+def test_local_adamw_group_flags_checked():
+    for name in ("lr_in_residual", "global_variance"):
+        with pytest.raises(ValueError, match=f"{name} must be True or False, got 'yes'"):
+            LocalAdamW([{"params": [torch.nn.Parameter(torch.zeros(2))], name: "yes"}])
 
 
 def test_local_adamw_on_one_rank_is_torch_adamw():
@@ -238,6 +255,9 @@ def test_demo_rms_of_a_sparse_gradient():
 def test_demo_bad_options_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DeMo([torch.nn.Parameter(torch.zeros(2))], **kwargs)
+    if "beta" not in kwargs:  # (the accumulator's decay is the optimizer's, not a group's)
+        with pytest.raises(ValueError, match=match):
+            DeMo([{"params": [torch.nn.Parameter(torch.zeros(2))], **kwargs}])
 
 
 def test_demo_beta_one_accepted():

@@ -554,6 +554,9 @@ def check_bad_input():
     ddp = DDP(model)
     with raises(ValueError, match="process group", what="register with another group"):
         hvd_topk.ddp.register(ddp, P(process_group=solo))
+    with raises(TypeError, match=r"takes the DistributedDataParallel model, got a Net: wrap it first",
+                what="register on the plain model"):
+        hvd_topk.ddp.register(Net(), P())
     # one state shared by two DDP models: refused at the second model's first bucket
     shared = P(min_numel=MIN_NUMEL)
     first, second = DDP(Net().to(DEVICE)), DDP(Net().to(DEVICE))
