@@ -159,7 +159,17 @@ class _Round:
             del self.jobs[job.name]
 
 
-class TopK(Compressor):
+class _FixedOptions(type):
+    """TopK's options cannot be set on the class either (that would replace them on every instance,
+    built or not, whose codec was made from the old ones)."""
+
+    def __setattr__(cls, name, value):
+        if name in ("density", "method", "fp16_values", "compact"):
+            raise AttributeError(f"TopK's {name} is fixed when it is built: build a TopK({name}=...) and pass it")
+        super().__setattr__(name, value)
+
+
+class TopK(Compressor, metaclass=_FixedOptions):
     """Send only the ``k = max(1, round(density * n))`` largest-magnitude entries of a gradient.
 
     Use as ``hvd.DistributedOptimizer(opt, compression=hvd_topk.TopK)`` (1% density) or

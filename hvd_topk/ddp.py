@@ -227,8 +227,8 @@ class TopKState:
                     value, numbers.Integral) or value < 0):
                 raise ValueError(f"the TopKState checkpoint has {key}={value!r}, not a count; nothing was loaded")
         saved = state["residuals"]
-        if not isinstance(saved, dict) or not all(torch.is_tensor(t) and t.is_floating_point()
-                                                  for t in saved.values()):
+        if not isinstance(saved, dict) or not all(isinstance(n, str) and torch.is_tensor(t) and t.is_floating_point()
+                                                  for n, t in saved.items()):
             raise ValueError("the TopKState checkpoint's 'residuals' is not a dict of floating-point tensors by "
                              "parameter name; nothing was loaded")
         sizes = {name: p.numel() for p, name in self.names.items()}
@@ -410,7 +410,7 @@ class TopKState:
 def register(model, state, hook=None):
     """``model.register_comm_hook(state, hook or topk_hook)``, after checking that ``state``
     reduces over the process group ``model`` (a ``DistributedDataParallel``) uses."""
-    if not hasattr(model, "register_comm_hook"):
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"hvd_topk.ddp.register takes the DistributedDataParallel model, got a "
                         f"{type(model).__name__}: wrap it first, DistributedDataParallel(model)")
     mine = state.process_group if state.process_group is not None else dist.group.WORLD

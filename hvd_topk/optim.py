@@ -69,6 +69,11 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
         """As torch's, with the group's options checked as the constructor's are."""
         _add_checked_group(self, param_group)
 
+    def load_state_dict(self, state_dict):
+        """As torch's, with the saved groups' options checked first (nothing loaded if one fails)."""
+        _check_saved_groups(self, state_dict)
+        super().load_state_dict(state_dict)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = _evaluate(closure)
@@ -118,6 +123,11 @@ class _ExchangedUpdates(torch.optim.Optimizer):
         """As torch's, with the group's options checked as the constructor's are (a group's own
         ``betas`` or ``normalise`` would otherwise be used unchecked)."""
         _add_checked_group(self, param_group)
+
+    def load_state_dict(self, state_dict):
+        """As torch's, with the saved groups' options checked first (nothing loaded if one fails)."""
+        _check_saved_groups(self, state_dict)
+        super().load_state_dict(state_dict)
 
     def exchanged(self):
         """Called by ``hvd_topk.DistributedOptimizer`` once the exchange has written ``p.grad``:
@@ -425,6 +435,15 @@ def _add_checked_group(optimizer, param_group):
     if isinstance(param_group, dict):
         optimizer._check_options({**optimizer.defaults, **param_group})
     torch.optim.Optimizer.add_param_group(optimizer, param_group)
+
+
+def _check_saved_groups(optimizer, state_dict):
+    """``optimizer._check_options`` on each param group of a ``state_dict`` about to be loaded
+    (a key it lacks, as in a checkpoint older than an option, takes the default)."""
+    groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    for group in groups if isinstance(groups, list) else ():
+        if isinstance(group, dict):
+            optimizer._check_options({**optimizer.defaults, **group})
 
 
 def _check_adam_options(options):

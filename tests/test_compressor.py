@@ -43,7 +43,10 @@ def test_topk_class_and_instance():
     for name, value in (("density", 0.5), ("method", "exact"), ("fp16_values", False), ("compact", True)):
         with pytest.raises(AttributeError, match=f"TopK's {name} is fixed when it is built"):
             setattr(c, name, value)
+        with pytest.raises(AttributeError, match=f"TopK's {name} is fixed when it is built"):
+            setattr(hvd_topk.TopK, name, value)  # on the class it would replace every instance's
     assert (c.density, c.method, c.fp16_values, c.compact) == (0.001, "sampled", True, False)
+    assert hvd_topk.TopK(density=0.3).density == 0.3 and hvd_topk.TopK.default().density == 0.01
     # Non-floating and empty tensors pass through without any communication.
     ints = torch.arange(5)
     assert hvd_topk.TopK.compress(ints) == (ints, None)

@@ -112,6 +112,12 @@ def test_bad_options_refused(kwargs, match):
         with pytest.raises(ValueError, match=match):
             opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], **kwargs})
         assert len(opt.param_groups) == 1
+        # nor through a checkpoint: torch's load_state_dict sets the groups without add_param_group
+        saved = opt.state_dict()
+        saved["param_groups"][0].update(kwargs)
+        with pytest.raises(ValueError, match=match):
+            opt.load_state_dict(saved)
+        assert opt.param_groups[0]["lr"] == opt.defaults["lr"]  # nothing loaded
 
 
 def test_local_adamw_group_flags_checked():
@@ -258,6 +264,11 @@ def test_demo_bad_options_refused(kwargs, match):
     if "beta" not in kwargs:  # (the accumulator's decay is the optimizer's, not a group's)
         with pytest.raises(ValueError, match=match):
             DeMo([{"params": [torch.nn.Parameter(torch.zeros(2))], **kwargs}])
+        opt = DeMo([torch.nn.Parameter(torch.zeros(2))])
+        saved = opt.state_dict()
+        saved["param_groups"][0].update(kwargs)
+        with pytest.raises(ValueError, match=match):
+            opt.load_state_dict(saved)
 
 
 def test_demo_beta_one_accepted():

@@ -608,6 +608,7 @@ def check_bad_input():
     fc1 = saved["residuals"]["fc1.weight"]
     for bad, text in (({k: v for k, v in saved.items() if k != "residuals"}, r"lacks \['residuals'\]"),
                       ({**saved, "residuals": list(saved["residuals"].values())}, "not a dict of floating-point"),
+                      ({**saved, "residuals": {0: fc1}}, "not a dict of floating-point tensors by parameter name"),
                       ({**saved, "residuals": {**saved["residuals"], "fc1.weight": fc1.to(torch.int64)}},
                        "not a dict of floating-point"),
                       ({**saved, "iteration": -5}, r"iteration=-5, not a count"),
