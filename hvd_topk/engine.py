@@ -99,10 +99,12 @@ class TopKEngine:
             ``hvd.DistributedOptimizer``.
         prefix: names this optimizer's collectives apart from any other's.
         grad_scaler: the ``torch.amp.GradScaler`` scaling the loss, or None (``hvd_topk.loss_scale``).
+        inner: the inner optimizer's class name (compared between ranks: ``LocalAdamW`` sends
+            updates where a plain optimizer sends gradients).
     """
 
     def __init__(self, param_groups, names, compression, options, *, op, gradient_predivide_factor,
-                 backward_passes_per_step, process_set, groups, prefix, grad_scaler=None):
+                 backward_passes_per_step, process_set, groups, prefix, grad_scaler=None, inner=None):
         self.param_groups = param_groups
         self.param_ids = [id(p) for g in param_groups for p in g["params"]]
         self.params = [p for g in param_groups for p in g["params"] if p.requires_grad]
@@ -125,10 +127,10 @@ class TopKEngine:
         self.world = process_set.size()
         self.rank = process_set.rank() if self.member else None
         self.schedule = DensitySchedule(self.density, options.warmup_steps, options.warmup_density)
+        self.buckets = make_buckets(self.params, names, options.min_numel, options.fusion_bytes, groups)
         # In an elastic job workers join later and run this constructor alone: no collective here.
         if self.member and not elastic_mode():
-            check_ranks_agree(self, compression)
-        self.buckets = make_buckets(self.params, names, options.min_numel, options.fusion_bytes, groups)
+            check_ranks_agree(self, compression, inner, grad_scaler is not None)
         # the host / cross-host process sets when the hierarchical exchange may be used
         self.hier = hierarchy.resolve(options.hierarchical, process_set, elastic_mode()) if self.member else None
         if self.hier is not None and options.momentum_correction:
@@ -444,22 +446,45 @@ class TopKEngine:
 
 
 # ---- checks: what would make ranks silently diverge, refused on every rank at once --------------
-def check_ranks_agree(engine, compression):
-    """Every rank must wrap the same model with the same settings: fail on all ranks at once."""
-    signature = repr(([(engine.names[p], tuple(p.shape), str(p.dtype)) for p in engine.params],
-                      compression.density, compression.method, compression.fp16_values, compression.compact,
-                      engine.passes_per_step, dataclasses.astuple(engine.options)))
-    digest = int.from_bytes(hashlib.sha256(signature.encode()).digest()[:7], "big")
-    mine = torch.tensor([[digest, len(engine.params), sum(p.numel() for p in engine.params)]],
-                        dtype=torch.int64)
+def digest(value):
+    """A 56-bit digest of ``repr(value)``: equal on every rank for equal settings."""
+    return int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:7], "big")
+
+
+def disagreement(fields, every):
+    """The lines naming what differs from rank 0: ``fields`` the names of ``every``'s columns
+    (one row of digests per rank, as allgathered), or None when every rank agrees."""
+    differ = [r for r in range(every.shape[0]) if not torch.equal(every[r], every[0])]
+    if not differ:
+        return None
+    return [f"rank {r} differs from rank 0 in: "
+            + ", ".join(f for f, same in zip(fields, (every[r] == every[0]).tolist()) if not same)
+            for r in differ]
+
+
+def check_ranks_agree(engine, compression, inner=None, grad_scaler=False):
+    """Every rank must wrap the same model with the same settings: fail on all ranks at once,
+    naming what differs (one digest per setting, allgathered once)."""
+    o = engine.options
+    settings = {
+        "the parameters (names, shapes, dtypes, order)":
+            [(engine.names[p], tuple(p.shape), str(p.dtype)) for p in engine.params],
+        "TopK (density, method, fp16_values, compact)":
+            (compression.density, compression.method, compression.fp16_values, compression.compact),
+        "the inner optimizer's class": inner,
+        "grad_scaler (given or not)": grad_scaler,
+        "op and gradient_predivide_factor": (str(engine.op), engine.predivide),
+        "backward_passes_per_step": engine.passes_per_step,
+        "the fusion buckets (groups, fusion_bytes, min_numel)": [[m.name for m in b.members] for b in engine.buckets],
+        **{name: getattr(o, name) for name in (f.name for f in dataclasses.fields(o))},
+    }
+    mine = torch.tensor([[digest(v) for v in settings.values()]], dtype=torch.int64)
     every = hvd.allgather(mine, name=f"{engine.prefix}.check_ranks", process_set=engine.process_set)
-    if bool((every != every[0]).any()):
-        lines = [f"rank {r}: {n} parameters, {e:,} elements"
-                 for r, (_, n, e) in enumerate(every.tolist())]
-        differ = [r for r in range(every.shape[0]) if not torch.equal(every[r], every[0])]
-        raise ValueError("hvd_topk.DistributedOptimizer: ranks disagree on the model or its "
-                         f"settings (parameter names, shapes, dtypes, density, options); ranks "
-                         f"{differ} differ from rank 0:\n  " + "\n  ".join(lines))
+    lines = disagreement(list(settings), every)
+    if lines:
+        raise ValueError("hvd_topk.DistributedOptimizer: ranks disagree on the model or its settings, which would "
+                         "make them hang or silently diverge; build it with the same model and settings on every "
+                         "rank:\n  " + "\n  ".join(lines))
 
 
 def check_step_start(engine):

@@ -148,7 +148,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                         gradient_predivide_factor=gradient_predivide_factor,
                         backward_passes_per_step=backward_passes_per_step, process_set=process_set,
                         groups=groups, prefix=instance_name("opt", process_set),
-                        grad_scaler=grad_scaler)
+                        grad_scaler=grad_scaler, inner=type(optimizer).__qualname__)
     wrapped = share_as_subclass(optimizer, _DistributedOptimizer)
     setattr(wrapped, ENGINE, engine)
     # An inner optimizer that works on each rank's own gradient before the exchange (LocalAdamW)

@@ -20,7 +20,24 @@ def expect_error(make_model, what):
     with raises(ValueError, match="ranks disagree", what=f"{what} on rank {hvd.rank()}") as caught:
         hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                       named_parameters=model.named_parameters())
-    assert "rank 1" in str(caught.value), caught.value
+    assert f"rank {last_rank()} differs from rank 0 in: the parameters (names, shapes, dtypes, order)" \
+        in str(caught.value), caught.value
+
+
+def expect_setting_named(field, make_optimizer):
+    """One setting differing on the last rank: every rank raises, naming that setting (and only
+    it), where before several of these trained on silently diverged (the inner optimizer, the
+    grad_scaler) or failed later with Horovod's or torch's own message (op, groups)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    with raises(ValueError, match="ranks disagree", what=f"{field} on rank {hvd.rank()}") as caught:
+        make_optimizer(model, hvd.rank() == last_rank())
+    assert str(caught.value).endswith(f"rank {last_rank()} differs from rank 0 in: {field}"), caught.value
+
+
+def distributed(model, inner=None, **options):
+    return hvd_topk.DistributedOptimizer(inner or torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters(), min_numel=100, **options)
 
 
 def different_shapes(r):
@@ -53,6 +70,16 @@ CHECKS = [
     ("parameter count", lambda: expect_error(different_parameter_count, "parameter count")),
     ("names", lambda: expect_error(different_names, "names")),
     ("density", check_density_mismatch),
+    ("the inner optimizer's class", lambda: expect_setting_named("the inner optimizer's class", lambda m, odd: distributed(
+        m, torch.optim.AdamW(m.parameters()) if odd else hvd_topk.LocalAdamW(m.parameters())))),
+    ("grad_scaler", lambda: expect_setting_named("grad_scaler (given or not)", lambda m, odd: distributed(
+        m, grad_scaler=torch.amp.GradScaler("cpu") if odd else None))),
+    ("op", lambda: expect_setting_named("op and gradient_predivide_factor", lambda m, odd: distributed(
+        m, op=hvd.Sum if odd else hvd.Average))),
+    ("groups", lambda: expect_setting_named("the fusion buckets (groups, fusion_bytes, min_numel)",
+                                            lambda m, odd: distributed(m, groups=2 if odd else None))),
+    ("residual_decay", lambda: expect_setting_named("residual_decay", lambda m, odd: distributed(
+        m, residual_decay=0.99 if odd else 1.0))),
 ]
 
 
