@@ -310,7 +310,13 @@ class TopKEngine:
                 pass
 
     def _someone_joined(self):
+        """Whether a rank is inside ``hvd.join()`` this step, from the probe; the probe also says
+        whether the ranks' steps agree, checked here too: a checkpoint loaded on one rank in
+        mid-run makes that rank refuse at its first launch (``_check_steps_agree``), and the
+        others must refuse as well rather than wait for it in the exchange."""
         active = self.active.read()
+        if not self.active.steps_agree:
+            self._refuse_different_steps()
         return active is not None and active < self.world
 
     def _check_steps_agree(self):
@@ -323,12 +329,15 @@ class TopKEngine:
         self.verify_step = False
         self.active.read()
         if not self.active.steps_agree:
-            raise RuntimeError(
-                f"hvd_topk.DistributedOptimizer: the ranks are at different steps (this rank: {self.step}), so "
-                "their densities and messages would not match. After loading a checkpoint on one rank, "
-                "hvd.broadcast_optimizer_state carries its step to the others, except for an optimizer "
-                "without state (such as SGD without momentum), for which Horovod broadcasts nothing: load "
-                "the checkpoint on every rank.")
+            self._refuse_different_steps()
+
+    def _refuse_different_steps(self):
+        raise RuntimeError(
+            f"hvd_topk.DistributedOptimizer: the ranks are at different steps (this rank: {self.step}), so "
+            "their densities and messages would not match. After loading a checkpoint on one rank, "
+            "hvd.broadcast_optimizer_state carries its step to the others, except for an optimizer "
+            "without state (such as SGD without momentum), for which Horovod broadcasts nothing: load "
+            "the checkpoint on every rank (and load it on all of them, or none, in mid-run).")
 
     def synchronize(self):
         """Finish every exchange of this step; afterwards ``p.grad`` holds the averaged result."""

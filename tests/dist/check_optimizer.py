@@ -333,6 +333,21 @@ def check_stateless_checkpoint_on_one_rank_refused():
                 train(model, opt, 1, start=2)
 
 
+def check_checkpoint_mid_run_on_one_rank_refused(exchange):
+    """A checkpoint of step 1 loaded on rank 0 alone at step 3, no broadcast: every rank raises at
+    the next step that the ranks are at different steps, where before rank 0 raised and the
+    others waited for it in the exchange for good (the others read the step probe only at
+    rank 0's check). Every bucket sparse, so no rank starts a collective before refusing."""
+    model, opt = build(min_numel=1, dense_fallback=False, exchange=exchange)
+    train(model, opt, 1)
+    saved = copy.deepcopy(opt.state_dict())
+    train(model, opt, 2, start=1)
+    if hvd.rank() == 0:
+        opt.load_state_dict(saved)
+    with raises(RuntimeError, match="the ranks are at different steps", what="rank 0 back at step 1, the rest at 3"):
+        train(model, opt, 1, start=3)
+
+
 def check_nonfinite(exchange="allgather", culprit=0):
     """An inf in one rank's gradient reaches the average on every rank, never the residual.
     With the sparse allreduce, ``culprit="chooser"`` is the rank that chooses the positions of
@@ -817,6 +832,9 @@ CHECKS = [
     ("broadcast optimizer state", check_broadcast_optimizer_state),
     ("a stateless optimizer's checkpoint on one rank: the ranks' steps differ, an error",
      check_stateless_checkpoint_on_one_rank_refused),
+    ("a checkpoint loaded on rank 0 alone in mid-run: every rank refuses (allgather)",
+     lambda: check_checkpoint_mid_run_on_one_rank_refused("allgather")),
+    ("the same with the sparse allreduce", lambda: check_checkpoint_mid_run_on_one_rank_refused("sparse_allreduce")),
     ("non-finite gradient", check_nonfinite),
     ("bad input", check_bad_input),
     ("a second synchronize() before step() changes nothing", check_second_synchronize_changes_nothing),
