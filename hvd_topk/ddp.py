@@ -34,7 +34,6 @@ and abort on gloo with a size mismatch when a model has several buckets). The sp
 waits for its parts' index gather inside the hook for the same reason.
 """
 
-import hashlib
 import inspect
 import numbers
 import warnings
@@ -42,7 +41,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from hvd_topk import auto, checkpoint
+from hvd_topk import agreement, auto, checkpoint
 from hvd_topk import ddp_exchange as exchange
 from hvd_topk.codec import Codec
 from hvd_topk.optim import residual_decay_of
@@ -380,9 +379,11 @@ class TopKState:
         return medians.cpu() / self.world_size
 
     def _first_hook(self, bucket):
-        """Once: the group, and a check that every rank wraps the same model (a different model,
-        fails on every rank with one message; a process group that is not DDP's is caught here
-        only where the first buckets differ: ``register`` compares the groups themselves)."""
+        """Once: the group, and a check that every rank wraps the same model with the same
+        settings and step (fails on every rank with one message naming what differs, where a
+        difference would make the exchange hang or fail on a message size; a process group that
+        is not DDP's is caught here only where the first buckets differ: ``register`` compares
+        the groups themselves)."""
         if not dist.is_initialized():
             raise RuntimeError("hvd_topk.ddp: torch.distributed is not initialised")
         self.rank, self.world_size = _group_rank_and_size(self.process_group)
@@ -394,16 +395,24 @@ class TopKState:
         if buffer.dtype not in DTYPES:
             raise TypeError(f"hvd_topk.ddp: gradients of dtype {buffer.dtype} are not supported "
                             f"(supported: {', '.join(str(d) for d in DTYPES)})")
-        shapes = repr([tuple(p.shape) for p in bucket.parameters()]) + str(buffer.dtype)
-        digest = int.from_bytes(hashlib.sha256(shapes.encode()).digest()[:7], "big")
-        mine = torch.tensor([digest, buffer.numel()], dtype=torch.int64, device=buffer.device)
-        every = torch.empty(self.world_size * 2, dtype=torch.int64, device=buffer.device)
+        settings = {
+            "the first bucket's parameters (a different model, or a TopKState process_group that is not the one "
+            "DDP reduces over)": ([tuple(p.shape) for p in bucket.parameters()], str(buffer.dtype)),
+            "density": self.density, "method": self.codec.method, "fp16_values": self.fp16_values,
+            "compact": self.compact, "error_feedback": self.error_feedback, "residual_decay": self.residual_decay,
+            "warmup_steps and warmup_density": (self.schedule.warmup_steps, self.schedule.start),
+            "exchange and exchange_trial_steps": (self.exchange, self.exchange_trial_steps),
+            "min_numel": self.min_numel,
+            "optimizer= (its class)": None if self.optimizer is None else type(self.optimizer).__qualname__,
+            "the step (a checkpoint loaded on some ranks only?)": self.iteration,
+        }
+        mine = torch.tensor([agreement.digest(v) for v in settings.values()], dtype=torch.int64, device=buffer.device)
+        every = torch.empty(self.world_size * len(settings), dtype=torch.int64, device=buffer.device)
         exchange.all_gather(every, mine, self.process_group)
-        every = every.view(self.world_size, 2).cpu()
-        if bool((every != every[0]).any()):
-            raise RuntimeError("hvd_topk.ddp: ranks disagree on the first bucket's parameters (numel per rank: "
-                               f"{every[:, 1].tolist()}): a different model, or a TopKState process_group that "
-                               "is not the one DDP reduces over")
+        lines = agreement.disagreement(list(settings), every.view(self.world_size, len(settings)).cpu())
+        if lines:
+            raise RuntimeError("hvd_topk.ddp: ranks disagree on the model or TopKState's settings, which would make "
+                               "the exchange hang or fail; build the same on every rank:\n  " + "\n  ".join(lines))
         self.checked = True
 
 

@@ -28,13 +28,12 @@ One step, per bucket:
 """
 
 import dataclasses
-import hashlib
 import time
 import weakref
 
 import torch
 
-from hvd_topk import checkpoint, exchange, hierarchy, inflight
+from hvd_topk import agreement, checkpoint, exchange, hierarchy, inflight
 from hvd_topk._horovod import elastic_mode, hvd
 from hvd_topk._torch import compiled_autograd_active
 from hvd_topk.buckets import make_buckets
@@ -455,22 +454,6 @@ class TopKEngine:
 
 
 # ---- checks: what would make ranks silently diverge, refused on every rank at once --------------
-def digest(value):
-    """A 56-bit digest of ``repr(value)``: equal on every rank for equal settings."""
-    return int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:7], "big")
-
-
-def disagreement(fields, every):
-    """The lines naming what differs from rank 0: ``fields`` the names of ``every``'s columns
-    (one row of digests per rank, as allgathered), or None when every rank agrees."""
-    differ = [r for r in range(every.shape[0]) if not torch.equal(every[r], every[0])]
-    if not differ:
-        return None
-    return [f"rank {r} differs from rank 0 in: "
-            + ", ".join(f for f, same in zip(fields, (every[r] == every[0]).tolist()) if not same)
-            for r in differ]
-
-
 def check_ranks_agree(engine, compression, inner=None, grad_scaler=False):
     """Every rank must wrap the same model with the same settings: fail on all ranks at once,
     naming what differs (one digest per setting, allgathered once)."""
@@ -487,9 +470,9 @@ def check_ranks_agree(engine, compression, inner=None, grad_scaler=False):
         "the fusion buckets (groups, fusion_bytes, min_numel)": [[m.name for m in b.members] for b in engine.buckets],
         **{name: getattr(o, name) for name in (f.name for f in dataclasses.fields(o))},
     }
-    mine = torch.tensor([[digest(v) for v in settings.values()]], dtype=torch.int64)
+    mine = torch.tensor([[agreement.digest(v) for v in settings.values()]], dtype=torch.int64)
     every = hvd.allgather(mine, name=f"{engine.prefix}.check_ranks", process_set=engine.process_set)
-    lines = disagreement(list(settings), every)
+    lines = agreement.disagreement(list(settings), every)
     if lines:
         raise ValueError("hvd_topk.DistributedOptimizer: ranks disagree on the model or its settings, which would "
                          "make them hang or silently diverge; build it with the same model and settings on every "

@@ -12,6 +12,7 @@ the averaged result DDP must leave in ``p.grad``; the ranks must hold the same b
 
 import copy
 import os
+import re
 import warnings
 
 import numpy as np
@@ -582,6 +583,26 @@ def check_bad_input():
         ddp.register_comm_hook(P(min_numel=MIN_NUMEL, named_parameters=named(model)), hvd_topk.ddp.topk_hook)
         with raises(ValueError, match=r"does not name parameter #\d+ \(shape .*model.named_parameters\(\), all of them",
                     what=f"named_parameters of {label}"):
+            F.cross_entropy(ddp(x), y).backward()
+    # a setting or the step differing on the last rank: every rank refuses at the first bucket, naming it,
+    # where before the exchange hung until gloo's timeout, aborted in gloo or failed on a message size
+    last = dist.get_world_size() - 1
+    odd = dist.get_rank() == last
+    for field, kwargs in (("density", {"density": 0.1 if odd else 0.05}),
+                          ("exchange and exchange_trial_steps", {"exchange": "dense" if odd else "allgather"}),
+                          ("warmup_steps and warmup_density", {"warmup_steps": 4 if odd else 0, "warmup_density": 1.0}),
+                          ("optimizer= (its class)", {}),
+                          ("the step (a checkpoint loaded on some ranks only?)", {})):
+        model = Net().to(DEVICE)
+        if field.startswith("optimizer"):
+            kwargs = {"optimizer": hvd_topk.LocalAdamW(model.parameters())} if odd else {}
+        state = P(min_numel=MIN_NUMEL, named_parameters=model.named_parameters(), **kwargs)
+        if field.startswith("the step") and odd:
+            state.load_state_dict({**P(named_parameters=model.named_parameters()).state_dict(), "iteration": 5})
+        ddp = DDP(model)
+        ddp.register_comm_hook(state, hvd_topk.ddp.topk_hook)
+        with raises(RuntimeError, match=rf"ranks disagree on the model or TopKState's settings.*\n  rank {last} "
+                                        rf"differs from rank 0 in: {re.escape(field)}$", what=f"{field} on rank {last}"):
             F.cross_entropy(ddp(x), y).backward()
     # the group changed size after the state's first step (a new init_process_group)
     model, ddp, state = build(exchange="allgather")
