@@ -29,6 +29,7 @@ from contextlib import contextmanager
 
 import torch
 
+from hvd_topk import agreement
 from hvd_topk._horovod import hvd, is_horovod_distributed_optimizer
 from hvd_topk._torch import AMP_SCALING_ATTRIBUTE
 from hvd_topk.compressor import TopK
@@ -317,7 +318,8 @@ class _LocalSteps(torch.optim.Optimizer):
 
     def _check_shared(self):
         """Before a synchronisation: every rank at the same synchronisation count with the same
-        anchors (a float64 checksum), or a RuntimeError saying how they came apart. A cheap
+        anchors (a float64 checksum) and settings (``sync_every``, the outer SGD's), or a
+        RuntimeError saying how they came apart. A cheap
         allgather every ``sync_every`` steps. A rank inside ``hvd.join()`` answers allreduces but not
         allgathers (horovod#3471): a count of the active ranks first, and no check while one has
         joined (the broadcasts after ``hvd.join()`` bring the ranks together again)."""
@@ -330,7 +332,10 @@ class _LocalSteps(torch.optim.Optimizer):
         with torch.no_grad():  # summed in float64 where they lie (no float64 copy), read once
             checksum = float(torch.stack([a.sum(dtype=torch.float64) for a in local.anchors]).sum()) \
                 if local.anchors else 0.0
-        mine = torch.tensor([[self.param_groups[0][SYNCS_KEY], self.local_step, checksum]], dtype=torch.float64)
+        outer = local.outer.param_groups[0]
+        settings = agreement.digest((local.sync_every, outer["lr"], outer["momentum"], outer["nesterov"])) % 2 ** 50
+        mine = torch.tensor([[self.param_groups[0][SYNCS_KEY], self.local_step, checksum, settings]],
+                            dtype=torch.float64)  # (a 50-bit digest is exact in float64)
         rows = hvd.allgather(mine, name=f"{engine.prefix}.local_steps_agree", process_set=engine.process_set)
         if not bool(rows[:, 2].isfinite().all()):  # (NaN != NaN: the comparison below would blame the ranks)
             raise RuntimeError(
@@ -338,7 +343,13 @@ class _LocalSteps(torch.optim.Optimizer):
                 f"{[r for r, ok in enumerate(rows[:, 2].isfinite().tolist()) if not ok]}: a non-finite "
                 "model change was exchanged (a diverged step, too high a learning rate, or a NaN in the data). "
                 "Restore the last good checkpoint on every rank.")
+        if not bool((rows[:, 3] == rows[0, 3]).all()):
+            raise RuntimeError("hvd_topk.LocalSteps: the ranks were built with different settings (sync_every, "
+                               "outer_lr, outer_momentum or nesterov; ranks "
+                               f"{[r for r, h in enumerate(rows[:, 3].tolist()) if h != rows[0, 3]]} differ from "
+                               "rank 0): build it the same on every rank")
         if not bool((rows == rows[0]).all()):
+            rows = rows[:, :3]
             raise RuntimeError(
                 "hvd_topk.LocalSteps: the ranks hold different shared weights or are at different points of "
                 f"their period (synchronisations, step in the period, anchor checksum per rank: {rows.tolist()}). "

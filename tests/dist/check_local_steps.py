@@ -408,6 +408,16 @@ def check_bad_input():
     with raises(RuntimeError, match=r"moved to another dtype or device, e.g. model.double\(\)",
                 what="model.double() after building"):
         opt.step()
+    # sync_every or the outer SGD differing on the last rank: named at the first synchronisation (the
+    # message blamed checkpoints before, and for the outer settings only one period after the ranks parted)
+    last = hvd.size() - 1
+    for what, kwargs in (("sync_every", {"sync_every": 3}), ("outer_lr", {"outer_lr": 0.5}),
+                         ("nesterov", {"outer_momentum": 0.5, "nesterov": hvd.rank() == last})):
+        odd = hvd.rank() == last
+        model, opt = build(sgd(), **{"sync_every": 2, **(kwargs if odd or what == "nesterov" else {})})
+        with raises(RuntimeError, match=rf"built with different settings \(sync_every, outer_lr, outer_momentum or "
+                                        rf"nesterov; ranks \[{last}\] differ from rank 0\)", what=f"{what} on rank {last}"):
+            train(model, opt, 3)
     # A model gone non-finite is said to be so, not blamed on the ranks disagreeing (NaN != NaN).
     model, opt = build(sgd(), sync_every=2)
     train(model, opt, 1)
