@@ -33,6 +33,7 @@ hierarchical exchange runs it, so both keep the wide pairs (and refuse ``compact
 import torch
 
 from hvd_topk import native
+from hvd_topk.wire import RANKS_DISAGREE
 
 LEVELS = 126  # codes 1..127 span the band's log-width in 126 steps
 _ALIGN = 8
@@ -134,7 +135,7 @@ class CompactPairs:
         into ``out``, a new buffer with ``out=False``, or this plan's reusable one."""
         if gathered.numel() != world * self.nbytes:
             raise ValueError(f"gathered {gathered.numel()} bytes, expected {world} ranks x {self.nbytes} "
-                             "bytes: ranks disagree on the tensor being exchanged")
+                             f"bytes: {RANKS_DISAGREE}")
         device = gathered.device
         if out is None:
             if self._wide is None or self._wide.numel() != world * self.wide.nbytes or self._wide.device != device:

@@ -10,6 +10,10 @@ import torch
 
 _ALIGN = 8
 
+# Why a received message does not fit: the ranks built different TopKs, or the tensor differs
+RANKS_DISAGREE = ("ranks disagree on the tensor being exchanged or on its TopK (density, fp16_values, compact): "
+                  "build the same TopK for it on every rank")
+
 
 def index_dtype_for(numel):
     """int32 while every index fits, int64 beyond 2**31 - 1 elements."""
@@ -72,7 +76,7 @@ class Layout:
         """Views ``(values[world_size, count], indices[world_size, count])`` of an allgather."""
         if gathered.numel() != world_size * self.nbytes:
             raise ValueError(f"gathered {gathered.numel()} bytes, expected {world_size} ranks x "
-                             f"{self.nbytes} bytes: ranks disagree on the tensor being exchanged")
+                             f"{self.nbytes} bytes: {RANKS_DISAGREE}")
         blocks = gathered.view(world_size, self.nbytes)
         return blocks[:, self._values].view(self.value_dtype), blocks[:, self._indices].view(self.index_dtype)
 

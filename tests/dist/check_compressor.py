@@ -182,6 +182,11 @@ def check_reductions_refused():
         hvd.grouped_allreduce([t, t + 1], compression=hvd_topk.TopK, op=hvd.Max, name="refused.grouped")
     with raises(ValueError, match=r"compresses allreduces.*hvd.reducescatter", what="hvd.reducescatter"):
         hvd.reducescatter(torch.randn(6 * hvd.size(), 50), compression=hvd_topk.TopK, name="refused.rs")
+    # a TopK of another density on the last rank: every rank refuses, saying to build the same TopK
+    odd = hvd.rank() == hvd.size() - 1
+    with raises(ValueError, match=r"ranks disagree on the tensor being exchanged or on its TopK \(density, "
+                                  r"fp16_values, compact\): build the same TopK", what="densities differ"):
+        hvd.allreduce(torch.randn(2000), compression=hvd_topk.TopK(density=0.1 if odd else 0.05), name="refused.density")
     # the ops it does take still reduce (every rank took part in nothing above)
     out = hvd.allreduce(torch.ones(2000), compression=hvd_topk.TopK(density=1.0), op=hvd.Sum, name="after.sum")
     np.testing.assert_array_equal(out.numpy(), np.full(2000, float(hvd.size()), dtype=np.float32))
