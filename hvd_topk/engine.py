@@ -213,7 +213,7 @@ class TopKEngine:
         if self.world > 1:
             # Started before the first fold, read when the first sparse bucket launches (by
             # then it has long arrived).
-            self.active.start(self.process_set, self.step)
+            self.active.start(self.process_set, self.step, agreement.digest(group_options(self.param_groups)))
 
     def _fold(self, bucket, position, grad):
         current = bucket.current or self._begin_bucket(bucket)
@@ -316,6 +316,8 @@ class TopKEngine:
         active = self.active.read()
         if not self.active.steps_agree:
             self._refuse_different_steps()
+        if not self.active.settings_agree:
+            self._refuse_different_options()
         return active is not None and active < self.world
 
     def _check_steps_agree(self):
@@ -326,9 +328,14 @@ class TopKEngine:
         (started at the first gradient, carrying the step) on that step only; on the others the
         probe is read where a sparse bucket needs it, by then long arrived."""
         self.verify_step = False
-        self.active.read()
-        if not self.active.steps_agree:
-            self._refuse_different_steps()
+        self._someone_joined()  # (waits for the probe, and checks it)
+
+    def _refuse_different_options(self):
+        raise RuntimeError(
+            "hvd_topk.DistributedOptimizer: the ranks' optimizers have different param-group options this step "
+            f"(this rank's: {group_options(self.param_groups)}), so the ranks would apply different updates and "
+            "silently drift apart: build the optimizer (and any learning-rate schedule) the same on every rank, "
+            "or hvd.broadcast_optimizer_state(opt, root_rank=0) after loading a checkpoint on one rank.")
 
     def _refuse_different_steps(self):
         raise RuntimeError(
@@ -454,6 +461,19 @@ class TopKEngine:
 
 
 # ---- checks: what would make ranks silently diverge, refused on every rank at once --------------
+def group_options(param_groups):
+    """The param groups' options (learning rate, betas, weight decay, ...) as plain values: what
+    every rank must have the same of at every step (compared through the step probe). A
+    one-element tensor (a tensor learning rate) counts by its value, wherever it lives."""
+    def plain(v):
+        if torch.is_tensor(v):
+            return v.item() if v.numel() == 1 else tuple(v.shape)
+        if isinstance(v, (tuple, list)):
+            return tuple(plain(x) for x in v)
+        return v if v is None or isinstance(v, (bool, int, float, str)) else type(v).__name__
+    return [sorted((k, plain(v)) for k, v in g.items() if k != "params") for g in param_groups]
+
+
 def check_ranks_agree(engine, compression, inner=None, grad_scaler=False):
     """Every rank must wrap the same model with the same settings: fail on all ranks at once,
     naming what differs (one digest per setting, allgathered once)."""

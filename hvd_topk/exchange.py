@@ -170,24 +170,25 @@ class ActiveRanks:
     set's size means a rank has joined and only allreduces may follow in this round.
     """
 
-    STEP_MODULUS = 2 ** 20  # steps compared modulo this: n x the sum of squares stays exact in float64
+    MODULUS = 2 ** 20  # values compared modulo this: n x the sum of squares stays exact in float64
 
     def __init__(self, name):
         self.name = name
         self.one = torch.ones(1)
-        self.handle, self.count, self.steps_agree = None, None, True
+        self.forget()
 
-    def start(self, process_set, step=None):
-        """With ``step``, the probe also carries it (as ``[1, s, s^2]``, ``s`` the step modulo
-        ``STEP_MODULUS``, in float64): ``steps_agree`` then says whether every rank taking part
-        is at the same step (n x sum(s^2) == sum(s)^2 only when all are equal; a joined rank's
-        zeros count for nothing)."""
+    def start(self, process_set, step=None, settings=0):
+        """With ``step``, the probe also carries it and ``settings`` (an integer digest of what
+        must be equal on every rank), each as ``v, v^2`` with ``v`` modulo ``MODULUS``, in
+        float64: ``steps_agree`` and ``settings_agree`` then say whether every rank taking part
+        has the same (n x sum(v^2) == sum(v)^2 only when all are equal; a joined rank's zeros
+        count for nothing)."""
         probe = self.one
         if step is not None:
-            s = float(step % self.STEP_MODULUS)
-            probe = torch.tensor([1.0, s, s * s], dtype=torch.float64)
-        self.handle, self.count, self.steps_agree = hvd.allreduce_async(probe, name=self.name, op=hvd.Sum,
-                                                                        process_set=process_set), None, True
+            s, h = float(step % self.MODULUS), float(settings % self.MODULUS)
+            probe = torch.tensor([1.0, s, s * s, h, h * h], dtype=torch.float64)
+        self.forget()
+        self.handle = hvd.allreduce_async(probe, name=self.name, op=hvd.Sum, process_set=process_set)
 
     def arrived(self):
         return self.count is not None or (self.handle is not None and hvd.poll(self.handle))
@@ -197,12 +198,13 @@ class ActiveRanks:
         if self.handle is not None:
             sums = hvd.synchronize(self.handle)
             self.count, self.handle = int(sums[0]), None
-            if sums.numel() == 3:
+            if sums.numel() == 5:
                 self.steps_agree = bool(sums[0] * sums[2] == sums[1] * sums[1])
+                self.settings_agree = bool(sums[0] * sums[4] == sums[3] * sums[3])
         return self.count
 
     def forget(self):
-        self.handle, self.count, self.steps_agree = None, None, True
+        self.handle, self.count, self.steps_agree, self.settings_agree = None, None, True, True
 
 
 BY_NAME = {s.name: s for s in (DenseAllreduce, DenseAllreduceFp16, AllgatherPairs, SparseAllreduce)}

@@ -64,6 +64,28 @@ def check_density_mismatch():
                                       compression=hvd_topk.TopK(density=0.1 if hvd.rank() == last_rank() else 0.01))
 
 
+def check_options_differ(at_step):
+    """The learning rate differing on the last rank, from the start or set there alone in mid-run:
+    every rank raises at that step, where before the ranks applied different updates and drifted
+    apart silently (stock Horovod does not check either)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    opt = distributed(model, exchange="allgather")
+    for step in range(at_step + 1):
+        if step == at_step and hvd.rank() == last_rank():
+            opt.param_groups[0]["lr"] = 0.2
+        opt.zero_grad()
+        loss = model(torch.randn(8, 64)).square().mean()
+        if step < at_step:
+            loss.backward()
+            opt.step()
+            continue
+        with raises(RuntimeError, match=r"the ranks' optimizers have different param-group options this step "
+                                        r"\(this rank's: \[\[.*\('lr', 0\.[12]\)", what=f"lr differing at step {at_step}"):
+            loss.backward()
+            opt.step()
+
+
 # Run in this order on every rank; add a check with one line.
 CHECKS = [
     ("shapes", lambda: expect_error(different_shapes, "shapes")),
@@ -80,6 +102,8 @@ CHECKS = [
                                             lambda m, odd: distributed(m, groups=2 if odd else None))),
     ("residual_decay", lambda: expect_setting_named("residual_decay", lambda m, odd: distributed(
         m, residual_decay=0.99 if odd else 1.0))),
+    ("the learning rate, from the first step", lambda: check_options_differ(0)),
+    ("the learning rate, set on one rank in mid-run", lambda: check_options_differ(2)),
 ]
 
 
