@@ -39,7 +39,27 @@ import warnings
 import torch
 
 
-class FrozenVarianceAdamW(torch.optim.Optimizer):
+class _CheckedGroups(torch.optim.Optimizer):
+    """An optimizer whose ``_check_options(options)`` checks one param group's options: every
+    group is checked as the constructor checks the defaults, whether it comes with the
+    constructor, ``add_param_group`` or ``load_state_dict`` (a group's own ``betas`` or
+    ``normalise`` would otherwise be used unchecked; a key a group lacks takes the default)."""
+
+    def add_param_group(self, param_group):
+        if isinstance(param_group, dict):
+            self._check_options({**self.defaults, **param_group})
+        super().add_param_group(param_group)
+
+    def load_state_dict(self, state_dict):
+        """As torch's, with the saved groups checked first (nothing loaded if one fails)."""
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        for group in groups if isinstance(groups, list) else ():
+            if isinstance(group, dict):
+                self._check_options({**self.defaults, **group})
+        super().load_state_dict(state_dict)
+
+
+class FrozenVarianceAdamW(_CheckedGroups):
     """AdamW (decoupled weight decay, bias-corrected moments) whose ``exp_avg_sq`` and its bias
     correction are frozen after ``freeze_step`` steps of each parameter.
 
@@ -65,14 +85,6 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 0:
             raise ValueError(f"freeze_step must be a non-negative integer, got {freeze_step!r}")
 
-    def add_param_group(self, param_group):
-        """As torch's, with the group's options checked as the constructor's are."""
-        _add_checked_group(self, param_group)
-
-    def load_state_dict(self, state_dict):
-        """As torch's, with the saved groups' options checked first (nothing loaded if one fails)."""
-        _check_saved_groups(self, state_dict)
-        super().load_state_dict(state_dict)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -112,22 +124,12 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
         return loss
 
 
-class _ExchangedUpdates(torch.optim.Optimizer):
+class _ExchangedUpdates(_CheckedGroups):
     """An inner optimizer whose ``transform_local_gradient`` turns each gradient into an update
     before the exchange; ``_transformed`` holds the parameters it did this step, ``_exchanged``
     says that hvd_topk's exchange has written this step's ``p.grad``."""
 
     _exchanged = False
-
-    def add_param_group(self, param_group):
-        """As torch's, with the group's options checked as the constructor's are (a group's own
-        ``betas`` or ``normalise`` would otherwise be used unchecked)."""
-        _add_checked_group(self, param_group)
-
-    def load_state_dict(self, state_dict):
-        """As torch's, with the saved groups' options checked first (nothing loaded if one fails)."""
-        _check_saved_groups(self, state_dict)
-        super().load_state_dict(state_dict)
 
     def exchanged(self):
         """Called by ``hvd_topk.DistributedOptimizer`` once the exchange has written ``p.grad``:
@@ -427,23 +429,6 @@ def _check_nonnegative(**values):
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < math.inf:
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-
-
-def _add_checked_group(optimizer, param_group):
-    """torch's ``add_param_group`` after ``optimizer._check_options`` on the group's options (its
-    own, else the defaults), so a group cannot bring what the constructor refuses."""
-    if isinstance(param_group, dict):
-        optimizer._check_options({**optimizer.defaults, **param_group})
-    torch.optim.Optimizer.add_param_group(optimizer, param_group)
-
-
-def _check_saved_groups(optimizer, state_dict):
-    """``optimizer._check_options`` on each param group of a ``state_dict`` about to be loaded
-    (a key it lacks, as in a checkpoint older than an option, takes the default)."""
-    groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
-    for group in groups if isinstance(groups, list) else ():
-        if isinstance(group, dict):
-            optimizer._check_options({**optimizer.defaults, **group})
 
 
 def _check_adam_options(options):
