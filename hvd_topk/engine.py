@@ -335,7 +335,8 @@ class TopKEngine:
             "hvd_topk.DistributedOptimizer: the ranks' optimizers have different param-group options this step "
             f"(this rank's: {group_options(self.param_groups)}), so the ranks would apply different updates and "
             "silently drift apart: build the optimizer (and any learning-rate schedule) the same on every rank, "
-            "or hvd.broadcast_optimizer_state(opt, root_rank=0) after loading a checkpoint on one rank.")
+            "feed a schedule driven by a metric (ReduceLROnPlateau) the ranks' average of it (hvd.allreduce), "
+            "and hvd.broadcast_optimizer_state(opt, root_rank=0) after loading a checkpoint on one rank.")
 
     def _refuse_different_steps(self):
         raise RuntimeError(
