@@ -63,6 +63,14 @@ def check_inner(param_groups, names, state_dict):
                     f"{key!r} has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}. " + MISMATCH_HINT)
 
 
+def is_count(value, none_ok=False):
+    """Whether a checkpoint's ``value`` is a count (an integer >= 0, not a bool), or None where
+    ``none_ok`` (a rank saved outside any process group)."""
+    if value is None:
+        return none_ok
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= 0
+
+
 def check(engine, state):
     """This section against the engine, before anything is applied: raises
     ``CheckpointMismatch`` for what cannot be loaded, returns the names of residuals that hold
@@ -77,10 +85,8 @@ def check(engine, state):
         raise CheckpointMismatch(f"the checkpoint's {STATE_KEY!r} section lacks {missing} (truncated, or "
                                  "written by something else). Nothing was loaded.")
     for key in ("step", "rank", "size", "format"):
-        value = state[key]
-        if (value is not None or key != "rank") and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
-                                                    or value < 0):
-            raise CheckpointMismatch(f"the checkpoint's {STATE_KEY!r} section has {key}={value!r}, not a "
+        if not is_count(state[key], none_ok=key == "rank"):
+            raise CheckpointMismatch(f"the checkpoint's {STATE_KEY!r} section has {key}={state[key]!r}, not a "
                                      "count. Nothing was loaded.")
     if state["format"] > STATE_FORMAT:
         raise CheckpointMismatch(f"the checkpoint's {STATE_KEY!r} section has format {state['format']}, "

@@ -159,12 +159,15 @@ class _Round:
             del self.jobs[job.name]
 
 
+FIXED_OPTIONS = ("density", "method", "fp16_values", "compact")  # TopK's, read-only once built
+
+
 class _FixedOptions(type):
     """TopK's options cannot be set on the class either (that would replace them on every instance,
     built or not, whose codec was made from the old ones)."""
 
     def __setattr__(cls, name, value):
-        if name in ("density", "method", "fp16_values", "compact"):
+        if name in FIXED_OPTIONS:
             raise AttributeError(f"TopK's {name} is fixed when it is built: build a TopK({name}=...) and pass it")
         super().__setattr__(name, value)
 
@@ -245,7 +248,7 @@ class TopK(Compressor, metaclass=_FixedOptions):
     compact = property(lambda self: self._options["compact"])
 
     def __setattr__(self, name, value):
-        if name in self.__dict__.get("_options", ()):
+        if name in FIXED_OPTIONS:
             raise AttributeError(f"TopK's {name} is fixed when it is built (its plans and any optimizer built "
                                  f"with it use it): build a new TopK({name}=...) instead")
         object.__setattr__(self, name, value)

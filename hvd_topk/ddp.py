@@ -35,7 +35,6 @@ waits for its parts' index gather inside the hook for the same reason.
 """
 
 import inspect
-import numbers
 import warnings
 
 import torch
@@ -221,10 +220,8 @@ class TopKState:
             raise ValueError(f"the TopKState checkpoint lacks {missing} (truncated, or written by something "
                              "else); nothing was loaded")
         for key in ("iteration", "rank", "world_size"):
-            value = state[key]
-            if (value is not None or key == "iteration") and (isinstance(value, bool) or not isinstance(
-                    value, numbers.Integral) or value < 0):
-                raise ValueError(f"the TopKState checkpoint has {key}={value!r}, not a count; nothing was loaded")
+            if not checkpoint.is_count(state[key], none_ok=key != "iteration"):
+                raise ValueError(f"the TopKState checkpoint has {key}={state[key]!r}, not a count; nothing was loaded")
         saved = state["residuals"]
         if not isinstance(saved, dict) or not all(isinstance(n, str) and torch.is_tensor(t) and t.is_floating_point()
                                                   for n, t in saved.items()):

@@ -139,7 +139,9 @@ class ExchangePlanner:
         ``strategy`` among ``world`` ranks, in the dtypes Horovod moves them in: an allreduce
         of a dtype it cannot reduce (bfloat16, ``allreduce_dtype``) runs in float32, so a
         bfloat16 bucket's dense allreduce and its sparse allreduce's values count 4 bytes an
-        element; the allgather's pairs travel as they are."""
+        element; the allgather's pairs travel as they are. The elements counted are the whole
+        bucket's even where ``codec_plan`` is one host shard's: a dense exchange moves the whole
+        bucket, and every rank of a host must model the same (tests/test_planner.py)."""
         value_bytes, index_bytes = self.codec.pair_itemsizes(codec_plan)
         if strategy is exchange.SparseAllreduce:
             value_bytes = allreduce_dtype(codec_plan.layout.value_dtype).itemsize
