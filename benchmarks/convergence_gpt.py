@@ -330,14 +330,15 @@ def main(argv=None):
     ap.add_argument("--eval-every", type=int, default=None,
                     help="validation every N steps (default: the example's 100); finer for steps-to-target")
     ap.add_argument("--reuse", type=Path, nargs="+", default=[], metavar="JSON",
-                    help="earlier PREFIX.json files: a run with the same config, ARGS, steps and seed is taken "
+                    help="earlier PREFIX.json files: a run with the same config, ARGS, steps, seed and ranks is taken "
                          "from them instead of being run again (its command and date are kept)")
     args = ap.parse_args(argv)
     extra = [] if args.eval_every is None else ["--eval-every", str(args.eval_every)]
     earlier = {}
     for path in args.reuse:
         for r in json.loads(path.read_text())["runs"]:
-            earlier[(r["config"], r.get("args_used"), r["steps"], r["seed"])] = r
+            # the rank count is part of the key: a 2-rank run must not stand in for a 4-rank one
+            earlier[(r["config"], r.get("args_used"), r["steps"], r["seed"], r.get("ranks"))] = r
     command = shlex.join(["python", "benchmarks/convergence_gpt.py", *(sys.argv[1:] if argv is None else argv)])
     runs, started = [], time.perf_counter()
     partial = Path(f"{args.out_prefix}.partial.json")
@@ -345,7 +346,7 @@ def main(argv=None):
     for i, (name, seed) in enumerate(plan, 1):
         print(f"[{i:2d}/{len(plan)}] {name:<18s} seed {seed} ... ", end="", flush=True)
         used = " ".join([*CONFIGS[name][1], *extra])
-        r = earlier.get((name, used, args.steps, seed))
+        r = earlier.get((name, used, args.steps, seed, args.np))
         if r is None:
             ddp = name in DDP_CONFIGS
             r = run_example(args.np, ["--steps", str(args.steps), *CONFIGS[name][1], *extra], seed, None,
@@ -403,7 +404,7 @@ def main(argv=None):
             lines.append(f"| {CONFIGS[name][0]} | {cells[0]} | {cells[1]} |")
     reused = sum(bool(r.get("reused")) for r in runs)
     if reused:
-        lines += ["", f"{reused} of the {len(runs)} runs were taken from `--reuse` files (same ARGS, steps and seed; "
+        lines += ["", f"{reused} of the {len(runs)} runs were taken from `--reuse` files (same ARGS, steps, seed and ranks; "
                   "each keeps its own date and git revision in the JSON)."]
     lines += ["", f"Plot: `{prefix.name}.png` (validation loss, mean over seeds, shaded min–max).", ""]
     write_report(prefix, {"meta": meta, "runs": runs, "summary": rows}, "\n".join(lines), json_default=str)

@@ -25,19 +25,21 @@ Tuning (what the papers and our runs say; docs/adamw.md has the measurements):
 """
 
 import inspect
+import warnings
 from contextlib import contextmanager
 
 import torch
 
-from hvd_topk import agreement
+from hvd_topk import agreement, checkpoint
 from hvd_topk._horovod import hvd, is_horovod_distributed_optimizer
 from hvd_topk._torch import AMP_SCALING_ATTRIBUTE
 from hvd_topk.compressor import TopK
-from hvd_topk.engine import check_parameters_unchanged, check_still_frozen, check_still_trainable, parameter_layout
+from hvd_topk.engine import (STEP_KEY, check_parameters_unchanged, check_still_frozen, check_still_trainable,
+                             parameter_layout)
 from hvd_topk.optimizer import ENGINE, LOCAL, DistributedOptimizer, _name_parameters, share_as_subclass
 from hvd_topk.selection import check_flag, check_integer, check_number
 
-STATE_KEY = "hvd_topk_local_steps"  # its section of state_dict(): this rank's outer optimizer
+STATE_KEY = checkpoint.LOCAL_STEPS_KEY  # its section of state_dict(): this rank's outer optimizer
 PHASE_KEY = "hvd_topk_local_step"   # param group 0: steps since the last synchronisation
 SYNCS_KEY = "hvd_topk_local_syncs"  # param group 0: the outer optimizer's step (synchronisations done)
 # param group 0 of state_dict() (never of the live groups): what every rank shares, the anchors and
@@ -268,11 +270,20 @@ class _LocalSteps(torch.optim.Optimizer):
         """A checkpoint without the local-steps section (a plain optimizer's) starts a new
         period: the anchors are taken from the model at the next ``step()``. One saved with a
         larger ``sync_every``, further into its period than this one's length, synchronises at
-        the next ``step()``. (Checkpoints written before the anchors moved to param group 0 hold
-        them in the local-steps section: read from there.)"""
+        the next ``step()``. A ``hvd_topk.DistributedOptimizer``'s loads as a plain one, with a
+        warning that its residuals are dropped. (Checkpoints written before the anchors moved to
+        param group 0 hold them in the local-steps section: read from there.)"""
         local = getattr(self, LOCAL)
         state_dict = dict(state_dict)
         ours = state_dict.pop(STATE_KEY, None)
+        if state_dict.pop(checkpoint.STATE_KEY, None) is not None:
+            # a hvd_topk.DistributedOptimizer's: its residuals hold unsent gradients (or updates),
+            # not model changes, so they cannot seed the outer optimizer's
+            warnings.warn("this checkpoint was written by hvd_topk.DistributedOptimizer: its error-feedback "
+                          "residuals (unsent gradients) do not carry over to LocalSteps and are dropped; "
+                          "the inner optimizer's state is loaded and a new period starts", stacklevel=2)
+            state_dict["param_groups"] = [{k: v for k, v in g.items() if k != STEP_KEY}
+                                          for g in state_dict["param_groups"]]
         if ours is not None and "anchors" in ours:
             groups = [dict(g) for g in state_dict["param_groups"]]
             groups[0].setdefault(SHARED_KEY, {"anchors": ours["anchors"]})

@@ -10,6 +10,7 @@ contract (tests/support/reference.py) and the outer SGD written out in numpy.
 """
 
 import copy
+import warnings
 
 import numpy as np
 import torch
@@ -355,6 +356,74 @@ def check_join():
     assert last == 0, f"hvd.join() says rank {last} joined last; rank 0 has the most batches"
 
 
+def distributed_optimizer(model):
+    """Plain AdamW, whose state LocalSteps' inner AdamW can take (the warning against it is not under test)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*in front of plain torch.optim.AdamW")
+        return hvd_topk.DistributedOptimizer(adamw()(model.parameters()), named_parameters=model.named_parameters(),
+                                             compression=hvd_topk.TopK(density=0.05), min_numel=MIN_NUMEL,
+                                             exchange="allgather")
+
+
+def check_checkpoints_across_optimizers():
+    """A hvd_topk.DistributedOptimizer's checkpoint loads into LocalSteps with a warning: the
+    run then equals one that loaded the inner AdamW's plain state (the residuals dropped, not
+    misread as model changes). A LocalSteps checkpoint into a DistributedOptimizer is refused,
+    leaving it as it was (it had kept the stale shared weights in its param groups), and the
+    conversion the message gives loads."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = distributed_optimizer(model)
+    train(model, opt, 3)
+    saved_model, saved = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    plain = {"state": saved["state"],
+             "param_groups": [{k: v for k, v in g.items() if k != "hvd_topk_step"} for g in saved["param_groups"]]}
+    runs = []
+    for state in (saved, plain):
+        model_l, opt_l = build(adamw(), sync_every=2, seed=7)
+        model_l.load_state_dict(saved_model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt_l.load_state_dict(copy.deepcopy(state))
+        said = [str(w.message) for w in caught if "do not carry over to LocalSteps" in str(w.message)]
+        assert len(said) == (state is saved), f"warnings when loading {'saved' if state is saved else 'plain'}: {said}"
+        after = opt_l.state_dict()
+        assert "hvd_topk" not in after and "hvd_topk_step" not in after["param_groups"][0], sorted(after)
+        train(model_l, opt_l, 4, start=3)
+        runs.append([p.detach().clone() for p in model_l.parameters()])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b), "the DistributedOptimizer checkpoint did not load as the inner optimizer's state"
+
+    model_l, opt_l = build(adamw(), sync_every=2)
+    train(model_l, opt_l, 3)
+    local_state = copy.deepcopy(opt_l.state_dict())
+    torch.manual_seed(0)
+    model_d = Net()
+    opt_d = distributed_optimizer(model_d)
+    train(model_d, opt_d, 1)
+    before = copy.deepcopy(opt_d.state_dict())
+    with raises(ValueError, match="written by hvd_topk.LocalSteps: load it into a LocalSteps optimizer",
+                what="a LocalSteps checkpoint into hvd_topk.DistributedOptimizer"):
+        opt_d.load_state_dict(local_state)
+    after = opt_d.state_dict()
+    assert after["param_groups"] == before["param_groups"], "the refused load changed the param groups"
+    for key, value in before["state"].items():
+        for name, tensor in value.items():
+            assert torch.equal(after["state"][key][name], tensor), f"the refused load changed {name}"
+    # the conversion the message gives: the shared weights into the model, the LocalSteps entries removed
+    shared = local_state["param_groups"][0].pop("hvd_topk_local_shared")
+    del local_state["hvd_topk_local_steps"]
+    with torch.no_grad():
+        for p, anchor in zip(model_d.parameters(), shared["anchors"]):
+            p.copy_(anchor)
+    opt_d.load_state_dict(local_state)
+    hvd.broadcast_optimizer_state(opt_d, root_rank=0)  # each rank's AdamW moments were its own
+    assert "hvd_topk_local_shared" not in opt_d.param_groups[0]
+    train(model_d, opt_d, 2, start=3)
+    for n, p in model_d.named_parameters():
+        assert_same_on_all_ranks(p.detach().numpy(), f"after the converted checkpoint: {n}")
+
+
 def check_bad_input():
     model = Net()
     with raises(ValueError, match="sync_every must be an integer >= 1", what="sync_every=0"):
@@ -450,6 +519,7 @@ CHECKS = [
     ("a checkpoint on rank 0 alone, broadcast mid-period", check_broadcast_mid_period),
     ("the same with a stateless inner optimizer: the ranks' disagreement is an error", check_stateless_broadcast_refused),
     ("hvd.join, broadcasts from the last rank, a second epoch", check_join_then_next_epoch),
+    ("checkpoints across LocalSteps and DistributedOptimizer", check_checkpoints_across_optimizers),
     ("bad input", check_bad_input),
 ]
 
