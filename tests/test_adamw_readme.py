@@ -34,7 +34,7 @@ if hvd.rank() == 0:
 
 def test_readme_adamw_block_is_make_demo_gpts_scheme():
     """The README's AdamW file and ``make demo-gpt`` show the same scheme (issue 26: both use
-    the winner): its density, 16-bit values, dense start and learning rate."""
+    the winner): its density, 16-bit values, dense start, learning rate and exchange."""
     makefile = (REPO / "Makefile").read_text()
     demo = makefile.split("\ndemo-gpt:", 1)[1].split("\n\n", 1)[0]
     flag = lambda name: re.search(rf"--{name} (\S+)", demo).group(1)  # noqa: E731
@@ -42,7 +42,8 @@ def test_readme_adamw_block_is_make_demo_gpts_scheme():
     block = readme_python_block("Transformers with AdamW")
     for piece in ("hvd_topk.LocalAdamW(", f"lr={flag('lr')}", "betas=(0.0, 0.95)",
                   f"TopK(density={flag('density')}, fp16_values=True)",
-                  f"warmup_steps={flag('warmup-steps')}, warmup_density={flag('warmup-density')}"):
+                  f"warmup_steps={flag('warmup-steps')}, warmup_density={flag('warmup-density')}",
+                  f'exchange="{flag("exchange")}"'):
         assert piece in block, piece
 
 
@@ -55,7 +56,7 @@ def test_readme_adamw_lines_run_under_mpirun(tmp_path):
     assert check.group(1) == check.group(2), "the ranks' parameters differ"
     trained, zero = float(check.group(3)), float(check.group(4))
     # an untrained model is worse than zero (its own output adds to the error); 300 steps of the
-    # scheme fit this task to 1-11% of zero's error, whichever exchange `auto` picks
+    # scheme fit this task to 1-11% of zero's error
     assert trained < 0.25 * zero, (trained, zero)
     got = re.search(r"loss [0-9.]+; bytes sent vs dense fp32: ([0-9.]+)%", proc.stdout)
     assert got, proc.stdout
