@@ -23,6 +23,7 @@ import torch
 
 STATE_KEY = "hvd_topk"  # the optimizer state_dict's entry holding this section
 LOCAL_STEPS_KEY = "hvd_topk_local_steps"  # hvd_topk.LocalSteps' section (its outer optimizer)
+LOCAL_SHARED_KEY = "hvd_topk_local_shared"  # LocalSteps' param group 0: the shared weights (anchors)
 STATE_FORMAT = 2
 COMPILED_MODULE = "_orig_mod"  # the attribute torch.compile's OptimizedModule keeps the model in
 WRAPPER_MODULE = "module"      # the attribute DistributedDataParallel (and DataParallel) keeps it in
@@ -54,8 +55,8 @@ def check_inner(param_groups, names, state_dict):
         # which this optimizer would keep, stale, in its param groups and write into its own checkpoints.
         raise CheckpointMismatch(
             "this checkpoint was written by hvd_topk.LocalSteps: load it into a LocalSteps optimizer. To go on "
-            "with hvd_topk.DistributedOptimizer instead, copy the shared weights (state_dict['param_groups'][0]"
-            "['hvd_topk_local_shared']['anchors'], in the order of the parameters) into the model, then delete "
+            f"with hvd_topk.DistributedOptimizer instead, copy the shared weights (state_dict['param_groups'][0]"
+            f"[{LOCAL_SHARED_KEY!r}]['anchors'], in the order of the parameters) into the model, then delete "
             f"that entry and state_dict[{LOCAL_STEPS_KEY!r}], load the rest and hvd.broadcast_optimizer_state(opt, "
             "root_rank=0) (each rank's inner optimizer ran alone). Nothing was loaded.")
     sizes, saved_sizes = [len(g["params"]) for g in param_groups], [len(g.get("params", ())) for g in saved_groups]

@@ -48,7 +48,7 @@ SYNCS_KEY = "hvd_topk_local_syncs"  # param group 0: the outer optimizer's step 
 # takes them in (_adopt_shared); load_state_dict takes them in at once. Horovod 0.28.1 broadcasts
 # nothing for an optimizer without state (SGD without momentum): the check at each
 # synchronisation (_check_shared) then says so.
-SHARED_KEY = "hvd_topk_local_shared"
+SHARED_KEY = checkpoint.LOCAL_SHARED_KEY
 
 # The outer DistributedOptimizer's keyword options that make sense here; the others (op,
 # backward_passes_per_step, grad_scaler, momentum_correction, ...) act on gradients, which never
