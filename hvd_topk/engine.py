@@ -309,16 +309,22 @@ class TopKEngine:
                 pass
 
     def _someone_joined(self):
-        """Whether a rank is inside ``hvd.join()`` this step, from the probe; the probe also says
-        whether the ranks' steps agree, checked here too: a checkpoint loaded on one rank in
-        mid-run makes that rank refuse at its first launch (``_check_steps_agree``), and the
-        others must refuse as well rather than wait for it in the exchange."""
+        """Whether a rank is inside ``hvd.join()`` this step, from the probe (checked as it is read)."""
+        active = self._read_probe()
+        return active is not None and active < self.world
+
+    def _read_probe(self):
+        """The step's probe (waited for if need be): the count of ranks not inside ``hvd.join()``,
+        after refusing where the ranks' steps or param-group options differ. Every reader checks:
+        a checkpoint loaded on one rank in mid-run makes that rank refuse at its first launch
+        (``_check_steps_agree``), and the others must refuse as well rather than wait for it in
+        the exchange."""
         active = self.active.read()
         if not self.active.steps_agree:
             self._refuse_different_steps()
         if not self.active.settings_agree:
             self._refuse_different_options()
-        return active is not None and active < self.world
+        return active
 
     def _check_steps_agree(self):
         """At the first launch after construction or ``load_state_dict`` (a checkpoint loaded on
@@ -328,7 +334,7 @@ class TopKEngine:
         (started at the first gradient, carrying the step) on that step only; on the others the
         probe is read where a sparse bucket needs it, by then long arrived."""
         self.verify_step = False
-        self._someone_joined()  # (waits for the probe, and checks it)
+        self._read_probe()
 
     def _refuse_different_options(self):
         raise RuntimeError(
