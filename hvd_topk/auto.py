@@ -33,23 +33,36 @@ SPARSE = ("allgather", "sparse_allreduce")
 TRIAL_STEPS = 3  # exchange_trial_steps' default, both transports: timed steps per candidate family
 
 
-def families(hierarchical_available, hierarchical_only, compact=False, fp16=False):
+# Why ``families(updates=True)`` leaves the sparse allreduce out, said where auto's choice is
+# reported. Measured on the GPT example, 4 ranks, 3 seeds (docs/adamw-measurements.md, "At 0.1%,
+# and over the sparse allreduce"): LocalAdamW at 1% ended +7.3% against dense AdamW over the
+# sparse allreduce and +0.6% over the allgather. The sparse allreduce moves k entries a step
+# whatever P, the allgather up to P k, and each rank's update (not its gradient) needs the
+# entries; auto picks by speed alone, so it must not be offered a quality loss as an option.
+UPDATES_NOTE = ("the sparse allreduce not tried: the inner optimizer exchanges each rank's update, and "
+                "over it that was measured to cost quality from 4 ranks on (docs/adamw.md); pin exchange= to use it")
+
+
+def families(hierarchical_available, hierarchical_only, compact=False, fp16=False, updates=False):
     """The families a job may use: dense, the two sparse ones, and those run hierarchically
     where the host sets exist; only the hierarchical ones (and dense) with ``hierarchical=True``.
     With compact pairs (``hvd_topk.compact``: the allgather's alone) dense and the flat
     allgather. Dense fp16 only with ``fp16``: where the values already travel in 16 bits
     (``TopK(fp16_values=True)`` or ``compact=True``, whose dense fallback is fp16 too). For
     fp32 values it would be a silent change of precision: an entry above 65504 arrives as inf,
-    and the rounding of the start's dense steps is not fed back."""
+    and the rounding of the start's dense steps is not fed back. With ``updates`` (``auto``
+    over an inner optimizer that exchanges each rank's update: LocalAdamW, DeMo) no sparse
+    allreduce, flat or hierarchical (``UPDATES_NOTE``)."""
     dense = ("dense", "dense_fp16") if fp16 or compact else ("dense",)
+    sparse = ("allgather",) if compact or updates else SPARSE
     if compact:
-        return dense + ("allgather",)
-    hier = tuple(HIER + f for f in SPARSE)
+        return dense + sparse
+    hier = tuple(HIER + f for f in sparse)
     if not hierarchical_available:
-        return dense + SPARSE
+        return dense + sparse
     if hierarchical_only:
         return dense + hier
-    return dense + SPARSE + hier
+    return dense + sparse + hier
 
 
 class Trial:

@@ -82,7 +82,9 @@ class TopKState:
             their median step times with one allreduce and all keep the fastest
             (``hvd_topk.auto``, the Horovod optimizer's trial); on a fast network that may be
             dense, which is the point (dense fp16 only where values travel in 16 bits:
-            ``fp16_values`` or ``compact``). Before that, the family moving the fewest bytes. Pin
+            ``fp16_values`` or ``compact``; no sparse allreduce with ``optimizer=``, whose updates
+            it cost quality from 4 ranks on: ``auto.UPDATES_NOTE``). Before that, the family
+            moving the fewest bytes (the same limit). Pin
             one for quality experiments on one host. A sparse family still sends a bucket
             dense where a ring allreduce moves fewer bytes.
         fp16_values (False): send values as float16 (6 bytes a pair instead of 8); the dense
@@ -182,7 +184,7 @@ class TopKState:
         out["world_size"] = self.world_size
         out["exchange"], out["exchange_family"] = self.exchange, self.family
         if self.trial is not None:
-            out["exchange_reason"] = self.trial.reason()
+            out["exchange_reason"] = self._reason()
         return out
 
     def _count(self, strategy, **amounts):
@@ -346,11 +348,11 @@ class TopKState:
         if self.trial is None:
             self._start_trial(density)
         elif self._timed(self.trial).step_done(step) and self.rank == 0:
-            auto.announce(f"exchange={self.trial.choice} for {self.world_size} ranks ({self.trial.reason()})", 0)
+            auto.announce(f"exchange={self.trial.choice} for {self.world_size} ranks ({self._reason()})", 0)
         self.family = self.trial.family()
 
     def _start_trial(self, density):
-        families = auto.families(False, False, self.compact, self.codec.dense_fp16)
+        families = auto.families(False, False, self.compact, self.codec.dense_fp16, updates=self.sends_updates)
         assignments, byte_counts = {}, {}
         for family in families:
             chosen = [exchange.choose(self, layout, layout.plan(self.codec, density), self.world_size, family)
@@ -359,6 +361,15 @@ class TopKState:
             byte_counts[family] = sum(cost for _, cost in chosen)
         self.trial = auto.Trial(auto.propose(assignments, byte_counts), self.exchange_trial_steps, self._agree)
         self.trial_started = self.iteration
+
+    @property
+    def sends_updates(self):
+        """Whether ``optimizer=`` turns each gradient into an update: ``exchange="auto"`` then
+        leaves the sparse allreduce out (``auto.UPDATES_NOTE``)."""
+        return self.optimizer is not None
+
+    def _reason(self):
+        return "; ".join(r for r in (self.trial.reason(), self.sends_updates and auto.UPDATES_NOTE) if r)
 
     def _timed(self, trial):
         """The trial, once a CUDA step's kernels have finished: the hook runs as soon as backward

@@ -330,7 +330,8 @@ def choose(state, layout, plan, world, family):
     (None: the fewest bytes of all); a sparse family goes dense where that moves fewer bytes."""
     sizes = (world, layout.numel, plan.count, *state.codec.pair_itemsizes(plan), layout.acc.element_size())
     fallback = DENSE_FP16 if state.codec.dense_fp16 else DENSE
-    sparse = (ALLGATHER,) if state.compact else (ALLGATHER, SPARSE_ALLREDUCE)  # compact: the allgather's
+    # auto's sparse strategies: compact pairs are the allgather's; an update (optimizer=) needs its entries
+    sparse = (ALLGATHER,) if state.compact or state.sends_updates else (ALLGATHER, SPARSE_ALLREDUCE)
     options = {"dense": (DENSE,), "dense_fp16": (DENSE_FP16,), "allgather": (ALLGATHER, fallback),
                "sparse_allreduce": (SPARSE_ALLREDUCE, fallback),
                None: (*sparse, fallback)}[family]

@@ -100,10 +100,13 @@ class TopKEngine:
         grad_scaler: the ``torch.amp.GradScaler`` scaling the loss, or None (``hvd_topk.loss_scale``).
         inner: the inner optimizer's class name (compared between ranks: ``LocalAdamW`` sends
             updates where a plain optimizer sends gradients).
+        updates: whether that optimizer sends updates (``transform_local_gradient``), which
+            narrows ``exchange="auto"`` (``hvd_topk.planner``).
     """
 
     def __init__(self, param_groups, names, compression, options, *, op, gradient_predivide_factor,
-                 backward_passes_per_step, process_set, groups, prefix, grad_scaler=None, inner=None):
+                 backward_passes_per_step, process_set, groups, prefix, grad_scaler=None, inner=None,
+                 updates=False):
         self.param_groups = param_groups
         self.param_ids = [id(p) for g in param_groups for p in g["params"]]
         self.params = [p for g in param_groups for p in g["params"] if p.requires_grad]
@@ -136,7 +139,7 @@ class TopKEngine:
             raise ValueError("momentum_correction is not supported with the hierarchical exchange; pass "
                              "hierarchical=False, or momentum_correction=0.0 with the inner optimizer's momentum")
         self.planner = ExchangePlanner(options, self.buckets, self.codec, self.schedule, self.hier,
-                                       process_set, f"{prefix}.exchange_trial")
+                                       process_set, f"{prefix}.exchange_trial", updates=updates)
         # keyed by id(p): a tensor's __hash__ is a Python-level call, and these are read per hook
         self.place = {id(m.param): (b, i) for b in self.buckets for i, m in enumerate(b.members)}
         self.passes = dict.fromkeys(map(id, self.params), 0)

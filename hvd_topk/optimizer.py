@@ -83,7 +83,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
             proposes for ``exchange_trial_steps`` (3) real steps each and keeps the fastest
             (logged once on rank 0; ``compression_stats()["exchange_reason"]``); it may be dense
             where the network is fast (dense fp16 only where values travel in 16 bits already:
-            ``TopK(fp16_values=True)`` or ``compact=True``). ``"allgather"``: every rank's pairs (bytes grow with the
+            ``TopK(fp16_values=True)`` or ``compact=True``; no sparse allreduce over ``LocalAdamW``
+            or ``DeMo``, whose updates it cost quality from 4 ranks on: pin it to use it).
+            ``"allgather"``: every rank's pairs (bytes grow with the
             ranks). ``"sparse_allreduce"``: each rank's top-k positions in one part of the bucket
             (rotating), every rank's values there allreduced (bytes grow as (P-1)/P). ``"dense"``,
             ``"dense_fp16"``: Horovod's allreduce, fp32 or fp16. ``exchange_recheck_steps`` (0):
@@ -148,7 +150,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                         gradient_predivide_factor=gradient_predivide_factor,
                         backward_passes_per_step=backward_passes_per_step, process_set=process_set,
                         groups=groups, prefix=instance_name("opt", process_set),
-                        grad_scaler=grad_scaler, inner=type(optimizer).__qualname__)
+                        grad_scaler=grad_scaler, inner=type(optimizer).__qualname__,
+                        updates=hasattr(optimizer, "transform_local_gradient"))
     wrapped = share_as_subclass(optimizer, _DistributedOptimizer)
     setattr(wrapped, ENGINE, engine)
     # An inner optimizer that works on each rank's own gradient before the exchange (LocalAdamW)

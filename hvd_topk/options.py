@@ -38,7 +38,9 @@ class Options:
     - ``exchange`` picks how buckets travel (``hvd_topk.exchange``). ``"auto"`` (default) runs
       ``exchange_trial_steps`` real steps with each strategy the cost model proposes (dense
       fp32, dense fp16, allgather, sparse allreduce) and keeps the fastest: on a fast network
-      that may be dense, which is the point (never slower than not compressing). Force one with
+      that may be dense, which is the point (never slower than not compressing). Over an inner
+      optimizer that exchanges each rank's update (``LocalAdamW``, ``DeMo``) it does not try the
+      sparse allreduce, which cost those quality from 4 ranks on (``auto.UPDATES_NOTE``). Force one with
       ``"allgather"`` (every rank's pairs; bytes grow with P), ``"sparse_allreduce"`` (each rank
       chooses one part's positions, values allreduced; bytes grow as (P-1)/P: the one for many ranks),
       ``"dense"`` or ``"dense_fp16"``. ``exchange_recheck_steps`` re-runs the trial that often

@@ -35,14 +35,18 @@ class ExchangePlanner:
         schedule: the ``DensitySchedule``.
         hier: this rank's ``hierarchy.Topology`` where the hierarchical families may be used.
         process_set, name: where and under which name the trial's decision is agreed.
+        updates: the inner optimizer exchanges each rank's update (LocalAdamW, DeMo): ``auto``
+            then leaves the sparse allreduce out (``auto.UPDATES_NOTE``); a pinned one is used.
     """
 
-    def __init__(self, options, buckets, codec, schedule, hier, process_set, name):
+    def __init__(self, options, buckets, codec, schedule, hier, process_set, name, updates=False):
         self.options, self.buckets, self.codec, self.schedule = options, buckets, codec, schedule
         self.hier = hier
         self.process_set, self.name = process_set, name
+        # only auto's families are narrowed: family() maps a pinned exchange through them too
+        self.left_out = auto.UPDATES_NOTE if updates and options.exchange == "auto" else None
         self.families = auto.families(hier is not None, options.hierarchical is True, codec.compact,
-                                      codec.dense_fp16)
+                                      codec.dense_fp16, updates=self.left_out is not None)
         self.trial, self.trial_world = None, None  # exchange="auto": the trial of this world size
 
     @staticmethod
@@ -83,8 +87,11 @@ class ExchangePlanner:
     def _announce(self, world):
         """auto's choice, said once, by the first rank of the process set the exchange runs over
         (hvd.rank() 0 may be outside it)."""
-        auto.announce(f"exchange={self.trial.choice} for {world} ranks ({self.trial.reason()})",
-                      self.process_set.rank())
+        auto.announce(f"exchange={self.trial.choice} for {world} ranks ({self.reason()})", self.process_set.rank())
+
+    def reason(self):
+        """Why auto's trial chose (or has not yet chosen), and what it was not offered."""
+        return "; ".join(r for r in (self.trial.reason(), self.left_out) if r)
 
     def _agree(self, medians):
         """The trial's decision: every rank's medians averaged by one Horovod allreduce."""
@@ -214,7 +221,7 @@ class ExchangePlanner:
         """The ``exchange_*`` entries of ``compression_stats()``."""
         out = {"exchange": self.options.exchange}
         if self.options.exchange == "auto":
-            out["exchange_reason"] = self.trial.reason() if self.trial is not None else (
+            out["exchange_reason"] = self.reason() if self.trial is not None else (
                 "one rank: nothing to exchange" if world <= 1 else "density warm-up: fewest bytes")
             if self.trial is not None:
                 out["exchange_candidates"] = list(self.trial.candidates)

@@ -16,13 +16,14 @@ from hvd_topk.schedule import DensitySchedule
 N = 10_000  # the weight's elements: k = 100 at 1%
 
 
-def planner(density=0.01, hier=None, codec=None, dtype=torch.float32, **options):
+def planner(density=0.01, hier=None, codec=None, dtype=torch.float32, updates=False, **options):
     weight = torch.nn.Parameter(torch.zeros(100, 100, dtype=dtype))
     bias = torch.nn.Parameter(torch.zeros(100, dtype=dtype))
     options = Options(**options)
     buckets = make_buckets([weight, bias], {weight: "w", bias: "b"}, options.min_numel, options.fusion_bytes)
     schedule = DensitySchedule(density, options.warmup_steps, options.warmup_density)
-    return ExchangePlanner(options, buckets, codec or Codec(), schedule, hier, process_set=None, name="test"), buckets
+    return ExchangePlanner(options, buckets, codec or Codec(), schedule, hier, process_set=None, name="test",
+                           updates=updates), buckets
 
 
 def test_pinned_exchange_and_dense_fallback():
@@ -182,3 +183,24 @@ def test_describe_says_why_before_any_trial():
     assert plan.describe(1)["exchange_reason"] == "one rank: nothing to exchange"
     assert plan.describe(2)["exchange_reason"] == "density warm-up: fewest bytes"
     assert planner(exchange="dense")[0].describe(2) == {"exchange": "dense"}
+
+
+def test_auto_over_updates_leaves_both_sparse_allreduces_out():
+    """An inner optimizer that exchanges updates (LocalAdamW, DeMo): auto is offered neither the
+    flat nor the hierarchical sparse allreduce, and in the density warm-up (the fewest bytes)
+    takes the allgather where for gradients it takes the sparse allreduce: at 2% and P = 4,
+    3 x 200 x 8 = 4800 bytes against 3/4 x 200 x 4 + 2 x 3/4 x 201 x 4 = 1806. A pinned
+    exchange is used as given, hierarchically where the host sets exist."""
+    topo = Topology(local=None, cross=None, local_rank=0, local_size=2, cross_rank=0, cross_size=2,
+                    local_sizes=(2, 2, 2, 2))
+    gradients, _ = planner(hier=topo, warmup_steps=5)
+    updates, _ = planner(hier=topo, warmup_steps=5, updates=True)
+    assert gradients.families == ("dense", "allgather", "sparse_allreduce", "hier_allgather", "hier_sparse_allreduce")
+    assert updates.families == ("dense", "allgather", "hier_allgather")
+    assert updates.left_out is not None and gradients.left_out is None
+    flat_gradients, _ = planner(warmup_steps=5, warmup_density=0.02)
+    flat_updates, _ = planner(warmup_steps=5, warmup_density=0.02, updates=True)
+    assert flat_gradients.family(0, 4) == "sparse_allreduce"
+    assert flat_updates.family(0, 4) == "allgather"
+    pinned, _ = planner(hier=topo, exchange="sparse_allreduce", updates=True)
+    assert pinned.family(0, 4) == "hier_sparse_allreduce" and pinned.left_out is None

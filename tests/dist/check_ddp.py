@@ -232,6 +232,30 @@ def check_auto_trial():
     assert all(e == every[0] for e in every), every
 
 
+def check_auto_updates():
+    """exchange="auto" with ``optimizer=`` (LocalAdamW: each rank's update is exchanged): the
+    sparse allreduce, measured to cost such updates quality from 4 ranks on, is used neither in
+    the steps before the trial (the fewest bytes: at 5% the sparse allreduce's, for gradients)
+    nor in it, and the reason says why."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = Net().to(DEVICE)
+    ddp = DDP(model, bucket_cap_mb=0.005)
+    inner = hvd_topk.LocalAdamW(model.parameters(), lr=0.01, betas=(0.0, 0.95))
+    state = hvd_topk.ddp.TopKState(density=0.05, optimizer=inner, min_numel=MIN_NUMEL, exchange_trial_steps=1)
+    hvd_topk.ddp.register(ddp, state)
+    for step in range(9):
+        x, y = batch(step, rank)
+        inner.zero_grad(set_to_none=True)
+        F.cross_entropy(ddp(x), y).backward()
+        inner.step()
+        assert_same_on_all_ranks(host(model.fc1.weight), f"parameters after step {step}")
+    stats = state.stats()
+    assert state.trial.candidates == ["dense", "allgather"], state.trial.candidates
+    assert "sparse_allreduce" not in stats["buckets_by_exchange"], stats
+    assert "sparse allreduce not tried" in stats["exchange_reason"], stats
+
+
 def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.0, 0.95), eps=1e-3, wd=0.1):
     """The AdamW recipe through DDP: each rank's numpy Adam (global variance: v/P + (1-1/P)
     mean^2, lr inside) on its own gradient, the error-feedback contract on those updates, and
@@ -673,6 +697,7 @@ CHECKS = [
     ("auto, dense start (warm-up from 1.0)", lambda: check_reference("auto", steps=5, warmup_steps=4,
                                                                      warmup_density=1.0)),
     ("auto: measured trial, agreement, choice", check_auto_trial),
+    ("auto with optimizer=LocalAdamW: no sparse allreduce", check_auto_updates),
     ("dense_fp16 exchange", lambda: check_reference("dense_fp16", steps=3)),
     ("allgather, 16-bit values, several buckets", lambda: check_reference(bucket_cap_mb=0.005, fp16_values=True)),
     ("sparse allreduce, 16-bit values, several buckets, decay", lambda: check_reference(

@@ -221,6 +221,32 @@ def check_auto_one_candidate():
     assert stats["exchange_candidates"] == ["dense", "dense_fp16", "sparse_allreduce"], stats
 
 
+def check_auto_updates():
+    """exchange="auto" over an inner optimizer that exchanges each rank's update (LocalAdamW,
+    DeMo): the sparse allreduce, measured to cost such updates quality from 4 ranks on, is no
+    candidate (at density 5% the plain SGD of ``check_auto`` has it) and the reason says why;
+    pinned, it is used."""
+    for make in (hvd_topk.LocalAdamW, hvd_topk.DeMo):
+        for exchange in ("auto", "sparse_allreduce"):
+            torch.manual_seed(0)
+            model = Net()
+            opt = hvd_topk.DistributedOptimizer(make(model.parameters(), lr=0.01),
+                                                named_parameters=model.named_parameters(), min_numel=500,
+                                                compression=hvd_topk.TopK(density=0.05, fp16_values=True),
+                                                exchange=exchange, exchange_trial_steps=1 if exchange == "auto" else 3)
+            train(model, opt, 7)
+            stats = opt.compression_stats()
+            used = set(stats["bucket_strategies"].values())
+            if exchange == "auto":
+                assert stats["exchange_candidates"] == ["dense", "dense_fp16", "allgather"], stats
+                assert "sparse allreduce not tried" in stats["exchange_reason"], stats
+                assert stats["exchange_choice"] in stats["exchange_candidates"], stats
+            else:
+                assert used == {"dense", "sparse_allreduce"}, (make.__name__, used)
+            for p in model.parameters():
+                assert_same_on_all_ranks(p.detach().numpy(), f"{make.__name__}, {exchange}: parameters")
+
+
 def check_cost_model_goes_dense():
     """At density 1/P or more a ring allreduce moves fewer bytes: the big tensors go dense."""
     size = hvd.size()
@@ -825,6 +851,7 @@ CHECKS = [
     ("auto: trial, agreement, choice", check_auto),
     ("auto: dominated strategies not tried", check_auto_one_candidate),
     ("auto, fp32 values: no dense fp16 candidate", lambda: check_auto(fp16_values=False)),
+    ("auto over LocalAdamW and DeMo: no sparse allreduce unless pinned", check_auto_updates),
     ("cost model goes dense", check_cost_model_goes_dense),
     ("passes equal concatenated batch", check_passes_equal_concatenated_batch),
     ("checkpoint resume", check_checkpoint_resume),
