@@ -73,10 +73,12 @@ class Trial:
         trial_steps: measured steps per candidate (after one settling step each).
         agree: the transport's one decision collective: a float64 tensor of this rank's
             medians in, the ranks' average out (Horovod's allreduce, or torch.distributed's).
+        left_out: what the trial was not offered, and why (``UPDATES_NOTE``), added to ``reason``.
     """
 
-    def __init__(self, candidates, trial_steps, agree):
+    def __init__(self, candidates, trial_steps, agree, left_out=None):
         self.candidates = list(candidates)
+        self.left_out = left_out
         self.trial_steps = trial_steps
         self.agree = agree
         self.times = {c: [] for c in self.candidates}
@@ -117,12 +119,16 @@ class Trial:
         return True
 
     def reason(self):
+        """Why the trial chose (or has not yet chosen), and what it was not offered."""
         if self.medians is None:
             if self.choice is not None:
-                return "the only candidate the cost model left"
-            return f"trial in progress ({self.position} of {self.per_candidate * len(self.candidates)} steps)"
-        listed = ", ".join(f"{c} {1e3 * t:.1f}" for c, t in self.medians.items())
-        return f"fastest in the measured trial (median step ms, mean over ranks: {listed})"
+                why = "the only candidate the cost model left"
+            else:
+                why = f"trial in progress ({self.position} of {self.per_candidate * len(self.candidates)} steps)"
+        else:
+            listed = ", ".join(f"{c} {1e3 * t:.1f}" for c, t in self.medians.items())
+            why = f"fastest in the measured trial (median step ms, mean over ranks: {listed})"
+        return f"{why}; {self.left_out}" if self.left_out else why
 
 
 def propose(assignments, byte_counts):

@@ -184,7 +184,7 @@ class TopKState:
         out["world_size"] = self.world_size
         out["exchange"], out["exchange_family"] = self.exchange, self.family
         if self.trial is not None:
-            out["exchange_reason"] = self._reason()
+            out["exchange_reason"] = self.trial.reason()
         return out
 
     def _count(self, strategy, **amounts):
@@ -348,7 +348,7 @@ class TopKState:
         if self.trial is None:
             self._start_trial(density)
         elif self._timed(self.trial).step_done(step) and self.rank == 0:
-            auto.announce(f"exchange={self.trial.choice} for {self.world_size} ranks ({self._reason()})", 0)
+            auto.announce(f"exchange={self.trial.choice} for {self.world_size} ranks ({self.trial.reason()})", 0)
         self.family = self.trial.family()
 
     def _start_trial(self, density):
@@ -359,7 +359,8 @@ class TopKState:
                       for layout in self.layouts.values() if layout.sparse]
             assignments[family] = tuple(s.name for s, _ in chosen)
             byte_counts[family] = sum(cost for _, cost in chosen)
-        self.trial = auto.Trial(auto.propose(assignments, byte_counts), self.exchange_trial_steps, self._agree)
+        self.trial = auto.Trial(auto.propose(assignments, byte_counts), self.exchange_trial_steps, self._agree,
+                                auto.UPDATES_NOTE if self.sends_updates else None)
         self.trial_started = self.iteration
 
     @property
@@ -367,9 +368,6 @@ class TopKState:
         """Whether ``optimizer=`` turns each gradient into an update: ``exchange="auto"`` then
         leaves the sparse allreduce out (``auto.UPDATES_NOTE``)."""
         return self.optimizer is not None
-
-    def _reason(self):
-        return "; ".join(r for r in (self.trial.reason(), self.sends_updates and auto.UPDATES_NOTE) if r)
 
     def _timed(self, trial):
         """The trial, once a CUDA step's kernels have finished: the hook runs as soon as backward

@@ -13,7 +13,7 @@ this step's family, statistics).
 import torch
 import torch.distributed as dist
 
-from hvd_topk import costs
+from hvd_topk import auto, costs
 from hvd_topk._torch import copy_all
 from hvd_topk.codec import Codec, Encoded, rotating_part
 from hvd_topk.selection import native_ok, sample_seed
@@ -330,11 +330,12 @@ def choose(state, layout, plan, world, family):
     (None: the fewest bytes of all); a sparse family goes dense where that moves fewer bytes."""
     sizes = (world, layout.numel, plan.count, *state.codec.pair_itemsizes(plan), layout.acc.element_size())
     fallback = DENSE_FP16 if state.codec.dense_fp16 else DENSE
-    # auto's sparse strategies: compact pairs are the allgather's; an update (optimizer=) needs its entries
-    sparse = (ALLGATHER,) if state.compact or state.sends_updates else (ALLGATHER, SPARSE_ALLREDUCE)
-    options = {"dense": (DENSE,), "dense_fp16": (DENSE_FP16,), "allgather": (ALLGATHER, fallback),
-               "sparse_allreduce": (SPARSE_ALLREDUCE, fallback),
-               None: (*sparse, fallback)}[family]
+    if family is None:  # auto before its trial: the sparse strategies its families allow, or dense
+        allowed = auto.families(False, False, state.compact, updates=state.sends_updates)
+        options = (*(s for s in (ALLGATHER, SPARSE_ALLREDUCE) if s.name in allowed), fallback)
+    else:
+        options = {"dense": (DENSE,), "dense_fp16": (DENSE_FP16,), "allgather": (ALLGATHER, fallback),
+                   "sparse_allreduce": (SPARSE_ALLREDUCE, fallback)}[family]
     strategy = costs.cheapest(options, *sizes)
     return strategy, strategy.wire_bytes(*sizes)
 

@@ -79,7 +79,7 @@ class ExchangePlanner:
             assignments[f] = (hierarchical, tuple(s.name for s in strategies))
         byte_counts = {f: self.modelled_bytes(f, density, world) for f in self.families}
         candidates = auto.propose(assignments, byte_counts)
-        self.trial = auto.Trial(candidates, self.options.exchange_trial_steps, self._agree)
+        self.trial = auto.Trial(candidates, self.options.exchange_trial_steps, self._agree, self.left_out)
         self.trial_world = world
         if self.trial.choice is not None:
             self._announce(world)
@@ -87,11 +87,8 @@ class ExchangePlanner:
     def _announce(self, world):
         """auto's choice, said once, by the first rank of the process set the exchange runs over
         (hvd.rank() 0 may be outside it)."""
-        auto.announce(f"exchange={self.trial.choice} for {world} ranks ({self.reason()})", self.process_set.rank())
-
-    def reason(self):
-        """Why auto's trial chose (or has not yet chosen), and what it was not offered."""
-        return "; ".join(r for r in (self.trial.reason(), self.left_out) if r)
+        auto.announce(f"exchange={self.trial.choice} for {world} ranks ({self.trial.reason()})",
+                      self.process_set.rank())
 
     def _agree(self, medians):
         """The trial's decision: every rank's medians averaged by one Horovod allreduce."""
@@ -221,7 +218,7 @@ class ExchangePlanner:
         """The ``exchange_*`` entries of ``compression_stats()``."""
         out = {"exchange": self.options.exchange}
         if self.options.exchange == "auto":
-            out["exchange_reason"] = self.reason() if self.trial is not None else (
+            out["exchange_reason"] = self.trial.reason() if self.trial is not None else (
                 "one rank: nothing to exchange" if world <= 1 else "density warm-up: fewest bytes")
             if self.trial is not None:
                 out["exchange_candidates"] = list(self.trial.candidates)
