@@ -186,6 +186,8 @@ CONFIGS = {
                         [*GV_DENSE, "--lr", "1e-2"]),
     "gv-1%-lr7e-3-fp16v": ("hvd_topk 1%, the recipe at lr 7e-3, 16-bit values",
                            [*GV, "--density", "0.01", *START, "--lr", "7e-3", "--fp16-values"]),
+    "gv-dense-lr1e-2-rankvar": ("LocalAdamW at lr 1e-2, each rank's own variance (no global_variance), dense exchange",
+                                [*GV_DENSE, "--lr", "1e-2", "--no-global-variance"]),
     "gv-1%-lr5e-3-fp16v": ("hvd_topk 1%, the recipe at lr 5e-3, 16-bit values",
                            [*GV, "--density", "0.01", *START, "--lr", "5e-3", "--fp16-values"]),
     "dense-lr1.5e-2": ("Horovod dense fp32, AdamW at lr 1.5e-2", ["--compression", "none", "--lr", "1.5e-2"]),
