@@ -87,6 +87,9 @@ def parse_args(argv=None):
                    help="--adam local: normalise by the ranks' average gradient's variance (default); "
                         "--no-global-variance: by each rank's own (LocalAdamW(global_variance=False), "
                         "the recipe before 2026-11-25)")
+    p.add_argument("--gv-signal", choices=hvd_topk.LocalAdamW.SIGNALS, default="mean",
+                   help="--adam local: how global_variance tells signal from noise (LocalAdamW(signal=...)); "
+                        "mean+lag1 also counts a gradient whose sign flips every step as signal (8 ranks and more)")
     p.add_argument("--residual-decay", type=float, default=1.0,
                    help="topk-ef: residuals decay by this factor each step (default 1.0: none)")
     p.add_argument("--sync-every", type=int, default=1,
@@ -147,8 +150,8 @@ def parse_args(argv=None):
         p.error("--demo-beta and --demo-normalise only apply to --adam demo")
     if not 0 < args.demo_beta <= 1:
         p.error(f"--demo-beta must be in (0, 1], got {args.demo_beta}")
-    if not (args.lr_in_residual and args.global_variance) and args.adam != "local":
-        p.error("--no-lr-in-residual and --no-global-variance only apply to --adam local")
+    if not (args.lr_in_residual and args.global_variance and args.gv_signal == "mean") and args.adam != "local":
+        p.error("--no-lr-in-residual, --no-global-variance and --gv-signal only apply to --adam local")
     if args.sync_every < 1:
         p.error(f"--sync-every must be >= 1, got {args.sync_every}")
     if args.sync_every > 1 and (args.optimizer != "topk-ef" or args.adam != "adamw"):
@@ -201,7 +204,7 @@ def make_optimizer(args, model, scaler):
         inner = hvd_topk.FrozenVarianceAdamW(groups, lr=args.lr, betas=(beta1, args.beta2), freeze_step=args.freeze_step)
     elif args.adam == "local":
         inner = hvd_topk.LocalAdamW(groups, lr=args.lr, betas=(beta1, args.beta2), lr_in_residual=args.lr_in_residual,
-                                    global_variance=args.global_variance)
+                                    global_variance=args.global_variance, signal=args.gv_signal)
     elif args.adam == "demo":
         inner = hvd_topk.DeMo(groups, lr=args.lr, beta=args.demo_beta, normalise=args.demo_normalise)
     else:

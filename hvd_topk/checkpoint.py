@@ -32,7 +32,8 @@ WRAPPER_MODULE = "module"      # the attribute DistributedDataParallel (and Data
 # Inner-optimizer state entries that hold one value per parameter element (torch's built-in
 # optimizers and hvd_topk.optim); their shape must be the parameter's.
 PER_ELEMENT_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "sum", "square_avg",
-                     "grad_avg", "acc_delta", "ax", "prev", "step_size", "grad_mean")
+                     "grad_avg", "acc_delta", "ax", "prev", "step_size", "grad_mean",
+                     "grad_lag1", "grad_prev")
 REQUIRED = ("format", "step", "rank", "size")
 MISMATCH_HINT = ("Was the checkpoint saved from another model (a layer resized, parameters "
                  "reordered)? Load a checkpoint saved with this model, or leave the optimizer's "

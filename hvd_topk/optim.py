@@ -191,12 +191,27 @@ class LocalAdamW(_ExchangedUpdates):
             EMA of the gradient with ``beta2``'s horizon (the signal) and ``v - mean^2`` the
             noise; P is the number of ranks ``hvd_topk.DistributedOptimizer`` averages over
             (it passes it with each gradient). No communication; one more buffer per parameter.
+        signal ("mean"): how ``global_variance`` tells signal from noise. ``"mean"``: the signal
+            is ``mean^2``, as above. ``"mean+lag1"``: the larger of ``mean^2`` and ``-lag1``,
+            with ``lag1`` an EMA (``beta2``) of ``g_t * g_{t-1}``, this rank's gradient times its
+            previous one. Why: an entry whose gradient flips sign from step to step on every
+            rank alike (an oscillation, which a step too large for it causes) has ``mean`` near
+            0, so ``"mean"`` counts it as noise, divides it by P and makes its step up to
+            sqrt(P) times *larger*, which feeds the oscillation; a negative ``lag1`` is that
+            flip, and counting it as signal keeps such an entry's step at dense AdamW's
+            (independent batches' noise has ``lag1`` near 0). It matters from about 8 ranks on
+            (sqrt(8) = 2.8; measured there, docs/adamw.md); at 2 ranks the factor is at most
+            1.41. One more buffer per parameter (two with ``beta1 > 0``: the previous gradient;
+            with ``beta1 = 0`` ``exp_avg`` holds it). A param-group option: a checkpoint carries
+            it, and one written without it loads as ``"mean"``.
     """
 
+    SIGNALS = ("mean", "mean+lag1")
+
     def __init__(self, params, lr=1e-3, betas=(0.0, 0.999), eps=1e-8, weight_decay=1e-2, lr_in_residual=True,
-                 global_variance=True):
+                 global_variance=True, signal="mean"):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, lr_in_residual=lr_in_residual,
-                        global_variance=global_variance)
+                        global_variance=global_variance, signal=signal)
         self._check_options(defaults)
         super().__init__(params, defaults)
         self._transformed = set()  # parameters whose gradient became an update this step
@@ -207,6 +222,8 @@ class LocalAdamW(_ExchangedUpdates):
         for name in ("lr_in_residual", "global_variance"):
             if not isinstance(options[name], bool):
                 raise ValueError(f"{name} must be True or False, got {options[name]!r}")
+        if options["signal"] not in LocalAdamW.SIGNALS:
+            raise ValueError(f"signal must be one of {LocalAdamW.SIGNALS}, got {options['signal']!r}")
 
     def _new_state(self, p, group):
         state = _new_adam_state(self.state[p], p)
@@ -241,16 +258,24 @@ class LocalAdamW(_ExchangedUpdates):
         state["step"] += 1
         step = int(state["step"])
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        lag1 = _advance_lag1(state, group, grad, step) if "grad_mean" in state else None
         exp_avg.lerp_(grad, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         mean = state.get("grad_mean")  # kept from the first step on, whatever the world size
         if mean is not None:
             mean.lerp_(grad, 1 - beta2)
-        if mean is not None and ranks > 1:
+        if mean is not None and ranks > 1 and (lag1 is None or step == 1):
             bias2 = 1 - beta2 ** step
             # v / P + (1 - 1/P) mean^2, both bias-corrected: >= 0, as v >= mean^2 (same weights)
             denom = (exp_avg_sq / (bias2 * ranks)).addcmul_(mean, mean, value=(1 - 1 / ranks) / bias2 ** 2)
             denom = denom.sqrt_().add_(group["eps"])
+        elif mean is not None and ranks > 1:
+            # signal="mean+lag1": the signal is max(mean^2, min(-lag1, v)), all bias-corrected
+            bias2 = 1 - beta2 ** step
+            v_hat = exp_avg_sq / bias2
+            flips = torch.minimum(lag1 / -(1 - beta2 ** (step - 1)), v_hat)
+            signal = torch.maximum(mean * mean / bias2 ** 2, flips)
+            denom = signal.mul_(1 - 1 / ranks).add_(v_hat, alpha=1 / ranks).sqrt_().add_(group["eps"])
         else:
             denom = (exp_avg_sq.sqrt() / (1 - beta2 ** step) ** 0.5).add_(group["eps"])
         torch.div(exp_avg, denom, out=grad).div_(1 - beta1 ** step)
@@ -347,6 +372,28 @@ class DeMo(_ExchangedUpdates):
                         p.add_(p.grad, alpha=-lr / rms)
         self._step_done()
         return loss
+
+
+def _advance_lag1(state, group, grad, step):
+    """``signal="mean+lag1"``: advance ``state["grad_lag1"]``, the EMA (``beta2``) of this
+    gradient times the previous one, and return it (None with ``signal="mean"``). Called before
+    ``exp_avg`` moves: with ``beta1 = 0`` it holds the previous gradient; otherwise
+    ``state["grad_prev"]`` does. The first step has no previous gradient (the EMA starts at the
+    second; its bias correction counts one step fewer)."""
+    if group.get("signal", "mean") != "mean+lag1":
+        return None
+    beta1, beta2 = group["betas"]
+    if "grad_lag1" not in state:
+        state["grad_lag1"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+    lag1 = state["grad_lag1"]
+    prev = state["exp_avg"] if beta1 == 0 else state.get("grad_prev")
+    if step > 1 and prev is not None:
+        lag1.mul_(beta2).addcmul_(grad, prev, value=1 - beta2)
+    if beta1 != 0:
+        if "grad_prev" not in state:
+            state["grad_prev"] = torch.empty_like(grad, memory_format=torch.preserve_format)
+        state["grad_prev"].copy_(grad)
+    return lag1
 
 
 def _group_of(optimizer, p):

@@ -204,6 +204,47 @@ def test_local_adamw_global_variance_matches_numpy(ranks):
         assert np.all(np.abs(grad.numpy()) > np.abs(plain))
 
 
+@pytest.mark.parametrize("b1", [0.0, 0.5])
+def test_local_adamw_signal_lag1_matches_numpy(b1):
+    """signal="mean+lag1": the signal is max(mean_hat^2, min(-lag1_hat, v_hat)), with lag1 the
+    EMA (beta2) of g_t * g_{t-1} from the second step on (bias-corrected over one step fewer),
+    written out in numpy. Gradients that flip sign every step (an oscillation) with noise: their
+    mean is near 0, so "mean" counts them as noise and takes steps up to sqrt(P) larger than
+    one rank's Adam; "mean+lag1" keeps them near one rank's. beta1 0 (the previous gradient read
+    from exp_avg) and 0.5 (kept in its own buffer)."""
+    b2, ranks = 0.9, 5
+    gen = np.random.default_rng(11)
+    gs = [(-1.0) ** t + gen.standard_normal((4, 3)) * 0.2 for t in range(8)]
+    p = torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.float64))
+    opts = {s: LocalAdamW([p], lr=LR, betas=(b1, b2), eps=EPS, weight_decay=0.0, lr_in_residual=False, signal=s)
+            for s in LocalAdamW.SIGNALS}
+    m, v, mean, lag1, prev = (np.zeros((4, 3)) for _ in range(5))
+    for t, g in enumerate(gs, start=1):
+        got = {}
+        for name, opt in opts.items():
+            grad = torch.tensor(g)
+            opt.transform_local_gradient(p, grad, ranks)
+            got[name] = grad.numpy()
+            opt._transformed.clear()
+        m, v, mean = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g, b2 * mean + (1 - b2) * g
+        if t > 1:
+            lag1 = b2 * lag1 + (1 - b2) * g * prev
+        prev = g
+        v_hat, mean_hat = v / (1 - b2 ** t), mean / (1 - b2 ** t)
+        signal = mean_hat ** 2
+        if t > 1:
+            signal = np.maximum(signal, np.minimum(-lag1 / (1 - b2 ** (t - 1)), v_hat))
+        want = m / (1 - b1 ** t) / (np.sqrt(signal * (1 - 1 / ranks) + v_hat / ranks) + EPS)
+        np.testing.assert_allclose(got["mean+lag1"], want, rtol=1e-12, err_msg=f"step {t}")
+    plain = m / (1 - b1 ** 8) / (np.sqrt(v / (1 - b2 ** 8)) + EPS)  # one rank's Adam
+    assert np.all(np.abs(got["mean"]) > 1.5 * np.abs(plain))  # the oscillation counted as noise
+    np.testing.assert_allclose(got["mean+lag1"], plain, rtol=0.2)  # counted as signal
+    assert set(opts["mean+lag1"].state[p]) == {"step", "exp_avg", "exp_avg_sq", "grad_mean", "grad_lag1",
+                                               *(("grad_prev",) if b1 else ())}
+    with pytest.raises(ValueError, match="signal must be one of"):
+        LocalAdamW([torch.nn.Parameter(torch.zeros(2))], signal="lag1")
+
+
 def test_local_adamw_alone_is_refused():
     """Stepping on a raw gradient (no hvd_topk.DistributedOptimizer in between) would be SGD at
     Adam's learning rate: refused. Horovod's broadcast_optimizer_state initialises state with a

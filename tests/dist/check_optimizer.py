@@ -643,14 +643,15 @@ def check_horovod_positional_call():
 
 def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-3, wd=0.1,
                       lr_in_residual=False, residual_decay=1.0, exchange="allgather", global_variance=False,
-                      skip=None, idle=None):
+                      skip=None, idle=None, signal="mean"):
     """LocalAdamW: each rank's numpy Adam on its own gradient gives its update; the exchanged
     result is the error-feedback contract applied to those updates; the step is
     p * (1 - lr * wd) - lr * result on every rank. (A large eps: with a tiny one the first
     updates are all +-1, and Top-K among ties would compare rounding, not the method.)
     ``lr_in_residual``: the update is lr_t * Adam's, the step p * (1 - lr * wd) - result; the
     learning rate halves every step, so an entry applied at another step's rate shows.
-    ``global_variance``: v is replaced by v/P + (1 - 1/P) mean^2 (bias-corrected EMAs).
+    ``global_variance``: v is replaced by v/P + (1 - 1/P) mean^2 (bias-corrected EMAs);
+    ``signal="mean+lag1"``: mean^2 by max(mean^2, min(-lag1, v)), lag1 the EMA of g_t g_{t-1}.
     ``skip``: ``{step: ranks}`` whose forward leaves head2 out at that step: such a rank's
     update of head2 is zero and its moments stay (as a plain optimizer skips a parameter
     without a gradient); the exchanged result is applied all the same. ``idle``: ``{step: ranks}``
@@ -660,13 +661,13 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-
     torch.manual_seed(0)
     model = Net()
     inner = hvd_topk.LocalAdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd,
-                                lr_in_residual=lr_in_residual, global_variance=global_variance)
+                                lr_in_residual=lr_in_residual, global_variance=global_variance, signal=signal)
     opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(), exchange=exchange,
                                         compression=hvd_topk.TopK(density=density), min_numel=500,
                                         residual_decay=residual_decay)
     shadow = copy.deepcopy(model)
     ref = ErrorFeedbackReference(size, decay=residual_decay)
-    moments = {}  # (rank, name) -> (m, v, mean, steps taken) in float64
+    moments = {}  # (rank, name) -> (m, v, mean, lag1, previous gradient, steps taken) in float64
     base_lr = lr
     for step in range(steps):
         if lr_in_residual:
@@ -693,14 +694,19 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-
                 if (name.startswith("head2.") and r in skipping) or r in idle.get(step, ()):
                     updates.append(np.zeros(p.shape))  # no gradient on rank r: no Adam step
                     continue
-                m, v, mean, t = moments.get((r, name), (0.0, 0.0, 0.0, 0))
+                m, v, mean, lag1, prev, t = moments.get((r, name), (0.0, 0.0, 0.0, 0.0, None, 0))
                 m, v = betas[0] * m + (1 - betas[0]) * g, betas[1] * v + (1 - betas[1]) * g * g
                 mean = betas[1] * mean + (1 - betas[1]) * g
+                if prev is not None:
+                    lag1 = betas[1] * lag1 + (1 - betas[1]) * g * prev
                 t += 1
-                moments[(r, name)] = (m, v, mean, t)
+                moments[(r, name)] = (m, v, mean, lag1, g, t)
                 v_hat, mean_hat = v / (1 - betas[1] ** t), mean / (1 - betas[1] ** t)
                 if global_variance and size > 1:
-                    v_hat = mean_hat ** 2 + (v_hat - mean_hat ** 2) / size
+                    signal_hat = mean_hat ** 2
+                    if signal == "mean+lag1" and t > 1:
+                        signal_hat = np.maximum(signal_hat, np.minimum(-lag1 / (1 - betas[1] ** (t - 1)), v_hat))
+                    v_hat = signal_hat + (v_hat - signal_hat) / size
                 updates.append(m / (1 - betas[0] ** t) / (np.sqrt(v_hat) + eps)
                                * (lr if lr_in_residual else 1.0))
             every[name] = np.stack(updates)
@@ -725,9 +731,10 @@ def check_local_adamw_resume(**options):
     ``residual_decay``."""
     lr_in_residual = options.pop("lr_in_residual", False)
     global_variance = options.pop("global_variance", False)
+    signal = options.pop("signal", "mean")
     check_inner_resume(lambda params: hvd_topk.LocalAdamW(params, lr=0.01, betas=(0.0, 0.95), weight_decay=0.1,
                                                           lr_in_residual=lr_in_residual,
-                                                          global_variance=global_variance),
+                                                          global_variance=global_variance, signal=signal),
                        {"betas": (0.5, 0.9)}, **options)
 
 
@@ -886,6 +893,10 @@ CHECKS = [
         steps=4, global_variance=True, lr_in_residual=True, idle={1: {hvd.size() - 1}, 2: set(range(hvd.size()))})),
     ("LocalAdamW: global variance, lr in the residual, checkpoint resume", lambda: check_local_adamw_resume(
         lr_in_residual=True, global_variance=True)),
+    ("LocalAdamW: signal mean+lag1, a layer left out at step 2", lambda: check_local_adamw(
+        steps=5, global_variance=True, lr_in_residual=True, signal="mean+lag1", skip={2: {0}})),
+    ("LocalAdamW: signal mean+lag1, beta1 0 then 0.5, checkpoint resume", lambda: check_local_adamw_resume(
+        lr_in_residual=True, global_variance=True, signal="mean+lag1")),
     ("DeMo: sign of the exchanged average", check_demo),
     ("DeMo: rms normalisation, sparse allreduce", lambda: check_demo("rms", "sparse_allreduce")),
     ("DeMo: checkpoint resume", lambda: check_inner_resume(
