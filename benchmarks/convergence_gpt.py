@@ -190,6 +190,10 @@ CONFIGS = {
                                 [*GV_DENSE, "--lr", "1e-2", "--no-global-variance"]),
     "gv-1%-lr5e-3-fp16v": ("hvd_topk 1%, the recipe at lr 5e-3, 16-bit values",
                            [*GV, "--density", "0.01", *START, "--lr", "5e-3", "--fp16-values"]),
+    "dense-lr1e-2-beta1-0-noclip": ("Horovod dense fp32, AdamW at lr 1e-2 with LocalAdamW's beta1 (0) and no clipping",
+                                    ["--compression", "none", "--lr", "1e-2", "--beta1", "0", "--clip", "0"]),
+    "gv-dense-lr1e-2-lag1": ("LocalAdamW at lr 1e-2, signal='mean+lag1' (a flipping sign counts as signal), dense exchange",
+                             [*GV_DENSE, "--lr", "1e-2", "--gv-signal", "mean+lag1"]),
     "dense-lr1.5e-2": ("Horovod dense fp32, AdamW at lr 1.5e-2", ["--compression", "none", "--lr", "1.5e-2"]),
     "dense-lr7e-3": ("Horovod dense fp32, AdamW at lr 7e-3", ["--compression", "none", "--lr", "7e-3"]),
     "ls4-4%-lr1e-2-fp16v": ("hvd_topk.LocalSteps: 4 AdamW steps per rank, then the model change at 4%, 16-bit values, "
@@ -289,6 +293,9 @@ for _density, _what in (("0.19", "1.9x"), ("0.2", "2x"), ("0.25", "2.5x")):
         [*GV, "--density", str(float(_density) / 100), *START, "--lr", "2e-2", "--compact", "--residual-decay", "0.99"])
 # the same at lr 1e-2 (the 1% recipe's rate at 300 and 1000 steps): for short runs, where work
 # waiting in the residual has no time to arrive
+for _name in ("gv-1%-lr1e-2-fp16v", "gv-1%-lr1.5e-2-fp16v", "gv-1%-lr2e-2-fp16v", "gv-0.1%-lr2e-2-fp16v-decay0.99"):
+    CONFIGS[f"{_name}-lag1"] = (f"{CONFIGS[_name][0]}, signal='mean+lag1' (a flipping sign counts as signal)",
+                                [*CONFIGS[_name][1], "--gv-signal", "mean+lag1"])
 CONFIGS["gv-0.1%-lr1e-2-compact0.25-decay0.99"] = (
     "hvd_topk compact pairs at 0.25% (2.5x 0.1%'s pairs), the recipe at lr 1e-2, residual_decay=0.99",
     [*GV, "--density", "0.0025", *START, "--lr", "1e-2", "--compact", "--residual-decay", "0.99"])
