@@ -296,6 +296,9 @@ for _density, _what in (("0.19", "1.9x"), ("0.2", "2x"), ("0.25", "2.5x")):
 for _name in ("gv-1%-lr1e-2-fp16v", "gv-1%-lr1.5e-2-fp16v", "gv-1%-lr2e-2-fp16v", "gv-0.1%-lr2e-2-fp16v-decay0.99"):
     CONFIGS[f"{_name}-lag1"] = (f"{CONFIGS[_name][0]}, signal='mean+lag1' (a flipping sign counts as signal)",
                                 [*CONFIGS[_name][1], "--gv-signal", "mean+lag1"])
+CONFIGS["gv-1%-lr1.5e-2-fp16v-lag1-beta2-0.99"] = (
+    "hvd_topk 1%, the recipe at lr 1.5e-2, 16-bit values, signal='mean+lag1', beta2 0.99 (the estimate over ~100 steps)",
+    [*CONFIGS["gv-1%-lr1.5e-2-fp16v-lag1"][1], "--beta2", "0.99"])
 CONFIGS["gv-0.1%-lr1e-2-compact0.25-decay0.99"] = (
     "hvd_topk compact pairs at 0.25% (2.5x 0.1%'s pairs), the recipe at lr 1e-2, residual_decay=0.99",
     [*GV, "--density", "0.0025", *START, "--lr", "1e-2", "--compact", "--residual-decay", "0.99"])
