@@ -291,14 +291,15 @@ for _density, _what in (("0.19", "1.9x"), ("0.2", "2x"), ("0.25", "2.5x")):
     CONFIGS[f"gv-0.1%-lr2e-2-compact{_density}-decay0.99"] = (
         f"hvd_topk compact pairs at {_density}% ({_what} 0.1%'s pairs), the recipe at lr 2e-2, residual_decay=0.99",
         [*GV, "--density", str(float(_density) / 100), *START, "--lr", "2e-2", "--compact", "--residual-decay", "0.99"])
-# the same at lr 1e-2 (the 1% recipe's rate at 300 and 1000 steps): for short runs, where work
-# waiting in the residual has no time to arrive
+# LocalAdamW(signal="mean+lag1"): an oscillation counted as signal (8 ranks)
 for _name in ("gv-1%-lr1e-2-fp16v", "gv-1%-lr1.5e-2-fp16v", "gv-1%-lr2e-2-fp16v", "gv-0.1%-lr2e-2-fp16v-decay0.99"):
     CONFIGS[f"{_name}-lag1"] = (f"{CONFIGS[_name][0]}, signal='mean+lag1' (a flipping sign counts as signal)",
                                 [*CONFIGS[_name][1], "--gv-signal", "mean+lag1"])
 CONFIGS["gv-1%-lr1.5e-2-fp16v-lag1-beta2-0.99"] = (
     "hvd_topk 1%, the recipe at lr 1.5e-2, 16-bit values, signal='mean+lag1', beta2 0.99 (the estimate over ~100 steps)",
     [*CONFIGS["gv-1%-lr1.5e-2-fp16v-lag1"][1], "--beta2", "0.99"])
+# the same at lr 1e-2 (the 1% recipe's rate at 300 and 1000 steps): for short runs, where work
+# waiting in the residual has no time to arrive
 CONFIGS["gv-0.1%-lr1e-2-compact0.25-decay0.99"] = (
     "hvd_topk compact pairs at 0.25% (2.5x 0.1%'s pairs), the recipe at lr 1e-2, residual_decay=0.99",
     [*GV, "--density", "0.0025", *START, "--lr", "1e-2", "--compact", "--residual-decay", "0.99"])

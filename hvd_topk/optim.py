@@ -264,18 +264,16 @@ class LocalAdamW(_ExchangedUpdates):
         mean = state.get("grad_mean")  # kept from the first step on, whatever the world size
         if mean is not None:
             mean.lerp_(grad, 1 - beta2)
-        if mean is not None and ranks > 1 and (lag1 is None or step == 1):
+        if mean is not None and ranks > 1:
             bias2 = 1 - beta2 ** step
-            # v / P + (1 - 1/P) mean^2, both bias-corrected: >= 0, as v >= mean^2 (same weights)
-            denom = (exp_avg_sq / (bias2 * ranks)).addcmul_(mean, mean, value=(1 - 1 / ranks) / bias2 ** 2)
+            if lag1 is None or step == 1:
+                # v / P + (1 - 1/P) mean^2, both bias-corrected: >= 0, as v >= mean^2 (same weights)
+                denom = (exp_avg_sq / (bias2 * ranks)).addcmul_(mean, mean, value=(1 - 1 / ranks) / bias2 ** 2)
+            else:  # signal="mean+lag1": the signal is max(mean^2, min(-lag1, v)), all bias-corrected
+                v_hat = exp_avg_sq / bias2
+                flips = torch.minimum(lag1 / -(1 - beta2 ** (step - 1)), v_hat)
+                denom = torch.maximum(mean * mean / bias2 ** 2, flips).mul_(1 - 1 / ranks).add_(v_hat, alpha=1 / ranks)
             denom = denom.sqrt_().add_(group["eps"])
-        elif mean is not None and ranks > 1:
-            # signal="mean+lag1": the signal is max(mean^2, min(-lag1, v)), all bias-corrected
-            bias2 = 1 - beta2 ** step
-            v_hat = exp_avg_sq / bias2
-            flips = torch.minimum(lag1 / -(1 - beta2 ** (step - 1)), v_hat)
-            signal = torch.maximum(mean * mean / bias2 ** 2, flips)
-            denom = signal.mul_(1 - 1 / ranks).add_(v_hat, alpha=1 / ranks).sqrt_().add_(group["eps"])
         else:
             denom = (exp_avg_sq.sqrt() / (1 - beta2 ** step) ** 0.5).add_(group["eps"])
         torch.div(exp_avg, denom, out=grad).div_(1 - beta1 ** step)
