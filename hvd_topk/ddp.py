@@ -266,6 +266,14 @@ class TopKState:
         self.pending = {}
 
     # ---- per bucket ----------------------------------------------------------------------
+    def _sketched(self, params):
+        """The bucket's parameters whose gradients the optimizer sketches
+        (``LocalAdamW(variance_sketch=B)``), in the bucket's order (the same on every rank)."""
+        if self.optimizer is None or not callable(getattr(self.optimizer, "sketch_rows", None)):
+            return []
+        mine = set(self.optimizer.sketched_params())
+        return [p for p in params if p in mine]
+
     def _layout(self, bucket):
         """The bucket's ``_Layout`` (made at its first step, and again when DDP rebuilt it; the
         residuals move with their parameters)."""
@@ -475,6 +483,9 @@ def topk_hook(state, bucket):
         futures.append(exchange.average_dense(state, layout, buffer))
     if layout.sparse:
         futures.append(exchange.exchange_sparse(state, layout, bucket.index(), step, buffer, idle))
+    sketched = state._sketched(params) if world > 1 else []
+    if sketched:  # LocalAdamW(variance_sketch=B): the ranks' average of its gradient sketches
+        futures.append(exchange.average_sketches(state, state.optimizer, sketched, buffer.device))
     # On the CPU the bucket finishes when its last exchange does, on that exchange's thread, while
     # backward goes on. On a GPU every exchange has been waited for in the hook already
     # (exchange.after says why): the bucket finishes here, on backward's stream, and its future

@@ -204,6 +204,21 @@ def average_dense(state, layout, buffer):
     return all_gather(gathered, mine, group, async_op=True).get_future()
 
 
+def average_sketches(state, optimizer, params, device):
+    """Start averaging this bucket's gradient sketches (``LocalAdamW(variance_sketch=B)``) over
+    the ranks; a future that hands the average to ``optimizer.absorb_sketches``. Gathered and
+    summed in rank order, as ``average_dense`` is, so that a resumed job sums them as before."""
+    rows = optimizer.sketch_rows(params).to(device)
+    state._stats["bytes_sent"] += rows.numel() * rows.element_size()
+    world = state.world_size
+    gathered = rows.new_empty(world * rows.numel())
+    fut = all_gather(gathered, rows, state.process_group, async_op=True).get_future()
+
+    def absorb(_):
+        optimizer.absorb_sketches(params, gathered.view(world, -1).sum(0).div_(world))
+    return after(fut, absorb, device)
+
+
 def _chunk(n, world):
     """The elements each rank sums at 3+ ranks: n split in world chunks, the last zero-padded."""
     return -(-n // world)

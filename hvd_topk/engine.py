@@ -155,6 +155,7 @@ class TopKEngine:
         self.sparse = SparseGradients(names, options.sparse_as_dense)
         self.transform = None      # the inner optimizer's transform_local_gradient(p, grad, ranks), if any
         self.on_exchanged = None   # and its exchanged(), told when p.grad holds the step's result
+        self.sketcher = None       # and the optimizer itself if it sketches gradients (sketch_rows)
         self.used = {}             # bucket index -> strategy name of its last exchange
         self.verify_step = True    # the next step's first launch checks that the ranks' steps agree
         self.retired = False
@@ -379,6 +380,8 @@ class TopKEngine:
             bucket.inflight.decode_into(bucket)
             bucket.reset()
         joined = self._someone_joined()  # (read here when no sparse bucket read it this step)
+        if self.sketcher is not None and self.world > 1 and not joined:
+            self._exchange_sketches()
         self.passes = dict.fromkeys(self.passes, 0)
         self.sparse.restore()
         if not joined:
@@ -393,6 +396,19 @@ class TopKEngine:
         self.ctx = None
         if self.on_exchanged is not None:
             self.on_exchanged()
+
+    def _exchange_sketches(self):
+        """``LocalAdamW(variance_sketch=B)``: average the step's gradient sketches over the ranks
+        (one small allreduce) and hand the average back. Not on a step some rank sat out inside
+        ``hvd.join()``: its zeros would shrink the average."""
+        params = self.sketcher.sketched_params()
+        if not params:
+            return
+        rows = self.sketcher.sketch_rows(params)
+        self.stats.add(bytes_sent=rows.numel() * rows.element_size())
+        averaged = hvd.allreduce(rows, op=hvd.Average, name=f"{self.prefix}.variance_sketch",
+                                 process_set=self.process_set)
+        self.sketcher.absorb_sketches(params, averaged)
 
     def pending(self):
         return any(b.inflight is not None for b in self.buckets)

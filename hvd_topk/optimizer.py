@@ -158,6 +158,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
     # defines transform_local_gradient(param, grad, ranks): ranks' results will be averaged.
     engine.transform = getattr(wrapped, "transform_local_gradient", None)
     engine.on_exchanged = getattr(wrapped, "exchanged", None)
+    # and one that measures the ranks' average gradient (LocalAdamW(variance_sketch=B)) has its
+    # sketches averaged after each exchange
+    engine.sketcher = wrapped if callable(getattr(wrapped, "sketch_rows", None)) else None
     return wrapped
 
 

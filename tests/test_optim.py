@@ -2,13 +2,14 @@
 a numpy AdamW with a frozen second moment after it; hvd_topk.LocalAdamW's update against
 torch.optim.AdamW (single process; tests/dist/check_optimizer.py checks it across ranks)."""
 
+import copy
 import warnings
 
 import numpy as np
 import pytest
 import torch
 
-from hvd_topk import DeMo, FrozenVarianceAdamW, LocalAdamW
+from hvd_topk import DeMo, FrozenVarianceAdamW, LocalAdamW, variance_sketch
 
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.1
 
@@ -243,6 +244,97 @@ def test_local_adamw_signal_lag1_matches_numpy(b1):
                                                *(("grad_prev",) if b1 else ())}
     with pytest.raises(ValueError, match="signal must be one of"):
         LocalAdamW([torch.nn.Parameter(torch.zeros(2))], signal="lag1")
+
+
+def test_variance_sketch_is_a_signed_sum_of_rows():
+    """The sketch against numpy: the gradient times its entry signs, cut into rows of min(B, n)
+    entries (the last zero-padded), summed with the signs of the seed; a tensor of at most B
+    entries comes back whole (times signs), so its squared norm is exact."""
+    gen = np.random.default_rng(3)
+    x = gen.standard_normal(1000) * gen.random(1000) + 0.2
+    fixed = variance_sketch.entry_signs(1000, torch.device("cpu"))
+    assert set(np.unique(fixed.numpy())) == {-1, 1}
+    for buckets in (256, 7):
+        rows = -(-1000 // buckets)
+        padded = np.concatenate([x * fixed.numpy(), np.zeros(rows * buckets - 1000)]).reshape(rows, buckets)
+        sigma = variance_sketch.signs(rows, 5, torch.device("cpu")).numpy()
+        assert set(np.unique(sigma)) <= {-1.0, 1.0}
+        np.testing.assert_allclose(variance_sketch.sketch(torch.tensor(x), buckets, 5, fixed).numpy(), sigma @ padded,
+                                   rtol=1e-5, atol=1e-5)
+    got = variance_sketch.sketch(torch.tensor(x[:100]), 256, 9, fixed[:100]).numpy()
+    np.testing.assert_allclose(np.abs(got), np.abs(x[:100]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("rank_one", [False, True])
+def test_variance_sketch_measures_the_squared_norm(rank_one):
+    """Over many steps' seeds the sketch's squared norm averages to the gradient's (within 3%),
+    with a spread per step near sqrt(2/B) for independent entries; for a weight gradient of rank
+    one (an outer product, which rows of the layout repeat) the entry signs keep the spread
+    small (without them it is about 0.9)."""
+    gen = np.random.default_rng(4)
+    if rank_one:
+        x = np.outer(gen.standard_normal(256), gen.standard_normal(64)).ravel()
+    else:
+        x = gen.standard_normal(256 * 64)
+    fixed = variance_sketch.entry_signs(x.size, torch.device("cpu"))
+    norms = np.array([float(variance_sketch.sketch(torch.tensor(x), 128, seed, fixed).square().sum())
+                      for seed in range(1500)]) / np.sum(x ** 2)
+    assert abs(norms.mean() - 1) < 0.03, norms.mean()
+    assert norms.std() < (0.35 if rank_one else 0.16), norms.std()
+
+
+def test_local_adamw_variance_sketch_matches_numpy():
+    """variance_sketch: the global-variance estimate rescaled by the bias-corrected EMA (beta2) of
+    the averaged sketches' squared norms absorbed before this step over the sum of the previous
+    step's (unrescaled) estimate; none absorbed yet, no rescaling. Written out in numpy, with 'averaged sketches' handed in by
+    hand (a transport's job) and a tensor small enough to be sketched exactly."""
+    b2, ranks = 0.9, 4
+    gen = np.random.default_rng(5)
+    p = torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.float64))
+    opt = LocalAdamW([p], lr=LR, betas=(0.0, b2), eps=EPS, weight_decay=0.0, lr_in_residual=False,
+                     variance_sketch=64)
+    v, mean, sq, count, last_sum = np.zeros((4, 3)), np.zeros((4, 3)), 0.0, 0, None
+    for t in range(1, 7):
+        g = gen.standard_normal((4, 3)) * 0.3 + 0.5
+        grad = torch.tensor(g)
+        opt.transform_local_gradient(p, grad, ranks)
+        v, mean = b2 * v + (1 - b2) * g * g, b2 * mean + (1 - b2) * g
+        v_hat, mean_hat = v / (1 - b2 ** t), mean / (1 - b2 ** t)
+        estimate = mean_hat ** 2 + (v_hat - mean_hat ** 2) / ranks
+        unscaled_sum = estimate.sum()
+        if count:
+            estimate = estimate * (sq / (1 - b2 ** count)) / last_sum
+        last_sum = np.float32(unscaled_sum)
+        # (the measured total is kept in float32)
+        np.testing.assert_allclose(grad.numpy(), g / (np.sqrt(estimate) + EPS), rtol=1e-6, err_msg=f"step {t}")
+        # this rank's sketch is its gradient whole (12 entries <= 64), times one sign
+        mine = opt.sketch_rows(opt.sketched_params()).numpy()
+        np.testing.assert_allclose(np.abs(mine), np.abs(g.ravel()), rtol=1e-6)
+        average = gen.standard_normal(12) * 0.1 + 0.4  # what the ranks' average might be
+        opt.absorb_sketches([p], torch.tensor(average, dtype=torch.float32))
+        sq, count = b2 * sq + (1 - b2) * float(np.sum(average.astype(np.float32) ** 2)), count + 1
+        opt._step_done()
+    assert int(opt.state[p]["sketches"]) == 6
+    np.testing.assert_allclose(float(opt.state[p]["sketch_sq"]), sq, rtol=1e-5)
+    # the checkpoint carries the measurement: a fresh optimizer loaded from it computes the same
+    fresh = LocalAdamW([p], lr=LR, betas=(0.0, b2), eps=EPS, weight_decay=0.0, lr_in_residual=False,
+                       variance_sketch=64)
+    fresh.load_state_dict(copy.deepcopy(opt.state_dict()))  # (as a saved file: nothing shared)
+    g = torch.tensor(gen.standard_normal((4, 3)))
+    a, b = g.clone(), g.clone()
+    opt.transform_local_gradient(p, a, ranks)
+    fresh.transform_local_gradient(p, b, ranks)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kwargs,match", [({"variance_sketch": -1}, "variance_sketch must be an integer >= 0"),
+                                          ({"variance_sketch": 2.5}, "variance_sketch must be an integer"),
+                                          ({"variance_sketch": True}, "variance_sketch must be an integer"),
+                                          ({"variance_sketch": 8, "global_variance": False},
+                                           "it needs global_variance=True")])
+def test_local_adamw_variance_sketch_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LocalAdamW([torch.nn.Parameter(torch.zeros(2))], **kwargs)
 
 
 def test_local_adamw_alone_is_refused():

@@ -256,20 +256,25 @@ def check_auto_updates():
     assert "sparse allreduce not tried" in stats["exchange_reason"], stats
 
 
-def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.0, 0.95), eps=1e-3, wd=0.1):
+def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.0, 0.95), eps=1e-3, wd=0.1, variance_sketch=0,
+                      bucket_cap_mb=25):
     """The AdamW recipe through DDP: each rank's numpy Adam (global variance: v/P + (1-1/P)
     mean^2, lr inside) on its own gradient, the error-feedback contract on those updates, and
-    inner.step() applying p * (1 - lr wd) - result."""
+    inner.step() applying p * (1 - lr wd) - result. ``variance_sketch`` (at least every
+    tensor's size: exact sketches): each estimate rescaled by the bias-corrected EMA (beta2) of
+    |the ranks' average gradient|^2 over the earlier steps, over the sum of the rank's previous
+    (unrescaled) estimate."""
     rank, size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = Net().to(DEVICE)
-    ddp = DDP(model)
-    inner = hvd_topk.LocalAdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd)
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    inner = hvd_topk.LocalAdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd,
+                                variance_sketch=variance_sketch)
     state = hvd_topk.ddp.TopKState(density=density, optimizer=inner, min_numel=MIN_NUMEL, exchange="allgather")
     ddp.register_comm_hook(state, hvd_topk.ddp.topk_hook)
     shadow = copy.deepcopy(model)
     ref = ErrorFeedbackReference(size)
-    moments = {}
+    moments, measured, last_sums = {}, {}, {}
     for step in range(steps):
         x, y = batch(step, rank)
         shadow.load_state_dict(model.state_dict())
@@ -280,7 +285,11 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.0, 0.95), eps=1e-
         F.cross_entropy(ddp(x), y).backward()
         for name, p in model.named_parameters():
             updates = []
-            for r, g in enumerate(gather(host(shadow.get_parameter(name).grad).astype(np.float64))):
+            grads = gather(host(shadow.get_parameter(name).grad).astype(np.float64))
+            sq, count = measured.get(name, (0.0, 0))
+            if variance_sketch and size > 1:
+                measured[name] = (betas[1] * sq + (1 - betas[1]) * np.sum(np.mean(grads, axis=0) ** 2), count + 1)
+            for r, g in enumerate(grads):
                 m, v, mean = moments.get((r, name), (0.0, 0.0, 0.0))
                 m, v = betas[0] * m + (1 - betas[0]) * g, betas[1] * v + (1 - betas[1]) * g * g
                 mean = betas[1] * mean + (1 - betas[1]) * g
@@ -289,6 +298,11 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.0, 0.95), eps=1e-
                 v_hat, mean_hat = v / (1 - betas[1] ** t), mean / (1 - betas[1] ** t)
                 if size > 1:
                     v_hat = mean_hat ** 2 + (v_hat - mean_hat ** 2) / size
+                    if variance_sketch:
+                        unscaled_sum = v_hat.sum()
+                        if count:
+                            v_hat = v_hat * (sq / (1 - betas[1] ** count)) / last_sums[(r, name)]
+                        last_sums[(r, name)] = np.float32(unscaled_sum)
                 updates.append(lr * m / (1 - betas[0] ** t) / (np.sqrt(v_hat) + eps))
             updates = np.stack(updates)
             want = ref.sparse(name, updates, density) if p.numel() >= MIN_NUMEL else updates.mean(axis=0)
@@ -727,6 +741,8 @@ CHECKS = [
     ("torch.compile of the DDP model", lambda: check_reference(compiled=True)),
     ("statistics: bytes over the run", check_stats),
     ("LocalAdamW recipe", check_local_adamw),
+    ("LocalAdamW recipe, variance_sketch (exact sizes), several buckets",
+     lambda: check_local_adamw(steps=5, variance_sketch=4096, bucket_cap_mb=0.005)),
     ("LocalAdamW recipe, channels_last convolutions", check_local_adamw_channels_last),
     ("checkpoint of channels_last weights: residuals in element order", check_residuals_channels_last),
     ("DeMo through optimizer=", check_demo),

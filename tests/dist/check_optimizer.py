@@ -643,7 +643,7 @@ def check_horovod_positional_call():
 
 def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-3, wd=0.1,
                       lr_in_residual=False, residual_decay=1.0, exchange="allgather", global_variance=False,
-                      skip=None, idle=None, signal="mean"):
+                      skip=None, idle=None, signal="mean", variance_sketch=0):
     """LocalAdamW: each rank's numpy Adam on its own gradient gives its update; the exchanged
     result is the error-feedback contract applied to those updates; the step is
     p * (1 - lr * wd) - lr * result on every rank. (A large eps: with a tiny one the first
@@ -652,6 +652,10 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-
     learning rate halves every step, so an entry applied at another step's rate shows.
     ``global_variance``: v is replaced by v/P + (1 - 1/P) mean^2 (bias-corrected EMAs);
     ``signal="mean+lag1"``: mean^2 by max(mean^2, min(-lag1, v)), lag1 the EMA of g_t g_{t-1}.
+    ``variance_sketch`` (with global_variance): at least every tensor's size, so that the sketch
+    is exact: each tensor's estimate rescaled by the bias-corrected EMA (beta2) of |the ranks'
+    average gradient|^2 over the steps before this one (zeros from a rank without a gradient),
+    the same on every rank, over the sum of this rank's previous (unrescaled) estimate.
     ``skip``: ``{step: ranks}`` whose forward leaves head2 out at that step: such a rank's
     update of head2 is zero and its moments stay (as a plain optimizer skips a parameter
     without a gradient); the exchanged result is applied all the same. ``idle``: ``{step: ranks}``
@@ -661,13 +665,18 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-
     torch.manual_seed(0)
     model = Net()
     inner = hvd_topk.LocalAdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd,
-                                lr_in_residual=lr_in_residual, global_variance=global_variance, signal=signal)
+                                lr_in_residual=lr_in_residual, global_variance=global_variance, signal=signal,
+                                variance_sketch=variance_sketch)
     opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(), exchange=exchange,
                                         compression=hvd_topk.TopK(density=density), min_numel=500,
                                         residual_decay=residual_decay)
+    if variance_sketch:
+        assert all(p.numel() <= variance_sketch for p in model.parameters()), "the reference needs exact sketches"
     shadow = copy.deepcopy(model)
     ref = ErrorFeedbackReference(size, decay=residual_decay)
     moments = {}  # (rank, name) -> (m, v, mean, lag1, previous gradient, steps taken) in float64
+    measured = {}  # name -> (EMA of |the ranks' average gradient|^2, sketches absorbed)
+    last_sums = {}  # (rank, name) -> the sum of that rank's previous estimate (unrescaled)
     base_lr = lr
     for step in range(steps):
         if lr_in_residual:
@@ -690,8 +699,11 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-
             updates = []
             mine = dict(shadow.named_parameters())[name].grad
             mine = np.zeros(p.shape) if mine is None else mine.numpy().astype(np.float64)
-            for r, g in enumerate(gather(mine)):
+            grads = gather(mine)
+            sq, count = measured.get(name, (0.0, 0))
+            for r, g in enumerate(grads):
                 if (name.startswith("head2.") and r in skipping) or r in idle.get(step, ()):
+                    grads[r] = np.zeros(p.shape)  # (the shadow ran it; this rank's sketch is zeros)
                     updates.append(np.zeros(p.shape))  # no gradient on rank r: no Adam step
                     continue
                 m, v, mean, lag1, prev, t = moments.get((r, name), (0.0, 0.0, 0.0, 0.0, None, 0))
@@ -707,9 +719,17 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-
                     if signal == "mean+lag1" and t > 1:
                         signal_hat = np.maximum(signal_hat, np.minimum(-lag1 / (1 - betas[1] ** (t - 1)), v_hat))
                     v_hat = signal_hat + (v_hat - signal_hat) / size
+                    if variance_sketch:
+                        unscaled_sum = v_hat.sum()
+                        if count:
+                            v_hat = v_hat * (sq / (1 - betas[1] ** count)) / last_sums[(r, name)]
+                        last_sums[(r, name)] = np.float32(unscaled_sum)
                 updates.append(m / (1 - betas[0] ** t) / (np.sqrt(v_hat) + eps)
                                * (lr if lr_in_residual else 1.0))
             every[name] = np.stack(updates)
+            if variance_sketch and global_variance and size > 1:
+                average = np.mean(grads, axis=0)
+                measured[name] = (betas[1] * sq + (1 - betas[1]) * np.sum(average ** 2), count + 1)
         big = [n for n, p in model.named_parameters() if p.numel() >= 500]
         shared = want_sparse(ref, big, every, density, step, exchange=exchange)
         for name, p in model.named_parameters():
@@ -732,9 +752,11 @@ def check_local_adamw_resume(**options):
     lr_in_residual = options.pop("lr_in_residual", False)
     global_variance = options.pop("global_variance", False)
     signal = options.pop("signal", "mean")
+    sketch = options.pop("variance_sketch", 0)
     check_inner_resume(lambda params: hvd_topk.LocalAdamW(params, lr=0.01, betas=(0.0, 0.95), weight_decay=0.1,
                                                           lr_in_residual=lr_in_residual,
-                                                          global_variance=global_variance, signal=signal),
+                                                          global_variance=global_variance, signal=signal,
+                                                          variance_sketch=sketch),
                        {"betas": (0.5, 0.9)}, **options)
 
 
@@ -897,6 +919,11 @@ CHECKS = [
         steps=5, global_variance=True, lr_in_residual=True, signal="mean+lag1", skip={2: {0}})),
     ("LocalAdamW: signal mean+lag1, beta1 0 then 0.5, checkpoint resume", lambda: check_local_adamw_resume(
         lr_in_residual=True, global_variance=True, signal="mean+lag1")),
+    ("LocalAdamW: variance_sketch (exact sizes), a layer left out at step 2, a rank idle at 3",
+     lambda: check_local_adamw(steps=5, global_variance=True, lr_in_residual=True, variance_sketch=4096,
+                               skip={2: {0}}, idle={3: {1}})),
+    ("LocalAdamW: variance_sketch 16 (random rows), beta1 0 then 0.5, checkpoint resume",
+     lambda: check_local_adamw_resume(lr_in_residual=True, global_variance=True, variance_sketch=16)),
     ("DeMo: sign of the exchanged average", check_demo),
     ("DeMo: rms normalisation, sparse allreduce", lambda: check_demo("rms", "sparse_allreduce")),
     ("DeMo: checkpoint resume", lambda: check_inner_resume(
