@@ -295,6 +295,11 @@ for _density, _what in (("0.19", "1.9x"), ("0.2", "2x"), ("0.25", "2.5x")):
 for _name in ("gv-1%-lr1e-2-fp16v", "gv-1%-lr1.5e-2-fp16v", "gv-1%-lr2e-2-fp16v", "gv-0.1%-lr2e-2-fp16v-decay0.99"):
     CONFIGS[f"{_name}-lag1"] = (f"{CONFIGS[_name][0]}, signal='mean+lag1' (a flipping sign counts as signal)",
                                 [*CONFIGS[_name][1], "--gv-signal", "mean+lag1"])
+# LocalAdamW(variance_sketch=256): each tensor's variance of the ranks' average gradient measured
+# with a 256-number sketch a step (8 ranks)
+for _name in ("gv-1%-lr1e-2-fp16v", "gv-1%-lr1.5e-2-fp16v", "gv-1%-lr2e-2-fp16v"):
+    CONFIGS[f"{_name}-sketch256"] = (f"{CONFIGS[_name][0]}, variance_sketch=256 (the average's variance measured)",
+                                     [*CONFIGS[_name][1], "--variance-sketch", "256"])
 CONFIGS["gv-1%-lr1.5e-2-fp16v-lag1-beta2-0.99"] = (
     "hvd_topk 1%, the recipe at lr 1.5e-2, 16-bit values, signal='mean+lag1', beta2 0.99 (the estimate over ~100 steps)",
     [*CONFIGS["gv-1%-lr1.5e-2-fp16v-lag1"][1], "--beta2", "0.99"])

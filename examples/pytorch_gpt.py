@@ -90,6 +90,9 @@ def parse_args(argv=None):
     p.add_argument("--gv-signal", choices=hvd_topk.LocalAdamW.SIGNALS, default="mean",
                    help="--adam local: how global_variance tells signal from noise (LocalAdamW(signal=...)); "
                         "mean+lag1 also counts a gradient whose sign flips every step as signal (8 ranks and more)")
+    p.add_argument("--variance-sketch", type=int, default=0, metavar="B",
+                   help="--adam local: measure each tensor's variance of the ranks' average gradient with a "
+                        "B-number sketch a tensor and step (LocalAdamW(variance_sketch=B); 8 ranks and more)")
     p.add_argument("--residual-decay", type=float, default=1.0,
                    help="topk-ef: residuals decay by this factor each step (default 1.0: none)")
     p.add_argument("--sync-every", type=int, default=1,
@@ -150,8 +153,12 @@ def parse_args(argv=None):
         p.error("--demo-beta and --demo-normalise only apply to --adam demo")
     if not 0 < args.demo_beta <= 1:
         p.error(f"--demo-beta must be in (0, 1], got {args.demo_beta}")
-    if not (args.lr_in_residual and args.global_variance and args.gv_signal == "mean") and args.adam != "local":
-        p.error("--no-lr-in-residual, --no-global-variance and --gv-signal only apply to --adam local")
+    if not (args.lr_in_residual and args.global_variance and args.gv_signal == "mean" and not args.variance_sketch) \
+            and args.adam != "local":
+        p.error("--no-lr-in-residual, --no-global-variance, --gv-signal and --variance-sketch only apply to --adam local")
+    if args.variance_sketch < 0 or (args.variance_sketch and not args.global_variance):
+        p.error(f"--variance-sketch must be >= 0 and needs global variance (no --no-global-variance), "
+                f"got {args.variance_sketch}")
     if args.sync_every < 1:
         p.error(f"--sync-every must be >= 1, got {args.sync_every}")
     if args.sync_every > 1 and (args.optimizer != "topk-ef" or args.adam != "adamw"):
@@ -204,7 +211,8 @@ def make_optimizer(args, model, scaler):
         inner = hvd_topk.FrozenVarianceAdamW(groups, lr=args.lr, betas=(beta1, args.beta2), freeze_step=args.freeze_step)
     elif args.adam == "local":
         inner = hvd_topk.LocalAdamW(groups, lr=args.lr, betas=(beta1, args.beta2), lr_in_residual=args.lr_in_residual,
-                                    global_variance=args.global_variance, signal=args.gv_signal)
+                                    global_variance=args.global_variance, signal=args.gv_signal,
+                                    variance_sketch=args.variance_sketch)
     elif args.adam == "demo":
         inner = hvd_topk.DeMo(groups, lr=args.lr, beta=args.demo_beta, normalise=args.demo_normalise)
     else:
