@@ -218,7 +218,7 @@ class LocalAdamW(_ExchangedUpdates):
             exact variance of every entry (one seed; docs/adamw.md). Use it from 8 ranks on; at
             2 and 4 ranks it changed nothing measurable. Costs: B = 256 is 1 KB a tensor and
             step on the wire (small beside the 1% recipe's pairs on models of millions of
-            parameters; 1.2 points of dense's bytes on the small GPT example), one pass over the
+            parameters; on the 0.48M-parameter GPT example 1.2 points of dense's bytes), one pass over the
             gradient and one byte a parameter (fixed entry signs). The measurement is unbiased,
             off by 10-20% a step, a few percent after the EMA. The transports
             (``hvd_topk.DistributedOptimizer``, the DDP hook) exchange the sketches; a rank
