@@ -32,10 +32,10 @@ def length(numel, buckets):
     return min(int(buckets), int(numel))
 
 
-def signs(rows, seed, device):
-    """``rows`` random signs (+-1.0) from ``seed``: the same on every rank, whatever its device."""
+def signs(count, seed, device, dtype=torch.float32):
+    """``count`` random signs (+-1) from ``seed``: the same on every rank, whatever its device."""
     gen = torch.Generator().manual_seed(int(seed))
-    return torch.randint(0, 2, (rows,), generator=gen, dtype=torch.int64).to(device).float().mul_(2).sub_(1)
+    return torch.randint(0, 2, (int(count),), generator=gen, dtype=torch.int8).to(device=device, dtype=dtype).mul_(2).sub_(1)
 
 
 ENTRY_SEED = 0x5EED
@@ -43,8 +43,7 @@ ENTRY_SEED = 0x5EED
 
 def entry_signs(numel, device):
     """Each entry's fixed random sign (int8, one byte an entry): the same on every rank."""
-    gen = torch.Generator().manual_seed(ENTRY_SEED)
-    return torch.randint(0, 2, (int(numel),), generator=gen, dtype=torch.int8).mul_(2).sub_(1).to(device)
+    return signs(numel, ENTRY_SEED, device, torch.int8)
 
 
 def sketch(grad, buckets, seed, fixed_signs):
@@ -52,6 +51,8 @@ def sketch(grad, buckets, seed, fixed_signs):
     ``fixed_signs`` (``entry_signs``), in float32."""
     flat = grad.detach().reshape(-1).float() * fixed_signs
     width = length(flat.numel(), buckets)
+    if width == 0:  # an empty parameter: nothing to measure
+        return flat
     rows = -(-flat.numel() // width)
     if rows * width != flat.numel():
         flat = F.pad(flat, (0, rows * width - flat.numel()))

@@ -265,6 +265,18 @@ def test_variance_sketch_is_a_signed_sum_of_rows():
     np.testing.assert_allclose(np.abs(got), np.abs(x[:100]), rtol=1e-6)
 
 
+def test_variance_sketch_of_an_empty_parameter():
+    """An empty parameter sketches to nothing (no division by its zero length), and its
+    absorbed average leaves the measured total at zero."""
+    p = torch.nn.Parameter(torch.zeros(0))
+    opt = LocalAdamW([p], variance_sketch=8)
+    opt.transform_local_gradient(p, torch.zeros(0), 2)
+    rows = opt.sketch_rows(opt.sketched_params())
+    assert rows.numel() == 0
+    opt.absorb_sketches([p], rows)
+    assert float(opt.state[p]["sketch_sq"]) == 0.0 and opt.state[p]["sketches"] == 1
+
+
 @pytest.mark.parametrize("rank_one", [False, True])
 def test_variance_sketch_measures_the_squared_norm(rank_one):
     """Over many steps' seeds the sketch's squared norm averages to the gradient's (within 3%),
