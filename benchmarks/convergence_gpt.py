@@ -340,6 +340,10 @@ DDP_CONFIGS = {
 # the same at the learning rate the recommended scheme is tuned for (docs/adamw.md): 1e-2
 for _name in ("ddp-dense", "ddp-powersgd-r4", "ddp-topk-1%-fp16v"):
     DDP_CONFIGS[f"{_name}-lr1e-2"] = (f"{DDP_CONFIGS[_name][0]}, lr 1e-2", [*DDP_CONFIGS[_name][1], "--lr", "1e-2"])
+# 8 ranks (docs/adamw-measurements.md, "Eight ranks"): the rate tuned there and the variance sketch
+DDP_CONFIGS["ddp-topk-1%-fp16v-lr1.5e-2-sketch256"] = (
+    "DDP, hvd_topk hook 1%, the recipe with 16-bit values, lr 1.5e-2, variance_sketch=256",
+    [*DDP_CONFIGS["ddp-topk-1%-fp16v"][1], "--lr", "1.5e-2", "--variance-sketch", "256"])
 CONFIGS.update(DDP_CONFIGS)
 DEFAULT = ["dense", "fp16", "ef-1%", "noef-1%", "ef-0.1%", "noef-0.1%"]
 FROZEN = ["dense", "dense-fv", "fv-1%", "fv-0.1%", "fv-noef-0.1%"]  # --configs for convergence-gpt-frozen-variance

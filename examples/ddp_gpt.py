@@ -3,6 +3,7 @@
 instead of Horovod, and a DDP communication hook: none, PyTorch's fp16 or PowerSGD, or hvd_topk's.
 
     torchrun --nproc_per_node 2 examples/ddp_gpt.py --hook topk --fp16-values --lr 1e-2   # the AdamW recipe
+    torchrun --nproc_per_node 8 examples/ddp_gpt.py --hook topk --fp16-values --lr 1.5e-2 --variance-sketch 256
     torchrun --nproc_per_node 2 examples/ddp_gpt.py --hook none                    # dense baseline
     torchrun --nproc_per_node 2 examples/ddp_gpt.py --hook powersgd --powersgd-rank 4
 
@@ -54,6 +55,13 @@ def parse_args(argv=None):
     p.add_argument("--fp16-values", action="store_true", help="--hook topk: 16-bit values")
     p.add_argument("--compact", action="store_true",
                    help="--hook topk: compact pairs (TopKState(compact=True)): about 2.4 bytes a pair against 6")
+    p.add_argument("--gv-signal", choices=LocalAdamW.SIGNALS, default="mean",
+                   help="--adam local: how the variance of the ranks' average tells signal from noise "
+                        "(LocalAdamW(signal=...)); mean+lag1 also counts a gradient whose sign flips every step as signal")
+    p.add_argument("--variance-sketch", type=int, default=0, metavar="B",
+                   help="--adam local: measure each tensor's variance of the ranks' average gradient with a "
+                        "B-number sketch a tensor and step, all_gathered by the hook (LocalAdamW(variance_sketch=B); "
+                        "256 from 8 ranks on, docs/adamw.md)")
     p.add_argument("--powersgd-rank", type=int, default=4, help="--hook powersgd: matrix approximation rank")
     p.add_argument("--powersgd-start", type=int, default=100,
                    help="--hook powersgd: vanilla allreduce for this many steps first (its own dense start)")
@@ -71,6 +79,10 @@ def parse_args(argv=None):
         p.error("--adam local runs inside hvd_topk's hook: it needs --hook topk")
     if args.clip is None:
         args.clip = 0.0 if args.adam == "local" else 1.0
+    if (args.gv_signal != "mean" or args.variance_sketch) and args.adam != "local":
+        p.error("--gv-signal and --variance-sketch only apply to --adam local")
+    if args.variance_sketch < 0:
+        p.error(f"--variance-sketch must be >= 0, got {args.variance_sketch}")
     if args.adam == "local" and args.clip:
         p.error("--adam local: the synchronized gradient is Adam's update; clipping it would shrink steps")
     if args.powersgd_rank < 1 or args.warmup_steps < 0:
@@ -96,7 +108,8 @@ def make_inner(args, model):
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if args.adam == "local":
-        return LocalAdamW(groups, lr=args.lr, betas=(0.0, 0.95))
+        return LocalAdamW(groups, lr=args.lr, betas=(0.0, 0.95), signal=args.gv_signal,
+                          variance_sketch=args.variance_sketch)
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
 
 
