@@ -300,6 +300,11 @@ for _name in ("gv-1%-lr1e-2-fp16v", "gv-1%-lr1.5e-2-fp16v", "gv-1%-lr2e-2-fp16v"
 for _name in ("gv-1%-lr1e-2-fp16v", "gv-1%-lr1.5e-2-fp16v", "gv-1%-lr2e-2-fp16v"):
     CONFIGS[f"{_name}-sketch256"] = (f"{CONFIGS[_name][0]}, variance_sketch=256 (the average's variance measured)",
                                      [*CONFIGS[_name][1], "--variance-sketch", "256"])
+# 8 ranks: what is left to dense AdamW once the variance is measured is about beta1 0 (design
+# section 8); a momentum inside LocalAdamW, half of dense's, on top of the residual's
+CONFIGS["gv-1%-lr1.5e-2-fp16v-sketch256-beta1-0.5"] = (
+    f"{CONFIGS['gv-1%-lr1.5e-2-fp16v-sketch256'][0]}, beta1 0.5 inside LocalAdamW",
+    [*CONFIGS["gv-1%-lr1.5e-2-fp16v-sketch256"][1], "--beta1", "0.5"])
 CONFIGS["gv-1%-lr1.5e-2-fp16v-lag1-beta2-0.99"] = (
     "hvd_topk 1%, the recipe at lr 1.5e-2, 16-bit values, signal='mean+lag1', beta2 0.99 (the estimate over ~100 steps)",
     [*CONFIGS["gv-1%-lr1.5e-2-fp16v-lag1"][1], "--beta2", "0.99"])
