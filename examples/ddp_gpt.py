@@ -3,7 +3,7 @@
 instead of Horovod, and a DDP communication hook: none, PyTorch's fp16 or PowerSGD, or hvd_topk's.
 
     torchrun --nproc_per_node 2 examples/ddp_gpt.py --hook topk --fp16-values --lr 1e-2   # the AdamW recipe
-    torchrun --nproc_per_node 8 examples/ddp_gpt.py --hook topk --fp16-values --lr 1.5e-2 --variance-sketch 256
+    torchrun --nproc_per_node 8 examples/ddp_gpt.py --hook topk --fp16-values --lr 1.5e-2   # sketches the variance
     torchrun --nproc_per_node 2 examples/ddp_gpt.py --hook none                    # dense baseline
     torchrun --nproc_per_node 2 examples/ddp_gpt.py --hook powersgd --powersgd-rank 4
 
@@ -34,7 +34,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from cli import HelpFormatter  # shared by the examples: --help shows the defaults
+from cli import HelpFormatter, sketch_size  # shared by the examples: --help shows the defaults
 import hvd_topk.ddp
 from gpt_model import (GPT, add_training_arguments, batches, check_topk_arguments, check_training_arguments,
                        dense_start_note, evaluate, load_corpus, lr_at, split)
@@ -58,10 +58,10 @@ def parse_args(argv=None):
     p.add_argument("--gv-signal", choices=LocalAdamW.SIGNALS, default="mean",
                    help="--adam local: how the variance of the ranks' average tells signal from noise "
                         "(LocalAdamW(signal=...)); mean+lag1 also counts a gradient whose sign flips every step as signal")
-    p.add_argument("--variance-sketch", type=int, default=0, metavar="B",
+    p.add_argument("--variance-sketch", type=sketch_size, default="auto", metavar="B",
                    help="--adam local: measure each tensor's variance of the ranks' average gradient with a "
                         "B-number sketch a tensor and step, all_gathered by the hook (LocalAdamW(variance_sketch=B); "
-                        "256 from 8 ranks on, docs/adamw.md)")
+                        "auto: 256 from 8 ranks on, 0: off; docs/adamw.md)")
     p.add_argument("--powersgd-rank", type=int, default=4, help="--hook powersgd: matrix approximation rank")
     p.add_argument("--powersgd-start", type=int, default=100,
                    help="--hook powersgd: vanilla allreduce for this many steps first (its own dense start)")
@@ -79,10 +79,8 @@ def parse_args(argv=None):
         p.error("--adam local runs inside hvd_topk's hook: it needs --hook topk")
     if args.clip is None:
         args.clip = 0.0 if args.adam == "local" else 1.0
-    if (args.gv_signal != "mean" or args.variance_sketch) and args.adam != "local":
+    if (args.gv_signal != "mean" or args.variance_sketch != "auto") and args.adam != "local":
         p.error("--gv-signal and --variance-sketch only apply to --adam local")
-    if args.variance_sketch < 0:
-        p.error(f"--variance-sketch must be >= 0, got {args.variance_sketch}")
     if args.adam == "local" and args.clip:
         p.error("--adam local: the synchronized gradient is Adam's update; clipping it would shrink steps")
     if args.powersgd_rank < 1 or args.warmup_steps < 0:

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 import horovod.torch as hvd
-from cli import HelpFormatter  # shared by the examples: --help shows the defaults
+from cli import HelpFormatter, sketch_size  # shared by the examples: --help shows the defaults
 import hvd_topk
 # the model, data and their options, shared with ddp_gpt.py
 from gpt_model import (GPT, add_training_arguments, batches, check_topk_arguments, check_training_arguments,
@@ -90,9 +90,10 @@ def parse_args(argv=None):
     p.add_argument("--gv-signal", choices=hvd_topk.LocalAdamW.SIGNALS, default="mean",
                    help="--adam local: how global_variance tells signal from noise (LocalAdamW(signal=...)); "
                         "mean+lag1 also counts a gradient whose sign flips every step as signal (8 ranks and more)")
-    p.add_argument("--variance-sketch", type=int, default=0, metavar="B",
+    p.add_argument("--variance-sketch", type=sketch_size, default="auto", metavar="B",
                    help="--adam local: measure each tensor's variance of the ranks' average gradient with a "
-                        "B-number sketch a tensor and step (LocalAdamW(variance_sketch=B); 8 ranks and more)")
+                        "B-number sketch a tensor and step (LocalAdamW(variance_sketch=B); auto: 256 from 8 "
+                        "ranks on, 0: off)")
     p.add_argument("--residual-decay", type=float, default=1.0,
                    help="topk-ef: residuals decay by this factor each step (default 1.0: none)")
     p.add_argument("--sync-every", type=int, default=1,
@@ -153,12 +154,11 @@ def parse_args(argv=None):
         p.error("--demo-beta and --demo-normalise only apply to --adam demo")
     if not 0 < args.demo_beta <= 1:
         p.error(f"--demo-beta must be in (0, 1], got {args.demo_beta}")
-    if not (args.lr_in_residual and args.global_variance and args.gv_signal == "mean" and not args.variance_sketch) \
+    if not (args.lr_in_residual and args.global_variance and args.gv_signal == "mean" and args.variance_sketch == "auto") \
             and args.adam != "local":
         p.error("--no-lr-in-residual, --no-global-variance, --gv-signal and --variance-sketch only apply to --adam local")
-    if args.variance_sketch < 0 or (args.variance_sketch and not args.global_variance):
-        p.error(f"--variance-sketch must be >= 0 and needs global variance (no --no-global-variance), "
-                f"got {args.variance_sketch}")
+    if args.variance_sketch not in ("auto", 0) and not args.global_variance:
+        p.error(f"--variance-sketch {args.variance_sketch} needs global variance (no --no-global-variance)")
     if args.sync_every < 1:
         p.error(f"--sync-every must be >= 1, got {args.sync_every}")
     if args.sync_every > 1 and (args.optimizer != "topk-ef" or args.adam != "adamw"):

@@ -267,12 +267,12 @@ class TopKState:
 
     # ---- per bucket ----------------------------------------------------------------------
     def _sketched(self, params):
-        """The bucket's parameters whose gradients the optimizer sketches
-        (``LocalAdamW(variance_sketch=B)``), in the bucket's order (the same on every rank)."""
+        """``(parameter, B)`` for the bucket's parameters whose gradients the optimizer sketches
+        (``LocalAdamW(variance_sketch=...)``), in the bucket's order (the same on every rank)."""
         if self.optimizer is None or not callable(getattr(self.optimizer, "sketch_rows", None)):
             return []
-        mine = set(self.optimizer.sketched_params())
-        return [p for p in params if p in mine]
+        mine = dict(self.optimizer.sketch_layout(self.world_size))
+        return [(p, mine[p]) for p in params if p in mine]
 
     def _layout(self, bucket):
         """The bucket's ``_Layout`` (made at its first step, and again when DDP rebuilt it; the

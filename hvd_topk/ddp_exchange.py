@@ -204,18 +204,18 @@ def average_dense(state, layout, buffer):
     return all_gather(gathered, mine, group, async_op=True).get_future()
 
 
-def average_sketches(state, optimizer, params, device):
+def average_sketches(state, optimizer, layout, device):
     """Start averaging this bucket's gradient sketches (``LocalAdamW(variance_sketch=B)``) over
     the ranks; a future that hands the average to ``optimizer.absorb_sketches``. Gathered and
     summed in rank order, as ``average_dense`` is, so that a resumed job sums them as before."""
-    rows = optimizer.sketch_rows(params).to(device)
+    rows = optimizer.sketch_rows(layout).to(device)
     state._stats["bytes_sent"] += rows.numel() * rows.element_size()
     world = state.world_size
     gathered = rows.new_empty(world * rows.numel())
     fut = all_gather(gathered, rows, state.process_group, async_op=True).get_future()
 
     def absorb(_):
-        optimizer.absorb_sketches(params, gathered.view(world, -1).sum(0).div_(world))
+        optimizer.absorb_sketches(layout, gathered.view(world, -1).sum(0).div_(world))
     return after(fut, absorb, device)
 
 

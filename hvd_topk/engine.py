@@ -401,14 +401,14 @@ class TopKEngine:
         """``LocalAdamW(variance_sketch=B)``: average the step's gradient sketches over the ranks
         (one small allreduce) and hand the average back. Not on a step some rank sat out inside
         ``hvd.join()``: its zeros would shrink the average."""
-        params = self.sketcher.sketched_params()
-        if not params:
+        layout = self.sketcher.sketch_layout(self.world)
+        if not layout:
             return
-        rows = self.sketcher.sketch_rows(params)
+        rows = self.sketcher.sketch_rows(layout)
         self.stats.add(bytes_sent=rows.numel() * rows.element_size())
         averaged = hvd.allreduce(rows, op=hvd.Average, name=f"{self.prefix}.variance_sketch",
                                  process_set=self.process_set)
-        self.sketcher.absorb_sketches(params, averaged)
+        self.sketcher.absorb_sketches(layout, averaged)
 
     def pending(self):
         return any(b.inflight is not None for b in self.buckets)

@@ -206,7 +206,7 @@ class LocalAdamW(_ExchangedUpdates):
             1.41. One more buffer per parameter (two with ``beta1 > 0``: the previous gradient;
             with ``beta1 = 0`` ``exp_avg`` holds it). A param-group option: a checkpoint carries
             it, and one written without it loads as ``"mean"``.
-        variance_sketch (0): with ``global_variance``, B > 0 measures each tensor's variance of
+        variance_sketch ("auto"): with ``global_variance``, B > 0 measures each tensor's variance of
             the ranks' average gradient instead of only estimating it: every rank adds a sketch
             of its gradient (min(B, numel) float32 numbers a tensor, ``hvd_topk.variance_sketch``)
             to the exchange, and the estimate above is rescaled per tensor by the measured total
@@ -215,22 +215,25 @@ class LocalAdamW(_ExchangedUpdates):
             misses the average's total (about half of it at 2 ranks on the GPT example, where
             that is harmless; from about 8 ranks on it costs): on 8 ranks the 1% recipe at lr
             1.5e-2 ended at 1.1707 with the estimate alone, 1.0386 with B = 256, 1.0288 with the
-            exact variance of every entry (one seed; docs/adamw.md). Use it from 8 ranks on; at
-            2 and 4 ranks it changed nothing measurable. Costs: B = 256 is 1 KB a tensor and
-            step on the wire (small beside the 1% recipe's pairs on models of millions of
+            exact variance of every entry (seed 42; over seeds 42-44 see docs/adamw.md). At 2 and
+            4 ranks it changed nothing measurable, so ``"auto"`` (the default) is B = 256 where the
+            exchange averages 8 ranks or more and 0 (off) below, decided each step from the
+            ranks the transport passes (``AUTO_SKETCH``); 0 turns it off everywhere. Costs: B =
+            256 is 1 KB a tensor and step on the wire (small beside the 1% recipe's pairs on models of millions of
             parameters; on the 0.48M-parameter GPT example 1.2 points of dense's bytes), one pass over the
             gradient and one byte a parameter (fixed entry signs). The measurement is unbiased;
             on the tests' gradients it is off by 13-22% a step (less after the EMA). The transports
             (``hvd_topk.DistributedOptimizer``, the DDP hook) exchange the sketches; a rank
             without a gradient of a tensor in a step adds zeros, and a step some rank sits out in
             ``hvd.join()`` absorbs none. A param-group option (a checkpoint carries it; one
-            written without it loads as 0).
+            written without it, before 2026-12-02, loads as 0, the behaviour it was trained with).
     """
 
     SIGNALS = ("mean", "mean+lag1")
+    AUTO_SKETCH = (8, 256)  # variance_sketch="auto": from this many ranks on, this many numbers a tensor
 
     def __init__(self, params, lr=1e-3, betas=(0.0, 0.999), eps=1e-8, weight_decay=1e-2, lr_in_residual=True,
-                 global_variance=True, signal="mean", variance_sketch=0):
+                 global_variance=True, signal="mean", variance_sketch="auto"):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, lr_in_residual=lr_in_residual,
                         global_variance=global_variance, signal=signal, variance_sketch=variance_sketch)
         self._check_options(defaults)
@@ -248,9 +251,10 @@ class LocalAdamW(_ExchangedUpdates):
         if options["signal"] not in LocalAdamW.SIGNALS:
             raise ValueError(f"signal must be one of {LocalAdamW.SIGNALS}, got {options['signal']!r}")
         buckets = options.get("variance_sketch", 0)
-        if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 0:
-            raise ValueError(f"variance_sketch must be an integer >= 0 (numbers a tensor; 0: off), got {buckets!r}")
-        if buckets and not options["global_variance"]:
+        if buckets != "auto" and (isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 0):
+            raise ValueError(f"variance_sketch must be 'auto' or an integer >= 0 (numbers a tensor; 0: off), "
+                             f"got {buckets!r}")
+        if buckets not in ("auto", 0) and not options["global_variance"]:
             raise ValueError("variance_sketch rescales global_variance's estimate: it needs global_variance=True")
 
     def _new_state(self, p, group):
@@ -287,9 +291,9 @@ class LocalAdamW(_ExchangedUpdates):
         step = int(state["step"])
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         lag1 = _advance_lag1(state, group, grad, step) if "grad_mean" in state else None
-        if group.get("variance_sketch", 0) and "grad_mean" in state and ranks > 1:
-            self._sketches[p] = variance_sketch.sketch(grad, group["variance_sketch"], _sketch_count(state),
-                                                       self._entry_signs_of(p))
+        buckets = _sketch_buckets(group, ranks) if "grad_mean" in state else 0
+        if buckets:
+            self._sketches[p] = variance_sketch.sketch(grad, buckets, _sketch_count(state), self._entry_signs_of(p))
         exp_avg.lerp_(grad, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         mean = state.get("grad_mean")  # kept from the first step on, whatever the world size
@@ -304,7 +308,7 @@ class LocalAdamW(_ExchangedUpdates):
                 v_hat = exp_avg_sq / bias2
                 flips = torch.minimum(lag1 / -(1 - beta2 ** (step - 1)), v_hat)
                 denom = torch.maximum(mean * mean / bias2 ** 2, flips).mul_(1 - 1 / ranks).add_(v_hat, alpha=1 / ranks)
-            if group.get("variance_sketch", 0):
+            if buckets:
                 _calibrate(state, denom, beta2)
             denom = denom.sqrt_().add_(group["eps"])
         else:
@@ -326,34 +330,35 @@ class LocalAdamW(_ExchangedUpdates):
             signs = self._entry_signs[p] = variance_sketch.entry_signs(p.numel(), p.device)
         return signs
 
-    def sketched_params(self):
-        """The parameters whose gradients ``variance_sketch`` sketches, in the param groups' order
-        (the same on every rank): what the transport passes to ``sketch_rows``."""
-        return [p for g in self.param_groups if g.get("variance_sketch", 0) and g.get("global_variance", False)
+    def sketch_layout(self, ranks):
+        """``(parameter, B)`` for each parameter whose gradient ``variance_sketch`` sketches when
+        the exchange averages ``ranks`` ranks, in the param groups' order (the same on every
+        rank): what the transport passes to ``sketch_rows`` and ``absorb_sketches``."""
+        return [(p, buckets) for g in self.param_groups if (buckets := _sketch_buckets(g, ranks))
                 for p in g["params"] if p.requires_grad]
 
-    def sketch_rows(self, params):
-        """This step's sketches of ``params``' gradients, one float32 vector (zeros for a
-        parameter this rank had no gradient of): the transport averages it over the ranks and
-        hands the average to ``absorb_sketches``."""
+    def sketch_rows(self, layout):
+        """This step's sketches of the gradients of ``layout``'s parameters (``sketch_layout``),
+        one float32 vector (zeros for a parameter this rank had no gradient of): the transport
+        averages it over the ranks and hands the average to ``absorb_sketches``."""
         parts = []
-        for p in params:
-            width = variance_sketch.length(p.numel(), _group_of(self, p)["variance_sketch"])
+        for p, buckets in layout:
+            width = variance_sketch.length(p.numel(), buckets)
             mine = self._sketches.get(p)
             parts.append(mine if mine is not None else torch.zeros(width, device=p.device))
         return torch.cat(parts) if parts else torch.zeros(0)
 
     @torch.no_grad()
-    def absorb_sketches(self, params, averaged):
-        """Fold the ranks' average of ``sketch_rows(params)`` into each parameter's EMA of
+    def absorb_sketches(self, layout, averaged):
+        """Fold the ranks' average of ``sketch_rows(layout)`` into each parameter's EMA of
         ``|mean g|^2`` (``state["sketch_sq"]``, with ``state["sketches"]`` counting them: the
         next sketch's seed, and the EMA's bias correction). The EMA is kept in float32 and the
         count as an int: a checkpoint loads state tensors in the parameter's dtype, and a count
         in bfloat16 would stop at 256."""
         offset = 0
-        for p in params:
+        for p, buckets in layout:
             group = _group_of(self, p)
-            width = variance_sketch.length(p.numel(), group["variance_sketch"])
+            width = variance_sketch.length(p.numel(), buckets)
             part = averaged[offset:offset + width]
             offset += width
             state = self.state[p] or self._new_state(p, group)
@@ -493,6 +498,17 @@ def _calibrate(state, estimate, beta2):
         measured = state["sketch_sq"].float() / (1 - beta2 ** count)
         estimate.mul_(measured / previous.float().clamp_min(torch.finfo(torch.float32).tiny))
     state["estimate_sum"] = total
+
+
+def _sketch_buckets(group, ranks):
+    """How many numbers a tensor ``group``'s ``variance_sketch`` asks for when the exchange
+    averages ``ranks`` ranks (0: no sketch): ``"auto"`` is ``LocalAdamW.AUTO_SKETCH``'s B from its
+    rank count on; none without ``global_variance`` or on one rank."""
+    buckets = group.get("variance_sketch", 0)
+    if buckets == "auto":
+        least, auto = LocalAdamW.AUTO_SKETCH
+        buckets = auto if ranks >= least else 0
+    return buckets if group.get("global_variance", False) and ranks > 1 else 0
 
 
 def _sketch_count(state):

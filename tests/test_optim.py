@@ -271,9 +271,9 @@ def test_variance_sketch_of_an_empty_parameter():
     p = torch.nn.Parameter(torch.zeros(0))
     opt = LocalAdamW([p], variance_sketch=8)
     opt.transform_local_gradient(p, torch.zeros(0), 2)
-    rows = opt.sketch_rows(opt.sketched_params())
+    rows = opt.sketch_rows(opt.sketch_layout(2))
     assert rows.numel() == 0
-    opt.absorb_sketches([p], rows)
+    opt.absorb_sketches([(p, 8)], rows)
     assert float(opt.state[p]["sketch_sq"]) == 0.0 and opt.state[p]["sketches"] == 1
 
 
@@ -320,10 +320,10 @@ def test_local_adamw_variance_sketch_matches_numpy():
         # (the measured total is kept in float32)
         np.testing.assert_allclose(grad.numpy(), g / (np.sqrt(estimate) + EPS), rtol=1e-6, err_msg=f"step {t}")
         # this rank's sketch is its gradient whole (12 entries <= 64), times one sign
-        mine = opt.sketch_rows(opt.sketched_params()).numpy()
+        mine = opt.sketch_rows(opt.sketch_layout(2)).numpy()
         np.testing.assert_allclose(np.abs(mine), np.abs(g.ravel()), rtol=1e-6)
         average = gen.standard_normal(12) * 0.1 + 0.4  # what the ranks' average might be
-        opt.absorb_sketches([p], torch.tensor(average, dtype=torch.float32))
+        opt.absorb_sketches([(p, 64)], torch.tensor(average, dtype=torch.float32))
         sq, count = b2 * sq + (1 - b2) * float(np.sum(average.astype(np.float32) ** 2)), count + 1
         opt._step_done()
     assert int(opt.state[p]["sketches"]) == 6
@@ -339,9 +339,52 @@ def test_local_adamw_variance_sketch_matches_numpy():
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("kwargs,match", [({"variance_sketch": -1}, "variance_sketch must be an integer >= 0"),
-                                          ({"variance_sketch": 2.5}, "variance_sketch must be an integer"),
-                                          ({"variance_sketch": True}, "variance_sketch must be an integer"),
+def test_local_adamw_variance_sketch_auto_is_256_from_8_ranks():
+    """The default, variance_sketch="auto": from 8 ranks on every step computes what B = 256
+    computes (same updates bit for bit, same sketch layout), below 8 what B = 0 computes (no
+    sketch, no rescaling); off without global_variance; a checkpoint written before the option
+    existed (no key in its groups) loads as 0 at any rank count."""
+    gen = np.random.default_rng(6)
+    grads = [torch.tensor(gen.standard_normal((40, 30))) for _ in range(4)]
+    averages = [torch.tensor(gen.standard_normal(256), dtype=torch.float32) * 0.01 for _ in grads]
+
+    def run(ranks, **kwargs):
+        p = torch.nn.Parameter(torch.zeros(40, 30, dtype=torch.float64))
+        opt = LocalAdamW([p], lr=LR, betas=(0.0, 0.95), **kwargs)
+        updates, layouts = [], []
+        for g, average in zip(grads, averages):
+            update = g.clone()
+            opt.transform_local_gradient(p, update, ranks)
+            layout = opt.sketch_layout(ranks)
+            if layout:  # what a transport does after the exchange
+                opt.sketch_rows(layout)
+                opt.absorb_sketches(layout, average)
+            opt._step_done()
+            updates.append(update)
+            layouts.append([(q is p, b) for q, b in layout])
+        return updates, layouts, opt
+
+    for ranks, explicit in ((8, 256), (12, 256), (7, 0), (2, 0)):
+        auto, explicit_run = run(ranks), run(ranks, variance_sketch=explicit)
+        assert auto[1] == explicit_run[1] == [[(True, 256)] if explicit else []] * len(grads), ranks
+        for a, b in zip(auto[0], explicit_run[0]):
+            assert torch.equal(a, b), ranks
+    # B = 256 does rescale at 8 ranks (the comparison above is not between two unscaled runs)
+    assert not torch.equal(run(8)[0][-1], run(8, variance_sketch=0)[0][-1])
+    assert run(8, global_variance=False)[1] == [[]] * len(grads)
+    old = run(2)[2].state_dict()
+    for group in old["param_groups"]:
+        del group["variance_sketch"]
+    p = torch.nn.Parameter(torch.zeros(40, 30, dtype=torch.float64))
+    loaded = LocalAdamW([p], lr=LR, betas=(0.0, 0.95))
+    loaded.load_state_dict(old)
+    assert loaded.sketch_layout(8) == []
+
+
+@pytest.mark.parametrize("kwargs,match", [({"variance_sketch": -1}, "variance_sketch must be 'auto' or an integer >= 0"),
+                                          ({"variance_sketch": 2.5}, "variance_sketch must be 'auto' or an integer"),
+                                          ({"variance_sketch": True}, "variance_sketch must be 'auto' or an integer"),
+                                          ({"variance_sketch": "on"}, "variance_sketch must be 'auto' or an integer"),
                                           ({"variance_sketch": 8, "global_variance": False},
                                            "it needs global_variance=True")])
 def test_local_adamw_variance_sketch_refused(kwargs, match):
