@@ -18,16 +18,3 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
             action.help = f"{action.help or ''} (default: %(default)s)".strip()
         return super()._format_action(action)
 
-
-def sketch_size(text):
-    """``--variance-sketch``'s value: ``auto`` (LocalAdamW's default: 256 numbers a tensor from 8
-    ranks on, none below) or a count >= 0 (0: off)."""
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"'auto' or an integer >= 0, got {text!r}")
-    return value

@@ -34,10 +34,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from cli import HelpFormatter, sketch_size  # shared by the examples: --help shows the defaults
+from cli import HelpFormatter  # shared by the examples: --help shows the defaults
 import hvd_topk.ddp
-from gpt_model import (GPT, add_training_arguments, batches, check_topk_arguments, check_training_arguments,
-                       dense_start_note, evaluate, load_corpus, lr_at, split)
+from gpt_model import (GPT, add_training_arguments, add_variance_arguments, batches, check_topk_arguments,
+                       check_training_arguments, dense_start_note, evaluate, load_corpus, lr_at, split)
 from hvd_topk.optim import LocalAdamW
 
 
@@ -55,13 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--fp16-values", action="store_true", help="--hook topk: 16-bit values")
     p.add_argument("--compact", action="store_true",
                    help="--hook topk: compact pairs (TopKState(compact=True)): about 2.4 bytes a pair against 6")
-    p.add_argument("--gv-signal", choices=LocalAdamW.SIGNALS, default="mean",
-                   help="--adam local: how the variance of the ranks' average tells signal from noise "
-                        "(LocalAdamW(signal=...)); mean+lag1 also counts a gradient whose sign flips every step as signal")
-    p.add_argument("--variance-sketch", type=sketch_size, default="auto", metavar="B",
-                   help="--adam local: measure each tensor's variance of the ranks' average gradient with a "
-                        "B-number sketch a tensor and step, all_gathered by the hook (LocalAdamW(variance_sketch=B); "
-                        "auto: 256 from 8 ranks on, 0: off; docs/adamw.md)")
+    add_variance_arguments(p)
     p.add_argument("--powersgd-rank", type=int, default=4, help="--hook powersgd: matrix approximation rank")
     p.add_argument("--powersgd-start", type=int, default=100,
                    help="--hook powersgd: vanilla allreduce for this many steps first (its own dense start)")

@@ -1,6 +1,7 @@
 """The GPT example's model, corpus, batches, learning-rate schedule and evaluation: shared by
 ``pytorch_gpt.py`` (Horovod) and ``ddp_gpt.py`` (torchrun + DDP), so both train the same thing."""
 
+import argparse
 import hashlib
 import math
 import sysconfig
@@ -10,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hvd_topk.optim import LocalAdamW
 from hvd_topk.selection import check_density
 
 
@@ -142,6 +144,32 @@ def evaluate(model, val, args, device, autocast):
             total += F.cross_entropy(logits.float().reshape(-1, 256), y.to(device).reshape(-1)).item()
     model.train()
     return total / args.eval_batches
+
+
+def sketch_size(text):
+    """``--variance-sketch``'s value: ``auto`` (LocalAdamW's default: 256 numbers a tensor from 8
+    ranks on, none below) or a count >= 0 (0: off)."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"'auto' or an integer >= 0, got {text!r}")
+    return value
+
+
+def add_variance_arguments(p):
+    """``--adam local``'s options for the variance of the ranks' average, both GPT examples."""
+    p.add_argument("--gv-signal", choices=LocalAdamW.SIGNALS, default="mean",
+                   help="--adam local: how the variance of the ranks' average tells signal from noise "
+                        "(LocalAdamW(signal=...)); mean+lag1 also counts a gradient whose sign flips every step as "
+                        "signal (8 ranks and more)")
+    p.add_argument("--variance-sketch", type=sketch_size, default="auto", metavar="B",
+                   help="--adam local: measure each tensor's variance of the ranks' average gradient with a "
+                        "B-number sketch a tensor and step, averaged by the transport (LocalAdamW(variance_sketch=B); "
+                        "auto: 256 from 8 ranks on, 0: off; docs/adamw.md)")
 
 
 def add_training_arguments(p):

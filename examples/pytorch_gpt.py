@@ -40,11 +40,11 @@ import torch
 import torch.nn.functional as F
 
 import horovod.torch as hvd
-from cli import HelpFormatter, sketch_size  # shared by the examples: --help shows the defaults
+from cli import HelpFormatter  # shared by the examples: --help shows the defaults
 import hvd_topk
 # the model, data and their options, shared with ddp_gpt.py
-from gpt_model import (GPT, add_training_arguments, batches, check_topk_arguments, check_training_arguments,
-                       dense_start_note, evaluate, load_corpus, lr_at, split)
+from gpt_model import (GPT, add_training_arguments, add_variance_arguments, batches, check_topk_arguments,
+                       check_training_arguments, dense_start_note, evaluate, load_corpus, lr_at, split)
 
 
 def parse_args(argv=None):
@@ -87,13 +87,7 @@ def parse_args(argv=None):
                    help="--adam local: normalise by the ranks' average gradient's variance (default); "
                         "--no-global-variance: by each rank's own (LocalAdamW(global_variance=False), "
                         "the recipe before 2026-11-25)")
-    p.add_argument("--gv-signal", choices=hvd_topk.LocalAdamW.SIGNALS, default="mean",
-                   help="--adam local: how global_variance tells signal from noise (LocalAdamW(signal=...)); "
-                        "mean+lag1 also counts a gradient whose sign flips every step as signal (8 ranks and more)")
-    p.add_argument("--variance-sketch", type=sketch_size, default="auto", metavar="B",
-                   help="--adam local: measure each tensor's variance of the ranks' average gradient with a "
-                        "B-number sketch a tensor and step (LocalAdamW(variance_sketch=B); auto: 256 from 8 "
-                        "ranks on, 0: off)")
+    add_variance_arguments(p)
     p.add_argument("--residual-decay", type=float, default=1.0,
                    help="topk-ef: residuals decay by this factor each step (default 1.0: none)")
     p.add_argument("--sync-every", type=int, default=1,
