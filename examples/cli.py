@@ -17,4 +17,3 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
             action = copy.copy(action)
             action.help = f"{action.help or ''} (default: %(default)s)".strip()
         return super()._format_action(action)
-
