@@ -148,8 +148,9 @@ def parse_args(argv=None):
         p.error("--demo-beta and --demo-normalise only apply to --adam demo")
     if not 0 < args.demo_beta <= 1:
         p.error(f"--demo-beta must be in (0, 1], got {args.demo_beta}")
-    if not (args.lr_in_residual and args.global_variance and args.gv_signal == "mean" and args.variance_sketch == "auto") \
-            and args.adam != "local":
+    local_options_default = (args.lr_in_residual and args.global_variance and args.gv_signal == "mean"
+                             and args.variance_sketch == "auto")
+    if not local_options_default and args.adam != "local":
         p.error("--no-lr-in-residual, --no-global-variance, --gv-signal and --variance-sketch only apply to --adam local")
     if args.variance_sketch not in ("auto", 0) and not args.global_variance:
         p.error(f"--variance-sketch {args.variance_sketch} needs global variance (no --no-global-variance)")

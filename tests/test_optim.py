@@ -381,7 +381,8 @@ def test_local_adamw_variance_sketch_auto_is_256_from_8_ranks():
     assert loaded.sketch_layout(8) == []
 
 
-@pytest.mark.parametrize("kwargs,match", [({"variance_sketch": -1}, "variance_sketch must be 'auto' or an integer >= 0"),
+@pytest.mark.parametrize("kwargs,match", [({"variance_sketch": -1},
+                                           "variance_sketch must be 'auto' or an integer >= 0"),
                                           ({"variance_sketch": 2.5}, "variance_sketch must be 'auto' or an integer"),
                                           ({"variance_sketch": True}, "variance_sketch must be 'auto' or an integer"),
                                           ({"variance_sketch": "on"}, "variance_sketch must be 'auto' or an integer"),
