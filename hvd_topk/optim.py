@@ -219,10 +219,11 @@ class LocalAdamW(_ExchangedUpdates):
             4 ranks it changed nothing measurable, so ``"auto"`` (the default) is B = 256 where the
             exchange averages 8 ranks or more and 0 (off) below, decided each step from the
             ranks the transport passes (``AUTO_SKETCH``); 0 turns it off everywhere. Costs: B =
-            256 is 1 KB a tensor and step on the wire (small beside the 1% recipe's pairs on models of millions of
-            parameters; on the 0.48M-parameter GPT example 1.2 points of dense's bytes), one pass over the
-            gradient and one byte a parameter (fixed entry signs). The measurement is unbiased;
-            on the tests' gradients it is off by 13-22% a step (less after the EMA). The transports
+            256 is 1 KB a tensor and step on the wire (small beside the 1% recipe's pairs on
+            models of millions of parameters; on the 0.48M-parameter GPT example 1.2 points of
+            dense's bytes), one pass over the gradient and one byte a parameter (fixed entry
+            signs). The measurement is unbiased; on the tests' gradients it is off by 13-22% a
+            step (less after the EMA). The transports
             (``hvd_topk.DistributedOptimizer``, the DDP hook) exchange the sketches; a rank
             without a gradient of a tensor in a step adds zeros, and a step some rank sits out in
             ``hvd.join()`` absorbs none. A param-group option (a checkpoint carries it; one

@@ -35,7 +35,8 @@ def length(numel, buckets):
 def signs(count, seed, device, dtype=torch.float32):
     """``count`` random signs (+-1) from ``seed``: the same on every rank, whatever its device."""
     gen = torch.Generator().manual_seed(int(seed))
-    return torch.randint(0, 2, (int(count),), generator=gen, dtype=torch.int8).to(device=device, dtype=dtype).mul_(2).sub_(1)
+    bits = torch.randint(0, 2, (int(count),), generator=gen, dtype=torch.int8)
+    return bits.to(device=device, dtype=dtype).mul_(2).sub_(1)
 
 
 ENTRY_SEED = 0x5EED
