@@ -324,6 +324,14 @@ for _lr, _beta1 in (("1.5e-2", "0.5"), ("1.5e-2", "0.9"), ("2e-2", "0.5"), ("2e-
     _name = f"gv-1%-lr{_lr}-fp16v-sketch256"
     CONFIGS[f"{_name}-beta1-{_beta1}"] = (f"{CONFIGS[_name][0]}, beta1 {_beta1} inside LocalAdamW",
                                          [*CONFIGS[_name][1], "--beta1", _beta1])
+# 8 ranks: more pairs a step at the same bytes (compact pairs at 3% move about 1% with 16-bit
+# values' bytes), and 2% with 16-bit values (twice the bytes) to tell whether the pairs are the gap
+CONFIGS["gv-3%-lr1.5e-2-compact-sketch256"] = (
+    "hvd_topk compact pairs at 3% (about 1%'s bytes with 16-bit values), the recipe at lr 1.5e-2, variance_sketch=256",
+    [*GV, "--density", "0.03", *START, "--lr", "1.5e-2", "--compact", "--variance-sketch", "256"])
+CONFIGS["gv-2%-lr1.5e-2-fp16v-sketch256"] = (
+    "hvd_topk 2% (twice the recipe's pairs and bytes), the recipe at lr 1.5e-2, 16-bit values, variance_sketch=256",
+    [*GV, "--density", "0.02", *START, "--lr", "1.5e-2", "--fp16-values", "--variance-sketch", "256"])
 CONFIGS["gv-1%-lr1.5e-2-fp16v-lag1-beta2-0.99"] = (
     "hvd_topk 1%, the recipe at lr 1.5e-2, 16-bit values, signal='mean+lag1', beta2 0.99 (the estimate over ~100 steps)",
     [*CONFIGS["gv-1%-lr1.5e-2-fp16v-lag1"][1], "--beta2", "0.99"])
