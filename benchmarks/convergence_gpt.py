@@ -286,7 +286,9 @@ for _variant, _what, _args in (
         ("dense16k", "diagnostic: position embedding and attention outputs dense (min_numel 16385)",
          ["--min-numel", "16385"]),
         # at 8 ranks beta1 0.5 steadied the steps after the dense start (the 0.1% gap opens there)
-        ("beta1-0.5", "beta1 0.5 inside LocalAdamW", ["--beta1", "0.5"])):
+        ("beta1-0.5", "beta1 0.5 inside LocalAdamW", ["--beta1", "0.5"]),
+        ("start1x300-beta1-0.5", "the dense start over 300 steps, beta1 0.5 inside LocalAdamW",
+         ["--warmup-steps", "300", "--warmup-density", "1.0", "--beta1", "0.5"])):
     CONFIGS[f"gv-0.1%-lr2e-2-fp16v-decay0.99-{_variant}"] = (
         f"hvd_topk 0.1%, the recipe at lr 2e-2, 16-bit values, residual_decay=0.99, {_what}",
         [*CONFIGS["gv-0.1%-lr2e-2-fp16v-decay0.99"][1], *_args])
