@@ -287,6 +287,8 @@ for _variant, _what, _args in (
          ["--min-numel", "16385"]),
         # at 8 ranks beta1 0.5 steadied the steps after the dense start (the 0.1% gap opens there)
         ("beta1-0.5", "beta1 0.5 inside LocalAdamW", ["--beta1", "0.5"]),
+        ("beta1-0.7", "beta1 0.7 inside LocalAdamW", ["--beta1", "0.7"]),
+        ("beta1-0.8", "beta1 0.8 inside LocalAdamW", ["--beta1", "0.8"]),
         ("start1x300-beta1-0.5", "the dense start over 300 steps, beta1 0.5 inside LocalAdamW",
          ["--warmup-steps", "300", "--warmup-density", "1.0", "--beta1", "0.5"])):
     CONFIGS[f"gv-0.1%-lr2e-2-fp16v-decay0.99-{_variant}"] = (
