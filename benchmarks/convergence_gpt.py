@@ -322,6 +322,8 @@ for _name in ("gv-1%-lr1e-2-fp16v-lag1", "gv-1%-lr1.5e-2-fp16v-lag1", "gv-1%-lr2
                                    [*CONFIGS[_name][1], "--variance-sketch", "0"])
 # 8 ranks: what is left to dense AdamW once the variance is measured is about beta1 0 (design
 # section 8); a momentum inside LocalAdamW, half of dense's, on top of the residual's
+CONFIGS["gv-1%-lr1e-2-fp16v-beta1-0.5"] = (f"{CONFIGS['gv-1%-lr1e-2-fp16v'][0]}, beta1 0.5 inside LocalAdamW",
+                                         [*CONFIGS["gv-1%-lr1e-2-fp16v"][1], "--beta1", "0.5"])
 # ("gv-1%-lr{LR}-fp16v-sketch256-beta1-{BETA1}"); dense AdamW with beta1 0 at lr 2e-2 is +38.6% on
 # 8 ranks (config dense-lr2e-2-beta1-0), without clipping +1.0%: the momentum is what dense has
 for _lr, _beta1 in (("1.5e-2", "0.5"), ("1.5e-2", "0.9"), ("2e-2", "0.5"), ("2e-2", "0.9")):
