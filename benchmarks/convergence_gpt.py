@@ -309,8 +309,8 @@ for _name in ("gv-1%-lr1e-2-fp16v", "gv-1%-lr1.5e-2-fp16v", "gv-1%-lr2e-2-fp16v"
 # LocalAdamW(variance_sketch=256): each tensor's variance of the ranks' average gradient measured
 # with a 256-number sketch a step (8 ranks). Since 2026-12-02 (after c126d12's results) the
 # LocalAdamW configs without a -sketch suffix run the library's default, variance_sketch="auto":
-# 256 from 8 ranks on, off below, so their 2- and 4-rank runs are as before and their 8-rank runs
-# are the -sketch256 ones. The 8-rank rows of the estimate alone committed before then are the
+# 256 from 8 ranks on (from 6 since the 6-rank seeds 43-44, 2026-12-02 evening), off below, so
+# their 2- and 4-rank runs are as before and their 6- and 8-rank runs are the -sketch256 ones. The 8-rank rows of the estimate alone committed before then are the
 # -sketch0 configs now (run them so to reproduce those rows; do not --reuse them for the plain names).
 for _name in ("gv-1%-lr1e-2-fp16v", "gv-1%-lr1.5e-2-fp16v", "gv-1%-lr2e-2-fp16v", "gv-1%-lr7e-3-fp16v"):
     for _size, _what in (("256", "variance_sketch=256 (the average's variance measured)"),

@@ -169,7 +169,7 @@ def add_variance_arguments(p):
     p.add_argument("--variance-sketch", type=sketch_size, default="auto", metavar="B",
                    help="--adam local: measure each tensor's variance of the ranks' average gradient with a "
                         "B-number sketch a tensor and step, averaged by the transport (LocalAdamW(variance_sketch=B); "
-                        "auto: 256 from 8 ranks on, 0: off; docs/adamw.md)")
+                        "auto: 256 from 6 ranks on, 0: off; docs/adamw.md)")
 
 
 def add_training_arguments(p):

@@ -213,11 +213,12 @@ class LocalAdamW(_ExchangedUpdates):
             (an EMA, ``beta2``, of the sketched ``|mean g|^2``) over the estimate's own total,
             both as of the previous step. Why: the estimate comes from one rank's moments and
             misses the average's total (about half of it at 2 ranks on the GPT example, where
-            that is harmless; from about 8 ranks on it costs): on 8 ranks the 1% recipe at lr
+            that is harmless; from about 6 ranks on it costs): on 8 ranks the 1% recipe at lr
             1.5e-2 ended at 1.1707 with the estimate alone, 1.0386 with B = 256, 1.0288 with the
-            exact variance of every entry (seed 42; over seeds 42-44 see docs/adamw.md). At 2 and
-            4 ranks it changed nothing measurable, so ``"auto"`` (the default) is B = 256 where the
-            exchange averages 8 ranks or more and 0 (off) below, decided each step from the
+            exact variance of every entry (seed 42; over seeds 42-44 see docs/adamw.md); on 6
+            ranks 2.5% lower than the estimate alone at its better rate (seeds 42-44). At 2 and
+            4 ranks it changed nothing measurable (5 was not measured), so ``"auto"`` (the default)
+            is B = 256 where the exchange averages 6 ranks or more and 0 (off) below, decided each step from the
             ranks the transport passes (``AUTO_SKETCH``); 0 turns it off everywhere. Costs: B =
             256 is 1 KB a tensor and step on the wire (small beside the 1% recipe's pairs on
             models of millions of parameters; on the 0.48M-parameter GPT example 1.2 points of
@@ -231,7 +232,7 @@ class LocalAdamW(_ExchangedUpdates):
     """
 
     SIGNALS = ("mean", "mean+lag1")
-    AUTO_SKETCH = (8, 256)  # variance_sketch="auto": from this many ranks on, this many numbers a tensor
+    AUTO_SKETCH = (6, 256)  # variance_sketch="auto": from this many ranks on, this many numbers a tensor
 
     def __init__(self, params, lr=1e-3, betas=(0.0, 0.999), eps=1e-8, weight_decay=1e-2, lr_in_residual=True,
                  global_variance=True, signal="mean", variance_sketch="auto"):
