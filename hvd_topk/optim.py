@@ -217,9 +217,10 @@ class LocalAdamW(_ExchangedUpdates):
             1.5e-2 ended at 1.1707 with the estimate alone, 1.0386 with B = 256, 1.0288 with the
             exact variance of every entry (seed 42; over seeds 42-44 see docs/adamw.md); on 6
             ranks 2.5% lower than the estimate alone at its better rate (seeds 42-44). At 2 and
-            4 ranks it changed nothing measurable (5 was not measured), so ``"auto"`` (the default)
-            is B = 256 where the exchange averages 6 ranks or more and 0 (off) below, decided each step from the
-            ranks the transport passes (``AUTO_SKETCH``); 0 turns it off everywhere. Costs: B =
+            4 ranks it changed nothing measurable, at 5 it won on two seeds of three; so
+            ``"auto"`` (the default) is B = 256 where the exchange averages 6 ranks or more and
+            0 (off) below, decided each step from the ranks the transport passes
+            (``AUTO_SKETCH``); 0 turns it off everywhere. Costs: B =
             256 is 1 KB a tensor and step on the wire (small beside the 1% recipe's pairs on
             models of millions of parameters; on the 0.48M-parameter GPT example 1.2 points of
             dense's bytes), one pass over the gradient and one byte a parameter (fixed entry
