@@ -365,8 +365,9 @@ for _name in ("dense-lr6e-3", "dense-lr1e-2", "dense-lr2e-2", "gv-1%-lr1e-2-fp16
               "gv-0.1%-lr2e-2-fp16v-decay0.99", "gv-0.1%-lr1e-2-fp16v-decay0.99"):
     CONFIGS[f"{_name}-wsd"] = (f"{CONFIGS[_name][0]}, the wsd schedule", [*CONFIGS[_name][1], "--lr-schedule", "wsd"])
 # 16 ranks: dense AdamW's best rate rises with the ranks (1e-2 at 2, 2e-2 at 8 and 16 of those run),
-# and the recipe's with it (2e-2 ahead of 1.5e-2 at 16): the next rate up for both
-CONFIGS["dense-lr3e-2"] = ("Horovod dense fp32, AdamW at lr 3e-2", ["--compression", "none", "--lr", "3e-2"])
+# and the recipe's with it (2e-2 ahead of 1.5e-2 at 16): the next rates up
+for _lr in ("3e-2", "4e-2"):
+    CONFIGS[f"dense-lr{_lr}"] = (f"Horovod dense fp32, AdamW at lr {_lr}", ["--compression", "none", "--lr", _lr])
 CONFIGS["gv-1%-lr3e-2-fp16v-sketch256"] = (
     "hvd_topk 1%, the recipe at lr 3e-2, 16-bit values, variance_sketch=256 (the average's variance measured)",
     [*GV, "--density", "0.01", *START, "--lr", "3e-2", "--fp16-values", "--variance-sketch", "256"])
