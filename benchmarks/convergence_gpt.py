@@ -293,12 +293,7 @@ for _variant, _what, _args in (
         ("beta1-0.7", "beta1 0.7 inside LocalAdamW", ["--beta1", "0.7"]),
         ("beta1-0.8", "beta1 0.8 inside LocalAdamW", ["--beta1", "0.8"]),
         ("start1x300-beta1-0.5", "the dense start over 300 steps, beta1 0.5 inside LocalAdamW",
-         ["--warmup-steps", "300", "--warmup-density", "1.0", "--beta1", "0.5"]),
-        # the positions chosen from the ranks' summed residual (exchange="global_topk"): each rank
-        # proposes 4k, the union's values are allreduced, the P k largest sums move
-        ("global4", "exchange='global_topk', 4 candidates a pair", ["--exchange", "global_topk"]),
-        ("start1x300-global4", "the dense start over 300 steps, exchange='global_topk', 4 candidates a pair",
-         ["--warmup-steps", "300", "--warmup-density", "1.0", "--exchange", "global_topk"])):
+         ["--warmup-steps", "300", "--warmup-density", "1.0", "--beta1", "0.5"])):
     CONFIGS[f"gv-0.1%-lr2e-2-fp16v-decay0.99-{_variant}"] = (
         f"hvd_topk 0.1%, the recipe at lr 2e-2, 16-bit values, residual_decay=0.99, {_what}",
         [*CONFIGS["gv-0.1%-lr2e-2-fp16v-decay0.99"][1], *_args])

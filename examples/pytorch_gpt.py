@@ -62,8 +62,6 @@ def parse_args(argv=None):
     p.add_argument("--selection-scope", choices=("tensor", "bucket"), default="tensor")
     p.add_argument("--exchange", choices=hvd_topk.exchange.CHOICES, default="auto",
                    help="topk-ef: how buckets travel (default auto: a measured trial picks)")
-    p.add_argument("--global-topk-candidates", type=int, default=4,
-                   help="--exchange global_topk: each rank proposes this many times k positions")
     p.add_argument("--warmup-steps", type=int, default=0,
                    help="topk-ef: density warm-up steps (DGC's exponential schedule from --warmup-density)")
     p.add_argument("--warmup-density", type=float, default=0.25)
@@ -121,7 +119,7 @@ def parse_args(argv=None):
     if args.optimizer == "topk-ef" and args.compression != "topk":
         p.error("--optimizer topk-ef always compresses with TopK; use --compression topk")
     topk_ef_only = {"no_error_feedback": False, "selection_scope": "tensor", "exchange": "auto", "warmup_steps": 0,
-                    "warmup_density": 0.25, "min_numel": 1024, "residual_decay": 1.0, "global_topk_candidates": 4}
+                    "warmup_density": 0.25, "min_numel": 1024, "residual_decay": 1.0}
     for name, default in topk_ef_only.items():
         if getattr(args, name) != default and args.optimizer != "topk-ef":
             p.error(f"--{name.replace('_', '-')} only applies to --optimizer topk-ef")
@@ -232,8 +230,7 @@ def make_optimizer(args, model, scaler):
                                             warmup_steps=args.warmup_steps, warmup_density=args.warmup_density,
                                             min_numel=args.min_numel, grad_scaler=scaler,
                                             residual_decay=args.residual_decay,
-                                            momentum_correction=momentum_correction,
-                                            global_topk_candidates=args.global_topk_candidates)
+                                            momentum_correction=momentum_correction)
         return opt, topk
     compression = topk or {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[args.compression]
     return hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=compression), topk

@@ -31,18 +31,6 @@ def sparse_allreduce(world, numel, count, value_bytes, index_bytes, dense_bytes)
     return (world - 1) / world * (count * index_bytes + 2.0 * (count + 1) * value_bytes)
 
 
-def global_topk(world, numel, count, value_bytes, index_bytes, dense_bytes, candidates=4):
-    """Every rank's ``c k`` proposed indices allgathered, then a ring allreduce of every rank's
-    values at their union (at most ``min(n, P c k)`` positions) and one non-finite flag:
-    ``(P-1) c k b_i + 2 (P-1)/P (min(n, P c k) + 1) b_v``, the union counted at its largest
-    (ranks proposing the same positions make it smaller)."""
-    if world <= 1:
-        return 0.0
-    proposed = candidates * count
-    union = min(numel, world * proposed)
-    return (world - 1) * proposed * index_bytes + 2.0 * (world - 1) / world * (union + 1) * value_bytes
-
-
 def cheapest(strategies, world, numel, count, value_bytes, index_bytes, dense_bytes):
     """The strategy (anything with a ``wire_bytes`` of the signature above) moving the fewest
     bytes into each rank (the first listed on a tie)."""

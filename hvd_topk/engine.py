@@ -116,10 +116,9 @@ class TopKEngine:
         self.options = options
         self.density = compression.density
         self.codec = Codec(compression.method, compression.fp16_values, compression.compact)
-        if compression.compact and (options.exchange in ("sparse_allreduce", "global_topk")
-                                    or options.hierarchical is True):
-            raise ValueError(f"TopK(compact=True) packs the allgather's pairs; exchange={options.exchange!r} sums "
-                             "values on the wire and keeps wide pairs: use exchange='allgather' or 'auto' (which then "
+        if compression.compact and (options.exchange == "sparse_allreduce" or options.hierarchical is True):
+            raise ValueError("TopK(compact=True) packs the allgather's pairs; the sparse allreduce sums values "
+                             "on the wire and keeps wide pairs: use exchange='allgather' or 'auto' (which then "
                              "tries the allgather and dense only), without hierarchical=True")
         self.op, self.predivide = op, float(gradient_predivide_factor)
         self.passes_per_step = backward_passes_per_step
@@ -213,7 +212,7 @@ class TopKEngine:
         o = self.options
         self.ctx = inflight.StepContext(self.codec, self.stats, self.process_set, self.world, self.rank, self.op,
                                         self.predivide, o.error_feedback, o.selection_scope, self.step,
-                                        topology, o.global_topk_candidates)
+                                        topology)
         self.active.forget()
         if self.world > 1:
             # Started before the first fold, read when the first sparse bucket launches (by

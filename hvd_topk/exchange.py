@@ -16,9 +16,6 @@ strategy                what moves                                              
 ``AllgatherPairs``      every rank receives every other rank's k pairs          ``(P-1) k (b_v + b_i)``
 ``SparseAllreduce``     each rank's part of the k indices allgathered, then an  ``(P-1)/P k b_i + 2 (P-1)/P (k+1) b_v``
                         allreduce of every rank's values at those indices
-``GlobalTopK``          every rank's c k proposed indices allgathered, values   ``(P-1) c k b_i + 2 (P-1)/P (|U|+1) b_v``
-                        at their union ``U`` allreduced, the P k largest sums   (``|U| <= min(n, P c k)``)
-                        moved
 ======================  ======================================================  ==============================
 
 ``SparseAllreduce`` is ScaleCom's cyclic local top-k (CLT-k, Chen et al., NeurIPS 2020), with
@@ -164,41 +161,6 @@ class SparseAllreduce:
         hvd.synchronize(handle)
 
 
-class GlobalTopK:
-    """A global top-k: the positions chosen from the ranks' *summed* residual, not each rank's.
-
-    With the allgather each rank sends the top-k of its own residual, and a rank's residual is
-    a noisy estimate of the sum that decides what is worth moving (with ``LocalAdamW``'s
-    global variance, noisier by up to sqrt(P)). Here each rank proposes the top ``c k`` of its
-    own residual (``c``: ``global_topk_candidates``); the proposals are allgathered (indices
-    only, ``start_indices``); every rank's values at their union are summed by one allreduce
-    (``start_values``, with a non-finite flag slot as the sparse allreduce's); and the ``P k``
-    positions with the largest summed magnitude move (as many as the allgather moves at most),
-    each by every rank's value there. Every rank knows the union and the sums, so every rank
-    moves the same positions by the same amounts; each keeps in its residual whatever did not
-    move, its own proposals included. Gradient sparsification with a global top-k is the
-    gTop-k / Ok-Topk line of work; this version buys the choice with ``c`` x the indices.
-    """
-
-    name = "global_topk"
-    sparse = True
-
-    wire_bytes = staticmethod(costs.global_topk)
-
-    @staticmethod
-    def start_indices(indices, name, process_set):
-        """Start gathering every rank's proposed ``indices``."""
-        return hvd.allgather_async(indices, name=name + ".indices", process_set=process_set)
-
-    @staticmethod
-    def finish_indices(handle):
-        """The union of every rank's proposals: sorted positions (int64), the same on every rank."""
-        return torch.unique(hvd.synchronize(handle).long())
-
-    start_values = staticmethod(SparseAllreduce.start_values)
-    finish = staticmethod(SparseAllreduce.finish)
-
-
 class ActiveRanks:
     """How many ranks of a process set take part in this round, learnt without waiting.
 
@@ -245,7 +207,7 @@ class ActiveRanks:
         self.handle, self.count, self.steps_agree, self.settings_agree = None, None, True, True
 
 
-BY_NAME = {s.name: s for s in (DenseAllreduce, DenseAllreduceFp16, AllgatherPairs, SparseAllreduce, GlobalTopK)}
+BY_NAME = {s.name: s for s in (DenseAllreduce, DenseAllreduceFp16, AllgatherPairs, SparseAllreduce)}
 CHOICES = ("auto", *BY_NAME)
 
 

@@ -46,7 +46,6 @@ class StepContext(NamedTuple):
     scope: str             # selection_scope
     step: int              # the step counter (the sparse allreduce's choosing ranks rotate with it)
     topology: object       # hierarchy.Topology while this step is hierarchical, else None
-    candidates: int = 4    # global_topk_candidates (exchange.GlobalTopK)
 
     @property
     def div(self):
@@ -58,8 +57,6 @@ def start(ctx, bucket, strategy, name):
     collective started)."""
     if not strategy.sparse:
         return DenseExchange(ctx, bucket, strategy, name)
-    if strategy is exchange.GlobalTopK:
-        return GlobalTopKExchange(ctx, bucket, strategy, name, ctx.candidates)
     if bucket.current.hierarchical:
         return HierarchicalExchange(ctx, bucket, strategy, name)
     if strategy is exchange.SparseAllreduce:
@@ -208,46 +205,26 @@ def gather_values(ctx, bucket, current, plan, residual):
     values = bucket.scratch("values", k + 1, allreduce_dtype(layout.value_dtype))
     mine = plan.slot_range(current.led)
     values[mine[0]:mine[1]].copy_(sent[mine[0]:mine[1]])
-    bad = nonfinite_anywhere(current, residual)
+    chosen = current.nonfinite
+    bad = bool(chosen) if isinstance(chosen, list) else chosen.any()
+    bad = bad | bool(current.nonfinite_folds)
+    if current.unchecked:
+        bad = ~torch.isfinite(residual).all() | bad  # a device tensor: no host sync
     for lo, hi in ((0, mine[0]), (mine[1], k)):  # the other ranks' parts
         if hi > lo:
             ctx.codec.take(residual, indices[lo:hi], values[lo:hi], zero=ctx.error_feedback)
             if ctx.error_feedback:
                 bucket.forget_sent(indices[lo:hi])
-    wipe_nonfinite(ctx, bucket, current, residual, bad)
-    flag_nonfinite(values[k:], bad)
-    return values
-
-
-def nonfinite_anywhere(current, residual):
-    """Whether this rank's accumulator held inf/nan this step: what its selection and its
-    checking folds noted, and where a fold did not check (``unchecked``), one look at
-    ``residual`` (a device tensor then: no host sync)."""
-    chosen = current.nonfinite
-    bad = bool(chosen) if isinstance(chosen, list) else chosen.any()
-    bad = bad | bool(current.nonfinite_folds)
-    if current.unchecked:
-        bad = ~torch.isfinite(residual).all() | bad
-    return bad
-
-
-def wipe_nonfinite(ctx, bucket, current, residual, bad):
-    """With error feedback, start the members that held inf/nan (``bad``:
-    ``nonfinite_anywhere``'s) again from zero."""
     if ctx.error_feedback:
         # checking folds noted the members that held inf/nan; otherwise one device flag
         wipe = bad if current.unchecked else current.nonfinite_folds
         flats = (residual, bucket.momentum) if current.unchecked else None
         count_resets(ctx.stats, bucket.wipe(wipe, bucket.bounds.tolist(), flats))
-
-
-def flag_nonfinite(flag, bad):
-    """Set the one-element ``flag`` (the value slot that every rank's allreduce adds up) to NaN
-    where ``bad``, 0 otherwise, so that an inf/nan on any rank reaches every rank's result."""
     if torch.is_tensor(bad):
-        flag.copy_(torch.where(bad, float("nan"), 0.0))
+        values[k:].copy_(torch.where(bad, float("nan"), 0.0))
     else:
-        flag.fill_(float("nan") if bad else 0.0)
+        values[k] = float("nan") if bad else 0.0
+    return values
 
 
 def sparse_allreduce_result(bucket, handle, plan, message):
@@ -260,72 +237,6 @@ def sparse_allreduce_result(bucket, handle, plan, message):
     sent, _ = plan.layout.views(message)
     sent.copy_(values[:k])
     return message
-
-
-class GlobalTopKExchange:
-    """``exchange.GlobalTopK`` for one bucket: this rank's proposals ("indices"), every rank's
-    values at their union summed ("values"), then the ``P k`` largest sums moved.
-
-    The hooks only fold (``BucketStep.led`` is empty): nothing is chosen before every rank's
-    proposals are known. With error feedback a moved position's residual keeps what the value
-    dtype rounded off (nothing for float32 values), every other position all of it.
-    """
-
-    def __init__(self, ctx, bucket, strategy, name, candidates):
-        self.ctx, self.strategy, self.name = ctx, strategy, name
-        self.bucket, self.current, self.plan = bucket, bucket.current, bucket.current.plan
-        t0 = time.perf_counter()
-        size = torch.abs(bucket.acc, out=bucket.scratch("global_abs", bucket.numel, bucket.dtype))
-        proposals = min(bucket.numel, candidates * self.plan.count)
-        mine = bucket.scratch("global_proposals", proposals, self.plan.layout.index_dtype)
-        mine.copy_(torch.topk(size, proposals, sorted=False).indices)
-        ctx.stats.add(time_selection_s=time.perf_counter() - t0, tensors_sparse=len(bucket.members),
-                      bytes_sent=mine.numel() * mine.element_size())
-        self.stage = "indices"
-        self.handle = strategy.start_indices(mine, name, ctx.process_set)
-
-    def advance(self, wait=False):
-        if self.stage != "indices" or not (wait or hvd.poll(self.handle)):
-            return False
-        ctx, bucket = self.ctx, self.bucket
-        self.union = self.strategy.finish_indices(self.handle)
-        n = self.union.numel()
-        values = bucket.scratch("values", n + 1, allreduce_dtype(self.plan.layout.value_dtype))
-        if values.dtype == bucket.dtype:
-            torch.index_select(bucket.acc, 0, self.union, out=values[:n])
-        else:
-            values[:n].copy_(bucket.acc[self.union])
-        self.own = bucket.scratch("global_own", n, values.dtype).copy_(values[:n])  # what this rank sent
-        self.bad = nonfinite_anywhere(self.current, bucket.acc)
-        flag_nonfinite(values[n:], self.bad)
-        ctx.stats.add(bytes_sent=values.numel() * values.element_size())
-        self.values = values
-        self.stage, self.handle = "values", self.strategy.start_values(values, self.name, ctx.process_set)
-        return True
-
-    def decode_into(self, bucket):
-        self.advance(wait=True)
-        t0 = time.perf_counter()
-        ctx = self.ctx
-        self.strategy.finish(self.handle)
-        n = self.union.numel()
-        sums = self.values[:n].add_(self.values[n:] * 0)  # NaN everywhere when a rank flagged inf/nan
-        # torch.topk is deterministic for one input on one kind of device: every rank, holding
-        # the same sums, moves the same positions (ties, common in LocalAdamW's first updates,
-        # are broken the same way everywhere, and not towards the bucket's first tensors)
-        moved = torch.topk(sums.abs(), min(n, ctx.world * self.plan.count), sorted=False).indices
-        positions = self.union[moved]
-        if ctx.error_feedback:
-            left = bucket.acc[positions] - self.own[moved].to(bucket.dtype)
-            bucket.acc[positions] = torch.where(torch.isfinite(left), left, 0.0)
-            bucket.forget_sent(positions)
-            wipe_nonfinite(ctx, bucket, self.current, bucket.acc, self.bad)  # after: a wiped member stays zero
-        # zero, or NaN everywhere when a rank flagged inf/nan (every member's p.grad shows it)
-        result = bucket.scratch("global_result", bucket.numel, bucket.dtype)
-        result.copy_((self.values[n:] * 0).expand(bucket.numel))
-        result[positions] = sums[moved].to(bucket.dtype) / ctx.div
-        bucket.write_grads(result)
-        ctx.stats.add(elements_selected=moved.numel(), time_exchange_s=time.perf_counter() - t0)
 
 
 class HierarchicalExchange:

@@ -55,7 +55,7 @@ SHARED_KEY = checkpoint.LOCAL_SHARED_KEY
 # reach the outer optimizer.
 OUTER_OPTIONS = frozenset({"error_feedback", "residual_decay", "warmup_steps", "warmup_density", "min_numel",
                            "fusion_bytes", "dense_fallback", "selection_scope", "exchange", "exchange_trial_steps",
-                           "exchange_recheck_steps", "hierarchical", "groups", "global_topk_candidates"})
+                           "exchange_recheck_steps", "hierarchical", "groups"})
 
 
 def _momentum_buffer(outer, anchor):
@@ -109,7 +109,7 @@ def LocalSteps(optimizer, named_parameters=None, *, sync_every, compression=TopK
             change: ``error_feedback``, ``residual_decay``, ``warmup_steps`` (in
             synchronisations), ``warmup_density``, ``min_numel``, ``fusion_bytes``,
             ``dense_fallback``, ``selection_scope``, ``exchange``, ``exchange_trial_steps``,
-            ``exchange_recheck_steps``, ``hierarchical``, ``groups``, ``global_topk_candidates``.
+            ``exchange_recheck_steps``, ``hierarchical``, ``groups``.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")

@@ -42,7 +42,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                          min_numel=1024, fusion_bytes=64 * 1024 * 1024, dense_fallback=True,
                          selection_scope="tensor", grad_scaler=None, exchange="auto",
                          exchange_trial_steps=TRIAL_STEPS, exchange_recheck_steps=0, hierarchical="auto",
-                         residual_decay=1.0, global_topk_candidates=4):
+                         residual_decay=1.0):
     """Wrap ``optimizer`` so that gradients are exchanged as Top-K pairs with error feedback.
 
     Same signature and behaviour as ``hvd.DistributedOptimizer``: the result is an instance of
@@ -87,10 +87,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
             or ``DeMo``, whose updates it cost quality from 4 ranks on: pin it to use it).
             ``"allgather"``: every rank's pairs (bytes grow with the
             ranks). ``"sparse_allreduce"``: each rank's top-k positions in one part of the bucket
-            (rotating), every rank's values there allreduced (bytes grow as (P-1)/P).
-            ``"global_topk"``: positions chosen from the ranks' summed residual: each rank
-            proposes its top ``global_topk_candidates`` x k, the union's values are allreduced,
-            the P x k largest sums move (pinned only; ``hvd_topk.exchange.GlobalTopK``). ``"dense"``,
+            (rotating), every rank's values there allreduced (bytes grow as (P-1)/P). ``"dense"``,
             ``"dense_fp16"``: Horovod's allreduce, fp32 or fp16. ``exchange_recheck_steps`` (0):
             re-run the trial that often (it always re-runs when the world size changes).
         hierarchical ("auto"): dense reduce-scatter inside each host, Top-K with error feedback on
@@ -130,7 +127,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                       selection_scope=selection_scope, sparse_as_dense=sparse_as_dense,
                       exchange=exchange, exchange_trial_steps=exchange_trial_steps,
                       exchange_recheck_steps=exchange_recheck_steps, hierarchical=hierarchical,
-                      residual_decay=residual_decay, global_topk_candidates=global_topk_candidates)
+                      residual_decay=residual_decay)
     compression = _resolve_compression(compression)
     if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
         raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")

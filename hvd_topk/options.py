@@ -3,7 +3,6 @@ guide (``hvd_topk.DistributedOptimizer``'s docstring points here)."""
 
 import dataclasses
 import numbers
-import warnings
 
 from hvd_topk import auto, exchange
 from hvd_topk.selection import (DENSE_EXCHANGES, check_density, check_flag, check_integer, check_number,
@@ -44,7 +43,7 @@ class Options:
       sparse allreduce, which cost those quality from 4 ranks on (``auto.UPDATES_NOTE``). Force one with
       ``"allgather"`` (every rank's pairs; bytes grow with P), ``"sparse_allreduce"`` (each rank
       chooses one part's positions, values allreduced; bytes grow as (P-1)/P: the one for many ranks),
-      ``"dense"`` or ``"dense_fp16"``, or ``"global_topk"`` (below). ``exchange_recheck_steps`` re-runs the trial that often
+      ``"dense"`` or ``"dense_fp16"``. ``exchange_recheck_steps`` re-runs the trial that often
       (0: only when the world size changes). Pin one for quality experiments on a single
       host, where ``"auto"`` may rightly pick dense and the run then tests no compression.
     - ``dense_fallback`` sends a bucket dense when a ring allreduce would move fewer bytes than
@@ -60,14 +59,6 @@ class Options:
       entry waits at 1%; 0.99 about two thirds. One extra pass over the residual per step.
       Measured with ``LocalAdamW`` on a small GPT: at 1% no gain; at 0.1% (an entry waits
       ~1000 steps) 0.99 with twice the learning rate cut the gap to dense AdamW fourfold.
-    - ``exchange="global_topk"`` (pinned only) chooses the positions that move from the ranks'
-      *summed* residual: each rank proposes the top ``global_topk_candidates`` x k of its own,
-      the proposals' indices are allgathered, every rank's values at their union allreduced,
-      and the P x k largest sums move (as many positions as the allgather moves at most). At
-      density 0.1% with ``LocalAdamW`` on 2 ranks, 4 candidates a pair ended 1000-step runs
-      +4.3% above dense AdamW against the allgather's +6.8% (a screen, 3 seeds), but 3000-step
-      runs +8.1% against +5.6% (seed 42): not a default. Its bytes grow with the candidates:
-      about 5x the allgather's sparse steps at 4 (``hvd_topk.costs.global_topk``).
     - ``fusion_bytes``: the dense-equivalent size of a sparse bucket. Larger buckets mean fewer
       messages; smaller ones start exchanging earlier in backward.
     """
@@ -86,13 +77,12 @@ class Options:
     exchange_recheck_steps: int = 0
     hierarchical: object = "auto"
     residual_decay: float = 1.0
-    global_topk_candidates: int = 4
 
     def __post_init__(self):
         for key in ("error_feedback", "dense_fallback", "sparse_as_dense"):
             check_flag(getattr(self, key), key)
         for key, low in (("warmup_steps", 0), ("min_numel", 0), ("fusion_bytes", 1),
-                         ("exchange_trial_steps", 1), ("exchange_recheck_steps", 0), ("global_topk_candidates", 1)):
+                         ("exchange_trial_steps", 1), ("exchange_recheck_steps", 0)):
             check_integer(getattr(self, key), key, low)
         m = check_number(self.momentum_correction, "momentum_correction")
         if not 0.0 <= m < 1.0:
@@ -110,12 +100,7 @@ class Options:
         if self.hierarchical is True and self.exchange in DENSE_EXCHANGES:
             raise ValueError(f"hierarchical=True sends sparse pairs across hosts, exchange={self.exchange!r} every "
                              "bucket dense: pass one or the other")
-        if self.hierarchical is True and self.exchange == exchange.GlobalTopK.name:
-            raise ValueError("exchange='global_topk' chooses positions over the whole job and has no hierarchical "
-                             "form: pass hierarchical=False or 'auto' (it then runs flat)")
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        if self.exchange != exchange.GlobalTopK.name and self.global_topk_candidates != defaults["global_topk_candidates"]:
-            warnings.warn(f"global_topk_candidates has no effect with exchange={self.exchange!r}", stacklevel=4)
         warn_ignored(self.exchange, 4, **{name: (getattr(self, name), defaults[name])
                                           for name in ("exchange_trial_steps", "exchange_recheck_steps",
                                                        "selection_scope", "dense_fallback")})

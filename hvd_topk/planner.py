@@ -116,7 +116,7 @@ class ExchangePlanner:
         strategy = self.strategy(family, bucket, codec_plan, world)
         hierarchical = strategy.sparse and self.runs_hierarchically(bucket, family)
         led = None  # all: the allgather; hierarchical (the cross stage chooses its own, inflight)
-        if not strategy.sparse or strategy is exchange.GlobalTopK:  # global_topk: chosen after the exchange
+        if not strategy.sparse:
             led = range(0)
         elif strategy is exchange.SparseAllreduce and not hierarchical:
             led = codec_plan.part_segments(exchange.SparseAllreduce.part(rank, step, bucket.index, world))
@@ -147,13 +147,10 @@ class ExchangePlanner:
         bucket's even where ``codec_plan`` is one host shard's: a dense exchange moves the whole
         bucket, and every rank of a host must model the same (tests/test_planner.py)."""
         value_bytes, index_bytes = self.codec.pair_itemsizes(codec_plan)
-        dense_bytes = allreduce_dtype(bucket.dtype).itemsize
-        if strategy in (exchange.SparseAllreduce, exchange.GlobalTopK):
+        if strategy is exchange.SparseAllreduce:
             value_bytes = allreduce_dtype(codec_plan.layout.value_dtype).itemsize
-        if strategy is exchange.GlobalTopK:
-            return strategy.wire_bytes(world, bucket.numel, codec_plan.count, value_bytes, index_bytes, dense_bytes,
-                                       self.options.global_topk_candidates)
-        return strategy.wire_bytes(world, bucket.numel, codec_plan.count, value_bytes, index_bytes, dense_bytes)
+        return strategy.wire_bytes(world, bucket.numel, codec_plan.count, value_bytes, index_bytes,
+                                   allreduce_dtype(bucket.dtype).itemsize)
 
     def runs_hierarchically(self, bucket, family):
         """Whether ``bucket``'s sparse exchange under ``family`` runs in the host and cross-host

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.distributed
 
 SCRIPTS = ["check_compressor.py", "check_optimizer.py", "check_checkpoint.py", "check_mismatch.py", "check_compat.py",
            "check_amp.py", "check_process_sets.py", "check_join.py", "check_sparse_allreduce.py", "check_ddp.py",
-           "check_local_steps.py", "check_global_topk.py"]
+           "check_local_steps.py"]
 TORCHRUN = {"check_ddp.py"}  # launched by torchrun (torch.distributed), not mpirun
 NPS = (2, 3)
 MORE_NPS = {"check_sparse_allreduce.py": (4,)}  # the leader rotates over more ranks

@@ -27,10 +27,6 @@ def test_engine_options_checked_by_type(kwargs, error, text):
     ({"hierarchical": True, "exchange": "dense"}, ValueError, "hierarchical=True sends sparse pairs across hosts, "
                                                               "exchange='dense' every bucket dense"),
     ({"hierarchical": True, "exchange": "dense_fp16"}, ValueError, "exchange='dense_fp16' every bucket dense"),
-    ({"hierarchical": True, "exchange": "global_topk"}, ValueError, "exchange='global_topk' chooses positions over "
-                                                                    "the whole job and has no hierarchical form"),
-    ({"global_topk_candidates": 0, "exchange": "global_topk"}, ValueError, "global_topk_candidates must be"),
-    ({"global_topk_candidates": 2.0, "exchange": "global_topk"}, TypeError, "global_topk_candidates must be"),
 ])
 def test_engine_option_combinations_refused(kwargs, error, text):
     from hvd_topk.options import Options
@@ -48,8 +44,6 @@ def test_engine_option_combinations_refused(kwargs, error, text):
     ({"exchange": "auto", "exchange_trial_steps": 5, "selection_scope": "bucket"}, None),
     ({"exchange": "allgather", "selection_scope": "bucket", "dense_fallback": False}, None),
     ({"exchange": "dense_fp16"}, None),
-    ({"exchange": "allgather", "global_topk_candidates": 8}, "global_topk_candidates has no effect with exchange='allgather'"),
-    ({"exchange": "global_topk", "global_topk_candidates": 8}, None),
 ])
 def test_options_without_effect_warn(kwargs, ignored):
     """An option set away from its default where the exchange never reads it (the trial's with a

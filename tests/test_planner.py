@@ -96,24 +96,6 @@ def test_auto_during_warm_up_takes_the_fewest_bytes_without_a_trial():
     assert plan.family(0, 1) == "dense"  # one rank: nothing to exchange
 
 
-def test_global_topk_bytes_and_dense_fallback():
-    """exchange="global_topk", c = 4 candidates a pair: each rank allgathers its 4k = 400 indices
-    ((P-1) 400 x 4 bytes) and the union's values go round a ring allreduce, counted at their
-    largest, min(n, P x 400) + 1 flag slot (2 (P-1)/P (|U| + 1) x 4). At P = 2: 1600 + 3204 =
-    4804 bytes; at P = 3, 3200 + 8/3 x 1201 x 4. At 10% (k = 1000) the union can cover the whole
-    weight: 1 x 4000 x 4 + 1 x 8001 x 4 = 48,004 > the ring's 40,000, so it goes dense."""
-    plan, (sparse, dense) = planner(exchange="global_topk")
-    assert plan.modelled_bytes("global_topk", 0.01, 2) == pytest.approx(1 * 400 * 4 + 1 * 801 * 4)
-    assert plan.modelled_bytes("global_topk", 0.01, 3) == pytest.approx(2 * 400 * 4 + 2 * 2 / 3 * 1201 * 4)
-    two, _ = planner(exchange="global_topk", global_topk_candidates=2)
-    assert two.modelled_bytes("global_topk", 0.01, 2) == pytest.approx(1 * 200 * 4 + 1 * 401 * 4)
-    s = plan.bucket_step(sparse, 0, "global_topk", 2, 0)
-    assert s.strategy is exchange.GlobalTopK and s.plan.count == 100 and not s.selects  # chosen after the exchange
-    wide = plan.codec_plan(sparse, 0.1, "global_topk", 2)
-    assert plan.strategy("global_topk", sparse, wide, 2) is exchange.DenseAllreduce
-    assert plan.strategy("global_topk", dense, None, 2) is exchange.DenseAllreduce
-
-
 def test_sparse_allreduce_every_rank_selects_one_part():
     """The weight (10,000 elements) in 3 parts of 3334, 3333, 3333; rank (j + step + bucket)
     mod 3 selects part j, so each step the three ranks select the three parts."""

@@ -52,12 +52,9 @@ def expected(ref, grads, active, big, size):
     return out
 
 
-def check_uneven_batches_then_join(selection_scope="tensor", exchange="allgather"):
-    """``exchange="global_topk"``: its contract while every rank is active (one bucket; head2 at
-    half scale, so that no magnitudes tie: see ``nets.Net``)."""
+def check_uneven_batches_then_join(selection_scope="tensor"):
     rank, size = hvd.rank(), hvd.size()
-    model, opt = build(density=DENSITY, min_numel=MIN_NUMEL, selection_scope=selection_scope, exchange=exchange,
-                       head2_scale=0.5 if exchange == "global_topk" else None)
+    model, opt = build(density=DENSITY, min_numel=MIN_NUMEL, selection_scope=selection_scope)
     big = [n for n, p in model.named_parameters() if p.numel() >= MIN_NUMEL]
     ref = ErrorFeedbackReference(size)
     shadow = copy.deepcopy(model)
@@ -67,9 +64,8 @@ def check_uneven_batches_then_join(selection_scope="tensor", exchange="allgather
         for r in active:
             for n, g in raw_gradients(shadow, model, *batch(step, r)).items():
                 grads[n][r] = g
-        if (selection_scope == "bucket" or exchange == "global_topk") and len(active) == size:
-            want = ref.sparse_bucket(big[::-1], grads, DENSITY) if exchange == "allgather" else \
-                ref.global_topk_bucket(big[::-1], grads, DENSITY, 4, selection_scope)  # backward order, as bucketed
+        if selection_scope == "bucket" and len(active) == size:
+            want = ref.sparse_bucket(big[::-1], grads, DENSITY)  # backward order, as bucketed
             want.update({n: np.sum([grads[n][r] for r in active], axis=0) / np.float32(size)
                          for n in grads if n not in big})
         else:
@@ -153,10 +149,8 @@ def check_horovod_uneven_batches_then_join(drop_in):
 CHECKS = [
     ("uneven batches then join", check_uneven_batches_then_join),
     ("uneven batches then join, bucket scope", lambda: check_uneven_batches_then_join("bucket")),
-    ("uneven batches then join, global top-k", lambda: check_uneven_batches_then_join(exchange="global_topk")),
     ("join at every epoch's end, warm-up, allgather", lambda: check_join_every_epoch("allgather")),
     ("join at every epoch's end, warm-up, sparse allreduce", lambda: check_join_every_epoch("sparse_allreduce")),
-    ("join at every epoch's end, warm-up, global top-k", lambda: check_join_every_epoch("global_topk")),
     ("join at every epoch's end, auto's trial", lambda: check_join_every_epoch("auto", exchange_trial_steps=1)),
     ("drop-in TopK: uneven batches then join", lambda: check_horovod_uneven_batches_then_join(True)),
     ("horovod: uneven batches then join", lambda: check_horovod_uneven_batches_then_join(False)),

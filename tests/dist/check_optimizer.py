@@ -30,13 +30,12 @@ def batch(step, rank, n=24, part=None):
     return x[part * half:(part + 1) * half], y[part * half:(part + 1) * half]
 
 
-def build(density=0.05, lr=0.1, momentum=0.9, seed=0, fp16_values=False, compact=False, head2_scale=None,
-          **options):
+def build(density=0.05, lr=0.1, momentum=0.9, seed=0, fp16_values=False, compact=False, **options):
     """The test model and its optimizer; the allgather exchange unless ``exchange`` says
     otherwise (the default, "auto", would try several strategies in the first steps)."""
     options.setdefault("exchange", "allgather")
     torch.manual_seed(seed)
-    model = Net(head2_scale)
+    model = Net()
     inner = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
                                         compression=hvd_topk.TopK(density=density, fp16_values=fp16_values,
@@ -53,7 +52,7 @@ BUCKET_PER_TENSOR = {"head2.weight": 0, "fc2.weight": 1, "fc1.weight": 2}  # eac
 
 
 def want_sparse(ref, big, grads, density, step, buckets=ONE_BUCKET, exchange="allgather", scope="tensor",
-                average=True, sent=None, candidates=4):
+                average=True, sent=None):
     """The reference result of every tensor in ``big`` (registration order): bucket by bucket,
     each bucket's tensors laid out in reverse registration order. ``sent``: per rank, what the
     implementation sent over the bucket (one bucket only), for ties broken by torch.topk."""
@@ -62,8 +61,6 @@ def want_sparse(ref, big, grads, density, step, buckets=ONE_BUCKET, exchange="al
         names = [n for n in big[::-1] if buckets[n] == b]
         if exchange == "sparse_allreduce":
             out.update(ref.sparse_allreduce_bucket(names, grads, density, step, b, scope, average, sent))
-        elif exchange == "global_topk":
-            out.update(ref.global_topk_bucket(names, grads, density, candidates, scope, average))
         elif scope == "bucket":
             out.update(ref.sparse_bucket(names, grads, density, average, sent))
         else:
@@ -114,8 +111,7 @@ def check_contract(label, steps=4, density=0.05, momentum_correction=0.0, error_
             accs = ref._accumulate(big[::-1], grads)[0]
             sent = [np.abs(left[r]) < 0.5 * np.abs(accs[r]) for r in range(size)]
         shared = want_sparse(ref, big, grads, d, step, buckets, options.get("exchange", "allgather"),
-                             "bucket" if bucket_scope else "tensor", op == hvd.Average, sent,
-                             options.get("global_topk_candidates", 4))
+                             "bucket" if bucket_scope else "tensor", op == hvd.Average, sent)
         for name, p in model.named_parameters():
             if name in big:
                 want = shared[name]
@@ -144,8 +140,6 @@ def check_contract(label, steps=4, density=0.05, momentum_correction=0.0, error_
                                                               if buckets[n] == bucket]), size,
                                              options.get("selection_scope", "tensor"))]
         want_selected = sum(k_of(n, dgc_density(s, density, warmup_steps)) for s in range(steps) for n in pieces)
-    elif options.get("exchange") == "global_topk":  # the positions moved, counted by the reference
-        want_selected = ref.moved
     elif bucket_scope:
         want_selected = sum(k_of(sum(sizes), dgc_density(s, density, warmup_steps)) for s in range(steps))
     else:
@@ -289,16 +283,15 @@ def train(model, opt, steps, start=0):
     harness.train(model, opt, steps, batch, start)
 
 
-def check_checkpoint_resume(**options):
-    """Save at step 3 (one state per rank), resume in fresh objects: bitwise equal at step 7.
-    ``options``: the optimizer's (e.g. ``exchange``)."""
-    model, opt = build(min_numel=500, warmup_steps=4, **options)
+def check_checkpoint_resume():
+    """Save at step 3 (one state per rank), resume in fresh objects: bitwise equal at step 7."""
+    model, opt = build(min_numel=500, warmup_steps=4)
     train(model, opt, 7)
-    model_b, opt_b = build(min_numel=500, warmup_steps=4, **options)
+    model_b, opt_b = build(min_numel=500, warmup_steps=4)
     train(model_b, opt_b, 3)
     saved = copy.deepcopy({"model": model_b.state_dict(), "opt": opt_b.state_dict()})
     assert saved["opt"]["hvd_topk"]["step"] == 3
-    model_c, opt_c = build(min_numel=500, warmup_steps=4, seed=123, **options)  # different init on purpose
+    model_c, opt_c = build(min_numel=500, warmup_steps=4, seed=123)  # different init on purpose
     model_c.load_state_dict(saved["model"])
     opt_c.load_state_dict(saved["opt"])
     train(model_c, opt_c, 4, start=3)
@@ -650,7 +643,7 @@ def check_horovod_positional_call():
 
 def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-3, wd=0.1,
                       lr_in_residual=False, residual_decay=1.0, exchange="allgather", global_variance=False,
-                      skip=None, idle=None, signal="mean", variance_sketch=0, head2_scale=None):
+                      skip=None, idle=None, signal="mean", variance_sketch=0):
     """LocalAdamW: each rank's numpy Adam on its own gradient gives its update; the exchanged
     result is the error-feedback contract applied to those updates; the step is
     p * (1 - lr * wd) - lr * result on every rank. (A large eps: with a tiny one the first
@@ -670,7 +663,7 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-
     rank, size = hvd.rank(), hvd.size()
     skip, idle = skip or {}, idle or {}
     torch.manual_seed(0)
-    model = Net(head2_scale)
+    model = Net()
     inner = hvd_topk.LocalAdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd,
                                 lr_in_residual=lr_in_residual, global_variance=global_variance, signal=signal,
                                 variance_sketch=variance_sketch)
@@ -776,8 +769,8 @@ def check_inner_resume(make_inner, changed, **options):
         model = Net()
         return model, hvd_topk.DistributedOptimizer(make_inner(model.parameters()),
                                                     named_parameters=model.named_parameters(),
-                                                    min_numel=500, compression=hvd_topk.TopK(density=0.05),
-                                                    **{"exchange": "allgather", **options})
+                                                    exchange="allgather", min_numel=500,
+                                                    compression=hvd_topk.TopK(density=0.05), **options)
 
     def change(opt):
         for group in opt.param_groups:

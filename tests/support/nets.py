@@ -6,15 +6,10 @@ import torch
 
 
 class Net(torch.nn.Module):
-    """Two big weights (sparse path) and small biases (dense path); head2 is optional.
+    """Two big weights (sparse path) and small biases (dense path); head2 is optional."""
 
-    head2 and fc2 see the same input, so their gradients are equal and their magnitudes tie
-    entry for entry. ``head2_scale`` (e.g. 0.5) scales head2's output and so its gradient,
-    for checks whose reference cannot follow how ``torch.topk`` breaks ties."""
-
-    def __init__(self, head2_scale=None):
+    def __init__(self):
         super().__init__()
-        self.head2_scale = head2_scale
         self.fc1 = torch.nn.Linear(40, 96)
         self.fc2 = torch.nn.Linear(96, 10)
         self.head2 = torch.nn.Linear(96, 10)
@@ -22,9 +17,7 @@ class Net(torch.nn.Module):
     def forward(self, x, use_head2=True):
         h = torch.relu(self.fc1(x))
         out = self.fc2(h)
-        if not use_head2:
-            return out
-        return out + (self.head2(h) if self.head2_scale is None else self.head2_scale * self.head2(h))
+        return out + self.head2(h) if use_head2 else out
 
 
 def batch(step, rank, part=0, n=24, device=None):

@@ -113,25 +113,6 @@ class ErrorFeedbackReference:
         keep = np.concatenate(chosen) if chosen else np.zeros(0, dtype=np.int64)
         return self._exchange(names, grads, accs, us, edges, [keep] * self.ranks, average, held)
 
-    def global_topk_bucket(self, names, grads, density, candidates, scope="tensor", average=True):
-        """``exchange="global_topk"``'s results for one bucket holding ``names``: k is the
-        allgather's (the sum over tensors of ``k_of(size, density)``, or ``k_of`` of the bucket
-        with bucket scope); every rank proposes the ``min(n, candidates x k)`` largest ``|acc|``
-        of the whole bucket; at the union of the proposals every rank's acc is summed (rank
-        order, float32), and the ``min(|union|, P x k)`` positions with the largest ``|sum|``
-        move, each rank sending its acc there. ``self.moved`` counts the positions moved."""
-        accs, us, edges = self._accumulate(names, grads)
-        sizes = np.diff(edges)
-        k = k_of(int(edges[-1]), density) if scope == "bucket" else sum(k_of(int(n), density) for n in sizes)
-        proposals = min(int(edges[-1]), candidates * k)
-        union = np.unique(np.concatenate([_keep(acc, proposals) for acc in accs]))
-        sums = np.zeros(len(union), dtype=np.float32)
-        for acc in accs:
-            sums += acc[union]
-        moved = union[np.argsort(-np.abs(sums), kind="stable")[:min(len(union), self.ranks * k)]]
-        self.moved = getattr(self, "moved", 0) + len(moved)
-        return self._exchange(names, grads, accs, us, edges, [moved] * self.ranks, average)
-
     def _set_aside(self, names, accs, edges, idle, zero=True):
         """``idle``'s accumulators (decayed residual, no gradient) kept aside, and with ``zero``
         zeroed in ``accs``; ``{(rank, name): kept}``."""
