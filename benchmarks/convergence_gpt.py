@@ -230,7 +230,7 @@ CONFIGS = {
 # the recipe's dense start: "gv-0.1%-lr{LR}-fp16v-decay{DECAY}"
 for _lr, _decay in (("1e-2", "0.999"), ("1e-2", "0.997"), ("1e-2", "0.995"), ("1e-2", "0.99"),
                     ("1.5e-2", "0.995"), ("2e-2", "0.995"), ("2e-2", "0.99"), ("3e-2", "0.995"),
-                    ("3e-2", "0.99"), ("3e-2", "0.98"), ("1.5e-2", "0.99"), ("2e-2", "0.985")):
+                    ("3e-2", "0.99"), ("3e-2", "0.98"), ("1.5e-2", "0.99"), ("2e-2", "0.985"), ("2.5e-2", "0.99")):
     CONFIGS[f"gv-0.1%-lr{_lr}-fp16v-decay{_decay}"] = (
         f"hvd_topk 0.1%, the recipe at lr {_lr}, 16-bit values, residual_decay={_decay}",
         [*GV, "--density", "0.001", *START, "--lr", _lr, "--fp16-values", "--residual-decay", _decay])
@@ -308,10 +308,9 @@ for _density, _what in (("0.19", "1.9x"), ("0.2", "2x"), ("0.25", "2.5x")):
 # 0.1% at 3000 steps with the dense start over 300: the rate on either side of 2e-2 (the 1%
 # recipe's best rate rose with the length, 1e-2 at 1000 steps to 1.5e-2 at 3000)
 for _lr in ("1.5e-2", "2.5e-2"):
-    CONFIGS[f"gv-0.1%-lr{_lr}-fp16v-decay0.99-start1x300"] = (
-        f"hvd_topk 0.1%, the recipe at lr {_lr}, 16-bit values, residual_decay=0.99, the dense start over 300 steps",
-        [*GV, "--density", "0.001", *START, "--lr", _lr, "--fp16-values", "--residual-decay", "0.99",
-         "--warmup-steps", "300", "--warmup-density", "1.0"])
+    _name = f"gv-0.1%-lr{_lr}-fp16v-decay0.99"
+    CONFIGS[f"{_name}-start1x300"] = (f"{CONFIGS[_name][0]}, the dense start over 300 steps",
+                                      [*CONFIGS[_name][1], "--warmup-steps", "300", "--warmup-density", "1.0"])
 # LocalAdamW(signal="mean+lag1"): an oscillation counted as signal (8 ranks)
 for _name in ("gv-1%-lr1e-2-fp16v", "gv-1%-lr1.5e-2-fp16v", "gv-1%-lr2e-2-fp16v", "gv-0.1%-lr2e-2-fp16v-decay0.99"):
     CONFIGS[f"{_name}-lag1"] = (f"{CONFIGS[_name][0]}, signal='mean+lag1' (a flipping sign counts as signal)",
