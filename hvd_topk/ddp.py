@@ -289,6 +289,7 @@ class TopKState:
                                "holds parameters it has not seen); build one TopKState per "
                                "DistributedDataParallel model")
         self.model_params |= ids
+        self._check_supported(bucket, params)
         self._check_named(params)
         self._check_optimizer_owns(params)
         fresh = exchange.BucketLayout(params, bucket.gradients(), bucket.buffer(), self.min_numel,
@@ -298,6 +299,11 @@ class TopKState:
             # a step's first bucket with a new layout: DDP rebuilt all of them (after its first
             # step); the old ones stay until the step ends, the later buckets take from them too
             self.retired, self.layouts = list(self.layouts.values()), {}
+        elif bucket.index() in self.layouts:
+            # DDP rebuilt its buckets but kept the first one (a rebuild that regroups only later
+            # buckets, e.g. by dtype): the layout replaced here keeps residuals that later
+            # buckets take (a parameter moved from this bucket to a later one)
+            self.retired.append(self.layouts.pop(bucket.index()))
         for old in sources:
             fresh.take_residuals_from(old)
         if self.names is not None and self.pending:
@@ -315,6 +321,20 @@ class TopKState:
                                f"{self.world_size} and its process group is now rank {now[0]} of {now[1]} (a new "
                                "init_process_group?): build a new TopKState for the new group; load_state_dict() "
                                "keeps the step and restarts the residuals from zero, with a warning")
+
+    def _check_supported(self, bucket, params):
+        """Complex parameters (DDP reduces them as their real view, twice the elements the layout
+        would cover: half of each gradient would go unaveraged) and sparse gradients
+        (``nn.Embedding(sparse=True)``: DDP hands the hook a sparse tensor) are refused here."""
+        for i, p in enumerate(params):
+            if p.is_complex():
+                name = (self.names or {}).get(p, f"#{i} of its DDP bucket")
+                raise TypeError(f"hvd_topk.ddp: parameter {name!r} is complex ({p.dtype}); the hook "
+                                "supports real floating-point parameters only (keep such a parameter as "
+                                "torch.view_as_real of a real one)")
+        if bucket.buffer().layout != torch.strided or any(g.layout != torch.strided for g in bucket.gradients()):
+            raise TypeError("hvd_topk.ddp: a DDP bucket holds sparse gradients (nn.Embedding(sparse=True) or "
+                            "similar); the hook compresses dense gradients only: use sparse=False")
 
     def _check_named(self, params):
         """``named_parameters=`` names what checkpoints hold: one parameter of the model it lacks
@@ -476,6 +496,8 @@ def topk_hook(state, bucket):
         state.iteration += 1
         state._stats["steps"] += 1
         state.retired = []
+        for index in [i for i in state.layouts if i > bucket.index()]:
+            del state.layouts[index]  # DDP rebuilt into fewer buckets: their residuals moved
     state._stats["bytes_dense"] += buffer.numel() * 4
     state._stats["elements_total"] += buffer.numel()
     futures = []

@@ -203,6 +203,54 @@ def check_several_buckets():
     assert len(state.layouts) >= 2, f"expected several DDP buckets, got {len(state.layouts)}"
 
 
+class _Shuffled(torch.nn.Module):
+    """Four 1024-element weights used in the order 0, 2, 1, 3: their gradients are ready in an
+    order DDP's first buckets (reverse registration order) do not follow, so after its first
+    step DDP rebuilds them, keeping the first bucket (p.3) and swapping the two in the middle."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(1024)) for _ in range(4)])
+
+    def forward(self, x):
+        for i in (0, 2, 1, 3):
+            x = torch.tanh(x * self.p[i])
+        return x.square().sum()
+
+
+def check_rebuild_keeps_first_bucket(steps=4, density=0.05):
+    """DDP's rebuild that keeps bucket 0 and regroups later ones: every residual follows its
+    parameter into its new bucket (each step's p.grad and the residuals against the numpy
+    contract; before the fix, the tensor moved out of a replaced bucket restarted from zero)."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = _Shuffled().to(DEVICE)
+    ddp = DDP(model, bucket_cap_mb_list=[0.001] * 4)
+    state = hvd_topk.ddp.TopKState(density=density, min_numel=MIN_NUMEL, exchange="allgather", method="exact",
+                                   named_parameters=model.named_parameters())
+    hvd_topk.ddp.register(ddp, state)
+    ref = ErrorFeedbackReference(size)
+    orders = []
+    for step in range(steps):
+        x = torch.randn(1024, generator=torch.Generator().manual_seed(1000 * step + rank)).to(DEVICE)
+        shadow = copy.deepcopy(model)
+        shadow(x).backward()
+        model.zero_grad(set_to_none=True)
+        ddp(x).backward()
+        orders.append({i: [state.names[p] for p in layout.params] for i, layout in sorted(state.layouts.items())})
+        for name, p in model.named_parameters():
+            grads = np.stack(gather(host(shadow.get_parameter(name).grad)))
+            np.testing.assert_allclose(host(p.grad), ref.sparse(name, grads, density), rtol=1e-5, atol=1e-6,
+                                       err_msg=f"step {step} {name} (buckets {orders[-1]})")
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.01 * p.grad
+    assert orders[0] != orders[-1] and orders[0][0] == orders[-1][0], f"no rebuild of the kind meant: {orders}"
+    for name, residual in state.state_dict()["residuals"].items():
+        np.testing.assert_allclose(host(residual).reshape(-1), ref.residual[rank][name].reshape(-1),
+                                   rtol=1e-5, atol=1e-6, err_msg=f"residual {name}")
+
+
 def check_stats():
     """bytes_ratio: the run's message bytes over dense fp32 bytes, counted by hand."""
     state, _ = check_reference(steps=3, density=0.05)
@@ -605,6 +653,30 @@ def check_bad_input():
     F.cross_entropy(first(x), y).backward()
     with raises(RuntimeError, match="already serves another DDP model", what="a state shared by two models"):
         F.cross_entropy(second(x), y).backward()
+    # a complex parameter (DDP reduces its real view: twice the elements) and sparse gradients
+    class Complex(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(1024, dtype=torch.complex64))
+
+        def forward(self, x):
+            return (x * self.w).abs().sum()
+
+    class SparseEmbedding(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(1000, 16, sparse=True)
+
+        def forward(self, x):
+            return self.emb(x).sum()
+
+    for module, inputs, match in [(Complex(), torch.randn(1024), "parameter 'w' is complex"),
+                             (SparseEmbedding(), torch.randint(0, 1000, (8,)), "sparse gradients")]:
+        module = module.to(DEVICE)
+        ddp = DDP(module)
+        hvd_topk.ddp.register(ddp, P(min_numel=MIN_NUMEL, named_parameters=module.named_parameters()))
+        with raises(TypeError, match=match, what=type(module).__name__):
+            ddp(inputs.to(DEVICE)).backward()
     # an optimizer= that holds only some of the model's parameters
     model = Net().to(DEVICE)
     ddp = DDP(model)
@@ -707,6 +779,7 @@ class _FakeBucket:
 CHECKS = [
     ("allgather, one bucket", check_reference),
     ("allgather, several buckets", check_several_buckets),
+    ("DDP rebuilds later buckets, keeps the first: residuals follow", check_rebuild_keeps_first_bucket),
     ("sparse allreduce, several buckets", lambda: check_reference("sparse_allreduce", bucket_cap_mb=0.005)),
     ("auto, dense start (warm-up from 1.0)", lambda: check_reference("auto", steps=5, warmup_steps=4,
                                                                      warmup_density=1.0)),
