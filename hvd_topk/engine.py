@@ -287,7 +287,13 @@ class TopKEngine:
         self._progress()
         for position, m in enumerate(bucket.members):
             if position not in bucket.folded:  # no gradient this step: contributes zeros
-                self._fold(bucket, position, m.param.grad)
+                grad = m.param.grad
+                if grad is not None and self.transform is not None:
+                    # a gradient whose last hook never fired (a step after fewer than
+                    # backward_passes_per_step passes, or p.grad set by hand): the inner
+                    # optimizer's transform (LocalAdamW's update) applies to it as to the others
+                    self.transform(m.param, grad, self.world)
+                self._fold(bucket, position, grad)
         current = bucket.current or self._begin_bucket(bucket)
         if current.encode is None and not self._accumulates(bucket, current):
             bucket.copy_in()  # the staging copy the folds left (see ``_fold``)

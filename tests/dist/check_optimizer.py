@@ -745,6 +745,40 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-
         hvd_topk.DistributedOptimizer(hvd_topk.LocalAdamW(Net().parameters()), grad_scaler=torch.amp.GradScaler("cpu"))
 
 
+def check_local_adamw_gradient_without_its_last_hook(steps=3):
+    """A gradient whose last hook never fired goes through LocalAdamW's update as one from a hook
+    does: a step after one of ``backward_passes_per_step=2`` passes, and ``p.grad`` set by hand
+    from ``torch.autograd.grad``, end where ``backward_passes_per_step=1`` with ``.backward()``
+    does (before 2026-12-04 both applied the raw gradient as the update)."""
+    rank = hvd.rank()
+
+    def make(passes):
+        torch.manual_seed(0)
+        model = Net()
+        inner = hvd_topk.LocalAdamW(model.parameters(), lr=0.01, eps=1e-3, weight_decay=0.1)
+        opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(), exchange="allgather",
+                                            compression=hvd_topk.TopK(density=0.05), min_numel=500,
+                                            backward_passes_per_step=passes)
+        return model, opt
+
+    (ref_model, ref_opt), (part_model, part_opt), (hand_model, hand_opt) = make(1), make(2), make(1)
+    for step in range(steps):
+        x, y = batch(step, rank)
+        for model, opt in ((ref_model, ref_opt), (part_model, part_opt)):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        hand_opt.zero_grad()
+        params = list(hand_model.parameters())
+        for p, g in zip(params, torch.autograd.grad(F.cross_entropy(hand_model(x), y), params)):
+            p.grad = g
+        hand_opt.step()
+        for name, want in ref_model.named_parameters():
+            for label, model in (("one of two passes", part_model), ("p.grad set by hand", hand_model)):
+                np.testing.assert_allclose(model.get_parameter(name).detach().numpy(), want.detach().numpy(),
+                                           rtol=1e-6, atol=1e-7, err_msg=f"{label}: step {step} {name}")
+
+
 def check_local_adamw_resume(**options):
     """LocalAdamW's moments and the residuals: ``check_inner_resume``, betas changed before the
     save. ``options``: LocalAdamW's ``lr_in_residual``, ``global_variance``, the optimizer's
@@ -901,6 +935,7 @@ CHECKS = [
     ("a positional call written for hvd.DistributedOptimizer, num_groups", check_horovod_positional_call),
     ("LocalAdamW: Adam per rank, updates exchanged", check_local_adamw),
     ("LocalAdamW: checkpoint resume", check_local_adamw_resume),
+    ("LocalAdamW: a gradient whose last hook never fired", check_local_adamw_gradient_without_its_last_hook),
     ("LocalAdamW: lr in the residual, residual decay", lambda: check_local_adamw(
         steps=5, lr_in_residual=True, residual_decay=0.9)),
     ("LocalAdamW: lr in the residual, decay, sparse allreduce", lambda: check_local_adamw(
