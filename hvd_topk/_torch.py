@@ -25,6 +25,13 @@ Checked against torch 2.13 (``CHECKED_VERSION``). Each private detail relied on:
    foreach paths use the same family). A bucket stages or hands back dozens of small tensors
    per step; a Python loop of ``copy_`` costs a few microseconds each. Where the function is
    missing, the loop is used.
+5. ``keep_step_unhooked``: ``Optimizer.load_state_dict`` (through ``__setstate__`` and
+   ``_patch_step_function``) wraps ``type(optimizer).step`` in the step-hook runner unless the
+   function carries ``hooked = True``. hvd_topk's wrappers are dynamic subclasses whose
+   ``step`` calls the inner class's ``step``, which already runs the hooks; wrapped again after
+   a load, every registered step hook ran twice a step. Marking the wrapper's ``step`` as hooked
+   keeps one run. If torch renames the attribute, the hooks run twice again after a load (as
+   before this fix), and ``check_optimizer``'s hook count fails.
 """
 
 import sys
@@ -69,3 +76,10 @@ def copy_all(dests, srcs):
         return
     for d, s in zip(dests, srcs):
         d.copy_(s)
+
+
+def keep_step_unhooked(cls):
+    """Mark ``cls.step`` so that ``load_state_dict`` does not wrap it in the step-hook runner
+    again (see the module docstring)."""
+    if "step" in vars(cls):
+        cls.step.hooked = True

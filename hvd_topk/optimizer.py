@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import torch
 
 from hvd_topk._horovod import OPTIMIZER_MODULE, elastic_mode, hvd, instance_name, is_horovod_distributed_optimizer
-from hvd_topk._torch import AMP_SCALING_ATTRIBUTE, unscaled_already
+from hvd_topk._torch import AMP_SCALING_ATTRIBUTE, keep_step_unhooked, unscaled_already
 from hvd_topk.auto import TRIAL_STEPS
 from hvd_topk.compressor import TopK
 from hvd_topk import checkpoint
@@ -185,6 +185,8 @@ def share_as_subclass(optimizer, methods):
     # hvd.broadcast_optimizer_state initialises a fresh optimizer's state by calling the *inner*
     # step() when the optimizer's module is Horovod's; otherwise it would run a whole exchange.
     cls.__module__ = OPTIMIZER_MODULE
+    # the inner class's step runs the step hooks; load_state_dict must not add a second run
+    keep_step_unhooked(cls)
     wrapped = cls.__new__(cls)
     # Share the user's optimizer (param_groups, state, hooks, defaults) instead of re-creating
     # it; an instance-level ``step`` (an LR scheduler's wrapper) would bypass ours.

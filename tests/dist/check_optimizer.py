@@ -779,6 +779,34 @@ def check_local_adamw_gradient_without_its_last_hook(steps=3):
                                            rtol=1e-6, atol=1e-7, err_msg=f"{label}: step {step} {name}")
 
 
+def check_step_hooks_once_after_load():
+    """A registered step pre- and post-hook runs once a step, as on the plain torch optimizer,
+    also after ``load_state_dict`` (before 2026-12-04 torch's load wrapped the wrapper's step in
+    the hook runner a second time: twice a step), for DistributedOptimizer and LocalSteps."""
+    rank = hvd.rank()
+    for make in (lambda model: hvd_topk.DistributedOptimizer(
+                     torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                     compression=hvd_topk.TopK(density=0.05), exchange="allgather", min_numel=500),
+                 lambda model: hvd_topk.LocalSteps(
+                     torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                     compression=hvd_topk.TopK(density=0.05), exchange="allgather", min_numel=500, sync_every=2)):
+        torch.manual_seed(0)
+        model = Net()
+        opt = make(model)
+        calls = []
+        opt.register_step_pre_hook(lambda *args: calls.append("pre"))
+        opt.register_step_post_hook(lambda *args: calls.append("post"))
+        for step in range(4):
+            if step == 2:
+                opt.load_state_dict(opt.state_dict())
+            calls.clear()
+            x, y = batch(step, rank)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            assert calls == ["pre", "post"], f"{type(opt).__name__} step {step}: hooks ran {calls}"
+
+
 def check_local_adamw_resume(**options):
     """LocalAdamW's moments and the residuals: ``check_inner_resume``, betas changed before the
     save. ``options``: LocalAdamW's ``lr_in_residual``, ``global_variance``, the optimizer's
@@ -936,6 +964,7 @@ CHECKS = [
     ("LocalAdamW: Adam per rank, updates exchanged", check_local_adamw),
     ("LocalAdamW: checkpoint resume", check_local_adamw_resume),
     ("LocalAdamW: a gradient whose last hook never fired", check_local_adamw_gradient_without_its_last_hook),
+    ("step hooks run once a step, also after load_state_dict", check_step_hooks_once_after_load),
     ("LocalAdamW: lr in the residual, residual decay", lambda: check_local_adamw(
         steps=5, lr_in_residual=True, residual_decay=0.9)),
     ("LocalAdamW: lr in the residual, decay, sparse allreduce", lambda: check_local_adamw(
