@@ -58,6 +58,17 @@ OUTER_OPTIONS = frozenset({"error_feedback", "residual_decay", "warmup_steps", "
                            "exchange_recheck_steps", "hierarchical", "groups"})
 
 
+def _groups_of_anchors(groups, param_groups, params, anchors):
+    """``groups=[[parameter, ...], ...]`` names the model's parameters; the outer optimizer
+    exchanges their anchors. Each trained parameter becomes its anchor, a frozen one is left out
+    (it is not exchanged, as with ``DistributedOptimizer``), and anything else is kept, for the
+    outer optimizer to refuse by name."""
+    anchor_of = {id(p): a for p, a in zip(params, anchors)}
+    frozen = {id(p) for g in param_groups for p in g["params"] if not p.requires_grad}
+    return [[anchor_of.get(id(p), p) for p in group if id(p) not in frozen] if isinstance(group, (list, tuple))
+            else group for group in groups]
+
+
 def _momentum_buffer(outer, anchor):
     """The outer SGD's momentum buffer of ``anchor`` (a copy), or None (no momentum, or none yet)."""
     buffer = outer.state.get(anchor, {}).get("momentum_buffer")
@@ -141,6 +152,8 @@ def LocalSteps(optimizer, named_parameters=None, *, sync_every, compression=TopK
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     # requires_grad so that the outer optimizer exchanges them; they never enter autograd
     anchors = [p.detach().clone().requires_grad_(True) for p in params]
+    if isinstance(options.get("groups"), (list, tuple)):
+        options["groups"] = _groups_of_anchors(options["groups"], optimizer.param_groups, params, anchors)
     outer = DistributedOptimizer(torch.optim.SGD(anchors, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov),
                                  named_parameters=[(names[p], a) for p, a in zip(params, anchors)],
                                  compression=compression, process_set=process_set, **options)
@@ -268,7 +281,8 @@ class _LocalSteps(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         """A checkpoint without the local-steps section (a plain optimizer's) starts a new
-        period: the anchors are taken from the model at the next ``step()``. One saved with a
+        period: the anchors are taken from the model at the next ``step()``, and the outer
+        optimizer starts afresh (zero residuals, no momentum, no synchronisations). One saved with a
         larger ``sync_every``, further into its period than this one's length, synchronises at
         the next ``step()``. A ``hvd_topk.DistributedOptimizer``'s loads as a plain one, with a
         warning that its residuals are dropped. (Checkpoints written before the anchors moved to
@@ -296,9 +310,21 @@ class _LocalSteps(torch.optim.Optimizer):
             self.param_groups[0].pop(SHARED_KEY, None)
             self.param_groups[0][PHASE_KEY] = 0
             self.param_groups[0].setdefault(SYNCS_KEY, 0)
+            self._restart_outer()
             return
         self._adopt_shared()
         local.outer.load_state_dict(ours["outer"])
+
+    def _restart_outer(self):
+        """After loading a checkpoint without an outer optimizer (a plain one's, or a
+        ``DistributedOptimizer``'s): the outer optimizer as built, its residuals zero and no
+        momentum, so that the run goes on as a fresh ``LocalSteps`` loaded with it would (the
+        residuals and momentum of the run before the load belong to another model change)."""
+        outer = getattr(self, LOCAL).outer
+        fresh = outer.state_dict()
+        del fresh[checkpoint.STATE_KEY]  # a plain state: the engine's residuals start from zero
+        fresh["state"] = {}
+        outer.load_state_dict(fresh)
 
     def _check_shared_shapes(self, shared):
         """ValueError naming the first anchor whose saved shape differs (nothing changed yet)."""

@@ -424,6 +424,63 @@ def check_checkpoints_across_optimizers():
         assert_same_on_all_ranks(p.detach().numpy(), f"after the converted checkpoint: {n}")
 
 
+def check_plain_checkpoint_restarts_outer():
+    """A plain optimizer's checkpoint loaded into a LocalSteps that has already synchronised
+    (outer residuals and Nesterov momentum built up): the run then equals a fresh LocalSteps
+    loaded with the same checkpoint and model, bitwise (before, the old residuals and momentum
+    were kept while the synchronisation count restarted)."""
+    make = lambda seed=0: build(adamw(), sync_every=2, seed=seed, outer_momentum=0.9, nesterov=True)
+    model, opt = make()
+    train(model, opt, 4)  # ends at a synchronisation: the model is the same on every rank
+    assert opt.compression_stats()["syncs"] == 2
+    state = opt.state_dict()
+    plain = {"state": copy.deepcopy(state["state"]),
+             "param_groups": [{k: v for k, v in g.items() if not k.startswith("hvd_topk")}
+                              for g in state["param_groups"]]}
+    weights = copy.deepcopy(model.state_dict())
+    runs = []
+    for model_x, opt_x in ((model, opt), make(seed=5)):
+        model_x.load_state_dict(weights)
+        opt_x.load_state_dict(copy.deepcopy(plain))
+        assert opt_x.local_step == 0 and opt_x.param_groups[0]["hvd_topk_local_syncs"] == 0
+        train(model_x, opt_x, 5, start=4)
+        runs.append([p.detach().clone() for p in model_x.parameters()])
+    for (name, _), a, b in zip(model.named_parameters(), *runs):
+        assert torch.equal(a, b), f"{name}: loading a plain checkpoint kept the outer optimizer's old state " \
+                                  f"(max difference {float((a - b).abs().max())} from a fresh LocalSteps)"
+
+
+def check_groups():
+    """``groups=[[...]]`` lists the model's parameters: their anchors are fused as listed (a
+    frozen one left out, as DistributedOptimizer does), and the run equals the one without
+    groups bitwise (per-tensor Top-K over the allgather does not depend on the fusion)."""
+    runs = []
+    for grouped in (False, True):
+        torch.manual_seed(0)
+        model = Net()
+        model.head2.bias.requires_grad_(False)
+        groups = [[model.fc2.weight, model.head2.bias], [model.fc1.weight, model.head2.weight]]
+        opt = hvd_topk.LocalSteps(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                  named_parameters=model.named_parameters(), sync_every=2,
+                                  compression=hvd_topk.TopK(density=0.05), min_numel=MIN_NUMEL,
+                                  exchange="allgather", **({"groups": groups} if grouped else {}))
+        outer = getattr(opt, "_hvd_topk_local").outer
+        fused = [[m.name for m in b.members] for b in getattr(outer, "_hvd_topk").buckets if b.sparse]
+        if grouped:
+            assert fused == [["fc2.weight"], ["fc1.weight", "head2.weight"]], fused
+        else:
+            assert fused == [["head2.weight", "fc2.weight", "fc1.weight"]], fused
+        train(model, opt, 6)
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b), "groups changed the numbers"
+    model = Net()
+    with raises(ValueError, match=r"groups holds a tensor of shape \(3,\) that is not one of the optimizer's",
+                what="a tensor outside the optimizer in groups"):
+        hvd_topk.LocalSteps(torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2,
+                            groups=[[model.fc1.weight, torch.zeros(3)]])
+
+
 def check_bad_input():
     model = Net()
     with raises(ValueError, match="sync_every must be an integer >= 1", what="sync_every=0"):
@@ -520,6 +577,8 @@ CHECKS = [
     ("the same with a stateless inner optimizer: the ranks' disagreement is an error", check_stateless_broadcast_refused),
     ("hvd.join, broadcasts from the last rank, a second epoch", check_join_then_next_epoch),
     ("checkpoints across LocalSteps and DistributedOptimizer", check_checkpoints_across_optimizers),
+    ("a plain checkpoint restarts the outer optimizer", check_plain_checkpoint_restarts_outer),
+    ("groups of the model's parameters", check_groups),
     ("bad input", check_bad_input),
 ]
 
