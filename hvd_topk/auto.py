@@ -43,7 +43,20 @@ UPDATES_NOTE = ("the sparse allreduce not tried: the inner optimizer exchanges e
                 "over it that was measured to cost quality from 4 ranks on (docs/adamw.md); pin exchange= to use it")
 
 
-def families(hierarchical_available, hierarchical_only, compact=False, fp16=False, updates=False):
+# Why ``families(momentum=True)`` leaves dense out: a residual decayed each step (DeMo's beta,
+# ``residual_decay`` < 1) is a momentum, and a dense exchange sends it whole and zeroes it, so
+# the step under dense has no momentum (and DeMo's sign descent moves every entry). Picking
+# dense for speed would change the algorithm.
+MOMENTUM_NOTE = ("dense not tried: the residual decays each step (DeMo's beta, residual_decay < 1) and is a "
+                 "momentum, which a dense exchange would send whole and zero; pin exchange='dense' to use it")
+
+
+def left_out(updates, momentum):
+    """What ``families(updates=..., momentum=...)`` leaves out and why (for ``Trial``), or None."""
+    return "; ".join(note for note, on in ((MOMENTUM_NOTE, momentum), (UPDATES_NOTE, updates)) if on) or None
+
+
+def families(hierarchical_available, hierarchical_only, compact=False, fp16=False, updates=False, momentum=False):
     """The families a job may use: dense, the two sparse ones, and those run hierarchically
     where the host sets exist; only the hierarchical ones (and dense) with ``hierarchical=True``.
     With compact pairs (``hvd_topk.compact``: the allgather's alone) dense and the flat
@@ -52,8 +65,9 @@ def families(hierarchical_available, hierarchical_only, compact=False, fp16=Fals
     fp32 values it would be a silent change of precision: an entry above 65504 arrives as inf,
     and the rounding of the start's dense steps is not fed back. With ``updates`` (``auto``
     over an inner optimizer that exchanges each rank's update: LocalAdamW, DeMo) no sparse
-    allreduce, flat or hierarchical (``UPDATES_NOTE``)."""
-    dense = ("dense", "dense_fp16") if fp16 or compact else ("dense",)
+    allreduce, flat or hierarchical (``UPDATES_NOTE``). With ``momentum`` (a decayed residual) no
+    dense family (``MOMENTUM_NOTE``)."""
+    dense = () if momentum else ("dense", "dense_fp16") if fp16 or compact else ("dense",)
     sparse = ("allgather",) if compact or updates else SPARSE
     if compact:
         return dense + sparse

@@ -100,6 +100,11 @@ def check(engine, state):
         if not is_count(state[key], none_ok=key == "rank"):
             raise CheckpointMismatch(f"the checkpoint's {STATE_KEY!r} section has {key}={state[key]!r}, not a "
                                      "count. Nothing was loaded.")
+    scale = state.get("residual_scale")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
+                              or not 0 < scale < float("inf")):
+        raise CheckpointMismatch(f"the checkpoint's {STATE_KEY!r} section has residual_scale={scale!r}, not a "
+                                 "loss scale (a finite number > 0, or None). Nothing was loaded.")
     if state["format"] > STATE_FORMAT:
         raise CheckpointMismatch(f"the checkpoint's {STATE_KEY!r} section has format {state['format']}, "
                                  f"newer than this hvd_topk's ({STATE_FORMAT}): upgrade hvd_topk to load it. "
@@ -184,7 +189,13 @@ def load(engine, state, nonfinite=()):
             for flat in b.residuals():
                 flat.zero_()
         return
-    engine.residual_scale.scale = state.get("residual_scale")
+    _load_residuals(engine, state, nonfinite)
+    # in the units of the loss scale they were saved in (None: true units), whatever the set-up now
+    engine.residual_scale.adopt(state.get("residual_scale"), residual_buckets(engine))
+
+
+def _load_residuals(engine, state, nonfinite):
+    """``load``'s work on the buckets, residuals left in the saved loss scale's units."""
     same_rank = (state["rank"], state["size"]) == (engine.rank, engine.world)
     buckets = residual_buckets(engine)
     if engine.hier is not None or state.get("hierarchy") is not None:

@@ -83,7 +83,8 @@ class TopKState:
             (``hvd_topk.auto``, the Horovod optimizer's trial); on a fast network that may be
             dense, which is the point (dense fp16 only where values travel in 16 bits:
             ``fp16_values`` or ``compact``; no sparse allreduce with ``optimizer=``, whose updates
-            it cost quality from 4 ranks on: ``auto.UPDATES_NOTE``). Before that, the family
+            it cost quality from 4 ranks on: ``auto.UPDATES_NOTE``; no dense with ``residual_decay``
+            below 1, DeMo's momentum, which dense would send whole: ``auto.MOMENTUM_NOTE``). Before that, the family
             moving the fewest bytes (the same limit). Pin
             one for quality experiments on one host. A sparse family still sends a bucket
             dense where a ring allreduce moves fewer bytes.
@@ -380,7 +381,9 @@ class TopKState:
         self.family = self.trial.family()
 
     def _start_trial(self, density):
-        families = auto.families(False, False, self.compact, self.codec.dense_fp16, updates=self.sends_updates)
+        momentum = self.residual_decay < 1  # (auto only: a pinned exchange never starts a trial)
+        families = auto.families(False, False, self.compact, self.codec.dense_fp16, updates=self.sends_updates,
+                                 momentum=momentum)
         assignments, byte_counts = {}, {}
         for family in families:
             chosen = [exchange.choose(self, layout, layout.plan(self.codec, density), self.world_size, family)
@@ -388,7 +391,7 @@ class TopKState:
             assignments[family] = tuple(s.name for s, _ in chosen)
             byte_counts[family] = sum(cost for _, cost in chosen)
         self.trial = auto.Trial(auto.propose(assignments, byte_counts), self.exchange_trial_steps, self._agree,
-                                auto.UPDATES_NOTE if self.sends_updates else None)
+                                auto.left_out(self.sends_updates, momentum))
         self.trial_started = self.iteration
 
     @property

@@ -419,6 +419,11 @@ class TopKEngine:
     def pending(self):
         return any(b.inflight is not None for b in self.buckets)
 
+    def taken_in(self):
+        """Whether a gradient of this step is already in a bucket (folded into its residual or
+        staged, after the inner optimizer's transform) and the exchange has not finished."""
+        return any(b.current is not None for b in self.buckets)
+
     def holds_result(self):
         """``p.grad`` holds this step's exchanged result and no backward has started another."""
         return self.synchronized and not self.pending()

@@ -5,7 +5,8 @@ step that produced it. The scaler halves the scale after an overflow and doubles
 ``growth_interval`` steps; a residual carried across such a change would be added back at the
 wrong scale. So when the scale has changed, the residuals (and DGC's momentum) are multiplied
 by new / old: exact for the scaler's powers of two, and a pass over memory only on the rare
-steps that change it.
+steps that change it. A checkpoint says which scale its residuals are in, so a run resumed with
+another set-up (a scaler, or none) converts them (``adopt``).
 """
 
 
@@ -27,3 +28,17 @@ class ResidualScale:
         if old is not None and scale != old:
             for b in buckets:
                 b.rescale(scale / old)
+
+    def adopt(self, saved, buckets):
+        """After a checkpoint's residuals were put into ``buckets``: ``saved`` is the scale they
+        were kept in (None: true units, saved without a scaler). With a scaler the next step's
+        ``follow`` brings them to its scale; without one they are divided back to true units
+        now. So a run may resume with or without the scaler it saved with."""
+        saved = None if saved is None else float(saved)
+        if self.scaler is not None and self.scaler.is_enabled():
+            self.scale = 1.0 if saved is None else saved
+            return
+        self.scale = None
+        if saved is not None and saved != 1.0:
+            for b in buckets:
+                b.rescale(1.0 / saved)

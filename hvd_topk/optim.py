@@ -132,6 +132,10 @@ class _ExchangedUpdates(_CheckedGroups):
     says that hvd_topk's exchange has written this step's ``p.grad``."""
 
     _exchanged = False
+    # Whether step() moves the same for the ranks' summed updates as for their average (DeMo's
+    # normalises what was exchanged). Where it does not, op=hvd.Sum is refused: it would step P
+    # times as far, where AdamW under hvd.DistributedOptimizer(op=hvd.Sum) steps as with Average.
+    sum_invariant = False
 
     def exchanged(self):
         """Called by ``hvd_topk.DistributedOptimizer`` once the exchange has written ``p.grad``:
@@ -418,6 +422,8 @@ class DeMo(_ExchangedUpdates):
     """
 
     NORMALISE = ("sign", "rms")
+
+    sum_invariant = True  # sign and RMS normalisation ignore a common factor
 
     def __init__(self, params, lr=1e-3, beta=0.999, weight_decay=0.0, normalise="sign"):
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 < beta <= 1.0:

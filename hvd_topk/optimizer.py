@@ -84,7 +84,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
             (logged once on rank 0; ``compression_stats()["exchange_reason"]``); it may be dense
             where the network is fast (dense fp16 only where values travel in 16 bits already:
             ``TopK(fp16_values=True)`` or ``compact=True``; no sparse allreduce over ``LocalAdamW``
-            or ``DeMo``, whose updates it cost quality from 4 ranks on: pin it to use it).
+            or ``DeMo``, whose updates it cost quality from 4 ranks on: pin it to use it; no dense
+            where the residual decays, ``residual_decay`` < 1 or DeMo's ``beta``: it is a momentum,
+            which dense would send whole).
             ``"allgather"``: every rank's pairs (bytes grow with the
             ranks). ``"sparse_allreduce"``: each rank's top-k positions in one part of the bucket
             (rotating), every rank's values there allreduced (bytes grow as (P-1)/P). ``"dense"``,
@@ -141,6 +143,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                          "exchange and does not support loss scaling (grad_scaler): its moments would mix "
                          "loss scales and absorb overflowed steps. Use bf16 autocast (no scaler), or "
                          "hvd_topk.FrozenVarianceAdamW / torch.optim.AdamW with grad_scaler=.")
+    if op == hvd.Sum and hasattr(optimizer, "transform_local_gradient") \
+            and not getattr(optimizer, "sum_invariant", False):
+        raise ValueError(f"op=hvd.Sum with {type(optimizer).__name__}: the exchange would sum the ranks' updates, "
+                         "a step as many times as long as there are ranks (AdamW's own step does not grow when "
+                         "gradients are summed, so hvd.DistributedOptimizer(AdamW, op=hvd.Sum) trains as with "
+                         "Average). Use op=hvd.Average, the default.")
     if error_feedback and type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
         warnings.warn(ADAM_WARNING.format(type(optimizer).__name__), stacklevel=2)
     if momentum_correction:
@@ -284,9 +292,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         The step counter is also a param-group option (``"hvd_topk_step"``), so that
         ``hvd.broadcast_optimizer_state`` brings every rank to the root's step after a
-        checkpoint was loaded on the root only; the other ranks' residuals then start at zero."""
+        checkpoint was loaded on the root only; the other ranks' residuals then start at zero.
+
+        Call it after ``step()`` (or before this step's ``backward()``): in between, this
+        rank's gradient is already in the residual, and a resume would count it twice
+        (RuntimeError). Between ``synchronize()`` and ``step()`` it is allowed, and the resumed
+        run goes on as if that step had been skipped (as a ``GradScaler`` skips one)."""
+        engine = getattr(self, ENGINE)
+        if engine.taken_in():
+            raise RuntimeError(
+                "optimizer.state_dict() was called after loss.backward() and before optimizer.step(): this "
+                "rank's gradient is already folded into the error-feedback residual (and LocalAdamW's moments), "
+                "so a run resumed from it would count this step's gradient twice. Save after optimizer.step().")
         state = super(self.__class__, self).state_dict()
-        state[STATE_KEY] = getattr(self, ENGINE).state_dict()
+        state[STATE_KEY] = engine.state_dict()
         return state
 
     def load_state_dict(self, state_dict):

@@ -37,6 +37,8 @@ class ExchangePlanner:
         process_set, name: where and under which name the trial's decision is agreed.
         updates: the inner optimizer exchanges each rank's update (LocalAdamW, DeMo): ``auto``
             then leaves the sparse allreduce out (``auto.UPDATES_NOTE``); a pinned one is used.
+            (And with ``options.residual_decay`` < 1, DeMo's momentum, ``auto`` leaves dense out:
+            ``auto.MOMENTUM_NOTE``.)
     """
 
     def __init__(self, options, buckets, codec, schedule, hier, process_set, name, updates=False):
@@ -44,9 +46,11 @@ class ExchangePlanner:
         self.hier = hier
         self.process_set, self.name = process_set, name
         # only auto's families are narrowed: family() maps a pinned exchange through them too
-        self.left_out = auto.UPDATES_NOTE if updates and options.exchange == "auto" else None
+        narrowed = options.exchange == "auto"
+        updates, momentum = updates and narrowed, options.residual_decay < 1 and narrowed
+        self.left_out = auto.left_out(updates, momentum)
         self.families = auto.families(hier is not None, options.hierarchical is True, codec.compact,
-                                      codec.dense_fp16, updates=self.left_out is not None)
+                                      codec.dense_fp16, updates=updates, momentum=momentum)
         self.trial, self.trial_world = None, None  # exchange="auto": the trial of this world size
 
     @staticmethod

@@ -185,6 +185,23 @@ def test_describe_says_why_before_any_trial():
     assert planner(exchange="dense")[0].describe(2) == {"exchange": "dense"}
 
 
+def test_auto_with_a_decaying_residual_leaves_dense_out():
+    """``residual_decay`` < 1 (DeMo's beta): the residual is a momentum, which a dense exchange
+    would send whole and zero each step, so auto offers no dense family (fp16 included), says
+    so, and in the density warm-up takes the allgather even where dense moves fewer bytes (at
+    50% and P = 4 the pairs alone, 3 x 5000 x 6 = 90000 bytes, are more than a ring allreduce of
+    all 10100 values in fp16, 2 x 3/4 x 10100 x 2 = 30300). A pinned dense exchange is used as given."""
+    decayed, _ = planner(warmup_steps=5, warmup_density=0.5, residual_decay=0.9, updates=True,
+                         codec=Codec(fp16_values=True))
+    plain, _ = planner(warmup_steps=5, warmup_density=0.5, codec=Codec(fp16_values=True))
+    assert plain.families == ("dense", "dense_fp16", "allgather", "sparse_allreduce")
+    assert decayed.families == ("allgather",)
+    assert "dense not tried" in decayed.left_out and "sparse allreduce not tried" in decayed.left_out
+    assert plain.family(0, 4) in ("dense", "dense_fp16") and decayed.family(0, 4) == "allgather"
+    pinned, _ = planner(exchange="dense", residual_decay=0.9)
+    assert pinned.family(10, 4) == "dense" and pinned.left_out is None
+
+
 def test_auto_over_updates_leaves_both_sparse_allreduces_out():
     """An inner optimizer that exchanges updates (LocalAdamW, DeMo): auto is offered neither the
     flat nor the hierarchical sparse allreduce, and in the density warm-up (the fewest bytes)

@@ -79,6 +79,28 @@ def check_residuals_follow_scale_changes(momentum_correction=0.0):
     assert saved["residual_scale"] == SCALES[-1], saved["residual_scale"]
 
 
+def check_resume_across_scaler_setups(saved_scaled):
+    """A checkpoint saved with a GradScaler (residuals in its scale's units, 2^3 at the end)
+    loaded into an optimizer without one, or saved without one (true units) and loaded with a
+    scaler at 2^10: the resumed run's unscaled gradients still match the true-unit reference,
+    which never saw a scale (before, the residuals came back 8 times too large, or 1024 times
+    too small)."""
+    off = torch.amp.GradScaler("cpu", enabled=False)  # scale() and step() pass through unchanged
+    model, opt, scaler = build_scaled(pass_scaler=saved_scaled)
+    ref = ErrorFeedbackReference(hvd.size())
+    worst = train_scaled(model, opt, scaler if saved_scaled else off, len(SCALES), error_feedback_expected(ref, model))
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    assert saved["opt"]["hvd_topk"]["residual_scale"] == (SCALES[-1] if saved_scaled else None)
+    assert any(float(r.abs().max()) > 0 for r in saved["opt"]["hvd_topk"]["residuals"].values())
+    model_b, opt_b, scaler_b = build_scaled(pass_scaler=not saved_scaled)
+    model_b.load_state_dict(saved["model"])
+    opt_b.load_state_dict(saved["opt"])
+    worst = max(worst, train_scaled(model_b, opt_b, off if saved_scaled else scaler_b, len(SCALES),
+                                    error_feedback_expected(ref, model_b)))
+    assert worst < 1e-6, f"after resuming {'without' if saved_scaled else 'with'} a scaler, unscaled gradients " \
+                         f"differ from the true-unit reference by {worst:g}"
+
+
 def check_without_the_scaler_residuals_are_stale():
     """The failure the option prevents (so the check above is not vacuous): without
     ``grad_scaler`` the residual is added back at the old scale after the first change.
@@ -216,6 +238,8 @@ CHECKS = [
     ("residuals follow loss-scale changes", check_residuals_follow_scale_changes),
     ("residuals follow loss-scale changes, momentum correction",
      lambda: check_residuals_follow_scale_changes(momentum_correction=0.9)),
+    ("saved with a GradScaler, resumed without one", lambda: check_resume_across_scaler_setups(saved_scaled=True)),
+    ("saved without a GradScaler, resumed with one", lambda: check_resume_across_scaler_setups(saved_scaled=False)),
     ("without grad_scaler the residuals are stale", check_without_the_scaler_residuals_are_stale),
     ("GradScaler.step without grad_scaler refused", check_scaler_step_without_the_option_refused),
     ("grad_scaler type checked", check_rejects_other_objects),

@@ -127,7 +127,39 @@ def check_truncated_and_foreign_sections():
     newer["hvd_topk"]["format"] = 99
     refused(opt, newer, "newer than this hvd_topk", "newer format")
     refused(opt, {"state": {}}, "not an optimizer state_dict", "no param_groups")
+    for scale in (0.0, float("inf"), "1024", True):
+        odd = copy.deepcopy(good)
+        odd["hvd_topk"]["residual_scale"] = scale
+        refused(opt, odd, re.escape(f"residual_scale={scale!r}, not a loss scale"), f"residual_scale={scale!r}")
     trains_on(model, opt, "after the refused loads")
+
+
+def check_state_dict_mid_step_refused():
+    """``state_dict()`` after ``backward()`` and before ``step()``: the gradient is already in the
+    residual, so a resume would count it twice; refused (RuntimeError), changing nothing: the run
+    then equals one that never asked, bitwise. After ``synchronize()`` it is allowed."""
+    runs = []
+    for ask in (False, True):
+        model, opt = trained()
+        gen = torch.Generator().manual_seed(1000 * 3 + hvd.rank())
+        x, y = torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        if ask:
+            with raises(RuntimeError, match=r"called after loss.backward\(\) and before optimizer.step\(\).*twice",
+                        what="state_dict() between backward() and step()"):
+                opt.state_dict()
+        opt.synchronize()
+        if ask:
+            assert "hvd_topk" in opt.state_dict()
+        with opt.skip_synchronize():
+            opt.step()
+        train(model, opt, 2, start=4)
+        runs.append(flat_state(opt))
+    assert runs[0].keys() == runs[1].keys()
+    for key, value in runs[0].items():
+        same = torch.equal(runs[1][key], value) if torch.is_tensor(value) else runs[1][key] == value
+        assert same, f"{key} differs after the refused state_dict()"
 
 
 def check_nonfinite_residual_wiped():
@@ -165,6 +197,7 @@ CHECKS = [
     ("truncated or foreign section refused", check_truncated_and_foreign_sections),
     ("non-finite residual wiped with a warning", check_nonfinite_residual_wiped),
     ("plain torch optimizer state loads", check_plain_torch_state_loads),
+    ("state_dict() between backward() and step() refused", check_state_dict_mid_step_refused),
 ]
 
 

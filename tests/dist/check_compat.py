@@ -39,6 +39,11 @@ def check_options_refused():
     model = Net()
     with raises(ValueError, match="op=hvd.Adasum is not supported", what="EF optimizer, Adasum"):
         hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum)
+    # LocalAdamW's exchanged updates summed would step P times as far; DeMo normalises the sum
+    with raises(ValueError, match=r"op=hvd.Sum with LocalAdamW: the exchange would sum the ranks' updates",
+                what="LocalAdamW with op=hvd.Sum"):
+        hvd_topk.DistributedOptimizer(hvd_topk.LocalAdamW(model.parameters(), lr=0.01), op=hvd.Sum)
+    hvd_topk.DistributedOptimizer(hvd_topk.DeMo(model.parameters(), lr=0.01), op=hvd.Sum)
 
 
 # ---- item 11: checkpoint names -----------------------------------------------------------------

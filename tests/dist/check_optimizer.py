@@ -225,9 +225,10 @@ def check_auto_updates():
     """exchange="auto" over an inner optimizer that exchanges each rank's update (LocalAdamW,
     DeMo): the sparse allreduce, measured to cost such updates quality from 4 ranks on, is no
     candidate (at density 5% the plain SGD of ``check_auto`` has it) and the reason says why;
-    pinned, it is used."""
+    pinned, it is used. DeMo's decaying residual leaves dense out too."""
+    finals = {}
     for make in (hvd_topk.LocalAdamW, hvd_topk.DeMo):
-        for exchange in ("auto", "sparse_allreduce"):
+        for exchange in ("auto", "sparse_allreduce", "allgather"):
             torch.manual_seed(0)
             model = Net()
             opt = hvd_topk.DistributedOptimizer(make(model.parameters(), lr=0.01),
@@ -237,14 +238,21 @@ def check_auto_updates():
             train(model, opt, 7)
             stats = opt.compression_stats()
             if exchange == "auto":
-                assert stats["exchange_candidates"] == ["dense", "dense_fp16", "allgather"], stats
+                # DeMo's residual decays (beta 0.999): a momentum, which dense would send whole
+                demo = make is hvd_topk.DeMo
+                assert stats["exchange_candidates"] == (["allgather"] if demo else ["dense", "dense_fp16", "allgather"]), stats
                 assert "sparse allreduce not tried" in stats["exchange_reason"], stats
+                assert ("dense not tried" in stats["exchange_reason"]) == demo, stats
                 assert stats["exchange_choice"] in stats["exchange_candidates"], stats
-            else:
+            elif exchange == "sparse_allreduce":
                 used = set(stats["bucket_strategies"].values())
                 assert used == {"dense", "sparse_allreduce"}, (make.__name__, used)
             for p in model.parameters():
                 assert_same_on_all_ranks(p.detach().numpy(), f"{make.__name__}, {exchange}: parameters")
+            finals[make, exchange] = [p.detach().clone() for p in model.parameters()]
+    # DeMo under auto runs what the pinned allgather does, bit for bit (dense would flush its momentum)
+    for a, b in zip(finals[hvd_topk.DeMo, "auto"], finals[hvd_topk.DeMo, "allgather"]):
+        assert torch.equal(a, b), "DeMo under exchange='auto' differs from the pinned allgather"
 
 
 def check_cost_model_goes_dense():
