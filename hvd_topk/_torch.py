@@ -32,6 +32,12 @@ Checked against torch 2.13 (``CHECKED_VERSION``). Each private detail relied on:
    a load, every registered step hook ran twice a step. Marking the wrapper's ``step`` as hooked
    keeps one run. If torch renames the attribute, the hooks run twice again after a load (as
    before this fix), and ``check_optimizer``'s hook count fails.
+6. ``keep_objects``: ``Optimizer.load_state_dict`` puts a new ``state`` dict and new
+   param-group dicts in place of the old ones (torch 2.13, ``__setstate__``). hvd_topk's wrapper
+   shares those objects with the user's optimizer, so an LR scheduler built on that optimizer
+   (before wrapping) went on changing the old groups' learning rate after a load, silently, and
+   the user's optimizer wrapped again got its old state. The loaded values are copied back into
+   the old objects. If torch starts loading in place, this does nothing.
 """
 
 import sys
@@ -76,6 +82,24 @@ def copy_all(dests, srcs):
         return
     for d, s in zip(dests, srcs):
         d.copy_(s)
+
+
+def keep_objects(optimizer, load, state_dict):
+    """``load(state_dict)`` (torch's ``load_state_dict``), then the loaded state and param
+    groups put back into the objects ``optimizer`` held before (see the module docstring)."""
+    groups, state = optimizer.param_groups, optimizer.state
+    load(state_dict)
+    if optimizer.param_groups is not groups:
+        for old, new in zip(groups, optimizer.param_groups):
+            if old is not new:
+                old.clear()
+                old.update(new)
+        optimizer.param_groups = groups
+    if optimizer.state is not state:
+        loaded = optimizer.state
+        state.clear()
+        state.update(loaded)
+        optimizer.state = state
 
 
 def keep_step_unhooked(cls):

@@ -5,7 +5,7 @@ bucket with error feedback it *is* the residual: each gradient is folded in as i
 (``acc[tensor] += grad``), selection runs over the whole buffer in one call, and the sent
 entries are zeroed there. Without error feedback, and for the dense bucket of small tensors,
 it is a staging copy of this step's gradients. With DGC momentum correction a second buffer
-(``momentum``) holds ``u``. Buffers are allocated on first use and live as long as the
+(``momentum``) holds ``u``, in every bucket. Buffers are allocated on first use and live as long as the
 optimizer, so the hot path allocates nothing.
 
 Buckets are planned identically on every rank (same order, same members), which is what lets
@@ -273,8 +273,27 @@ class Bucket:
         for flat in self.residuals():
             flat.mul_(factor)
 
+    def add_momentum(self, factor):
+        """DGC momentum for a bucket sent whole without a residual (the dense bucket of small
+        tensors): ``u = factor u + staged gradients``, and ``u`` is what goes out. The ranks'
+        average of ``u`` is then momentum SGD on the average gradient, as DGC gives the tensors
+        it does not compress."""
+        u = self.momentum_buffer()
+        u.mul_(factor).add_(self.acc)
+        self.acc.copy_(u)
+
+    def sent_whole(self, residual):
+        """After a dense exchange of the whole buffer: with error feedback (``residual``) the
+        residual starts again from zero. DGC's momentum stays: its masking stops momentum where
+        Top-K chose entries, which a bucket sent whole did not do (it trains as momentum SGD);
+        only entries holding inf/nan (an overflow, skipped by a GradScaler) restart from zero."""
+        if residual and self.acc is not None:
+            self.acc.zero_()
+        if self.momentum is not None:
+            self.momentum.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+
     def clear(self):
-        """Everything was sent (dense): the residual and the momentum start again from zero."""
+        """The residual and the momentum start again from zero (this rank's state was lost)."""
         for flat in (self.acc, self.momentum):
             if flat is not None:
                 flat.zero_()

@@ -109,9 +109,9 @@ def check(engine, state):
         raise CheckpointMismatch(f"the checkpoint's {STATE_KEY!r} section has format {state['format']}, "
                                  f"newer than this hvd_topk's ({STATE_FORMAT}): upgrade hvd_topk to load it. "
                                  "Nothing was loaded.")
-    members = {m.name: m for b in residual_buckets(engine) for m in b.members}
     nonfinite = []
-    for kind in ("residuals", "momenta"):
+    for kind, buckets in (("residuals", residual_buckets(engine)), ("momenta", momentum_buckets(engine))):
+        members = {m.name: m for b in buckets for m in b.members}
         saved = state.get(kind, {})
         if not isinstance(saved, dict) or not all(torch.is_tensor(t) for t in saved.values()):
             raise CheckpointMismatch(f"the checkpoint's {STATE_KEY!r} section: {kind!r} is not a dict of "
@@ -150,6 +150,12 @@ def residual_buckets(engine):
     return [b for b in engine.buckets if b.sparse] if engine.options.error_feedback else []
 
 
+def momentum_buckets(engine):
+    """The buckets whose buffers carry residuals or DGC momentum across steps: with
+    ``momentum_correction`` every bucket (the dense one's momentum too), else the residual ones."""
+    return list(engine.buckets) if engine.options.momentum_correction else residual_buckets(engine)
+
+
 def hierarchy_key(engine):
     """Where hierarchical residuals belong: this rank's place and the buckets' sizes."""
     t = engine.hier
@@ -175,6 +181,8 @@ def save(engine):
         for m in b.members:
             if b.acc is not None:
                 out["residuals"][m.name] = b.view(b.acc, m).clone()
+    for b in momentum_buckets(engine):
+        for m in b.members:
             if b.momentum is not None:
                 out["momenta"][m.name] = b.view(b.momentum, m).clone()
     return out
@@ -185,13 +193,16 @@ def load(engine, state, nonfinite=()):
     counter is the caller's). ``state`` None (a plain torch optimizer's state_dict): residuals
     start from zero. ``nonfinite``: names whose residual held inf/nan, started from zero."""
     if state is None:
-        for b in residual_buckets(engine):
+        for b in momentum_buckets(engine):
             for flat in b.residuals():
                 flat.zero_()
         return
     _load_residuals(engine, state, nonfinite)
-    # in the units of the loss scale they were saved in (None: true units), whatever the set-up now
-    engine.residual_scale.adopt(state.get("residual_scale"), residual_buckets(engine))
+    if "residual_scale" in state:
+        # in the units of the loss scale they were saved in (None: true units), whatever the set-up now
+        engine.residual_scale.adopt(state["residual_scale"], momentum_buckets(engine))
+    else:  # written before the scale was saved: taken as in the scale of the next step, as then
+        engine.residual_scale.scale = None
 
 
 def _load_residuals(engine, state, nonfinite):
@@ -202,16 +213,18 @@ def _load_residuals(engine, state, nonfinite):
         _load_shards(engine, state, same_rank)
         return
     if not same_rank:
-        for b in buckets:
+        for b in momentum_buckets(engine):
             b.clear()
         if engine.options.error_feedback:
             warnings.warn(f"hvd_topk: this state was saved by rank {state['rank']} of {state['size']} "
                           f"and is loaded on rank {engine.rank} of {engine.world}: error-feedback "
                           "residuals start from zero. Save and load one state per rank to resume exactly.")
         return
-    ours = [m.name for b in buckets for m in b.members]
-    residuals, dropped = match_names(state.get("residuals", {}), ours)
-    momenta, dropped_momenta = match_names(state.get("momenta", {}), ours)
+    with_momentum = momentum_buckets(engine)
+    residuals, dropped = match_names(state.get("residuals", {}), [m.name for b in buckets for m in b.members])
+    # a momentum saved with momentum_correction means nothing without it: not loaded, not warned of
+    saved_momenta = state.get("momenta", {}) if engine.options.momentum_correction else {}
+    momenta, dropped_momenta = match_names(saved_momenta, [m.name for b in with_momentum for m in b.members])
     warn_dropped(dropped + [n for n in dropped_momenta if n not in dropped])
     if nonfinite:
         warnings.warn(f"hvd_topk: the checkpoint's error-feedback state of {sorted(set(nonfinite))} held "
@@ -221,6 +234,7 @@ def _load_residuals(engine, state, nonfinite):
     for b in buckets:
         if residuals or b.acc is not None:
             _restore(b, b.buffer(), residuals)
+    for b in with_momentum:
         if momenta or b.momentum is not None:
             _restore(b, b.momentum_buffer(), momenta)
 

@@ -85,7 +85,7 @@ class TopKState:
             ``fp16_values`` or ``compact``; no sparse allreduce with ``optimizer=``, whose updates
             it cost quality from 4 ranks on: ``auto.UPDATES_NOTE``; no dense with ``residual_decay``
             below 1, DeMo's momentum, which dense would send whole: ``auto.MOMENTUM_NOTE``). Before that, the family
-            moving the fewest bytes (the same limit). Pin
+            moving the fewest bytes (the same limits; such a residual takes no dense fallback either). Pin
             one for quality experiments on one host. A sparse family still sends a bucket
             dense where a ring allreduce moves fewer bytes.
         fp16_values (False): send values as float16 (6 bytes a pair instead of 8); the dense

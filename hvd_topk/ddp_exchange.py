@@ -342,15 +342,18 @@ def _fold_checked(state, layout, buffer):
 
 def choose(state, layout, plan, world, family):
     """``(strategy, its bytes into one rank)`` for the bucket's sparse part under ``family``
-    (None: the fewest bytes of all); a sparse family goes dense where that moves fewer bytes."""
+    (None: the fewest bytes of all); a sparse family goes dense where that moves fewer bytes,
+    except where the residual decays (``residual_decay`` < 1)."""
     sizes = (world, layout.numel, plan.count, *state.codec.pair_itemsizes(plan), layout.acc.element_size())
-    fallback = DENSE_FP16 if state.codec.dense_fp16 else DENSE
+    # a decaying residual is a momentum: never sent whole unless dense is pinned (auto.MOMENTUM_NOTE)
+    keeps = state.residual_decay < 1
+    fallback = () if keeps else (DENSE_FP16,) if state.codec.dense_fp16 else (DENSE,)
     if family is None:  # auto before its trial: the sparse strategies its families allow, or dense
-        allowed = auto.families(False, False, state.compact, updates=state.sends_updates)
-        options = (*(s for s in (ALLGATHER, SPARSE_ALLREDUCE) if s.name in allowed), fallback)
+        allowed = auto.families(False, False, state.compact, updates=state.sends_updates, momentum=keeps)
+        options = (*(s for s in (ALLGATHER, SPARSE_ALLREDUCE) if s.name in allowed), *fallback)
     else:
-        options = {"dense": (DENSE,), "dense_fp16": (DENSE_FP16,), "allgather": (ALLGATHER, fallback),
-                   "sparse_allreduce": (SPARSE_ALLREDUCE, fallback)}[family]
+        options = {"dense": (DENSE,), "dense_fp16": (DENSE_FP16,), "allgather": (ALLGATHER, *fallback),
+                   "sparse_allreduce": (SPARSE_ALLREDUCE, *fallback)}[family]
     strategy = costs.cheapest(options, *sizes)
     return strategy, strategy.wire_bytes(*sizes)
 

@@ -206,7 +206,7 @@ class TopKEngine:
         world = self.process_set.size()
         if world != self.world:
             self.world, self.rank = world, self.process_set.rank()
-        self.residual_scale.follow(checkpoint.residual_buckets(self))
+        self.residual_scale.follow(checkpoint.momentum_buckets(self))
         self.family = self.planner.family(self.step, self.world)
         topology = self.hier if self.planner.hierarchical(self.family) else None
         o = self.options
@@ -297,6 +297,8 @@ class TopKEngine:
         current = bucket.current or self._begin_bucket(bucket)
         if current.encode is None and not self._accumulates(bucket, current):
             bucket.copy_in()  # the staging copy the folds left (see ``_fold``)
+            if self.options.momentum_correction and not bucket.sparse:
+                bucket.add_momentum(self.options.momentum_correction)
         strategy = current.strategy
         name = f"{self.prefix}.bucket{bucket.index}.{strategy.name}"
         self.stats.add(elements_total=bucket.numel, bytes_dense=bucket.numel * bucket.element_size)
@@ -461,20 +463,21 @@ class TopKEngine:
         """This rank's section of the optimizer's checkpoint (``hvd_topk.checkpoint``)."""
         return checkpoint.save(self)
 
-    def load_state_dict(self, state, param_groups=None, nonfinite=()):
+    def load_state_dict(self, state, param_groups=None, nonfinite=(), step_before=None):
         """Restore ``state_dict()``'s output, checked by ``checkpoint.check`` (the caller also
         checked that no exchange is pending; ``nonfinite`` is what ``check`` returned).
 
-        ``param_groups``: the optimizer's groups after torch's ``load_state_dict`` replaced
-        them (the step counter lives there); with ``state`` None (a plain torch optimizer's
-        state) the step is kept and the residuals start from zero.
+        ``param_groups``: the optimizer's groups after torch's ``load_state_dict`` (the step
+        counter lives there); with ``state`` None (a plain torch optimizer's state) the step is
+        kept, ``step_before`` (read before torch's load wrote the groups), and the residuals
+        start from zero.
         """
         self.forget_step()
         self.verify_step = True
         # exchange="auto": measure again from here. Every rank restoring (and an elastic job's new
         # worker, whose trial has not started) then starts its trial at the same step.
         self.planner.forget_trial()
-        step = self.step
+        step = self.step if step_before is None else step_before
         if param_groups is not None:
             self.param_groups = param_groups
         self.step = step if state is None else state["step"]

@@ -102,8 +102,7 @@ class DenseExchange:
     def decode_into(self, bucket):
         t0 = time.perf_counter()
         bucket.write_grads(self.strategy.finish(self.handle))
-        if bucket.sparse and self.ctx.error_feedback:
-            bucket.clear()  # everything was sent: the residual starts again from zero
+        bucket.sent_whole(residual=bucket.sparse and self.ctx.error_feedback)
         self.ctx.stats.add(time_exchange_s=time.perf_counter() - t0)
 
 

@@ -32,7 +32,7 @@ import torch
 
 from hvd_topk import agreement, checkpoint
 from hvd_topk._horovod import hvd, is_horovod_distributed_optimizer
-from hvd_topk._torch import AMP_SCALING_ATTRIBUTE
+from hvd_topk._torch import AMP_SCALING_ATTRIBUTE, keep_objects
 from hvd_topk.compressor import TopK
 from hvd_topk.engine import (STEP_KEY, check_parameters_unchanged, check_still_frozen, check_still_trainable,
                              parameter_layout)
@@ -305,7 +305,7 @@ class _LocalSteps(torch.optim.Optimizer):
         shared = state_dict["param_groups"][0].get(SHARED_KEY) if state_dict.get("param_groups") else None
         if shared is not None:
             self._check_shared_shapes(shared)
-        super(self.__class__, self).load_state_dict(state_dict)
+        keep_objects(self, super(self.__class__, self).load_state_dict, state_dict)
         if ours is None:
             self.param_groups[0].pop(SHARED_KEY, None)
             self.param_groups[0][PHASE_KEY] = 0
@@ -321,9 +321,8 @@ class _LocalSteps(torch.optim.Optimizer):
         momentum, so that the run goes on as a fresh ``LocalSteps`` loaded with it would (the
         residuals and momentum of the run before the load belong to another model change)."""
         outer = getattr(self, LOCAL).outer
-        fresh = outer.state_dict()
-        del fresh[checkpoint.STATE_KEY]  # a plain state: the engine's residuals start from zero
-        fresh["state"] = {}
+        fresh = super(type(outer), outer).state_dict()  # the outer SGD's own: no hvd_topk section,
+        fresh["state"] = {}                             # so the engine's residuals start from zero
         outer.load_state_dict(fresh)
 
     def _check_shared_shapes(self, shared):
@@ -346,12 +345,17 @@ class _LocalSteps(torch.optim.Optimizer):
             return
         local = getattr(self, LOCAL)
         self._check_shared_shapes(shared)
-        momenta = shared.get("outer_momentum") or [None] * len(local.anchors)
+        # (None in the list: the root has no momentum for it, a fresh or restarted outer SGD; a
+        # checkpoint written before the momentum was shared has no list: keep what is here)
+        momenta = shared.get("outer_momentum")
         with torch.no_grad():
-            for a, saved, momentum in zip(local.anchors, shared["anchors"], momenta):
+            for i, (a, saved) in enumerate(zip(local.anchors, shared["anchors"])):
                 a.copy_(saved)
+                momentum = None if momenta is None else momenta[i]
                 if momentum is not None:
                     local.outer.state[a]["momentum_buffer"] = momentum.to(a.device, a.dtype, copy=True)
+                elif momenta is not None and a in local.outer.state:
+                    local.outer.state[a].pop("momentum_buffer", None)
 
     def _check_shared(self):
         """Before a synchronisation: every rank at the same synchronisation count with the same

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import torch
 
 from hvd_topk._horovod import OPTIMIZER_MODULE, elastic_mode, hvd, instance_name, is_horovod_distributed_optimizer
-from hvd_topk._torch import AMP_SCALING_ATTRIBUTE, keep_step_unhooked, unscaled_already
+from hvd_topk._torch import AMP_SCALING_ATTRIBUTE, keep_objects, keep_step_unhooked, unscaled_already
 from hvd_topk.auto import TRIAL_STEPS
 from hvd_topk.compressor import TopK
 from hvd_topk import checkpoint
@@ -78,7 +78,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
         min_numel (1024): tensors with fewer elements go through a dense allreduce.
         fusion_bytes (64 MiB): dense-equivalent size of a sparse bucket.
         dense_fallback (True): send a bucket dense when a ring allreduce moves fewer bytes than
-            the sparse exchange (the allgather at density >= 1/P for fp32 gradients).
+            the sparse exchange (the allgather at density >= 1/P for fp32 gradients); never where
+            the residual decays (``residual_decay`` < 1, DeMo): it is a momentum.
         exchange ("auto"): how buckets travel. ``"auto"`` times each strategy the cost model
             proposes for ``exchange_trial_steps`` (3) real steps each and keeps the fastest
             (logged once on rank 0; ``compression_stats()["exchange_reason"]``); it may be dense
@@ -296,8 +297,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         Call it after ``step()`` (or before this step's ``backward()``): in between, this
         rank's gradient is already in the residual, and a resume would count it twice
-        (RuntimeError). Between ``synchronize()`` and ``step()`` it is allowed, and the resumed
-        run goes on as if that step had been skipped (as a ``GradScaler`` skips one)."""
+        (RuntimeError). Between ``synchronize()`` and ``step()`` it is allowed: the resumed run
+        goes on without that step's exchanged result (as after a step a ``GradScaler`` skipped;
+        ``LocalAdamW``'s moments already hold the step's gradient)."""
         engine = getattr(self, ENGINE)
         if engine.taken_in():
             raise RuntimeError(
@@ -320,8 +322,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         ours = state_dict.pop(STATE_KEY, None)
         nonfinite = checkpoint.check(engine, ours)
-        super(self.__class__, self).load_state_dict(state_dict)
-        engine.load_state_dict(ours, self.param_groups, nonfinite)
+        step = engine.step  # kept where the checkpoint is a plain torch optimizer's
+        # into the objects the user's optimizer shares (an LR scheduler built on it goes on working)
+        keep_objects(self, super(self.__class__, self).load_state_dict, state_dict)
+        engine.load_state_dict(ours, self.param_groups, nonfinite, step_before=step)
 
     def _amp_scaling_read(self):
         """``torch.amp.GradScaler.step(opt)`` reads ``_step_supports_amp_scaling`` (see

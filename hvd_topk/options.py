@@ -23,7 +23,8 @@ class Options:
       entries not sent are lost.
     - Going to 0.1% saves another ~4x of bytes; add ``warmup_steps`` of about one epoch
       (DGC's exponential warm-up from ``warmup_density``) and move SGD momentum into
-      ``momentum_correction`` (with the inner optimizer's momentum set to 0).
+      ``momentum_correction`` (with the inner optimizer's momentum set to 0). What is sent whole
+      (tensors below ``min_numel``, a bucket sent dense) then trains as momentum SGD.
     - AdamW (``hvd_topk.LocalAdamW`` as the inner optimizer): ``warmup_steps=100`` with
       ``warmup_density=1.0``, a dense start; on long runs whose learning rate warms up for 500
       steps or more, ``warmup_steps`` = the warm-up's steps. Measured on the GPT example: at

@@ -47,7 +47,10 @@ class ExchangePlanner:
         self.process_set, self.name = process_set, name
         # only auto's families are narrowed: family() maps a pinned exchange through them too
         narrowed = options.exchange == "auto"
-        updates, momentum = updates and narrowed, options.residual_decay < 1 and narrowed
+        # a decaying residual is a momentum: never sent whole unless exchange="dense" is pinned
+        # (no dense family, no dense fallback, and a rank alone sends pairs too: auto.MOMENTUM_NOTE)
+        self.keeps_residual = options.residual_decay < 1
+        updates, momentum = updates and narrowed, self.keeps_residual and narrowed
         self.left_out = auto.left_out(updates, momentum)
         self.families = auto.families(hier is not None, options.hierarchical is True, codec.compact,
                                       codec.dense_fp16, updates=updates, momentum=momentum)
@@ -63,7 +66,7 @@ class ExchangePlanner:
         if mode != "auto":
             return auto.HIER + mode if auto.HIER + mode in self.families else mode
         if world <= 1:
-            return "dense"
+            return "allgather" if self.keeps_residual else "dense"
         density = self.schedule.density(step)
         if density != self.schedule.target:  # density warm-up: no trial yet; the fewest bytes
             return min(self.families, key=lambda f: self.modelled_bytes(f, density, world))
@@ -131,7 +134,7 @@ class ExchangePlanner:
         if not bucket.sparse:
             return exchange.DenseAllreduce
         chosen = exchange.BY_NAME[family.removeprefix(auto.HIER)]
-        if not chosen.sparse or not self.options.dense_fallback:
+        if not chosen.sparse or not self.options.dense_fallback or self.keeps_residual:
             return chosen
         if self.runs_hierarchically(bucket, family):
             # the sparse part runs across hosts, on one shard

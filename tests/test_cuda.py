@@ -141,8 +141,8 @@ def test_horovod_checks_on_the_torch_ops_path(script, monkeypatch):
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device here")
 @pytest.mark.parametrize("np_", [2, 3])
 def test_ddp_hook_checks_on_cuda(np_, monkeypatch):
-    """tests/dist/check_ddp.py (23 checks against numpy) with the model and its gradients on
-    the GPU, every rank on the one device, over gloo (NCCL takes one rank per GPU)."""
+    """tests/dist/check_ddp.py (every check against numpy: 36 on 2026-12-04) with the model and
+    its gradients on the GPU, every rank on the one device, over gloo (NCCL takes one rank per GPU)."""
     monkeypatch.setenv("HVD_TOPK_CHECK_DEVICE", "cuda")
     job = launch_mpi(np_, DIST / "check_ddp.py", launcher="torchrun")
     assert job.returncode == 0 and f"OK on {np_} ranks" in job.stdout, job.tail()

@@ -185,19 +185,28 @@ def test_describe_says_why_before_any_trial():
     assert planner(exchange="dense")[0].describe(2) == {"exchange": "dense"}
 
 
-def test_auto_with_a_decaying_residual_leaves_dense_out():
+def test_a_decaying_residual_is_never_sent_whole_by_choice():
     """``residual_decay`` < 1 (DeMo's beta): the residual is a momentum, which a dense exchange
-    would send whole and zero each step, so auto offers no dense family (fp16 included), says
-    so, and in the density warm-up takes the allgather even where dense moves fewer bytes (at
-    50% and P = 4 the pairs alone, 3 x 5000 x 6 = 90000 bytes, are more than a ring allreduce of
-    all 10100 values in fp16, 2 x 3/4 x 10100 x 2 = 30300). A pinned dense exchange is used as given."""
-    decayed, _ = planner(warmup_steps=5, warmup_density=0.5, residual_decay=0.9, updates=True,
-                         codec=Codec(fp16_values=True))
-    plain, _ = planner(warmup_steps=5, warmup_density=0.5, codec=Codec(fp16_values=True))
+    would send whole and zero each step. So auto offers no dense family (fp16 included) and
+    says so, and no bucket takes the dense fallback, even where dense moves fewer bytes (at 50%
+    and P = 4 the pairs alone, 3 x 5000 x 6 = 90000 bytes, are more than a ring allreduce of all
+    10100 values in fp16, 2 x 3/4 x 10100 x 2 = 30300), under auto or a pinned allgather; a rank
+    alone sends pairs too (dense moves nothing there). A pinned dense exchange is used as given."""
+    fp16 = Codec(fp16_values=True)
+    decayed, (weight, _) = planner(warmup_steps=5, warmup_density=0.5, residual_decay=0.9, updates=True, codec=fp16)
+    plain, (plain_weight, _) = planner(warmup_steps=5, warmup_density=0.5, codec=fp16)
+    pinned_allgather, (pinned_weight, _) = planner(warmup_steps=5, warmup_density=0.5, residual_decay=0.9,
+                                                   exchange="allgather", codec=fp16)
     assert plain.families == ("dense", "dense_fp16", "allgather", "sparse_allreduce")
     assert decayed.families == ("allgather",)
     assert "dense not tried" in decayed.left_out and "sparse allreduce not tried" in decayed.left_out
-    assert plain.family(0, 4) in ("dense", "dense_fp16") and decayed.family(0, 4) == "allgather"
+    assert plain.family(0, 4) in ("dense", "dense_fp16")
+    assert plain.bucket_step(plain_weight, 0, "allgather", 4, 0).strategy.name == "dense_fp16"  # the fallback
+    assert decayed.family(0, 4) == "allgather"
+    assert decayed.bucket_step(weight, 0, "allgather", 4, 0).strategy.name == "allgather"
+    assert pinned_allgather.bucket_step(pinned_weight, 0, "allgather", 4, 0).strategy.name == "allgather"
+    assert plain.family(10, 1) == "dense" and decayed.family(10, 1) == "allgather"
+    assert decayed.bucket_step(weight, 10, "allgather", 1, 0).strategy.name == "allgather"
     pinned, _ = planner(exchange="dense", residual_decay=0.9)
     assert pinned.family(10, 4) == "dense" and pinned.left_out is None
 

@@ -65,8 +65,7 @@ def train_scaled(model, opt, scaler, steps, expected=None, scaler_steps=True):
 def error_feedback_expected(ref, model):
     """The error-feedback contract in true units: sparse tensors (>= 500 elements) by ``ref``."""
     big = {n for n, p in model.named_parameters() if p.numel() >= 500}
-    return lambda name, grads: (ref.sparse(name, grads, 0.05) if name in big
-                                else np.sum(grads, axis=0) / hvd.size())
+    return lambda name, grads: ref.sparse(name, grads, 0.05) if name in big else ref.dense(name, grads)
 
 
 def check_residuals_follow_scale_changes(momentum_correction=0.0):

@@ -181,12 +181,18 @@ def check_nonfinite_residual_wiped():
 
 
 def check_plain_torch_state_loads():
-    """A plain torch optimizer's state_dict (no hvd_topk section): loads, residuals start at zero."""
+    """A plain torch optimizer's state_dict (no hvd_topk section, no step in its param groups):
+    loads, residuals start at zero, the step counter (3) is kept."""
     model, opt = trained()
     plain = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    plain.load_state_dict({k: v for k, v in copy.deepcopy(opt.state_dict()).items() if k != "hvd_topk"})
+    saved = copy.deepcopy(opt.state_dict())
+    plain.load_state_dict({"state": saved["state"], "param_groups": [
+        {k: v for k, v in g.items() if k != "hvd_topk_step"} for g in saved["param_groups"]]})
+    assert "hvd_topk_step" not in plain.state_dict()["param_groups"][0]
     opt.load_state_dict(plain.state_dict())
-    residuals = opt.state_dict()["hvd_topk"]["residuals"]
+    after = opt.state_dict()["hvd_topk"]
+    assert after["step"] == 3, f"the step counter was not kept: {after['step']}"
+    residuals = after["residuals"]
     assert residuals and all(float(r.abs().sum()) == 0 for r in residuals.values())
     trains_on(model, opt, "after the plain load")
 

@@ -450,6 +450,25 @@ def check_plain_checkpoint_restarts_outer():
                                   f"(max difference {float((a - b).abs().max())} from a fresh LocalSteps)"
 
 
+def check_plain_checkpoint_on_rank_0_broadcast():
+    """The same plain checkpoint loaded on rank 0 alone, then Horovod's broadcasts: the
+    broadcast says rank 0's outer SGD has no momentum now, and every rank drops its own (it
+    kept it, so the ranks' shared weights parted at the next synchronisation, a RuntimeError);
+    the ranks hold the same bits after each synchronisation."""
+    model, opt = build(adamw(), sync_every=2, outer_momentum=0.9, nesterov=True)
+    train(model, opt, 4)
+    if hvd.rank() == 0:
+        state = opt.state_dict()
+        opt.load_state_dict({"state": copy.deepcopy(state["state"]), "param_groups": [
+            {k: v for k, v in g.items() if not k.startswith("hvd_topk")} for g in state["param_groups"]]})
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    for start in (4, 6):
+        train(model, opt, 2, start=start)
+        for n, p in model.named_parameters():
+            assert_same_on_all_ranks(p.detach().numpy(), f"after the synchronisation at step {start + 2}: {n}")
+
+
 def check_groups():
     """``groups=[[...]]`` lists the model's parameters: their anchors are fused as listed (a
     frozen one left out, as DistributedOptimizer does), and the run equals the one without
@@ -578,6 +597,7 @@ CHECKS = [
     ("hvd.join, broadcasts from the last rank, a second epoch", check_join_then_next_epoch),
     ("checkpoints across LocalSteps and DistributedOptimizer", check_checkpoints_across_optimizers),
     ("a plain checkpoint restarts the outer optimizer", check_plain_checkpoint_restarts_outer),
+    ("a plain checkpoint on rank 0, broadcast", check_plain_checkpoint_on_rank_0_broadcast),
     ("groups of the model's parameters", check_groups),
     ("bad input", check_bad_input),
 ]

@@ -113,10 +113,8 @@ def check_contract(label, steps=4, density=0.05, momentum_correction=0.0, error_
         shared = want_sparse(ref, big, grads, d, step, buckets, options.get("exchange", "allgather"),
                              "bucket" if bucket_scope else "tensor", op == hvd.Average, sent)
         for name, p in model.named_parameters():
-            if name in big:
-                want = shared[name]
-            else:
-                want = np.sum(grads[name], axis=0) / (size if op == hvd.Average else 1)
+            # (the small tensors: their average, or with momentum correction the average of u)
+            want = shared[name] if name in big else ref.dense(name, grads[name], op == hvd.Average)
             # the sparse allreduce of 16-bit values sums them in float16 (Horovod's allreduce, one
             # rounding per addition, in its own order), the reference in float32: within float16's
             # rounding of the largest sum; the residuals below, each rank's own, stay exact
@@ -179,6 +177,62 @@ def check_dense_exchange(exchange, fallback=False):
     wire = 4 if exchange == "dense" else 2
     assert stats["bytes_sent"] == 3 * (big * wire + small * 4), stats
     assert stats["bucket_strategies"] == {0: exchange, 1: "dense"}, stats  # small tensors: fp32
+
+
+def check_momentum_correction_sent_whole(exchange):
+    """momentum_correction (inner momentum 0) on what is sent whole: the small tensors' dense
+    bucket always, and with ``exchange="dense"`` the big ones too. Each tensor's result is the
+    ranks' average of u = 0.9 u + grad (numpy), the same as Horovod's dense optimizer with
+    SGD momentum 0.9 trains (to float32 rounding): before, those tensors got no momentum. A
+    checkpoint carries the small tensors' momentum: resumed at step 2, bitwise equal at step 5."""
+    size = hvd.size()
+    model, opt = build(min_numel=500, momentum=0.0, momentum_correction=0.9, exchange=exchange)
+    torch.manual_seed(0)
+    dense_model = Net()
+    dense_opt = hvd.DistributedOptimizer(torch.optim.SGD(dense_model.parameters(), lr=0.1, momentum=0.9),
+                                         named_parameters=dense_model.named_parameters())
+    shadow = copy.deepcopy(model)
+    ref = ErrorFeedbackReference(size, momentum=0.9)
+    big = [n for n, p in model.named_parameters() if p.numel() >= 500]
+    for step in range(5):
+        x, y = batch(step, hvd.rank())
+        raw = raw_then_synchronize(shadow, model, opt, x, y)
+        grads = {n: gather(raw[n]) for n in raw}
+        for name, p in model.named_parameters():
+            want = ref.sparse(name, grads[name], 0.05) if name in big and exchange != "dense" \
+                else ref.dense(name, grads[name])
+            np.testing.assert_allclose(p.grad.numpy(), want, rtol=1e-6, atol=1e-7,
+                                       err_msg=f"momentum correction, {exchange}: step {step} {name}")
+        step_and_check_same(opt, model, f"momentum correction, {exchange}: step {step}")
+        train(dense_model, dense_opt, 1, start=step)
+    if exchange == "dense":
+        for (name, a), b in zip(model.named_parameters(), dense_model.parameters()):
+            np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-5, atol=1e-6,
+                                       err_msg=f"against Horovod's dense SGD with momentum: {name}")
+    model_b, opt_b = build(min_numel=500, momentum=0.0, momentum_correction=0.9, exchange=exchange)
+    train(model_b, opt_b, 2)
+    saved = copy.deepcopy({"model": model_b.state_dict(), "opt": opt_b.state_dict()})
+    assert set(saved["opt"]["hvd_topk"]["momenta"]) == {n for n, _ in model.named_parameters()}
+    model_c, opt_c = build(min_numel=500, momentum=0.0, momentum_correction=0.9, exchange=exchange, seed=7)
+    model_c.load_state_dict(saved["model"])
+    opt_c.load_state_dict(saved["opt"])
+    train(model_c, opt_c, 3, start=2)
+    for (name, a), c in zip(model.named_parameters(), model_c.parameters()):
+        assert torch.equal(a, c), f"resume with momentum correction: {name} differs"
+    # a plain torch checkpoint restarts every momentum, the small tensors' too
+    plain = {"state": {}, "param_groups": [{k: v for k, v in g.items() if k != "hvd_topk_step"}
+                                           for g in saved["opt"]["param_groups"]]}
+    opt_c.load_state_dict(plain)
+    momenta = opt_c.state_dict()["hvd_topk"]["momenta"]
+    assert all(float(u.abs().max()) == 0 for u in momenta.values()), "a plain load kept some momentum"
+    # loaded where momentum_correction is off: its momentum means nothing there, and no warning says
+    # the saved tensors match no parameter (they do)
+    _, opt_d = build(min_numel=500, momentum=0.9, exchange=exchange)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt_d.load_state_dict(copy.deepcopy(saved["opt"]))
+    assert not [str(w.message) for w in caught if "match no parameter" in str(w.message)], \
+        [str(w.message) for w in caught]
 
 
 def check_auto(fp16_values=True):
@@ -815,6 +869,56 @@ def check_step_hooks_once_after_load():
             assert calls == ["pre", "post"], f"{type(opt).__name__} step {step}: hooks ran {calls}"
 
 
+def check_scheduler_on_the_inner_optimizer_after_load():
+    """An LR scheduler built on the user's optimizer before wrapping, resumed from a checkpoint
+    (model, optimizer, scheduler; fresh objects, one state per rank): bitwise equal at step 5
+    to the run that never stopped, for DistributedOptimizer and LocalSteps, and the user's
+    optimizer holds the loaded state (wrapped again, it goes on from it). Before, the load put
+    new param groups and state in the wrapper only: the scheduler went on halving the old
+    groups' rate, and the wrapper kept the loaded one, silently."""
+    wraps = (lambda inner, model: hvd_topk.DistributedOptimizer(
+                 inner, named_parameters=model.named_parameters(), compression=hvd_topk.TopK(density=0.05),
+                 exchange="allgather", min_numel=500),
+             lambda inner, model: hvd_topk.LocalSteps(
+                 inner, named_parameters=model.named_parameters(), compression=hvd_topk.TopK(density=0.05),
+                 exchange="allgather", min_numel=500, sync_every=2))
+
+    def build_run(wrap, seed=0):
+        torch.manual_seed(seed)
+        model = Net()
+        inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        sched = torch.optim.lr_scheduler.LambdaLR(inner, lambda s: 0.5 ** s)
+        return model, inner, sched, wrap(inner, model)
+
+    def train_scheduled(model, opt, sched, steps, start=0):
+        for step in range(start, start + steps):
+            train(model, opt, 1, start=step)
+            sched.step()
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")  # its step-order guess
+        for wrap in wraps:
+            model, _, sched, opt = build_run(wrap)
+            train_scheduled(model, opt, sched, 5)
+            model_b, _, sched_b, opt_b = build_run(wrap)
+            train_scheduled(model_b, opt_b, sched_b, 2)
+            saved = copy.deepcopy({"model": model_b.state_dict(), "opt": opt_b.state_dict(),
+                                   "sched": sched_b.state_dict()})
+            model_c, inner_c, sched_c, opt_c = build_run(wrap, seed=7)
+            model_c.load_state_dict(saved["model"])
+            opt_c.load_state_dict(saved["opt"])
+            sched_c.load_state_dict(saved["sched"])
+            what = "LocalSteps" if hasattr(opt_c, "_hvd_topk_local") else "DistributedOptimizer"
+            assert inner_c.param_groups[0]["lr"] == 0.1 * 0.5 ** 2, (what, inner_c.param_groups[0]["lr"])
+            for p in model_c.parameters():
+                assert torch.equal(inner_c.state[p]["momentum_buffer"], opt_c.state[p]["momentum_buffer"]), what
+            train_scheduled(model_c, opt_c, sched_c, 3, start=2)
+            for (name, a), c in zip(model.named_parameters(), model_c.parameters()):
+                assert torch.equal(a, c), f"{what}: resumed with the scheduler, {name} differs " \
+                                          f"(max {float((a - c).abs().max())})"
+            assert opt_c.param_groups[0]["lr"] == 0.1 * 0.5 ** 5, (what, opt_c.param_groups[0]["lr"])
+
+
 def check_local_adamw_resume(**options):
     """LocalAdamW's moments and the residuals: ``check_inner_resume``, betas changed before the
     save. ``options``: LocalAdamW's ``lr_in_residual``, ``global_variance``, the optimizer's
@@ -945,6 +1049,8 @@ CHECKS = [
     contract("bucket scope, no gradient on rank 1", selection_scope="bucket", drop_head2_on_rank=1),
     contract("bucket scope, warm-up, sum", selection_scope="bucket", warmup_steps=3, steps=5, op=hvd.Sum),
     ("dense exchange", lambda: check_dense_exchange("dense")),
+    ("momentum correction: the small tensors' momentum", lambda: check_momentum_correction_sent_whole("allgather")),
+    ("momentum correction: a dense exchange is momentum SGD", lambda: check_momentum_correction_sent_whole("dense")),
     ("dense fp16 exchange", lambda: check_dense_exchange("dense_fp16")),
     ("fp16 values: the dense fallback is fp16", lambda: check_dense_exchange("dense_fp16", fallback=True)),
     ("auto: trial, agreement, choice", check_auto),
@@ -971,6 +1077,7 @@ CHECKS = [
     ("a positional call written for hvd.DistributedOptimizer, num_groups", check_horovod_positional_call),
     ("LocalAdamW: Adam per rank, updates exchanged", check_local_adamw),
     ("LocalAdamW: checkpoint resume", check_local_adamw_resume),
+    ("an LR scheduler on the user's optimizer after a load", check_scheduler_on_the_inner_optimizer_after_load),
     ("LocalAdamW: a gradient whose last hook never fired", check_local_adamw_gradient_without_its_last_hook),
     ("step hooks run once a step, also after load_state_dict", check_step_hooks_once_after_load),
     ("LocalAdamW: lr in the residual, residual decay", lambda: check_local_adamw(

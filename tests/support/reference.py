@@ -78,6 +78,23 @@ class ErrorFeedbackReference:
         """One tensor's exchanged result (k = density x its size: selection_scope="tensor")."""
         return self.sparse_bucket([name], {name: per_rank_grads}, density, average, idle=idle)[name]
 
+    def dense(self, name, per_rank_grads, average=True):
+        """One tensor sent whole (the dense bucket of small tensors, or a bucket sent dense):
+        each rank sends its accumulator (with DGC momentum, u = m*u + grad, then acc = decayed
+        residual + u) and keeps nothing of it in the residual; u is kept whole (momentum SGD:
+        masking zeroes u only where Top-K chose). The sum in rank order, float32."""
+        accs, us, _ = self._accumulate([name], {name: per_rank_grads})
+        total = np.zeros(accs[0].shape, dtype=np.float32)
+        for r in range(self.ranks):
+            total += accs[r]
+            if self.error_feedback:
+                self.residual[r][name] = np.zeros_like(accs[r])
+            if self.momentum:
+                self.u[r][name] = us[r].copy()
+        if average:
+            total /= np.float32(self.ranks)
+        return total.reshape(np.shape(per_rank_grads[0]))
+
     def sparse_bucket(self, names, grads, density, average=True, sent=None, idle=None):
         """The exchanged results of tensors that share one top-k (selection_scope="bucket"):
         k = density x their total size, taken over their accumulators laid end to end.
