@@ -47,8 +47,10 @@ UPDATES_NOTE = ("the sparse allreduce not tried: the inner optimizer exchanges e
 # ``residual_decay`` < 1) is a momentum, and a dense exchange sends it whole and zeroes it, so
 # the step under dense has no momentum (and DeMo's sign descent moves every entry). Picking
 # dense for speed would change the algorithm; for the same reason such a residual never takes
-# the dense fallback, and a rank alone sends pairs too (``hvd_topk.planner``, the DDP hook's
-# ``ddp_exchange.choose``).
+# the dense fallback below density 1 (at 1, a dense start, Top-K sends everything anyway), and
+# a rank alone sends pairs too (``hvd_topk.planner``, the DDP hook's ``ddp_exchange.choose``).
+# A step on which a rank sits inside ``hvd.join()`` still goes dense (Horovod's joined ranks
+# answer allreduces only).
 MOMENTUM_NOTE = ("dense not tried: the residual decays each step (DeMo's beta, residual_decay < 1) and is a "
                  "momentum, which a dense exchange would send whole and zero; pin exchange='dense' to use it")
 

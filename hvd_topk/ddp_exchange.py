@@ -345,8 +345,9 @@ def choose(state, layout, plan, world, family):
     (None: the fewest bytes of all); a sparse family goes dense where that moves fewer bytes,
     except where the residual decays (``residual_decay`` < 1)."""
     sizes = (world, layout.numel, plan.count, *state.codec.pair_itemsizes(plan), layout.acc.element_size())
-    # a decaying residual is a momentum: never sent whole unless dense is pinned (auto.MOMENTUM_NOTE)
-    keeps = state.residual_decay < 1
+    # a decaying residual is a momentum: never sent whole unless dense is pinned (auto.MOMENTUM_NOTE),
+    # except at density 1, where Top-K sends everything and zeroes it anyway (a dense start)
+    keeps = state.residual_decay < 1 and plan.density < 1
     fallback = () if keeps else (DENSE_FP16,) if state.codec.dense_fp16 else (DENSE,)
     if family is None:  # auto before its trial: the sparse strategies its families allow, or dense
         allowed = auto.families(False, False, state.compact, updates=state.sends_updates, momentum=keeps)
@@ -365,7 +366,8 @@ def exchange_sparse(state, layout, index, step, buffer, idle=()):
     world, group = state.world_size, state.process_group
     plan = layout.plan(state.codec, state.schedule.density(step))
     # a rank alone (world 1) does what the smallest job would: dense during a dense start,
-    # sparse after, so that a one-GPU run trains, and counts bytes, as a 2-rank job does
+    # sparse after (a decaying residual too: ``choose``), so that a one-GPU run trains, and
+    # counts bytes, as a 2-rank job does
     strategy = choose(state, layout, plan, max(world, 2), state.family)[0]
     held = held_members(state, layout, idle)
     put_back = set_aside(state, layout, held, zero=strategy is not SPARSE_ALLREDUCE)

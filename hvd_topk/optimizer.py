@@ -78,8 +78,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
         min_numel (1024): tensors with fewer elements go through a dense allreduce.
         fusion_bytes (64 MiB): dense-equivalent size of a sparse bucket.
         dense_fallback (True): send a bucket dense when a ring allreduce moves fewer bytes than
-            the sparse exchange (the allgather at density >= 1/P for fp32 gradients); never where
-            the residual decays (``residual_decay`` < 1, DeMo): it is a momentum.
+            the sparse exchange (the allgather at density >= 1/P for fp32 gradients); not where
+            the residual decays (``residual_decay`` < 1, DeMo), a momentum, below density 1.
         exchange ("auto"): how buckets travel. ``"auto"`` times each strategy the cost model
             proposes for ``exchange_trial_steps`` (3) real steps each and keeps the fastest
             (logged once on rank 0; ``compression_stats()["exchange_reason"]``); it may be dense

@@ -134,7 +134,9 @@ class ExchangePlanner:
         if not bucket.sparse:
             return exchange.DenseAllreduce
         chosen = exchange.BY_NAME[family.removeprefix(auto.HIER)]
-        if not chosen.sparse or not self.options.dense_fallback or self.keeps_residual:
+        # (at density 1 Top-K sends everything and zeroes the residual anyway: a decaying one's
+        # dense start may take the fallback's fewer bytes)
+        if not chosen.sparse or not self.options.dense_fallback or (self.keeps_residual and codec_plan.density < 1):
             return chosen
         if self.runs_hierarchically(bucket, family):
             # the sparse part runs across hosts, on one shard
@@ -226,7 +228,8 @@ class ExchangePlanner:
         out = {"exchange": self.options.exchange}
         if self.options.exchange == "auto":
             out["exchange_reason"] = self.trial.reason() if self.trial is not None else (
-                "one rank: nothing to exchange" if world <= 1 else "density warm-up: fewest bytes")
+                ("one rank: the residual decays, so pairs, as on more ranks" if self.keeps_residual else
+                 "one rank: nothing to exchange") if world <= 1 else "density warm-up: fewest bytes")
             if self.trial is not None:
                 out["exchange_candidates"] = list(self.trial.candidates)
                 out["exchange_choice"] = self.trial.choice

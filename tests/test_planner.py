@@ -191,7 +191,9 @@ def test_a_decaying_residual_is_never_sent_whole_by_choice():
     says so, and no bucket takes the dense fallback, even where dense moves fewer bytes (at 50%
     and P = 4 the pairs alone, 3 x 5000 x 6 = 90000 bytes, are more than a ring allreduce of all
     10100 values in fp16, 2 x 3/4 x 10100 x 2 = 30300), under auto or a pinned allgather; a rank
-    alone sends pairs too (dense moves nothing there). A pinned dense exchange is used as given."""
+    alone sends pairs too (dense moves nothing there). At density 1 (a dense start) Top-K would
+    send everything and zero the residual anyway, so the fallback's fewer bytes are taken. A
+    pinned dense exchange is used as given."""
     fp16 = Codec(fp16_values=True)
     decayed, (weight, _) = planner(warmup_steps=5, warmup_density=0.5, residual_decay=0.9, updates=True, codec=fp16)
     plain, (plain_weight, _) = planner(warmup_steps=5, warmup_density=0.5, codec=fp16)
@@ -207,6 +209,9 @@ def test_a_decaying_residual_is_never_sent_whole_by_choice():
     assert pinned_allgather.bucket_step(pinned_weight, 0, "allgather", 4, 0).strategy.name == "allgather"
     assert plain.family(10, 1) == "dense" and decayed.family(10, 1) == "allgather"
     assert decayed.bucket_step(weight, 10, "allgather", 1, 0).strategy.name == "allgather"
+    start, (start_weight, _) = planner(warmup_steps=5, warmup_density=1.0, residual_decay=0.9, codec=fp16)
+    assert start.bucket_step(start_weight, 0, start.family(0, 4), 4, 0).strategy.name == "dense_fp16"
+    assert start.bucket_step(start_weight, 10, start.family(10, 4), 4, 0).strategy.name == "allgather"
     pinned, _ = planner(exchange="dense", residual_decay=0.9)
     assert pinned.family(10, 4) == "dense" and pinned.left_out is None
 

@@ -73,14 +73,15 @@ def chosen(family, world, sizes, density, decays=False):
     tensors ``sizes`` travels under ``family`` (None: the fewest bytes of all). Bytes into each
     rank: a ring allreduce 2 (P-1)/P n 4, the allgather (P-1) k 8, the sparse allreduce
     (P-1)/P (k 4 + 2 (k+1) 4); the fewest wins (the sparse ones first on a tie, dense last).
-    ``decays`` (residual_decay < 1: the residual is a momentum): never dense unless pinned."""
+    ``decays`` (residual_decay < 1: the residual is a momentum): never dense unless pinned, or at
+    density 1 (everything is sent anyway)."""
     if family in ("dense", "dense_fp16"):
         return family
     n, k = sum(sizes), sum(k_of(s, density) for s in sizes)
     cost = {"allgather": (world - 1) * k * 8, "sparse_allreduce": (world - 1) / world * (k * 4 + 2 * (k + 1) * 4)}
     candidates = ["allgather", "sparse_allreduce"] if family is None else [family]
     best = min(candidates, key=lambda name: cost[name])
-    return "dense" if 2 * (world - 1) / world * n * 4 < cost[best] and not decays else best
+    return "dense" if 2 * (world - 1) / world * n * 4 < cost[best] and not (decays and density < 1) else best
 
 
 def check_reference(exchange="allgather", bucket_cap_mb=25, steps=4, density=0.05, warmup_steps=0,
