@@ -176,7 +176,8 @@ class LocalAdamW(_ExchangedUpdates):
     ``exp_avg_sq`` follows its own gradients, so the moments differ between ranks (the
     parameters do not): they hold one rank's batch noise, not the global batch's, which
     ``global_variance`` corrects for. ``state_dict()`` holds this rank's moments;
-    ``hvd.broadcast_optimizer_state`` gives every rank rank 0's.
+    ``hvd.broadcast_optimizer_state`` gives every rank rank 0's (every state entry the options
+    need is made with the state, so a fresh rank takes part in every broadcast).
 
     Args: as ``torch.optim.AdamW`` (decoupled weight decay, bias-corrected moments), but
     ``betas`` defaults to ``(0.0, 0.999)``, and:
@@ -264,14 +265,38 @@ class LocalAdamW(_ExchangedUpdates):
         if buckets not in ("auto", 0) and not options["global_variance"]:
             raise ValueError("variance_sketch rescales global_variance's estimate: it needs global_variance=True")
 
+    # State entries kept in float32 whatever the parameter's dtype (the variance sketch's EMA and
+    # its estimate's total): torch's load_state_dict casts state tensors to the parameter's dtype.
+    FLOAT32_STATE = ("sketch_sq", "estimate_sum")
+
     def _new_state(self, p, group):
         state = _new_adam_state(self.state[p], p)
         if group.get("global_variance", False):
             state["grad_mean"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        _complete_state(state, p, group)
         return state
 
     def _init_state(self, p):
         self._new_state(p, _group_of(self, p))
+
+    def load_state_dict(self, state_dict):
+        """As torch's, except that ``FLOAT32_STATE`` stays float32 (cast to a bfloat16
+        parameter's dtype, the resume was not bitwise) and a state written before an entry was
+        made up front gets it (see ``_complete_state``)."""
+        saved = state_dict.get("state", {}) if isinstance(state_dict, dict) else {}
+        ids = [i for g in state_dict.get("param_groups", ()) for i in g.get("params", ())] \
+            if isinstance(state_dict, dict) else []
+        kept = {(i, key): value.detach().float().clone() for i in ids for key, value in saved.get(i, {}).items()
+                if key in self.FLOAT32_STATE and torch.is_tensor(value)}
+        super().load_state_dict(state_dict)
+        for i, p in zip(ids, (p for g in self.param_groups for p in g["params"])):
+            state = self.state.get(p)
+            if not state:
+                continue
+            for key in self.FLOAT32_STATE:
+                if (i, key) in kept:
+                    state[key] = kept[i, key].to(p.device)
+            _complete_state(state, p, _group_of(self, p), fresh=False)
 
     @torch.no_grad()
     def transform_local_gradient(self, p, grad, ranks=1, finite=None):
@@ -491,6 +516,28 @@ def _advance_lag1(state, group, grad, step):
             state["grad_prev"] = torch.empty_like(grad, memory_format=torch.preserve_format)
         state["grad_prev"].copy_(grad)
     return lag1
+
+
+def _complete_state(state, p, group, fresh=True):
+    """Make now, as zeros, every state entry ``group``'s options will need (results are the same
+    as making them at first use; ``grad_prev`` only in a ``fresh`` state, at step 0, where its
+    first use overwrites it: in a loaded one its first read would differ from its absence). Why: ``hvd.broadcast_optimizer_state`` broadcasts each of rank
+    0's state entries, and a fresh rank's state comes from Horovod's zero-gradient probe step,
+    which makes only what ``_new_state`` makes; an entry rank 0 has and another rank lacks was a
+    broadcast that rank never joined, and the job hung (``signal="mean+lag1"``,
+    ``variance_sketch``; the latter by default from 6 ranks on)."""
+    if not group.get("global_variance", False):
+        return
+    if group.get("signal", "mean") == "mean+lag1":
+        if "grad_lag1" not in state:
+            state["grad_lag1"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if fresh and group["betas"][0] != 0 and "grad_prev" not in state:
+            state["grad_prev"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    if group.get("variance_sketch", 0) != 0:
+        for key in LocalAdamW.FLOAT32_STATE:
+            if key not in state:
+                state[key] = torch.zeros((), dtype=torch.float32, device=p.device)
+        state.setdefault("sketches", 0)
 
 
 def _calibrate(state, estimate, beta2):

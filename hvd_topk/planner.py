@@ -47,8 +47,8 @@ class ExchangePlanner:
         self.process_set, self.name = process_set, name
         # only auto's families are narrowed: family() maps a pinned exchange through them too
         narrowed = options.exchange == "auto"
-        # a decaying residual is a momentum: never sent whole unless exchange="dense" is pinned
-        # (no dense family, no dense fallback, and a rank alone sends pairs too: auto.MOMENTUM_NOTE)
+        # a decaying residual is a momentum: not sent whole by choice (no dense family, no dense
+        # fallback below density 1, and a rank alone sends pairs too: auto.MOMENTUM_NOTE)
         self.keeps_residual = options.residual_decay < 1
         updates, momentum = updates and narrowed, self.keeps_residual and narrowed
         self.left_out = auto.left_out(updates, momentum)

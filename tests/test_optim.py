@@ -240,8 +240,10 @@ def test_local_adamw_signal_lag1_matches_numpy(b1):
     plain = m / (1 - b1 ** 8) / (np.sqrt(v / (1 - b2 ** 8)) + EPS)  # one rank's Adam
     assert np.all(np.abs(got["mean"]) > 1.5 * np.abs(plain))  # the oscillation counted as noise
     np.testing.assert_allclose(got["mean+lag1"], plain, rtol=0.2)  # counted as signal
+    # (and variance_sketch="auto"'s entries, made with the state: hvd_topk.optim._complete_state)
     assert set(opts["mean+lag1"].state[p]) == {"step", "exp_avg", "exp_avg_sq", "grad_mean", "grad_lag1",
-                                               *(("grad_prev",) if b1 else ())}
+                                               *(("grad_prev",) if b1 else ()), "sketch_sq", "sketches",
+                                               "estimate_sum"}
     with pytest.raises(ValueError, match="signal must be one of"):
         LocalAdamW([torch.nn.Parameter(torch.zeros(2))], signal="lag1")
 
@@ -402,7 +404,8 @@ def test_local_adamw_alone_is_refused():
     p.grad = torch.zeros(3)
     opt.step()
     np.testing.assert_array_equal(p.detach().numpy(), np.ones(3))
-    assert set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq", "grad_mean"}  # global_variance (default)
+    # global_variance and variance_sketch="auto" (the defaults; the sketch's entries made with the state)
+    assert set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq", "grad_mean", "sketch_sq", "sketches", "estimate_sum"}
     p.grad = torch.ones(3)
     with pytest.raises(RuntimeError, match="inner optimizer of hvd_topk.DistributedOptimizer, or with DDP.*"
                        r"TopKState\(optimizer=...\)"):

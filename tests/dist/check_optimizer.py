@@ -919,6 +919,71 @@ def check_scheduler_on_the_inner_optimizer_after_load():
             assert opt_c.param_groups[0]["lr"] == 0.1 * 0.5 ** 5, (what, opt_c.param_groups[0]["lr"])
 
 
+def check_local_adamw_broadcast_from_rank_0():
+    """LocalAdamW with ``signal="mean+lag1"``, beta1 0.5 and ``variance_sketch=16`` (state
+    entries made at first use): a checkpoint loaded on rank 0 alone into fresh objects, then
+    Horovod's broadcasts. They finish (a fresh rank lacked entries rank 0 broadcast, and the job
+    hung), every rank then holds the same state entries, and training goes on with the ranks'
+    parameters equal."""
+    def build_local(seed=0):
+        torch.manual_seed(seed)
+        model = Net()
+        inner = hvd_topk.LocalAdamW(model.parameters(), lr=0.01, betas=(0.5, 0.95), signal="mean+lag1",
+                                    variance_sketch=16)
+        return model, hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                                    compression=hvd_topk.TopK(density=0.05), exchange="allgather",
+                                                    min_numel=500)
+    model_b, opt_b = build_local()
+    train(model_b, opt_b, 3)
+    saved = copy.deepcopy({"model": model_b.state_dict(), "opt": opt_b.state_dict()})
+    model_c, opt_c = build_local(seed=5)
+    if hvd.rank() == 0:
+        model_c.load_state_dict(saved["model"])
+        opt_c.load_state_dict(saved["opt"])
+    hvd.broadcast_parameters(model_c.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt_c, root_rank=0)
+    keys = set(opt_c.state[model_c.fc1.weight])  # every rank the same entries: AdamW's, and the options'
+    assert keys == {"step", "exp_avg", "exp_avg_sq", "grad_mean", "grad_lag1", "grad_prev", "sketch_sq", "sketches",
+                    "estimate_sum"}, sorted(keys)
+    train(model_c, opt_c, 2, start=3)
+    for name, p in model_c.named_parameters():
+        assert torch.isfinite(p).all(), name
+        assert_same_on_all_ranks(p.detach().numpy(), f"after the broadcast: {name}")
+
+
+def check_local_adamw_resume_bf16():
+    """LocalAdamW with the variance sketch on bfloat16 parameters: saved after 3 steps, loaded
+    into fresh objects, bitwise equal after 6 to the run that never stopped (torch's load cast
+    the sketch's float32 scalars to bfloat16, and the resume drifted)."""
+    def build_bf16(seed=0):
+        torch.manual_seed(seed)
+        model = Net().to(torch.bfloat16)
+        inner = hvd_topk.LocalAdamW(model.parameters(), lr=0.01, betas=(0.0, 0.95), variance_sketch=16)
+        return model, hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                                    compression=hvd_topk.TopK(density=0.05), exchange="allgather",
+                                                    min_numel=500)
+
+    def train_bf16(model, opt, steps, start=0):
+        for step in range(start, start + steps):
+            x, y = batch(step, hvd.rank())
+            opt.zero_grad()
+            F.cross_entropy(model(x.to(torch.bfloat16)).float(), y).backward()
+            opt.step()
+    model, opt = build_bf16()
+    train_bf16(model, opt, 6)
+    model_b, opt_b = build_bf16()
+    train_bf16(model_b, opt_b, 3)
+    saved = copy.deepcopy({"model": model_b.state_dict(), "opt": opt_b.state_dict()})
+    assert saved["opt"]["state"][0]["sketch_sq"].dtype == torch.float32
+    model_c, opt_c = build_bf16(seed=5)
+    model_c.load_state_dict(saved["model"])
+    opt_c.load_state_dict(saved["opt"])
+    assert opt_c.state[model_c.fc1.weight]["sketch_sq"].dtype == torch.float32
+    train_bf16(model_c, opt_c, 3, start=3)
+    for (name, a), c in zip(model.named_parameters(), model_c.parameters()):
+        assert torch.equal(a, c), f"bf16 resume: {name} differs (max {float((a.float() - c.float()).abs().max())})"
+
+
 def check_local_adamw_resume(**options):
     """LocalAdamW's moments and the residuals: ``check_inner_resume``, betas changed before the
     save. ``options``: LocalAdamW's ``lr_in_residual``, ``global_variance``, the optimizer's
@@ -1078,6 +1143,8 @@ CHECKS = [
     ("LocalAdamW: Adam per rank, updates exchanged", check_local_adamw),
     ("LocalAdamW: checkpoint resume", check_local_adamw_resume),
     ("an LR scheduler on the user's optimizer after a load", check_scheduler_on_the_inner_optimizer_after_load),
+    ("LocalAdamW: a checkpoint on rank 0 alone, broadcast (lag1, sketch)", check_local_adamw_broadcast_from_rank_0),
+    ("LocalAdamW: bf16 resume with the variance sketch", check_local_adamw_resume_bf16),
     ("LocalAdamW: a gradient whose last hook never fired", check_local_adamw_gradient_without_its_last_hook),
     ("step hooks run once a step, also after load_state_dict", check_step_hooks_once_after_load),
     ("LocalAdamW: lr in the residual, residual decay", lambda: check_local_adamw(
