@@ -367,7 +367,14 @@ class TopKEngine:
     def synchronize(self):
         """Finish every exchange of this step; afterwards ``p.grad`` holds the averaged result."""
         if not self.member:  # outside the process set: gradients stay local, as in Horovod
+            if self.transform is not None:
+                # LocalAdamW, DeMo: this rank's own update (over one rank), which its step applies
+                for p in self.params:
+                    if p.grad is not None:
+                        self.transform(p, p.grad, 1)
             self.synchronized = True
+            if self.on_exchanged is not None:
+                self.on_exchanged()
             return
         if self.retired:
             raise RuntimeError("this hvd_topk.DistributedOptimizer was replaced by a newer one over the same "

@@ -78,6 +78,37 @@ def check_error_feedback_optimizer(process_set, members):
 
 
 @with_process_set
+def check_local_adamw_outside(process_set, members):
+    """LocalAdamW under the optimizer with the set: the rank outside takes its own AdamW steps
+    (before, its step raised "a gradient that was not turned into an update"), equal to
+    torch.optim.AdamW on its own gradients (LocalAdamW over one rank is AdamW); the members
+    stay equal among themselves."""
+    rank = hvd.rank()
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    options = dict(lr=0.01, betas=(0.0, 0.95), eps=1e-8, weight_decay=0.1)
+    opt = hvd_topk.DistributedOptimizer(hvd_topk.LocalAdamW(model.parameters(), **options),
+                                        named_parameters=model.named_parameters(), min_numel=500,
+                                        compression=hvd_topk.TopK(density=DENSITY), exchange="allgather",
+                                        process_set=process_set)
+    adamw = torch.optim.AdamW(reference.parameters(), **options)
+    for step in range(3):
+        x, y = batch(step, rank)
+        for m, o in ((model, opt), (reference, adamw)):
+            o.zero_grad()
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        every = gather(p.detach().numpy())
+        if rank in members:
+            np.testing.assert_array_equal(every[rank], every[members[0]], err_msg=f"members: {name}")
+        else:
+            np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=1e-5, atol=1e-7,
+                                       err_msg=f"the rank outside against torch's AdamW: {name}")
+
+
+@with_process_set
 def check_drop_in_compressor(process_set, members):
     torch.manual_seed(0)
     model = Net()
@@ -236,6 +267,7 @@ def check_auto_over_a_set_without_rank_0(steps=12):
 
 CHECKS = [
     ("error-feedback optimizer, rank outside the set", check_error_feedback_optimizer),
+    ("LocalAdamW, rank outside the set", check_local_adamw_outside),
     ("drop-in TopK, rank outside the set", check_drop_in_compressor),
     ("drop-in TopK, grouped allreduce over the set", check_drop_in_grouped_allreduce),
     ("drop-in TopK, instances built on some ranks only", check_drop_in_built_on_some_ranks),
