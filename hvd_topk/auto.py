@@ -55,6 +55,13 @@ MOMENTUM_NOTE = ("dense not tried: the residual decays each step (DeMo's beta, r
                  "momentum, which a dense exchange would send whole and zero; pin exchange='dense' to use it")
 
 
+def keeps_momentum(residual_decay, density=None):
+    """Whether the residual is a momentum a dense exchange would wipe (``MOMENTUM_NOTE``): it
+    decays each step, and at ``density`` (where given) Top-K would not send all of it anyway
+    (at 1, a dense start, it does, so dense's fewer bytes may be taken)."""
+    return residual_decay < 1 and (density is None or density < 1)
+
+
 def left_out(updates, momentum):
     """What ``families(updates=..., momentum=...)`` leaves out and why (for ``Trial``), or None."""
     return "; ".join(note for note, on in ((MOMENTUM_NOTE, momentum), (UPDATES_NOTE, updates)) if on) or None

@@ -381,7 +381,7 @@ class TopKState:
         self.family = self.trial.family()
 
     def _start_trial(self, density):
-        momentum = self.residual_decay < 1  # (auto only: a pinned exchange never starts a trial)
+        momentum = auto.keeps_momentum(self.residual_decay)  # (auto only: a pinned exchange starts no trial)
         families = auto.families(False, False, self.compact, self.codec.dense_fp16, updates=self.sends_updates,
                                  momentum=momentum)
         assignments, byte_counts = {}, {}

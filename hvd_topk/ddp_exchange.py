@@ -345,9 +345,7 @@ def choose(state, layout, plan, world, family):
     (None: the fewest bytes of all); a sparse family goes dense where that moves fewer bytes,
     except where the residual decays (``residual_decay`` < 1)."""
     sizes = (world, layout.numel, plan.count, *state.codec.pair_itemsizes(plan), layout.acc.element_size())
-    # a decaying residual is a momentum: never sent whole unless dense is pinned (auto.MOMENTUM_NOTE),
-    # except at density 1, where Top-K sends everything and zeroes it anyway (a dense start)
-    keeps = state.residual_decay < 1 and plan.density < 1
+    keeps = auto.keeps_momentum(state.residual_decay, plan.density)  # no dense then, unless pinned
     fallback = () if keeps else (DENSE_FP16,) if state.codec.dense_fp16 else (DENSE,)
     if family is None:  # auto before its trial: the sparse strategies its families allow, or dense
         allowed = auto.families(False, False, state.compact, updates=state.sends_updates, momentum=keeps)

@@ -521,11 +521,12 @@ def _advance_lag1(state, group, grad, step):
 def _complete_state(state, p, group, fresh=True):
     """Make now, as zeros, every state entry ``group``'s options will need (results are the same
     as making them at first use; ``grad_prev`` only in a ``fresh`` state, at step 0, where its
-    first use overwrites it: in a loaded one its first read would differ from its absence). Why: ``hvd.broadcast_optimizer_state`` broadcasts each of rank
-    0's state entries, and a fresh rank's state comes from Horovod's zero-gradient probe step,
-    which makes only what ``_new_state`` makes; an entry rank 0 has and another rank lacks was a
-    broadcast that rank never joined, and the job hung (``signal="mean+lag1"``,
-    ``variance_sketch``; the latter by default from 6 ranks on)."""
+    first use overwrites it: in a loaded one its first read would differ from its absence).
+    Why: ``hvd.broadcast_optimizer_state`` broadcasts each of rank 0's state entries, and a
+    fresh rank's state comes from Horovod's zero-gradient probe step, which makes only what
+    ``_new_state`` makes; an entry rank 0 has and another rank lacks was a broadcast that rank
+    never joined, and the job hung (``signal="mean+lag1"``, ``variance_sketch``; the latter by
+    default from 6 ranks on)."""
     if not group.get("global_variance", False):
         return
     if group.get("signal", "mean") == "mean+lag1":

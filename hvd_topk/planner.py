@@ -49,7 +49,7 @@ class ExchangePlanner:
         narrowed = options.exchange == "auto"
         # a decaying residual is a momentum: not sent whole by choice (no dense family, no dense
         # fallback below density 1, and a rank alone sends pairs too: auto.MOMENTUM_NOTE)
-        self.keeps_residual = options.residual_decay < 1
+        self.keeps_residual = auto.keeps_momentum(options.residual_decay)
         updates, momentum = updates and narrowed, self.keeps_residual and narrowed
         self.left_out = auto.left_out(updates, momentum)
         self.families = auto.families(hier is not None, options.hierarchical is True, codec.compact,
@@ -134,9 +134,8 @@ class ExchangePlanner:
         if not bucket.sparse:
             return exchange.DenseAllreduce
         chosen = exchange.BY_NAME[family.removeprefix(auto.HIER)]
-        # (at density 1 Top-K sends everything and zeroes the residual anyway: a decaying one's
-        # dense start may take the fallback's fewer bytes)
-        if not chosen.sparse or not self.options.dense_fallback or (self.keeps_residual and codec_plan.density < 1):
+        if not chosen.sparse or not self.options.dense_fallback \
+                or auto.keeps_momentum(self.options.residual_decay, codec_plan.density):
             return chosen
         if self.runs_hierarchically(bucket, family):
             # the sparse part runs across hosts, on one shard
