@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
 # The GPU checks, in one go, on a machine with a CUDA GPU and PyTorch (nothing is downloaded:
-# everything comes from this repository; Horovod is not needed):
-#   0. the environment, with what building Horovod there would need (nvcc, cmake, g++, CUDA and
-#      NCCL headers);
-#   1. tests/test_cuda.py: selection, the codec and the DDP hook's 23 numpy-checked scenarios
-#      (tests/dist/check_ddp.py, 2 and 3 ranks sharing the GPU over gloo) on the GPU; its two
-#      Horovod checks are left out (Horovod is not on the GPU machine, and building it there
-#      from source did not fit a session's 15 minutes: the Horovod optimizer's CUDA path runs
-#      there only through the codec and selection it shares with the DDP hook);
-#   2. benchmarks/cuda_selection.py: selection and codec timings at ResNet-50 / BERT-base shapes;
+# everything comes from this repository, and Horovod from a carried source distribution):
+#   0. the environment, with what building Horovod there needs (nvcc, cmake, g++);
+#   1. with HVD_SDIST=PATH (Horovod 0.28.1's sdist, e.g. from `pip download --no-deps
+#      --no-binary :all: horovod==0.28.1`): Horovod built there in the background (PyTorch + Gloo,
+#      CUDA for the torch ops, no NCCL: several ranks then share the one GPU, CUDA tensors moving
+#      through the host), installed into $HVD_SITE; its log is horovod-build.log;
+#   2. tests/test_cuda.py: selection, the codec and the DDP hook's numpy-checked scenarios
+#      (tests/dist/check_ddp.py, 2 and 3 ranks sharing the GPU over gloo) on the GPU; then, once
+#      Horovod is built, its Horovod tests: tests/dist/check_device.py (the drop-in TopK,
+#      hvd_topk's optimizer, GradScaler; 34 checks against numpy) under horovodrun --gloo with
+#      2 and 3 ranks on the GPU (the two CPU-only Horovod checks are left out);
+#   3. benchmarks/cuda_selection.py: selection and codec timings at ResNet-50 / BERT-base shapes;
 #      benchmarks/cuda_syncs.py: host synchronisations per step inside each DDP hook;
-#   3. examples/ddp_gpt.py on the GPU (NCCL, one rank) with each DDP hook: none, fp16,
-#      PowerSGD rank 4, hvd_topk's (the LocalAdamW recipe at 1%), 1000 steps, lr 1e-2; then
-#      none and hvd_topk's again under bf16 autocast.
-# Run from the repository root:  OUT=DIR HVD_TOPK_GIT=COMMIT bash benchmarks/gpu_check.sh
-# Writes DIR/log.txt, DIR/cuda-selection.{json,md}, DIR/cuda-syncs.{json,md}, DIR/gpt-1gpu.{json,txt}.
+#   4. examples/ddp_gpt.py on the GPU (NCCL, one rank) with each DDP hook of GPT_RUNS (default:
+#      none, fp16, PowerSGD rank 4, hvd_topk's LocalAdamW recipe at 1%, then none and hvd_topk's
+#      under bf16 autocast), GPT_STEPS steps (1000), lr 1e-2.
+# A stage is skipped when fewer than its seconds are left of GPU_CHECK_BUDGET_S (540): a call
+# cut off at its limit returns nothing, one that ends in time returns what ran.
+# Run from the repository root:  OUT=DIR HVD_TOPK_GIT=COMMIT [HVD_SDIST=...] bash benchmarks/gpu_check.sh
+# Writes DIR/log.txt, DIR/horovod-build.log, DIR/cuda-selection.{json,md}, DIR/cuda-syncs.{json,md},
+# DIR/gpt-1gpu.{json,txt}.
 set -uo pipefail
 OUT=${OUT:-/tmp/hvd_topk_gpu}
 mkdir -p "$OUT"
@@ -22,8 +28,37 @@ PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD:$PWD/tests/support:$PWD/tests" PYTHONUNBUFFERED=1 HVD_TOPK_GIT=${HVD_TOPK_GIT:-?}
 LOG="$OUT/log.txt"
 STEPS=${GPT_STEPS:-1000}
+BUDGET=${GPU_CHECK_BUDGET_S:-540}
+HVD_SITE=${HVD_SITE:-/tmp/hvd_site}
 status=0
-step() { echo "=== $* ($(date -u +%H:%M:%S))" | tee -a "$LOG"; }
+step() { echo "=== $* ($(date -u +%H:%M:%S), ${SECONDS} s in)" | tee -a "$LOG"; }
+# room NEED NAME: true when NEED seconds are left of the budget, else says the stage is skipped
+room() { [ $((SECONDS + $1)) -le "$BUDGET" ] && return 0; step "skipped, too little time left: $2"; status=1; return 1; }
+
+build_horovod() {  # Horovod from $HVD_SDIST into $HVD_SITE (see the header)
+  local wrap wheels gxx
+  wrap=$(mktemp -d) wheels=$(mktemp -d) gxx=$(command -v g++)
+  # Horovod 0.28.1 asks for C++14, PyTorch's headers need C++17 (horovod issue #3996). Only
+  # -std=c++14 is rewritten: nvcc hands its -std=c++11 to this host compiler too, and the two
+  # must agree (cudafe++ fails on C++17 preprocessed output).
+  cat > "$wrap/g++" <<WRAPPER
+#!/bin/sh
+for a in "\$@"; do
+  case "\$a" in -std=c++14) set -- "\$@" -std=c++17 ;; *) set -- "\$@" "\$a" ;; esac
+  shift
+done
+exec $gxx "\$@"
+WRAPPER
+  chmod +x "$wrap/g++"
+  echo "g++: $gxx ($($gxx -dumpfullversion)); nvcc: $(command -v nvcc); cmake: $(cmake --version | head -1)"
+  HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
+  HOROVOD_WITHOUT_MXNET=1 HOROVOD_BUILD_CUDA_CC_LIST=${HVD_CUDA_CC:-90} \
+  HOROVOD_CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")") \
+  CPATH=$($PY -c "import sysconfig; print(sysconfig.get_paths()['include'])")${CPATH:+:$CPATH} \
+  CXX="$wrap/g++" CC=$(command -v gcc) MAKEFLAGS="-j$(nproc)" \
+    $PY -m pip wheel -v --no-index --no-build-isolation --no-deps -w "$wheels" "$HVD_SDIST" || return 1
+  $PY -m pip install -q --no-index --no-deps --target "$HVD_SITE" "$wheels"/horovod-*.whl
+}
 
 step environment
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -42,17 +77,42 @@ try:
 except ImportError:
     print("no nvidia wheels")
 EOF2
+  # Horovod's gloo resolves this machine's host name
+  getent hosts "$(hostname)" >/dev/null || echo "127.0.0.1 $(hostname)" >> /etc/hosts
 } >> "$LOG" 2>&1
 
-step "tests/test_cuda.py"
-timeout 240 $PY -m pytest -v -p no:cacheprovider -k "not horovod_checks" tests/test_cuda.py >> "$LOG" 2>&1 || status=1
+if [ -n "${HVD_SDIST:-}" ]; then
+  step "building Horovod from $HVD_SDIST in the background"
+  ( started=$SECONDS; timeout 330 bash -c "$(declare -f build_horovod); PY=$PY HVD_SITE=$HVD_SITE HVD_SDIST=$HVD_SDIST build_horovod"
+    echo "build exit $? after $((SECONDS - started)) s" ) > "$OUT/horovod-build.log" 2>&1 &
+  build=$!
+fi
+
+step "tests/test_cuda.py, the torch paths"
+timeout 240 $PY -m pytest -v -p no:cacheprovider -k "not horovod" tests/test_cuda.py >> "$LOG" 2>&1 || status=1
 tail -3 "$LOG"
 
-step "benchmarks/cuda_selection.py"
+if [ -n "${HVD_SDIST:-}" ]; then
+  step "waiting for the Horovod build"
+  wait "$build"
+  tail -n 3 "$OUT/horovod-build.log" | tee -a "$LOG"
+  export PYTHONPATH="$HVD_SITE:$PYTHONPATH" PATH="$HVD_SITE/bin:$PATH"
+  if $PY -c "import horovod.torch" >> "$LOG" 2>&1 && room 200 "Horovod on the GPU"; then
+    horovodrun --check-build >> "$LOG" 2>&1
+    step "tests/test_cuda.py, Horovod on the GPU (check_device.py, horovodrun --gloo, 2 and 3 ranks)"
+    HVD_TOPK_MPI_TIMEOUT=180 timeout 400 $PY -m pytest -v -p no:cacheprovider -k "horovod_paths" \
+      tests/test_cuda.py >> "$LOG" 2>&1 || status=1
+    tail -3 "$LOG"
+  else
+    step "Horovod did not build or import: its GPU checks not run"; status=1
+  fi
+fi
+
+room 60 "benchmarks/cuda_selection.py" && step "benchmarks/cuda_selection.py" &&
 timeout 120 $PY benchmarks/cuda_selection.py --out "$OUT/cuda-selection" >> "$LOG" 2>&1 || status=1
 tail -2 "$LOG"
 
-step "benchmarks/cuda_syncs.py"
+room 60 "benchmarks/cuda_syncs.py" && step "benchmarks/cuda_syncs.py" &&
 timeout 120 $PY benchmarks/cuda_syncs.py --out "$OUT/cuda-syncs" >> "$LOG" 2>&1 || status=1
 tail -6 "$LOG"
 
@@ -69,7 +129,8 @@ for run, r in runs.items():
           f"bytes {100 * r['bytes_ratio']:.2f}% of dense")
 EOF
 }
-for run in none fp16 powersgd topk none-bf16 topk-bf16; do
+for run in ${GPT_RUNS:-none fp16 powersgd topk none-bf16 topk-bf16}; do
+  room 45 "examples/ddp_gpt.py, $run" || continue
   hook=${run%-bf16}; amp=none; [ "$run" != "$hook" ] && amp=bf16
   timeout 120 $PY -m torch.distributed.run --standalone --local-addr 127.0.0.1 --nproc_per_node 1 \
     examples/ddp_gpt.py --device cuda --hook "$hook" --amp "$amp" --steps "$STEPS" --lr 1e-2 --quiet \

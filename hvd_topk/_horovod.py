@@ -35,6 +35,12 @@ Checked against Horovod 0.28.1 (``CHECKED_VERSION``). Each private detail relied
 8. ``instance_name``: Horovod 0.28.1 gives a removed process set's id to the next set added,
    maybe over other ranks (checked: add ``[0]``, remove it, add ``[1]``: both get id 1), so
    instances are numbered per set id *and* ranks.
+9. ``caller_context``, from the same frames: Horovod's optimizer's ``self._synchronized``, True
+   from the end of its ``synchronize()`` until ``step()`` returns. A gradient it compresses
+   then was already exchanged this step: ``step()`` without ``skip_synchronize()`` after
+   ``synchronize()`` runs ``synchronize()`` again (Horovod only warns: a second dense average
+   changes nothing), and so does a second ``synchronize()``; the drop-in passes such a
+   gradient through instead of sending the average through Top-K again.
 """
 
 import collections
@@ -107,6 +113,7 @@ class CallerContext(NamedTuple):
     process_set: object  # (2) the process set it is reduced over
     call: Optional[str]  # (7) the Horovod function compressing it ("optimizer" for Horovod's optimizer)
     op: object  # (7) that function's ``op`` (None: its default, Average, or the frames do not say)
+    exchanged: bool = False  # (9) Horovod's optimizer already exchanged this gradient this step
 
 
 def caller_context(max_depth=6):
@@ -121,9 +128,12 @@ def caller_context(max_depth=6):
       of the compressing call; the global set when the frames do not say.
     - The reduction: ``("optimizer", self.op)``, ``(call, op)`` for the compressing call, or
       ``(None, None)``.
-    Each is taken from the first frame that has it, as three separate walks would.
+    - Whether the gradient was already exchanged this step (9): Horovod's optimizer's
+      ``self._synchronized``.
+    Each is taken from the first frame that has it, as separate walks would.
     """
     name = process_set = reduction = None
+    exchanged = False
     frame = sys._getframe(2)
     for _ in range(max_depth):
         if frame is None or (name is not None and process_set is not None and reduction is not None):
@@ -138,6 +148,7 @@ def caller_context(max_depth=6):
                 process_set = owner.process_set
             if reduction is None and hasattr(owner, "op"):
                 reduction = ("optimizer", owner.op)
+                exchanged = getattr(owner, "_synchronized", False) is True
         if name is None and call in _ALLREDUCES and isinstance(local.get("name"), str):
             name = local["name"]
         if call in _COMPRESSING_CALLS:
@@ -147,7 +158,7 @@ def caller_context(max_depth=6):
                 reduction = (call, local["op"])
         frame = frame.f_back
     return CallerContext(name, hvd.global_process_set if process_set is None else process_set,
-                         *(reduction or (None, None)))
+                         *(reduction or (None, None)), exchanged)
 
 
 def count_name_fallback():

@@ -26,6 +26,7 @@ import heapq
 import threading
 import time
 import types
+from typing import NamedTuple
 
 import torch
 
@@ -162,6 +163,11 @@ class _Round:
 FIXED_OPTIONS = ("density", "method", "fp16_values", "compact")  # TopK's, read-only once built
 
 
+class _Exchanged(NamedTuple):
+    """``compress``'s context for a gradient Horovod's optimizer had already exchanged this step."""
+    tensor: torch.Tensor
+
+
 class _FixedOptions(type):
     """TopK's options cannot be set on the class either (that would replace them on every instance,
     built or not, whose codec was made from the old ones)."""
@@ -276,6 +282,12 @@ class TopK(Compressor, metaclass=_FixedOptions):
                 raise ValueError(ADASUM_ERROR)
             tensor = tensor.detach()
         _check_reduction(caller.call, caller.op)
+        if caller.exchanged:
+            # Horovod's step() without skip_synchronize() after synchronize() (or a second
+            # synchronize()) sends every gradient again: p.grad already holds the exchanged
+            # result (clipped, maybe, since). It passes through, and Horovod's allreduce gets a
+            # one-element placeholder; Top-K of the average would drop most of it.
+            return tensor.new_zeros(1), _Exchanged(tensor)
         if compiled_autograd_active():
             raise RuntimeError(COMPILED_AUTOGRAD_ERROR)
         t0 = time.perf_counter()
@@ -346,6 +358,8 @@ class TopK(Compressor, metaclass=_FixedOptions):
     def decompress(self, tensor, ctx):
         if ctx is None:
             return tensor
+        if isinstance(ctx, _Exchanged):
+            return ctx.tensor
         job, rnd = ctx
         with self._lock:
             self._start_if_known(rnd, wait=True)

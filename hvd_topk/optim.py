@@ -104,6 +104,12 @@ class FrozenVarianceAdamW(_CheckedGroups):
                 if not state:
                     _new_adam_state(state, p)
                     state["bias_correction2"] = 1.0  # a float: exact, and kept as is by load_state_dict
+                    if not p.grad.any():
+                        # hvd.broadcast_optimizer_state's probe step on a rank without state (a
+                        # checkpoint loaded on rank 0 alone): make the state, leave p alone (its
+                        # weight decay would part this rank's weights from rank 0's); a real first
+                        # gradient of zeros would only have decayed p
+                        continue
                 state["step"] += 1
                 step = int(state["step"])
                 p.mul_(1 - lr * group["weight_decay"])

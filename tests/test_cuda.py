@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hvd_topk import codec, selection
-from mpi import DIST, launch_mpi
+from mpi import DIST, launch_gloo_hosts, launch_mpi
 from samples import sample
 
 HAS_CUDA = torch.cuda.is_available()
@@ -145,6 +145,19 @@ def test_ddp_hook_checks_on_cuda(np_, monkeypatch):
     its gradients on the GPU, every rank on the one device, over gloo (NCCL takes one rank per GPU)."""
     monkeypatch.setenv("HVD_TOPK_CHECK_DEVICE", "cuda")
     job = launch_mpi(np_, DIST / "check_ddp.py", launcher="torchrun")
+    assert job.returncode == 0 and f"OK on {np_} ranks" in job.stdout, job.tail()
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device here")
+@pytest.mark.parametrize("np_", [2, 3])
+def test_horovod_paths_on_cuda(np_):
+    """tests/dist/check_device.py: the drop-in TopK, hvd_topk's optimizer (each exchange,
+    checkpoints, non-finite gradients, LocalAdamW, DeMo) and GradScaler, every check against
+    numpy, with the model and its gradients on the GPU; ``horovodrun --gloo`` on one host, every
+    rank on the one device (Horovod without NCCL moves CUDA tensors through the host)."""
+    pytest.importorskip("horovod.torch", reason="Horovod is not installed here")
+    job = launch_gloo_hosts([np_], DIST / "check_device.py", env={"HVD_TOPK_CHECK_DEVICE": "cuda"})
     assert job.returncode == 0 and f"OK on {np_} ranks" in job.stdout, job.tail()
 
 

@@ -21,14 +21,14 @@ import torch.nn.functional as F
 import horovod.torch as hvd
 import hvd_topk
 from check_optimizer import Net, batch, build
-from harness import assert_same_on_all_ranks, gather, raises, raw_gradients, run
+from harness import DEVICE, assert_same_on_all_ranks, gather, raises, raw_gradients, run
 from reference import ErrorFeedbackReference, sparse_allreduce
 
 SCALES = [2.0 ** 10, 2.0 ** 11, 2.0 ** 8, 2.0 ** 8, 2.0 ** 14, 2.0 ** 3]
 
 
 def build_scaled(pass_scaler, momentum_correction=0.0):
-    scaler = torch.amp.GradScaler("cpu", init_scale=SCALES[0])
+    scaler = torch.amp.GradScaler(DEVICE.type, init_scale=SCALES[0])
     model, opt = build(momentum=0.0 if momentum_correction else 0.9, min_numel=500,
                        momentum_correction=momentum_correction,
                        grad_scaler=scaler if pass_scaler else None)
@@ -53,12 +53,12 @@ def train_scaled(model, opt, scaler, steps, expected=None, scaler_steps=True):
         for name, p in model.named_parameters():
             if expected is not None:
                 want = expected(name, gather(raw[name]))
-                worst = max(worst, float(np.max(np.abs(p.grad.numpy() - want))))
+                worst = max(worst, float(np.max(np.abs(p.grad.cpu().numpy() - want))))
         with opt.skip_synchronize():
             scaler.step(opt) if scaler_steps else opt.step()
         scaler.update(new_scale=SCALES[(step + 1) % len(SCALES)])
         for name, p in model.named_parameters():
-            assert_same_on_all_ranks(p.detach().numpy(), f"amp step {step}: parameter {name}")
+            assert_same_on_all_ranks(p.detach().cpu().numpy(), f"amp step {step}: parameter {name}")
     return worst
 
 
@@ -84,7 +84,7 @@ def check_resume_across_scaler_setups(saved_scaled):
     scaler at 2^10: the resumed run's unscaled gradients still match the true-unit reference,
     which never saw a scale (before, the residuals came back 8 times too large, or 1024 times
     too small)."""
-    off = torch.amp.GradScaler("cpu", enabled=False)  # scale() and step() pass through unchanged
+    off = torch.amp.GradScaler(DEVICE.type, enabled=False)  # scale() and step() pass through unchanged
     model, opt, scaler = build_scaled(pass_scaler=saved_scaled)
     ref = ErrorFeedbackReference(hvd.size())
     worst = train_scaled(model, opt, scaler if saved_scaled else off, len(SCALES), error_feedback_expected(ref, model))
@@ -122,7 +122,7 @@ def check_scaler_step_without_the_option_refused():
 
 
 def check_rejects_other_objects():
-    model = Net()
+    model = Net().to(DEVICE)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     with raises(TypeError, "grad_scaler must be a torch.amp.GradScaler"):
         hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(), grad_scaler=1024.0)
@@ -168,7 +168,7 @@ def check_overflow_skipped_everywhere():
     scaled_step(2)
     for n, p in model.named_parameters():
         assert torch.isfinite(p).all() and not torch.equal(p.detach(), before[n]), f"{n} did not train"
-        assert_same_on_all_ranks(p.detach().numpy(), f"after the overflow: {n}")
+        assert_same_on_all_ranks(p.detach().cpu().numpy(), f"after the overflow: {n}")
 
 
 def check_plain_pytorch_loop():
@@ -207,7 +207,7 @@ def check_plain_pytorch_loop():
     for (n, a), b in zip(horovod.named_parameters(), plain.parameters()):
         assert torch.isfinite(a).all(), n
         assert torch.equal(a, b), f"{n}: PyTorch's loop differs from Horovod's pattern"
-        assert_same_on_all_ranks(b.detach().numpy(), f"PyTorch's loop: {n}")
+        assert_same_on_all_ranks(b.detach().cpu().numpy(), f"PyTorch's loop: {n}")
     model, opt, scaler = build_scaled(pass_scaler=True)
     x, y = batch(0, rank)
     scaler.scale(F.cross_entropy(model(x), y)).backward()
@@ -222,11 +222,11 @@ def check_horovod_scaler(drop_in):
     rank's top-k of them (a positive power-of-two scale changes neither the positions nor, after
     unscaling, the values)."""
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(DEVICE)
     compression = hvd_topk.TopK(density=0.05, method="exact") if drop_in else hvd.Compression.none
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                    named_parameters=model.named_parameters(), compression=compression)
-    scaler = torch.amp.GradScaler("cpu", init_scale=SCALES[0])
+    scaler = torch.amp.GradScaler(DEVICE.type, init_scale=SCALES[0])
     expected = ((lambda name, grads: sparse_allreduce(grads, 0.05)) if drop_in else
                 (lambda name, grads: np.sum(grads, axis=0) / hvd.size()))
     worst = train_scaled(model, opt, scaler, len(SCALES), expected)

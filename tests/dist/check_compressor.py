@@ -5,13 +5,14 @@ Run: PYTHONPATH=.:tests/support mpirun -np 2 (or 3) python tests/dist/check_comp
 """
 
 import copy
+import warnings
 
 import numpy as np
 import torch
 
 import horovod.torch as hvd
 import hvd_topk
-from harness import assert_same_on_all_ranks, gather, raises, run, step_and_check_same
+from harness import DEVICE, assert_same_on_all_ranks, gather, raises, run, step_and_check_same
 from reference import k_of, sparse_allreduce
 
 
@@ -23,51 +24,51 @@ def check_allreduce():
         for op in (hvd.Average, hvd.Sum):
             for dtype in (torch.float32, torch.float64):
                 for shape in ((1000,), (37, 53)):
-                    t = torch.randn(shape, generator=gen, dtype=dtype)
+                    t = torch.randn(shape, generator=gen, dtype=dtype).to(DEVICE)
                     out = hvd.allreduce(t, op=op, compression=hvd_topk.TopK(density=density),
                                         name=f"ar.{cases}")
-                    ref = sparse_allreduce(gather(t.numpy()), density, average=op == hvd.Average)
-                    assert out.shape == t.shape and out.dtype == t.dtype
-                    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-6, atol=1e-7,
+                    ref = sparse_allreduce(gather(t.cpu().numpy()), density, average=op == hvd.Average)
+                    assert out.shape == t.shape and out.dtype == t.dtype and out.device == t.device
+                    np.testing.assert_allclose(out.cpu().numpy(), ref, rtol=1e-6, atol=1e-7,
                                                err_msg=f"density={density} op={op} {dtype} {shape}")
-                    assert_same_on_all_ranks(out.numpy(), "allreduce result")
+                    assert_same_on_all_ranks(out.cpu().numpy(), "allreduce result")
                     cases += 1
     # The class itself is a compressor at 1% density.
-    t = torch.randn(5000, generator=gen)
+    t = torch.randn(5000, generator=gen).to(DEVICE)
     out = hvd.allreduce(t, compression=hvd_topk.TopK, name="ar.class")
-    np.testing.assert_allclose(out.numpy(), sparse_allreduce(gather(t.numpy()), 0.01), rtol=1e-6, atol=1e-7)
-    nonzero = np.count_nonzero(out.numpy())
+    np.testing.assert_allclose(out.cpu().numpy(), sparse_allreduce(gather(t.cpu().numpy()), 0.01), rtol=1e-6, atol=1e-7)
+    nonzero = np.count_nonzero(out.cpu().numpy())
     assert nonzero <= hvd.size() * k_of(5000, 0.01), nonzero
     # fp16 values on the wire: the reference rounds each rank's values to float16.
-    t = torch.randn(3000, generator=gen)
+    t = torch.randn(3000, generator=gen).to(DEVICE)
     out = hvd.allreduce(t, compression=hvd_topk.TopK(density=0.02, fp16_values=True), name="ar.fp16")
-    ref = sparse_allreduce(gather(t.numpy()), 0.02, value_dtype=np.float16)
-    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-6, atol=1e-7)
+    ref = sparse_allreduce(gather(t.cpu().numpy()), 0.02, value_dtype=np.float16)
+    np.testing.assert_allclose(out.cpu().numpy(), ref, rtol=1e-6, atol=1e-7)
     # bfloat16, which Horovod 0.28.1 cannot allgather itself, travels as bytes.
     # Distinct magnitudes 1..256 are exact in bfloat16, so the top-k set has no ties.
     signs = torch.randint(0, 2, (256,), generator=gen) * 2 - 1
-    t = ((torch.randperm(256, generator=gen) + 1) * signs).to(torch.bfloat16)
+    t = ((torch.randperm(256, generator=gen) + 1) * signs).to(DEVICE, torch.bfloat16)
     out = hvd.allreduce(t, compression=hvd_topk.TopK(density=0.05), op=hvd.Sum, name="ar.bf16")
-    ref = sparse_allreduce(gather(t.float().numpy()), 0.05, average=False)
-    np.testing.assert_allclose(out.float().numpy(), ref, rtol=2e-2, atol=1e-2)
+    ref = sparse_allreduce(gather(t.float().cpu().numpy()), 0.05, average=False)
+    np.testing.assert_allclose(out.float().cpu().numpy(), ref, rtol=2e-2, atol=1e-2)
     # Large tensors go through the native kernel (sampled and exact) straight into the message.
     for method in ("exact", "sampled"):
-        t = torch.randn(300_000, generator=gen)
+        t = torch.randn(300_000, generator=gen).to(DEVICE)
         out = hvd.allreduce(t, compression=hvd_topk.TopK(density=0.01, method=method), name=f"ar.big.{method}")
-        np.testing.assert_allclose(out.numpy(), sparse_allreduce(gather(t.numpy()), 0.01), rtol=1e-6,
+        np.testing.assert_allclose(out.cpu().numpy(), sparse_allreduce(gather(t.cpu().numpy()), 0.01), rtol=1e-6,
                                    atol=1e-7, err_msg=method)
     # A parameter handed to hvd.allreduce is reduced as its values (Horovod's own path does), not
     # refused as Adasum's parameter delta (only Horovod's Adasum optimizer compresses without an op).
-    p = torch.nn.Parameter(torch.randn(2000, generator=gen))
-    before = p.detach().numpy().copy()
+    p = torch.nn.Parameter(torch.randn(2000, generator=gen).to(DEVICE))
+    before = p.detach().cpu().numpy().copy()
     out = hvd.allreduce(p, compression=hvd_topk.TopK(density=0.02), name="ar.parameter")
-    np.testing.assert_allclose(out.detach().numpy(), sparse_allreduce(gather(before), 0.02), rtol=1e-6, atol=1e-7)
-    np.testing.assert_array_equal(p.detach().numpy(), before)
+    np.testing.assert_allclose(out.detach().cpu().numpy(), sparse_allreduce(gather(before), 0.02), rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(p.detach().cpu().numpy(), before)
     # Integer and empty tensors pass through to Horovod's dense allreduce.
-    t = torch.arange(10, dtype=torch.int32) * (rank + 1)
+    t = torch.arange(10, dtype=torch.int32, device=DEVICE) * (rank + 1)
     out = hvd.allreduce(t, op=hvd.Sum, compression=hvd_topk.TopK, name="ar.int")
-    np.testing.assert_array_equal(out.numpy(), np.sum(gather(t.numpy()), axis=0))
-    out = hvd.allreduce(torch.empty(0), compression=hvd_topk.TopK, name="ar.empty")
+    np.testing.assert_array_equal(out.cpu().numpy(), np.sum(gather(t.cpu().numpy()), axis=0))
+    out = hvd.allreduce(torch.empty(0, device=DEVICE), compression=hvd_topk.TopK, name="ar.empty")
     assert out.numel() == 0
 
 
@@ -85,7 +86,7 @@ def raw_grads(model, batches):
     model.zero_grad()
     for x, y in batches:
         torch.nn.functional.cross_entropy(model(x), y).backward()
-    return {n: p.grad.detach().numpy().copy() for n, p in model.named_parameters()}
+    return {n: p.grad.detach().cpu().numpy().copy() for n, p in model.named_parameters()}
 
 
 def check_optimizer(density=0.05, op=hvd.Average, predivide=1.0, groups=None, passes=1, steps=2,
@@ -93,7 +94,7 @@ def check_optimizer(density=0.05, op=hvd.Average, predivide=1.0, groups=None, pa
     """``dense``: Horovod's optimizer without compression (the README's first column), checked
     against the same reference at density 1 (every entry sent)."""
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(DEVICE)
     shadow = copy.deepcopy(model)
     compressor = hvd.Compression.none if dense else hvd_topk.TopK(density=density)
     density = 1.0 if dense else density
@@ -104,7 +105,7 @@ def check_optimizer(density=0.05, op=hvd.Average, predivide=1.0, groups=None, pa
     gen = torch.Generator().manual_seed(7 + hvd.rank())
     label = f"op={op} predivide={predivide} groups={groups} passes={passes}"
     for step in range(steps):
-        batches = [(torch.randn(16, 20, generator=gen), torch.randint(0, 10, (16,), generator=gen))
+        batches = [(torch.randn(16, 20, generator=gen).to(DEVICE), torch.randint(0, 10, (16,), generator=gen).to(DEVICE))
                    for _ in range(passes)]
         shadow.load_state_dict(model.state_dict())
         want = raw_grads(shadow, batches)
@@ -114,7 +115,7 @@ def check_optimizer(density=0.05, op=hvd.Average, predivide=1.0, groups=None, pa
         opt.synchronize()
         for name, p in model.named_parameters():
             ref = sparse_allreduce(gather(want[name]), density, average=op == hvd.Average)
-            np.testing.assert_allclose(p.grad.numpy(), ref, rtol=1e-5, atol=1e-7,
+            np.testing.assert_allclose(p.grad.cpu().numpy(), ref, rtol=1e-5, atol=1e-7,
                                        err_msg=f"{label} step {step} {name}")
         step_and_check_same(opt, model, f"{label}: step {step}")
     if dense:
@@ -134,6 +135,47 @@ def check_optimizer(density=0.05, op=hvd.Average, predivide=1.0, groups=None, pa
     assert compressor.compression_stats()["bytes_sent"] == 0
 
 
+def check_step_after_synchronize():
+    """``synchronize()``, then ``step()`` without ``skip_synchronize()``: Horovod's step() runs
+    synchronize() again (and warns). What it sends again is already the exchanged result, so it
+    passes through: p.grad stays the numpy reference's sparse average, and the parameters equal,
+    bitwise, those of Horovod's full pattern. (It was sent through Top-K again: most of the
+    average's entries dropped.) A second synchronize() changes nothing either."""
+    runs = []
+    for pattern in ("skip_synchronize", "step", "synchronize twice"):
+        torch.manual_seed(0)
+        model = Net().to(DEVICE)
+        shadow = copy.deepcopy(model)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                       named_parameters=model.named_parameters(),
+                                       compression=hvd_topk.TopK(density=0.05))
+        gen = torch.Generator().manual_seed(11 + hvd.rank())
+        for step in range(2):
+            x, y = torch.randn(16, 20, generator=gen).to(DEVICE), torch.randint(0, 10, (16,), generator=gen).to(DEVICE)
+            shadow.load_state_dict(model.state_dict())
+            want = raw_grads(shadow, [(x, y)])
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.synchronize()
+            if pattern == "step":
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    opt.step()
+                assert any("skip_synchronize" in str(w.message) for w in caught), "Horovod's warning"
+            else:
+                if pattern == "synchronize twice":
+                    opt.synchronize()
+                with opt.skip_synchronize():
+                    opt.step()
+            for name, p in model.named_parameters():
+                np.testing.assert_allclose(p.grad.cpu().numpy(), sparse_allreduce(gather(want[name]), 0.05),
+                                           rtol=1e-5, atol=1e-7, err_msg=f"{pattern}: step {step} {name}")
+        runs.append(model)
+    for model in runs[1:]:
+        for (name, a), b in zip(runs[0].named_parameters(), model.parameters()):
+            assert torch.equal(a, b), f"{name} differs from Horovod's full pattern (max {float((a - b).abs().max())})"
+
+
 def check_grads_set_by_hand():
     """Horovod's synchronize() starts parameters whose hooks did not fire in ``set`` order,
     which differs between ranks; equal-shaped tensors must still be paired by name."""
@@ -146,10 +188,10 @@ def check_grads_set_by_hand():
     for step in range(2):
         for p in model.parameters():
             p.grad = torch.randn(p.shape, generator=gen)
-        want = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
+        want = {n: p.grad.cpu().numpy().copy() for n, p in model.named_parameters()}
         opt.synchronize()
         for name, p in model.named_parameters():
-            np.testing.assert_allclose(p.grad.numpy(), sparse_allreduce(gather(want[name]), 0.05),
+            np.testing.assert_allclose(p.grad.cpu().numpy(), sparse_allreduce(gather(want[name]), 0.05),
                                        rtol=1e-6, atol=1e-7, err_msg=f"step {step} {name}")
         step_and_check_same(opt, model, f"grads set by hand, step {step}")
 
@@ -189,7 +231,7 @@ def check_reductions_refused():
         hvd.allreduce(torch.randn(2000), compression=hvd_topk.TopK(density=0.1 if odd else 0.05), name="refused.density")
     # the ops it does take still reduce (every rank took part in nothing above)
     out = hvd.allreduce(torch.ones(2000), compression=hvd_topk.TopK(density=1.0), op=hvd.Sum, name="after.sum")
-    np.testing.assert_array_equal(out.numpy(), np.full(2000, float(hvd.size()), dtype=np.float32))
+    np.testing.assert_array_equal(out.cpu().numpy(), np.full(2000, float(hvd.size()), dtype=np.float32))
 
 
 def check_broadcast_optimizer_state(compression):
@@ -204,11 +246,11 @@ def check_broadcast_optimizer_state(compression):
         p.grad = torch.randn(p.shape, generator=gen)
     with opt.skip_synchronize():
         opt.step()  # local: momentum buffers differ between ranks
-    buffers = [opt.state[p]["momentum_buffer"].numpy().copy() for p in model.parameters()]
+    buffers = [opt.state[p]["momentum_buffer"].cpu().numpy().copy() for p in model.parameters()]
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     assert opt.param_groups[0]["lr"] == gather(0.1)[0], opt.param_groups[0]["lr"]
     for i, p in enumerate(model.parameters()):
-        np.testing.assert_array_equal(opt.state[p]["momentum_buffer"].numpy(), gather(buffers[i])[0],
+        np.testing.assert_array_equal(opt.state[p]["momentum_buffer"].cpu().numpy(), gather(buffers[i])[0],
                                       err_msg=f"momentum buffer {i}")
 
 
@@ -233,7 +275,7 @@ def check_adasum_dense():
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()  # Adasum's optimizer combines parameter deltas in step()
         for name, p in model.named_parameters():
-            assert_same_on_all_ranks(p.detach().numpy(), f"adasum step {step}: parameter {name}")
+            assert_same_on_all_ranks(p.detach().cpu().numpy(), f"adasum step {step}: parameter {name}")
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters())), "nothing trained"
 
 
@@ -251,6 +293,7 @@ CHECKS = [
     optimizer("groups=2", groups=2),
     optimizer("passes=2", passes=2),
     optimizer("density=1.0", density=1.0),
+    ("step() after synchronize() without skip_synchronize(): the same result", check_step_after_synchronize),
     ("grads set by hand", check_grads_set_by_hand),
     ("adasum rejected", check_adasum_rejected),
     ("reductions refused", check_reductions_refused),

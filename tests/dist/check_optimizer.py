@@ -16,14 +16,14 @@ import horovod.torch as hvd
 import harness
 import hvd_topk
 from hvd_topk import native
-from harness import assert_same_on_all_ranks, gather, raises, raw_then_synchronize, run, step_and_check_same
+from harness import DEVICE, assert_same_on_all_ranks, gather, raises, raw_then_synchronize, run, step_and_check_same
 from nets import Net
 from reference import ErrorFeedbackReference, dgc_density, k_of, part_pieces
 
 
 def batch(step, rank, n=24, part=None):
     gen = torch.Generator().manual_seed(1000 * step + rank)
-    x, y = torch.randn(n, 40, generator=gen), torch.randint(0, 10, (n,), generator=gen)
+    x, y = torch.randn(n, 40, generator=gen).to(DEVICE), torch.randint(0, 10, (n,), generator=gen).to(DEVICE)
     if part is None:
         return x, y
     half = n // 2
@@ -35,7 +35,7 @@ def build(density=0.05, lr=0.1, momentum=0.9, seed=0, fp16_values=False, compact
     otherwise (the default, "auto", would try several strategies in the first steps)."""
     options.setdefault("exchange", "allgather")
     torch.manual_seed(seed)
-    model = Net()
+    model = Net().to(DEVICE)
     inner = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
                                         compression=hvd_topk.TopK(density=density, fp16_values=fp16_values,
@@ -90,7 +90,7 @@ def check_contract(label, steps=4, density=0.05, momentum_correction=0.0, error_
         shadow.load_state_dict(model.state_dict())
         shadow.zero_grad()
         F.cross_entropy(shadow(x, use_head2), y).backward()
-        raw = {n: (p.grad.numpy().copy() if p.grad is not None else np.zeros(tuple(p.shape), np.float32))
+        raw = {n: (p.grad.cpu().numpy().copy() if p.grad is not None else np.zeros(tuple(p.shape), np.float32))
                for n, p in shadow.named_parameters()}
         opt.zero_grad()
         F.cross_entropy(model(x, use_head2), y).backward()
@@ -99,7 +99,7 @@ def check_contract(label, steps=4, density=0.05, momentum_correction=0.0, error_
         grads = {name: gather(raw[name]) for name, _ in model.named_parameters()}
         big = [name for name, p in model.named_parameters() if p.numel() >= 500]
         sent = None
-        if bucket_scope and native.library() is None and error_feedback:
+        if bucket_scope and (native.library() is None or DEVICE.type != "cpu") and error_feedback:
             # one top-k over the one bucket holding every big tensor, laid out in reverse
             # registration order; fc2 and head2 get equal gradients, and equal magnitudes at the
             # k-th go to the earlier position, in the kernel as in numpy; torch.topk (the
@@ -107,7 +107,7 @@ def check_contract(label, steps=4, density=0.05, momentum_correction=0.0, error_
             # what the residuals lost: a sent entry keeps at most float16's rounding of its
             # accumulator (16-bit values; 0 otherwise), an unsent one all of it
             res = opt.state_dict()["hvd_topk"]["residuals"]
-            left = gather(np.concatenate([res[n].numpy().reshape(-1) for n in big[::-1]]))
+            left = gather(np.concatenate([res[n].cpu().numpy().reshape(-1) for n in big[::-1]]))
             accs = ref._accumulate(big[::-1], grads)[0]
             sent = [np.abs(left[r]) < 0.5 * np.abs(accs[r]) for r in range(size)]
         shared = want_sparse(ref, big, grads, d, step, buckets, options.get("exchange", "allgather"),
@@ -120,13 +120,13 @@ def check_contract(label, steps=4, density=0.05, momentum_correction=0.0, error_
             # rounding of the largest sum; the residuals below, each rank's own, stay exact
             atol = 2.0 ** -10 * np.abs(want).max() if sparse_allreduce and options.get("fp16_values") \
                 and name in big else 1e-7
-            np.testing.assert_allclose(p.grad.numpy(), want, rtol=1e-6, atol=atol,
+            np.testing.assert_allclose(p.grad.cpu().numpy(), want, rtol=1e-6, atol=atol,
                                        err_msg=f"{label}: step {step} {name}")
         step_and_check_same(opt, model, f"{label}: step {step}")
     residuals = opt.state_dict()["hvd_topk"]["residuals"]
     for name, r in residuals.items():
         if error_feedback:
-            np.testing.assert_allclose(r.numpy().reshape(-1), ref.residual[rank][name].reshape(-1),
+            np.testing.assert_allclose(r.cpu().numpy().reshape(-1), ref.residual[rank][name].reshape(-1),
                                        rtol=1e-6, atol=1e-7, err_msg=f"{label}: residual {name}")
     stats = opt.compression_stats()
     sizes = [p.numel() for p in model.parameters() if p.numel() >= 500]
@@ -167,7 +167,7 @@ def check_dense_exchange(exchange, fallback=False):
         raw = raw_then_synchronize(shadow, model, opt, x, y)
         for name, p in model.named_parameters():
             want = np.sum(gather(raw[name]), axis=0) / size
-            np.testing.assert_allclose(p.grad.numpy(), want, err_msg=f"{exchange}: step {step} {name}", **tol)
+            np.testing.assert_allclose(p.grad.cpu().numpy(), want, err_msg=f"{exchange}: step {step} {name}", **tol)
         step_and_check_same(opt, model, f"{exchange}: step {step}")
     for name, r in opt.state_dict()["hvd_topk"]["residuals"].items():
         assert float(r.abs().sum()) == 0, f"{exchange}: residual {name} kept something"
@@ -188,7 +188,7 @@ def check_momentum_correction_sent_whole(exchange):
     size = hvd.size()
     model, opt = build(min_numel=500, momentum=0.0, momentum_correction=0.9, exchange=exchange)
     torch.manual_seed(0)
-    dense_model = Net()
+    dense_model = Net().to(DEVICE)
     dense_opt = hvd.DistributedOptimizer(torch.optim.SGD(dense_model.parameters(), lr=0.1, momentum=0.9),
                                          named_parameters=dense_model.named_parameters())
     shadow = copy.deepcopy(model)
@@ -201,13 +201,13 @@ def check_momentum_correction_sent_whole(exchange):
         for name, p in model.named_parameters():
             want = ref.sparse(name, grads[name], 0.05) if name in big and exchange != "dense" \
                 else ref.dense(name, grads[name])
-            np.testing.assert_allclose(p.grad.numpy(), want, rtol=1e-6, atol=1e-7,
+            np.testing.assert_allclose(p.grad.cpu().numpy(), want, rtol=1e-6, atol=1e-7,
                                        err_msg=f"momentum correction, {exchange}: step {step} {name}")
         step_and_check_same(opt, model, f"momentum correction, {exchange}: step {step}")
         train(dense_model, dense_opt, 1, start=step)
     if exchange == "dense":
         for (name, a), b in zip(model.named_parameters(), dense_model.parameters()):
-            np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-5, atol=1e-6,
+            np.testing.assert_allclose(a.detach().cpu().numpy(), b.detach().cpu().numpy(), rtol=1e-5, atol=1e-6,
                                        err_msg=f"against Horovod's dense SGD with momentum: {name}")
     model_b, opt_b = build(min_numel=500, momentum=0.0, momentum_correction=0.9, exchange=exchange)
     train(model_b, opt_b, 2)
@@ -252,7 +252,7 @@ def check_auto(fp16_values=True):
         families = [str(f) for f in gather(stats["exchange_family"])]
         assert len(set(families)) == 1, f"auto: family at step {step} by rank: {families}"
         for p in model.parameters():
-            assert_same_on_all_ranks(p.detach().numpy(), f"auto: parameters at step {step}")
+            assert_same_on_all_ranks(p.detach().cpu().numpy(), f"auto: parameters at step {step}")
     # density 5% at any P <= 3: no family is dominated, each runs 2 steps
     assert stats["exchange_candidates"] == candidates, stats
     assert seen[:tried] == [c for c in candidates for _ in range(2)], seen
@@ -284,7 +284,7 @@ def check_auto_updates():
     for make in (hvd_topk.LocalAdamW, hvd_topk.DeMo):
         for exchange in ("auto", "sparse_allreduce", "allgather"):
             torch.manual_seed(0)
-            model = Net()
+            model = Net().to(DEVICE)
             opt = hvd_topk.DistributedOptimizer(make(model.parameters(), lr=0.01),
                                                 named_parameters=model.named_parameters(), min_numel=500,
                                                 compression=hvd_topk.TopK(density=0.05, fp16_values=True),
@@ -302,7 +302,7 @@ def check_auto_updates():
                 used = set(stats["bucket_strategies"].values())
                 assert used == {"dense", "sparse_allreduce"}, (make.__name__, used)
             for p in model.parameters():
-                assert_same_on_all_ranks(p.detach().numpy(), f"{make.__name__}, {exchange}: parameters")
+                assert_same_on_all_ranks(p.detach().cpu().numpy(), f"{make.__name__}, {exchange}: parameters")
             finals[make, exchange] = [p.detach().clone() for p in model.parameters()]
     # DeMo under auto runs what the pinned allgather does, bit for bit (dense would flush its momentum)
     for a, b in zip(finals[hvd_topk.DeMo, "auto"], finals[hvd_topk.DeMo, "allgather"]):
@@ -318,7 +318,7 @@ def check_cost_model_goes_dense():
     assert stats["tensors_sparse"] == 0 and stats["tensors_dense"] == 2 * 6, stats
     assert stats["bytes_sent"] == stats["bytes_dense"], stats
     for p in model.parameters():
-        assert_same_on_all_ranks(p.detach().numpy(), "dense fallback parameters")
+        assert_same_on_all_ranks(p.detach().cpu().numpy(), "dense fallback parameters")
 
 
 def check_passes_equal_concatenated_batch():
@@ -337,7 +337,7 @@ def check_passes_equal_concatenated_batch():
         F.cross_entropy(model_b(x), y).backward()
         opt_b.step()
         for (name, a), b in zip(model_a.named_parameters(), model_b.parameters()):
-            np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-5, atol=1e-6,
+            np.testing.assert_allclose(a.detach().cpu().numpy(), b.detach().cpu().numpy(), rtol=1e-5, atol=1e-6,
                                        err_msg=f"passes=2 vs concatenated: step {step} {name}")
 
 
@@ -481,7 +481,7 @@ def check_nonfinite_local_adamw():
     and the parameters are finite and the same on every rank."""
     rank = hvd.rank()
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(DEVICE)
     inner = hvd_topk.LocalAdamW(model.parameters(), lr=0.01, betas=(0.0, 0.95), weight_decay=0.1)
     opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(), exchange="allgather",
                                         compression=hvd_topk.TopK(density=0.05), min_numel=500)
@@ -501,12 +501,12 @@ def check_nonfinite_local_adamw():
         assert int(state["step"]) == want, f"{name}: {int(state['step'])} Adam steps, expected {want}"
         assert all(torch.isfinite(t).all() for t in state.values() if torch.is_tensor(t)), f"{name}: moments"
         assert torch.isfinite(p).all(), name
-        assert_same_on_all_ranks(p.detach().numpy(), f"after the skipped step: {name}")
+        assert_same_on_all_ranks(p.detach().cpu().numpy(), f"after the skipped step: {name}")
 
 
 def check_bad_input():
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(DEVICE)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     for kwargs, error, text in [
         ({"compression": hvd_topk.TopK(density=0.5), "op": hvd.Adasum}, ValueError, "Adasum"),
@@ -611,7 +611,7 @@ def check_step_closure():
             else:
                 closure()
                 opt.step()
-            assert_same_on_all_ranks(model.fc1.weight.detach().numpy(), f"step {step}, closure {use_closure}")
+            assert_same_on_all_ranks(model.fc1.weight.detach().cpu().numpy(), f"step {step}, closure {use_closure}")
         models.append(model)
     for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
         assert torch.equal(a, b), f"{name}: step(closure) differs from backward(); step()"
@@ -625,7 +625,7 @@ def check_empty_parameter():
     member and shifted the bucket's segments by one: a ValueError at the first step): at density
     1 without the dense fallback every tensor's result is the numpy mean of the ranks' gradients."""
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(DEVICE)
     model.empty = torch.nn.Parameter(torch.zeros(0))
     opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                         named_parameters=model.named_parameters(), exchange="allgather",
@@ -634,10 +634,10 @@ def check_empty_parameter():
         x, y = batch(step, hvd.rank())
         opt.zero_grad()
         (F.cross_entropy(model(x), y) + model.empty.sum()).backward()
-        grads = {n: np.stack(gather(p.grad.numpy())) for n, p in model.named_parameters()}
+        grads = {n: np.stack(gather(p.grad.cpu().numpy())) for n, p in model.named_parameters()}
         opt.synchronize()
         for n, p in model.named_parameters():
-            np.testing.assert_allclose(p.grad.numpy(), grads[n].mean(axis=0), rtol=1e-6, atol=1e-7,
+            np.testing.assert_allclose(p.grad.cpu().numpy(), grads[n].mean(axis=0), rtol=1e-6, atol=1e-7,
                                        err_msg=f"step {step} {n}")
         with opt.skip_synchronize():
             opt.step()
@@ -689,7 +689,7 @@ def check_horovod_positional_call():
     def buckets(opt):
         engine = getattr(opt, hvd_topk.optimizer.ENGINE)
         return [[engine.names[m.param] for m in b.members] for b in engine.buckets]
-    model = Net()
+    model = Net().to(DEVICE)
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
         old = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
@@ -725,7 +725,7 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-
     rank, size = hvd.rank(), hvd.size()
     skip, idle = skip or {}, idle or {}
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(DEVICE)
     inner = hvd_topk.LocalAdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd,
                                 lr_in_residual=lr_in_residual, global_variance=global_variance, signal=signal,
                                 variance_sketch=variance_sketch)
@@ -751,7 +751,7 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-
         shadow.load_state_dict(model.state_dict())
         shadow.zero_grad()
         F.cross_entropy(shadow(x, use_head2), y).backward()
-        before = {n: p.detach().numpy().astype(np.float64) for n, p in model.named_parameters()}
+        before = {n: p.detach().cpu().numpy().astype(np.float64) for n, p in model.named_parameters()}
         opt.zero_grad()
         if rank not in idle.get(step, ()):
             F.cross_entropy(model(x, use_head2), y).backward()
@@ -760,7 +760,7 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-
         for name, p in model.named_parameters():
             updates = []
             mine = dict(shadow.named_parameters())[name].grad
-            mine = np.zeros(p.shape) if mine is None else mine.numpy().astype(np.float64)
+            mine = np.zeros(p.shape) if mine is None else mine.cpu().numpy().astype(np.float64)
             grads = gather(mine)
             sq, count = measured.get(name, (0.0, 0))
             for r, g in enumerate(grads):
@@ -796,12 +796,12 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-
         shared = want_sparse(ref, big, every, density, step, exchange=exchange)
         for name, p in model.named_parameters():
             want = shared[name] if name in big else every[name].mean(axis=0)
-            np.testing.assert_allclose(p.grad.numpy(), want, rtol=1e-5, atol=1e-6,
+            np.testing.assert_allclose(p.grad.cpu().numpy(), want, rtol=1e-5, atol=1e-6,
                                        err_msg=f"local adamw: step {step} {name}")
         step_and_check_same(opt, model, f"local adamw: step {step}")
         for name, p in model.named_parameters():
-            applied = p.grad.numpy() * (1.0 if lr_in_residual else lr)
-            np.testing.assert_allclose(p.detach().numpy(), before[name] * (1 - lr * wd) - applied,
+            applied = p.grad.cpu().numpy() * (1.0 if lr_in_residual else lr)
+            np.testing.assert_allclose(p.detach().cpu().numpy(), before[name] * (1 - lr * wd) - applied,
                                        rtol=1e-5, atol=1e-7, err_msg=f"local adamw: parameter {name}")
     with raises(ValueError, match="does not support loss scaling", what="LocalAdamW with a GradScaler"):
         hvd_topk.DistributedOptimizer(hvd_topk.LocalAdamW(Net().parameters()), grad_scaler=torch.amp.GradScaler("cpu"))
@@ -816,7 +816,7 @@ def check_local_adamw_gradient_without_its_last_hook(steps=3):
 
     def make(passes):
         torch.manual_seed(0)
-        model = Net()
+        model = Net().to(DEVICE)
         inner = hvd_topk.LocalAdamW(model.parameters(), lr=0.01, eps=1e-3, weight_decay=0.1)
         opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(), exchange="allgather",
                                             compression=hvd_topk.TopK(density=0.05), min_numel=500,
@@ -837,7 +837,7 @@ def check_local_adamw_gradient_without_its_last_hook(steps=3):
         hand_opt.step()
         for name, want in ref_model.named_parameters():
             for label, model in (("one of two passes", part_model), ("p.grad set by hand", hand_model)):
-                np.testing.assert_allclose(model.get_parameter(name).detach().numpy(), want.detach().numpy(),
+                np.testing.assert_allclose(model.get_parameter(name).detach().cpu().numpy(), want.detach().cpu().numpy(),
                                            rtol=1e-6, atol=1e-7, err_msg=f"{label}: step {step} {name}")
 
 
@@ -853,7 +853,7 @@ def check_step_hooks_once_after_load():
                      torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
                      compression=hvd_topk.TopK(density=0.05), exchange="allgather", min_numel=500, sync_every=2)):
         torch.manual_seed(0)
-        model = Net()
+        model = Net().to(DEVICE)
         opt = make(model)
         calls = []
         opt.register_step_pre_hook(lambda *args: calls.append("pre"))
@@ -885,7 +885,7 @@ def check_scheduler_on_the_inner_optimizer_after_load():
 
     def build_run(wrap, seed=0):
         torch.manual_seed(seed)
-        model = Net()
+        model = Net().to(DEVICE)
         inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         sched = torch.optim.lr_scheduler.LambdaLR(inner, lambda s: 0.5 ** s)
         return model, inner, sched, wrap(inner, model)
@@ -927,7 +927,7 @@ def check_local_adamw_broadcast_from_rank_0():
     parameters equal."""
     def build_local(seed=0):
         torch.manual_seed(seed)
-        model = Net()
+        model = Net().to(DEVICE)
         inner = hvd_topk.LocalAdamW(model.parameters(), lr=0.01, betas=(0.5, 0.95), signal="mean+lag1",
                                     variance_sketch=16)
         return model, hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
@@ -948,7 +948,39 @@ def check_local_adamw_broadcast_from_rank_0():
     train(model_c, opt_c, 2, start=3)
     for name, p in model_c.named_parameters():
         assert torch.isfinite(p).all(), name
-        assert_same_on_all_ranks(p.detach().numpy(), f"after the broadcast: {name}")
+        assert_same_on_all_ranks(p.detach().cpu().numpy(), f"after the broadcast: {name}")
+
+
+def check_frozen_variance_broadcast_from_rank_0():
+    """FrozenVarianceAdamW (weight decay 0.1) from a checkpoint loaded on rank 0 alone, then
+    Horovod's broadcasts: every rank holds the checkpoint's parameters, bitwise, and trains on
+    with the ranks equal. (Horovod's probe step on the fresh ranks applied weight decay once, as
+    it does with torch's AdamW, and the ranks' weights parted silently.)"""
+    def build_frozen(seed=0):
+        torch.manual_seed(seed)
+        model = Net().to(DEVICE)
+        inner = hvd_topk.FrozenVarianceAdamW(model.parameters(), lr=0.01, betas=(0.0, 0.95), weight_decay=0.1,
+                                             freeze_step=5)
+        return model, hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                                    compression=hvd_topk.TopK(density=0.05), exchange="allgather",
+                                                    min_numel=500, momentum_correction=0.9)
+    model_b, opt_b = build_frozen()
+    train(model_b, opt_b, 3)
+    saved = copy.deepcopy({"model": model_b.state_dict(), "opt": opt_b.state_dict()})
+    model_c, opt_c = build_frozen(seed=5)
+    if hvd.rank() == 0:
+        model_c.load_state_dict(saved["model"])
+        opt_c.load_state_dict(saved["opt"])
+    hvd.broadcast_parameters(model_c.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt_c, root_rank=0)
+    for name, p in model_c.named_parameters():
+        assert torch.equal(p.detach(), saved["model"][name]), \
+            f"rank {hvd.rank()}: {name} is not the checkpoint's after the broadcast " \
+            f"(max {float((p.detach() - saved['model'][name]).abs().max())})"
+    assert int(opt_c.state[model_c.fc1.weight]["step"]) == 3
+    train(model_c, opt_c, 2, start=3)
+    for name, p in model_c.named_parameters():
+        assert_same_on_all_ranks(p.detach().cpu().numpy(), f"after the broadcast: {name}")
 
 
 def check_local_adamw_resume_bf16():
@@ -957,7 +989,7 @@ def check_local_adamw_resume_bf16():
     the sketch's float32 scalars to bfloat16, and the resume drifted)."""
     def build_bf16(seed=0):
         torch.manual_seed(seed)
-        model = Net().to(torch.bfloat16)
+        model = Net().to(DEVICE, torch.bfloat16)
         inner = hvd_topk.LocalAdamW(model.parameters(), lr=0.01, betas=(0.0, 0.95), variance_sketch=16)
         return model, hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
                                                     compression=hvd_topk.TopK(density=0.05), exchange="allgather",
@@ -1005,7 +1037,7 @@ def check_inner_resume(make_inner, changed, **options):
     checkpoint must carry): bitwise equal at step 6 to the run that never stopped."""
     def build_inner(seed=0):
         torch.manual_seed(seed)
-        model = Net()
+        model = Net().to(DEVICE)
         return model, hvd_topk.DistributedOptimizer(make_inner(model.parameters()),
                                                     named_parameters=model.named_parameters(),
                                                     exchange="allgather", min_numel=500,
@@ -1029,7 +1061,7 @@ def check_inner_resume(make_inner, changed, **options):
     train(model_c, opt_c, 3, start=3)
     for (name, a), c in zip(model.named_parameters(), model_c.parameters()):
         assert torch.equal(a, c), f"resume: {name} differs (max {float((a - c).abs().max())})"
-    assert_same_on_all_ranks(next(model_c.parameters()).detach().numpy(), "resumed parameters")
+    assert_same_on_all_ranks(next(model_c.parameters()).detach().cpu().numpy(), "resumed parameters")
 
 
 def check_demo(normalise="sign", exchange="allgather", steps=5, density=0.05, lr=0.05, beta=0.8, wd=0.1):
@@ -1039,7 +1071,7 @@ def check_demo(normalise="sign", exchange="allgather", steps=5, density=0.05, lr
     step, so an accumulator fed at another step's rate shows."""
     rank, size = hvd.rank(), hvd.size()
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(DEVICE)
     inner = hvd_topk.DeMo(model.parameters(), lr=lr, beta=beta, weight_decay=wd, normalise=normalise)
     opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(), exchange=exchange,
                                         compression=hvd_topk.TopK(density=density), min_numel=500)
@@ -1054,28 +1086,28 @@ def check_demo(normalise="sign", exchange="allgather", steps=5, density=0.05, lr
         shadow.load_state_dict(model.state_dict())
         shadow.zero_grad()
         F.cross_entropy(shadow(x), y).backward()
-        before = {n: p.detach().numpy().astype(np.float32) for n, p in model.named_parameters()}
+        before = {n: p.detach().cpu().numpy().astype(np.float32) for n, p in model.named_parameters()}
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.synchronize()
-        fed = {name: np.stack(gather(dict(shadow.named_parameters())[name].grad.numpy())) * np.float32(lr_t)
+        fed = {name: np.stack(gather(dict(shadow.named_parameters())[name].grad.cpu().numpy())) * np.float32(lr_t)
                for name, _ in model.named_parameters()}
         big = [n for n, p in model.named_parameters() if p.numel() >= 500]
         want = want_sparse(ref, big, fed, density, step, exchange=exchange)
         for name, p in model.named_parameters():
             if name not in big:
                 want[name] = fed[name].mean(axis=0)
-            np.testing.assert_allclose(p.grad.numpy(), want[name], rtol=1e-5, atol=1e-9,
+            np.testing.assert_allclose(p.grad.cpu().numpy(), want[name], rtol=1e-5, atol=1e-9,
                                        err_msg=f"demo: step {step} {name}")
         step_and_check_same(opt, model, f"demo: step {step}")
         for name, p in model.named_parameters():
-            avg = p.grad.numpy().astype(np.float64)
+            avg = p.grad.cpu().numpy().astype(np.float64)
             if normalise == "sign":
                 move = np.sign(avg)
             else:
                 rms = np.sqrt(np.mean(avg ** 2))
                 move = avg / rms if rms > 0 else avg
-            np.testing.assert_allclose(p.detach().numpy(), before[name] * (1 - lr_t * wd) - lr_t * move,
+            np.testing.assert_allclose(p.detach().cpu().numpy(), before[name] * (1 - lr_t * wd) - lr_t * move,
                                        rtol=1e-5, atol=1e-7, err_msg=f"demo: parameter {name}")
     with raises(ValueError, match="sets the residual decay itself", what="DeMo with another residual_decay"):
         hvd_topk.DistributedOptimizer(hvd_topk.DeMo(Net().parameters(), beta=0.9), residual_decay=0.5)
@@ -1145,6 +1177,7 @@ CHECKS = [
     ("an LR scheduler on the user's optimizer after a load", check_scheduler_on_the_inner_optimizer_after_load),
     ("LocalAdamW: a checkpoint on rank 0 alone, broadcast (lag1, sketch)", check_local_adamw_broadcast_from_rank_0),
     ("LocalAdamW: bf16 resume with the variance sketch", check_local_adamw_resume_bf16),
+    ("FrozenVarianceAdamW: a checkpoint on rank 0 alone, broadcast", check_frozen_variance_broadcast_from_rank_0),
     ("LocalAdamW: a gradient whose last hook never fired", check_local_adamw_gradient_without_its_last_hook),
     ("step hooks run once a step, also after load_state_dict", check_step_hooks_once_after_load),
     ("LocalAdamW: lr in the residual, residual decay", lambda: check_local_adamw(

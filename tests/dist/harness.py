@@ -32,6 +32,25 @@ from expect import raises  # noqa: F401  (the checks import it from here)
 
 # MPI.COMM_WORLD, set by run(): importing mpi4py.MPI starts MPI, which --list must not do.
 COMM = None
+
+
+def _check_device():
+    """Where the checks that ask for it put their models and inputs: ``HVD_TOPK_CHECK_DEVICE``
+    (``cpu`` unless set; ``cuda``: every rank on ``cuda:LOCAL_RANK % device count``, the local
+    rank as mpirun or horovodrun set it). Horovod built without NCCL moves CUDA tensors through
+    the host (its ``*CudaOnCPU`` operations), so several ranks can share one GPU."""
+    import torch
+
+    device = torch.device(os.environ.get("HVD_TOPK_CHECK_DEVICE", "cpu"))
+    if device.type == "cuda":
+        local = next((int(os.environ[k]) for k in ("HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
+                      if k in os.environ), 0)
+        device = torch.device("cuda", local % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    return device
+
+
+DEVICE = _check_device()
 SYNC_TIMEOUT_S = float(os.environ.get("HVD_TOPK_CHECK_SYNC_TIMEOUT", "60"))
 
 
@@ -126,7 +145,7 @@ def step_and_check_same(opt, model, label):
     with opt.skip_synchronize():
         opt.step()
     for name, p in model.named_parameters():
-        assert_same_on_all_ranks(p.detach().numpy(), f"{label}: parameter {name}")
+        assert_same_on_all_ranks(p.detach().cpu().numpy(), f"{label}: parameter {name}")
 
 
 def train(model, opt, steps, batch, start=0):
@@ -147,7 +166,7 @@ def raw_gradients(shadow, model, x, y):
     shadow.load_state_dict(model.state_dict())
     shadow.zero_grad()
     F.cross_entropy(shadow(x), y).backward()
-    return {n: p.grad.numpy().copy() for n, p in shadow.named_parameters()}
+    return {n: p.grad.cpu().numpy().copy() for n, p in shadow.named_parameters()}
 
 
 def raw_then_synchronize(shadow, model, opt, x, y):
