@@ -17,7 +17,11 @@
 #      none, fp16, PowerSGD rank 4, hvd_topk's LocalAdamW recipe at 1%, then none and hvd_topk's
 #      under bf16 autocast), GPT_STEPS steps (1000), lr 1e-2.
 # A stage is skipped when fewer than its seconds are left of GPU_CHECK_BUDGET_S (540): a call
-# cut off at its limit returns nothing, one that ends in time returns what ran.
+# cut off at its limit returns nothing, one that ends in time returns what ran. GPU_CHECK_STAGES
+# (default "torch horovod bench gpt") picks stages 2 (torch: TORCH_TESTS_K, pytest's -k for the
+# torch paths, default "not horovod"; horovod: the build and its tests), 3 and 4.
+# HVD_BUILD_WHEELS=DIR: wheels installed into $HVD_SITE before the build (Horovod's setup.py
+# needs cffi, which that machine lacks and cannot download).
 # Run from the repository root:  OUT=DIR HVD_TOPK_GIT=COMMIT [HVD_SDIST=...] bash benchmarks/gpu_check.sh
 # Writes DIR/log.txt, DIR/horovod-build.log, DIR/cuda-selection.{json,md}, DIR/cuda-syncs.{json,md},
 # DIR/gpt-1gpu.{json,txt}.
@@ -30,6 +34,8 @@ LOG="$OUT/log.txt"
 STEPS=${GPT_STEPS:-1000}
 BUDGET=${GPU_CHECK_BUDGET_S:-540}
 HVD_SITE=${HVD_SITE:-/tmp/hvd_site}
+STAGES=" ${GPU_CHECK_STAGES:-torch horovod bench gpt} "
+stage() { [[ "$STAGES" == *" $1 "* ]]; }
 status=0
 step() { echo "=== $* ($(date -u +%H:%M:%S), ${SECONDS} s in)" | tee -a "$LOG"; }
 # room NEED NAME: true when NEED seconds are left of the budget, else says the stage is skipped
@@ -51,13 +57,17 @@ exec $gxx "\$@"
 WRAPPER
   chmod +x "$wrap/g++"
   echo "g++: $gxx ($($gxx -dumpfullversion)); nvcc: $(command -v nvcc); cmake: $(cmake --version | head -1)"
+  if [ -n "${HVD_BUILD_WHEELS:-}" ]; then
+    $PY -m pip install -q --no-index --no-deps --target "$HVD_SITE" "$HVD_BUILD_WHEELS"/*.whl || return 1
+  fi
+  export PYTHONPATH="$HVD_SITE${PYTHONPATH:+:$PYTHONPATH}"
   HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
   HOROVOD_WITHOUT_MXNET=1 HOROVOD_BUILD_CUDA_CC_LIST=${HVD_CUDA_CC:-90} \
   HOROVOD_CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")") \
   CPATH=$($PY -c "import sysconfig; print(sysconfig.get_paths()['include'])")${CPATH:+:$CPATH} \
   CXX="$wrap/g++" CC=$(command -v gcc) MAKEFLAGS="-j$(nproc)" \
     $PY -m pip wheel -v --no-index --no-build-isolation --no-deps -w "$wheels" "$HVD_SDIST" || return 1
-  $PY -m pip install -q --no-index --no-deps --target "$HVD_SITE" "$wheels"/horovod-*.whl
+  $PY -m pip install -q --no-index --no-deps --upgrade --target "$HVD_SITE" "$wheels"/horovod-*.whl
 }
 
 step environment
@@ -81,18 +91,20 @@ EOF2
   getent hosts "$(hostname)" >/dev/null || echo "127.0.0.1 $(hostname)" >> /etc/hosts
 } >> "$LOG" 2>&1
 
-if [ -n "${HVD_SDIST:-}" ]; then
+if [ -n "${HVD_SDIST:-}" ] && stage horovod; then
   step "building Horovod from $HVD_SDIST in the background"
-  ( started=$SECONDS; timeout 330 bash -c "$(declare -f build_horovod); PY=$PY HVD_SITE=$HVD_SITE HVD_SDIST=$HVD_SDIST build_horovod"
+  ( started=$SECONDS; timeout 330 bash -c "$(declare -f build_horovod); PY=$PY HVD_SITE=$HVD_SITE HVD_SDIST=$HVD_SDIST HVD_BUILD_WHEELS=${HVD_BUILD_WHEELS:-} build_horovod"
     echo "build exit $? after $((SECONDS - started)) s" ) > "$OUT/horovod-build.log" 2>&1 &
   build=$!
 fi
 
-step "tests/test_cuda.py, the torch paths"
-timeout 240 $PY -m pytest -v -p no:cacheprovider -k "not horovod" tests/test_cuda.py >> "$LOG" 2>&1 || status=1
-tail -3 "$LOG"
+if stage torch; then
+  step "tests/test_cuda.py, the torch paths"
+  timeout 240 $PY -m pytest -v -p no:cacheprovider -k "${TORCH_TESTS_K:-not horovod}" tests/test_cuda.py >> "$LOG" 2>&1 || status=1
+  tail -3 "$LOG"
+fi
 
-if [ -n "${HVD_SDIST:-}" ]; then
+if [ -n "${HVD_SDIST:-}" ] && stage horovod; then
   step "waiting for the Horovod build"
   wait "$build"
   tail -n 3 "$OUT/horovod-build.log" | tee -a "$LOG"
@@ -108,15 +120,15 @@ if [ -n "${HVD_SDIST:-}" ]; then
   fi
 fi
 
-room 60 "benchmarks/cuda_selection.py" && step "benchmarks/cuda_selection.py" &&
+stage bench && room 60 "benchmarks/cuda_selection.py" && step "benchmarks/cuda_selection.py" &&
 timeout 120 $PY benchmarks/cuda_selection.py --out "$OUT/cuda-selection" >> "$LOG" 2>&1 || status=1
 tail -2 "$LOG"
 
-room 60 "benchmarks/cuda_syncs.py" && step "benchmarks/cuda_syncs.py" &&
+stage bench && room 60 "benchmarks/cuda_syncs.py" && step "benchmarks/cuda_syncs.py" &&
 timeout 120 $PY benchmarks/cuda_syncs.py --out "$OUT/cuda-syncs" >> "$LOG" 2>&1 || status=1
 tail -6 "$LOG"
 
-step "examples/ddp_gpt.py on the GPU, $STEPS steps, each hook"
+stage gpt && step "examples/ddp_gpt.py on the GPU, $STEPS steps, each hook"
 runs=$(mktemp -d)
 summarise() {  # the finished runs into one file, rewritten after each (a call cut off keeps them)
   $PY - "$runs" "$OUT/gpt-1gpu.json" <<'EOF'
@@ -129,6 +141,7 @@ for run, r in runs.items():
           f"bytes {100 * r['bytes_ratio']:.2f}% of dense")
 EOF
 }
+stage gpt || GPT_RUNS=" "
 for run in ${GPT_RUNS:-none fp16 powersgd topk none-bf16 topk-bf16}; do
   room 45 "examples/ddp_gpt.py, $run" || continue
   hook=${run%-bf16}; amp=none; [ "$run" != "$hook" ] && amp=bf16
@@ -138,6 +151,6 @@ for run in ${GPT_RUNS:-none fp16 powersgd topk none-bf16 topk-bf16}; do
   summarise > "$OUT/gpt-1gpu.txt" 2>&1 || status=1
   grep "^$run:" "$OUT/gpt-1gpu.txt" || echo "$run: failed"
 done
-cat "$OUT/gpt-1gpu.txt" >> "$LOG"
+[ -f "$OUT/gpt-1gpu.txt" ] && cat "$OUT/gpt-1gpu.txt" >> "$LOG"
 step "done, status $status"
 exit $status
