@@ -61,11 +61,16 @@ WRAPPER
     $PY -m pip install -q --no-index --no-deps --target "$HVD_SITE" "$HVD_BUILD_WHEELS"/*.whl || return 1
   fi
   export PYTHONPATH="$HVD_SITE${PYTHONPATH:+:$PYTHONPATH}"
+  # What that machine's newer tools need of Horovod 0.28.1 (each failed the build there on
+  # 2026-12-04, without touching Horovod's sources): CMake 4 refuses gloo's
+  # cmake_minimum_required below 3.5 unless CMAKE_POLICY_VERSION_MINIMUM is set; g++ 13 no
+  # longer brings <string>, <stdexcept>, <cstdint>... in through other headers, which Horovod's
+  # relied on, so they are force-included (C++ only: nvcc's host pass does not see CXXFLAGS)
   HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
-  HOROVOD_WITHOUT_MXNET=1 HOROVOD_BUILD_CUDA_CC_LIST=${HVD_CUDA_CC:-90} \
+  HOROVOD_WITHOUT_MXNET=1 HOROVOD_BUILD_CUDA_CC_LIST=${HVD_CUDA_CC:-90} CMAKE_POLICY_VERSION_MINIMUM=3.5 \
   HOROVOD_CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")") \
   CPATH=$($PY -c "import sysconfig; print(sysconfig.get_paths()['include'])")${CPATH:+:$CPATH} \
-  CXX="$wrap/g++" CC=$(command -v gcc) MAKEFLAGS="-j$(nproc)" \
+  CXXFLAGS="-include cstdint -include string -include stdexcept -include memory -include functional -include limits -include cstring ${CXXFLAGS:-}" CXX="$wrap/g++" CC=$(command -v gcc) MAKEFLAGS="-j$(nproc)" \
     $PY -m pip wheel -v --no-index --no-build-isolation --no-deps -w "$wheels" "$HVD_SDIST" || return 1
   $PY -m pip install -q --no-index --no-deps --upgrade --target "$HVD_SITE" "$wheels"/horovod-*.whl
 }
@@ -109,14 +114,14 @@ if [ -n "${HVD_SDIST:-}" ] && stage horovod; then
   wait "$build"
   tail -n 3 "$OUT/horovod-build.log" | tee -a "$LOG"
   export PYTHONPATH="$HVD_SITE:$PYTHONPATH" PATH="$HVD_SITE/bin:$PATH"
-  if $PY -c "import horovod.torch" >> "$LOG" 2>&1 && room 200 "Horovod on the GPU"; then
+  if ! $PY -c "import horovod.torch" >> "$LOG" 2>&1; then
+    step "Horovod did not build or import: its GPU checks not run"; status=1
+  elif room 100 "Horovod on the GPU"; then
     horovodrun --check-build >> "$LOG" 2>&1
     step "tests/test_cuda.py, Horovod on the GPU (check_device.py, horovodrun --gloo, 2 and 3 ranks)"
-    HVD_TOPK_MPI_TIMEOUT=180 timeout 400 $PY -m pytest -v -p no:cacheprovider -k "horovod_paths" \
+    HVD_TOPK_MPI_TIMEOUT=180 timeout 400 $PY -m pytest -v -p no:cacheprovider -k "${HOROVOD_TESTS_K:-horovod_paths}" \
       tests/test_cuda.py >> "$LOG" 2>&1 || status=1
     tail -3 "$LOG"
-  else
-    step "Horovod did not build or import: its GPU checks not run"; status=1
   fi
 fi
 

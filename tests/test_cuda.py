@@ -148,6 +148,21 @@ def test_ddp_hook_checks_on_cuda(np_, monkeypatch):
     assert job.returncode == 0 and f"OK on {np_} ranks" in job.stdout, job.tail()
 
 
+def test_check_device_names_exist():
+    """check_device.py picks its checks from three scripts by name: each name must still exist
+    there (``--list`` fails otherwise), and every pick is a distinct check."""
+    import subprocess
+    import sys
+
+    from mpi import script_env
+    listed = subprocess.run([sys.executable, str(DIST / "check_device.py"), "--list"], env=script_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    names = listed.stdout.split("\n")[:-1]
+    assert len(names) == len(set(names)) == 35, names
+    assert {n.split(":")[0] for n in names} == {"compressor", "optimizer", "amp"}, names
+
+
 @pytest.mark.distributed
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device here")
 @pytest.mark.parametrize("np_", [2, 3])
