@@ -21,7 +21,10 @@
 # (default "torch horovod bench gpt") picks stages 2 (torch: TORCH_TESTS_K, pytest's -k for the
 # torch paths, default "not horovod"; horovod: the build and its tests), 3 and 4.
 # HVD_BUILD_WHEELS=DIR: wheels installed into $HVD_SITE before the build (Horovod's setup.py
-# needs cffi, which that machine lacks and cannot download).
+# needs cffi, which that machine lacks and cannot download): `pip download --no-deps
+# --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux2014_x86_64
+# -d DIR cffi pycparser` here. The run of 2026-12-04: HVD_SDIST=.hvd/horovod-0.28.1.tar.gz
+# HVD_BUILD_WHEELS=.whl, both folders ignored by git and carried to the machine.
 # Run from the repository root:  OUT=DIR HVD_TOPK_GIT=COMMIT [HVD_SDIST=...] bash benchmarks/gpu_check.sh
 # Writes DIR/log.txt, DIR/horovod-build.log, DIR/cuda-selection.{json,md}, DIR/cuda-syncs.{json,md},
 # DIR/gpt-1gpu.{json,txt}.
