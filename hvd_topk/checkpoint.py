@@ -21,6 +21,8 @@ import warnings
 
 import torch
 
+from hvd_topk.loss_scale import is_loss_scale
+
 STATE_KEY = "hvd_topk"  # the optimizer state_dict's entry holding this section
 LOCAL_STEPS_KEY = "hvd_topk_local_steps"  # hvd_topk.LocalSteps' section (its outer optimizer)
 LOCAL_SHARED_KEY = "hvd_topk_local_shared"  # LocalSteps' param group 0: the shared weights (anchors)
@@ -101,8 +103,7 @@ def check(engine, state):
             raise CheckpointMismatch(f"the checkpoint's {STATE_KEY!r} section has {key}={state[key]!r}, not a "
                                      "count. Nothing was loaded.")
     scale = state.get("residual_scale")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
-                              or not 0 < scale < float("inf")):
+    if not is_loss_scale(scale):
         raise CheckpointMismatch(f"the checkpoint's {STATE_KEY!r} section has residual_scale={scale!r}, not a "
                                  "loss scale (a finite number > 0, or None). Nothing was loaded.")
     if state["format"] > STATE_FORMAT:

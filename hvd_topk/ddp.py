@@ -43,6 +43,7 @@ import torch.distributed as dist
 from hvd_topk import agreement, auto, checkpoint
 from hvd_topk import ddp_exchange as exchange
 from hvd_topk.codec import Codec
+from hvd_topk.loss_scale import ResidualScale, check_grad_scaler, is_loss_scale
 from hvd_topk.optim import residual_decay_of
 from hvd_topk.schedule import DensitySchedule
 from hvd_topk.selection import (DEFAULT_METHOD, check_density, check_flag, check_integer, check_number,
@@ -104,6 +105,12 @@ class TopKState:
         residual_decay (1.0): multiply every residual by this each step before the gradient is
             added (stale work fades; 1.0 keeps everything).
         method ("sampled"): the selection kernel (``"exact"``: exact top-k, slower).
+        grad_scaler (None): with fp16 mixed precision, the ``torch.amp.GradScaler`` that scales
+            the loss. Pass it: the residuals, kept in the loss scale's units, are rescaled at the
+            first bucket of a step whose scale changed (the scaler halves it after an overflow
+            and doubles it every ``growth_interval`` steps); without it they would be added back
+            at a stale scale, silently (the hook cannot see the scaler). Refused with
+            ``optimizer=`` (LocalAdamW, DeMo: use bf16 autocast, which needs no scaler).
 
     Internal: ``process_group`` (default: the global group), ``world_size``, ``rank``, the
     buckets' layouts and residuals (by DDP bucket index; DDP rebuilds its buckets after the first
@@ -114,13 +121,15 @@ class TopKState:
     buckets per exchange, non-finite resets.
 
     Checkpoints: ``state_dict()`` holds this rank's residuals by parameter name, which needs
-    ``named_parameters=model.named_parameters()``; ``load_state_dict`` restores them (a state
-    saved by another rank or world size restarts them from zero, with a warning).
+    ``named_parameters=model.named_parameters()``, and the loss scale they are in;
+    ``load_state_dict`` restores them (a state saved by another rank or world size restarts them
+    from zero, with a warning), converted to this run's set-up with or without a scaler.
     """
 
     def __init__(self, process_group=None, density=0.01, *, error_feedback=True, warmup_steps=0,
                  warmup_density=0.25, optimizer=None, exchange="auto", exchange_trial_steps=auto.TRIAL_STEPS, fp16_values=False,
-                 compact=False, min_numel=1024, residual_decay=1.0, method=DEFAULT_METHOD, named_parameters=None):
+                 compact=False, min_numel=1024, residual_decay=1.0, method=DEFAULT_METHOD, named_parameters=None,
+                 grad_scaler=None):
         # tune
         self.density = check_density(density)
         self.error_feedback = check_flag(error_feedback, "error_feedback")
@@ -148,6 +157,8 @@ class TopKState:
             residual_decay_of(optimizer, check_number(residual_decay, "residual_decay"), self.error_feedback),
             self.error_feedback)
         self.codec = Codec(method, fp16_values, self.compact)
+        check_grad_scaler(grad_scaler, optimizer)
+        self.residual_scale = ResidualScale(grad_scaler)  # the loss scale the residuals are kept in
         # internal
         # (dist.new_group gives the ranks outside the group a sentinel: the first hook says so)
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup) and \
@@ -206,7 +217,8 @@ class TopKState:
         rank, world = (self.rank, self.world_size) if self.rank is not None or not dist.is_initialized() \
             else _group_rank_and_size(self.process_group)  # before the first step
         return {"version": STATE_VERSION, "iteration": self.iteration, "rank": rank,
-                "world_size": world, "density": self.density, "residuals": residuals}
+                "world_size": world, "density": self.density, "residuals": residuals,
+                "residual_scale": self.residual_scale.scale}
 
     def load_state_dict(self, state):
         """Restore ``state_dict()``'s output: the step always; the residuals when the state was
@@ -225,6 +237,9 @@ class TopKState:
         for key in ("iteration", "rank", "world_size"):
             if not checkpoint.is_count(state[key], none_ok=key != "iteration"):
                 raise ValueError(f"the TopKState checkpoint has {key}={state[key]!r}, not a count; nothing was loaded")
+        if not is_loss_scale(state.get("residual_scale")):
+            raise ValueError(f"the TopKState checkpoint has residual_scale={state['residual_scale']!r}, not a loss "
+                             "scale (a finite number > 0, or None); nothing was loaded")
         saved = state["residuals"]
         if not isinstance(saved, dict) or not all(isinstance(n, str) and torch.is_tensor(t) and t.is_floating_point()
                                                   for n, t in saved.items()):
@@ -256,8 +271,20 @@ class TopKState:
         self.pending = {name: t.detach().clone() for name, t in residuals.items()}
         for layout in self.layouts.values():
             layout.adopt(self.pending, self.names)
+        # in the loss scale they were saved in (None: true units), whatever the set-up now
+        self.residual_scale.adopt(state.get("residual_scale"), [self])
         if self.seen_whole_model:
             self._drop_pending()
+
+    def rescale(self, factor):
+        """Multiply every residual by ``factor`` (``hvd_topk.loss_scale.ResidualScale``): the
+        buckets', those of layouts DDP replaced this step, and those loaded but not yet placed."""
+        if not self.error_feedback:
+            return
+        for layout in [*self.layouts.values(), *self.retired]:
+            layout.acc.mul_(factor)
+        for t in self.pending.values():
+            t.mul_(factor)
 
     def _drop_pending(self):
         """Loaded residuals that no bucket took once every bucket has been seen: their parameters
@@ -371,7 +398,10 @@ class TopKState:
             self.family = self.exchange
             return
         density = self.schedule.density(step)
-        if self.world_size <= 1 or density != self.schedule.target or step < TRIAL_FROM_STEP:
+        # (not before this state has seen a whole step: the trial proposes families from every
+        # bucket's layout, and a state loaded from a checkpoint has seen none of them yet)
+        if self.world_size <= 1 or density != self.schedule.target or step < TRIAL_FROM_STEP or \
+                not self.seen_whole_model:
             self.family = None  # the fewest bytes, bucket by bucket
             return
         if self.trial is None:
@@ -441,6 +471,7 @@ class TopKState:
             "exchange and exchange_trial_steps": (self.exchange, self.exchange_trial_steps),
             "min_numel": self.min_numel,
             "optimizer= (its class)": None if self.optimizer is None else type(self.optimizer).__qualname__,
+            "grad_scaler (given or not)": self.residual_scale.scaler is not None,
             "the step (a checkpoint loaded on some ranks only?)": self.iteration,
         }
         mine = torch.tensor([agreement.digest(v) for v in settings.values()], dtype=torch.int64, device=buffer.device)
@@ -478,6 +509,8 @@ def topk_hook(state, bucket):
         state._first_hook(bucket)
     elif bucket.index() == 0:
         state._check_group_unchanged()
+    if bucket.index() == 0:  # before this step folds anything: residuals into its loss scale
+        state.residual_scale.follow([state])
     buffer = bucket.buffer()
     world = state.world_size
     params = bucket.parameters()

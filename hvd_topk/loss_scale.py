@@ -9,6 +9,31 @@ steps that change it. A checkpoint says which scale its residuals are in, so a r
 another set-up (a scaler, or none) converts them (``adopt``).
 """
 
+import numbers
+
+import torch
+
+
+def check_grad_scaler(grad_scaler, optimizer=None):
+    """``grad_scaler=``: None or a ``torch.amp.GradScaler``; refused with an inner optimizer that
+    turns each rank's gradient into an update before the exchange (``transform_local_gradient``:
+    LocalAdamW, DeMo), whose moments would mix loss scales and absorb overflowed steps."""
+    if grad_scaler is None:
+        return
+    if not isinstance(grad_scaler, torch.amp.GradScaler):
+        raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
+    if optimizer is not None and hasattr(optimizer, "transform_local_gradient"):
+        raise ValueError(f"{type(optimizer).__name__} turns each rank's gradient into an update before the "
+                         "exchange and does not support loss scaling (grad_scaler): its moments would mix "
+                         "loss scales and absorb overflowed steps. Use bf16 autocast (no scaler), or "
+                         "hvd_topk.FrozenVarianceAdamW / torch.optim.AdamW with grad_scaler=.")
+
+
+def is_loss_scale(value):
+    """A checkpoint's ``residual_scale``: None (true units) or a finite number > 0."""
+    return value is None or (not isinstance(value, bool) and isinstance(value, numbers.Real)
+                             and 0 < value < float("inf"))
+
 
 class ResidualScale:
     """The loss scale the residuals are expressed in (``scale``, saved with the checkpoint)."""

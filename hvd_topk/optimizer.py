@@ -18,6 +18,7 @@ from hvd_topk.compressor import TopK
 from hvd_topk import checkpoint
 from hvd_topk.checkpoint import STATE_KEY
 from hvd_topk.engine import TopKEngine
+from hvd_topk.loss_scale import check_grad_scaler
 from hvd_topk.optim import residual_decay_of
 from hvd_topk.options import Options
 from hvd_topk.selection import check_integer
@@ -132,18 +133,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                       exchange_recheck_steps=exchange_recheck_steps, hierarchical=hierarchical,
                       residual_decay=residual_decay)
     compression = _resolve_compression(compression)
-    if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
-        raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
     _check_horovod_arguments(op, gradient_predivide_factor, backward_passes_per_step)
     if not isinstance(process_set, hvd.ProcessSet):
         raise TypeError(f"process_set must be a horovod ProcessSet (hvd.global_process_set, hvd.add_process_set(...)), "
                         f"got {type(process_set).__name__}")
     _check_no_duplicates(optimizer.param_groups, named_parameters)
-    if grad_scaler is not None and hasattr(optimizer, "transform_local_gradient"):
-        raise ValueError(f"{type(optimizer).__name__} turns each rank's gradient into an update before the "
-                         "exchange and does not support loss scaling (grad_scaler): its moments would mix "
-                         "loss scales and absorb overflowed steps. Use bf16 autocast (no scaler), or "
-                         "hvd_topk.FrozenVarianceAdamW / torch.optim.AdamW with grad_scaler=.")
+    check_grad_scaler(grad_scaler, optimizer)
     if op == hvd.Sum and hasattr(optimizer, "transform_local_gradient") \
             and not getattr(optimizer, "sum_invariant", False):
         raise ValueError(f"op=hvd.Sum with {type(optimizer).__name__}: the exchange would sum the ranks' updates, "

@@ -473,6 +473,81 @@ def train(ddp, opt, steps, start=0):
         opt.step()
 
 
+SCALES = [2.0 ** 10, 2.0 ** 11, 2.0 ** 8, 2.0 ** 8, 2.0 ** 14, 2.0 ** 3]  # the loss scale at each step
+
+
+def check_grad_scaler(steps=len(SCALES), density=0.05):
+    """GradScaler's loop (``scale(loss).backward()``, ``unscale_``, ``step``, ``update``) with
+    ``TopKState(grad_scaler=scaler)`` and the scale changing every step (powers of two: exact):
+    every step's unscaled p.grad equals the numpy contract fed the true-unit gradients; the
+    checkpoint's residuals are in the last step's scale and say so, and a state without a scaler
+    loads them in true units. (The residuals were added back at a stale scale, silently: a
+    difference as large as the gradient from the second step.) With LocalAdamW it is refused."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    scaler = torch.amp.GradScaler(DEVICE.type, init_scale=SCALES[0])
+    model, ddp, state = build(exchange="allgather", density=density, grad_scaler=scaler)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    shadow = copy.deepcopy(model)
+    ref = ErrorFeedbackReference(size)
+    for step in range(steps):
+        x, y = batch(step, rank)
+        shadow.load_state_dict(model.state_dict())
+        shadow.zero_grad()
+        F.cross_entropy(shadow(x), y).backward()  # true units
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(F.cross_entropy(ddp(x), y)).backward()
+        scaler.unscale_(opt)
+        for name, p in model.named_parameters():
+            grads = np.stack(gather(host(shadow.get_parameter(name).grad)))
+            want = ref.sparse(name, grads, density) if p.numel() >= MIN_NUMEL else grads.mean(axis=0)
+            np.testing.assert_allclose(host(p.grad), want, rtol=1e-5, atol=1e-6,
+                                       err_msg=f"step {step} (scale {SCALES[step]:g}) {name}")
+        scaler.step(opt)
+        scaler.update(new_scale=SCALES[(step + 1) % len(SCALES)])
+    saved = copy.deepcopy(state.state_dict())
+    assert saved["residual_scale"] == SCALES[steps - 1], saved["residual_scale"]
+    for name, r in saved["residuals"].items():
+        np.testing.assert_allclose(host(r), ref.residual[rank][name].reshape(-1) * SCALES[steps - 1], rtol=1e-5,
+                                   atol=1e-6, err_msg=f"saved residual {name}")
+    _, _, plain = build(exchange="allgather", density=density)
+    plain.load_state_dict(saved)
+    loaded = plain.state_dict()
+    assert loaded["residual_scale"] is None, loaded["residual_scale"]
+    for name, r in loaded["residuals"].items():
+        np.testing.assert_allclose(host(r), ref.residual[rank][name].reshape(-1), rtol=1e-5, atol=1e-7,
+                                   err_msg=f"residual {name} loaded without a scaler")
+    with raises(ValueError, "does not support loss scaling", what="LocalAdamW with a GradScaler"):
+        hvd_topk.ddp.TopKState(optimizer=hvd_topk.LocalAdamW(model.parameters()), grad_scaler=scaler)
+    with raises(TypeError, "grad_scaler must be a torch.amp.GradScaler", what="another object"):
+        hvd_topk.ddp.TopKState(grad_scaler=object())
+
+
+def check_auto_trial_after_resume():
+    """exchange="auto" loaded from a checkpoint into a fresh DDP that keeps its first buckets
+    (find_unused_parameters=True), the first bucket holding no sparse tensor (min_numel 1000
+    leaves only fc1.weight sparse): the trial proposes what the run that never stopped proposed.
+    (It was proposed at the first resumed step, from the one bucket seen by then, and left
+    dense alone: compression off for the rest of the run.)"""
+    options = dict(bucket_cap_mb=0.005, exchange="auto", exchange_trial_steps=1, min_numel=1000,
+                   ddp_kwargs={"find_unused_parameters": True})
+    model, ddp, state = build(**options)
+    train(ddp, torch.optim.SGD(model.parameters(), lr=0.1), 8)
+    want = state.trial.candidates
+    assert "allgather" in want, want
+    model_b, ddp_b, state_b = build(**options)
+    opt_b = torch.optim.SGD(model_b.parameters(), lr=0.1)
+    train(ddp_b, opt_b, 3)
+    saved = copy.deepcopy({"model": model_b.state_dict(), "opt": opt_b.state_dict(), "topk": state_b.state_dict()})
+    model_c, ddp_c, state_c = build(**options)
+    opt_c = torch.optim.SGD(model_c.parameters(), lr=0.1)
+    model_c.load_state_dict(saved["model"])
+    opt_c.load_state_dict(saved["opt"])
+    state_c.load_state_dict(saved["topk"])
+    train(ddp_c, opt_c, 8, start=3)
+    assert state_c.trial is not None and state_c.trial.candidates == want, (state_c.trial.candidates, want)
+    assert state_c.trial.choice in want and state_c.stats()["bytes_ratio"] < 1, state_c.stats()
+
+
 def check_resume(bucket_cap_mb=0.005, compiled_names=False, **state_kwargs):
     """Model, optimizer and TopKState saved at step 3 and loaded into fresh objects (a new DDP,
     which starts from its initial buckets again): bitwise equal at step 7 to the run that never
@@ -790,6 +865,7 @@ CHECKS = [
     ("auto, dense start (warm-up from 1.0)", lambda: check_reference("auto", steps=5, warmup_steps=4,
                                                                      warmup_density=1.0)),
     ("auto: measured trial, agreement, choice", check_auto_trial),
+    ("auto resumed into a DDP that keeps its first buckets: the whole model's proposal", check_auto_trial_after_resume),
     ("auto with optimizer=LocalAdamW: no sparse allreduce", check_auto_updates),
     ("dense_fp16 exchange", lambda: check_reference("dense_fp16", steps=3)),
     ("allgather, 16-bit values, several buckets", lambda: check_reference(bucket_cap_mb=0.005, fp16_values=True)),
@@ -821,6 +897,7 @@ CHECKS = [
     ("static_graph, gradient_as_bucket_view", lambda: check_reference(
         bucket_cap_mb=0.005, ddp_kwargs={"static_graph": True, "gradient_as_bucket_view": True})),
     ("bf16 autocast", lambda: check_reference(amp=True)),
+    ("GradScaler: residuals follow loss-scale changes, resume without a scaler", check_grad_scaler),
     ("torch.compile of the DDP model", lambda: check_reference(compiled=True)),
     ("statistics: bytes over the run", check_stats),
     ("LocalAdamW recipe", check_local_adamw),
