@@ -49,6 +49,8 @@ def parse_args(argv=None):
                    help="topk-ef: hvd_topk.DistributedOptimizer (error feedback); topk: Horovod's "
                         "DistributedOptimizer with compression=hvd_topk.TopK; dense: Horovod's alone")
     p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--exchange", choices=["auto", "allgather", "sparse_allreduce", "dense"], default="auto",
+                   help="topk-ef: hvd_topk.DistributedOptimizer's exchange")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--fail-rank", type=int, default=None, help="this rank exits once, mid-step")
     p.add_argument("--fail-epoch", type=int, default=1, help="with --fail-rank: the epoch it fails in")
@@ -66,6 +68,8 @@ def parse_args(argv=None):
         p.error("--lr must be positive, --epoch-wait >= 0")
     if args.optimizer == "dense" and args.density != 0.01:
         p.error("--density only applies to --optimizer topk-ef or topk")
+    if args.optimizer != "topk-ef" and args.exchange != "auto":
+        p.error("--exchange only applies to --optimizer topk-ef")
     try:
         hvd_topk.selection.check_density(args.density, "--density")
     except ValueError as exc:
@@ -97,7 +101,7 @@ def main(args):
     compressor = hvd_topk.TopK(density=args.density) if args.optimizer != "dense" else None
     if args.optimizer == "topk-ef":
         opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
-                                            compression=compressor, min_numel=1000)
+                                            compression=compressor, min_numel=1000, exchange=args.exchange)
     else:
         opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
                                        compression=compressor if args.optimizer == "topk" else
@@ -122,8 +126,9 @@ def main(args):
                 opt.step()
             if hvd.rank() == 0:
                 line = {"epoch": state.epoch, "size": hvd.size(), "loss": loss.item()}
-                if args.optimizer == "topk-ef":  # the size it averages over
-                    line["optimizer_world"] = opt.compression_stats()["world_size"]
+                if args.optimizer == "topk-ef":  # the size it averages over, the rank it exchanges as
+                    stats = opt.compression_stats()
+                    line["optimizer_world"], line["optimizer_rank"] = stats["world_size"], stats["rank"]
                 if args.optimizer == "topk":  # tensors sent dense (only when a rank has joined)
                     line["tensors_dense"] = compressor.stats()["tensors_dense"]
                 print(json.dumps(line), flush=True)

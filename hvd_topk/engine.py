@@ -201,11 +201,10 @@ class TopKEngine:
         ``synchronize`` when none fired): refuse what would make ranks silently diverge, then
         keep the residuals in the units of this step's gradients, and fix this step's family."""
         check_step_start(self)
-        # Horovod elastic re-forms the job between steps: the size decides the averaging and
-        # the sparse-or-dense choice, so it is read again each step
-        world = self.process_set.size()
-        if world != self.world:
-            self.world, self.rank = world, self.process_set.rank()
+        # Horovod elastic re-forms the job between steps, and may renumber the ranks at the same
+        # size (a worker replaced by a new host): the size decides the averaging and the
+        # sparse-or-dense choice, the rank the sparse allreduce's parts, so both are read each step
+        self.world, self.rank = self.process_set.size(), self.process_set.rank()
         self.residual_scale.follow(checkpoint.momentum_buckets(self))
         self.family = self.planner.family(self.step, self.world)
         topology = self.hier if self.planner.hierarchical(self.family) else None
@@ -496,7 +495,7 @@ class TopKEngine:
         out.update(step=self.step, current_density=self.schedule.density(self.step),
                    buckets_sparse=sum(b.sparse for b in self.buckets),
                    buckets_dense=sum(not b.sparse for b in self.buckets),
-                   selection_scope=self.options.selection_scope, world_size=self.world,
+                   selection_scope=self.options.selection_scope, world_size=self.world, rank=self.rank,
                    hierarchical=self.hier is not None and self.planner.hierarchical(self.family or ""),
                    exchange_family=self.family)
         out.update(self.planner.describe(self.world))

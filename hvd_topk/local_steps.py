@@ -366,6 +366,8 @@ class _LocalSteps(torch.optim.Optimizer):
         joined (the broadcasts after ``hvd.join()`` bring the ranks together again)."""
         local = getattr(self, LOCAL)
         engine = getattr(local.outer, ENGINE)  # its name and process set name this check's collectives
+        if not engine.member:  # outside the process set: nothing to agree on, its model stays its own
+            return
         active = hvd.allreduce(torch.ones(1), name=f"{engine.prefix}.local_steps_active", op=hvd.Sum,
                                process_set=engine.process_set)
         if int(active.item()) < engine.world:

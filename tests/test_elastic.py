@@ -77,6 +77,20 @@ def test_worker_failure_restores_and_goes_on(tmp_path, optimizer):
     assert lines[0]["size"] == 2 and lines[-1]["size"] == 1, lines
 
 
+def test_ranks_renumbered_at_the_same_size(tmp_path):
+    """Rank 0 (host localhost) exits mid-step in epoch 1 and a new host replaces it: the job stays
+    at 2, and Horovod makes the survivor (127.0.0.1, rank 1 until then) rank 0. The optimizer
+    exchanges as rank 0 from then on: with the sparse allreduce both ranks chose the same parts
+    of each bucket, and the decode stopped ("received pairs point outside the buffer"; 16-bit
+    values went on silently with half of each bucket unsent)."""
+    before, after = ["localhost:1", "127.0.0.1:1"], ["localhost:1", "127.0.0.1:1", "127.0.1:1"]
+    lines = run_elastic(tmp_path, "topk-ef", 2, before, after, "--fail-rank", "0", "--fail-epoch", "1",
+                        "--fail-marker", str(tmp_path / "failed"), "--exchange", "sparse_allreduce")
+    assert (tmp_path / "failed").exists()
+    assert [line["size"] for line in lines] == [2, 2, 2, 2], lines
+    assert [line["optimizer_rank"] for line in lines] == [0, 0, 0, 0], lines  # rank 0 writes the log
+
+
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_worker_added(tmp_path, optimizer):
     """1 -> 2: the new worker builds its optimizer alone (no constructor collective) and joins."""

@@ -109,6 +109,35 @@ def check_local_adamw_outside(process_set, members):
 
 
 @with_process_set
+def check_local_steps_outside(process_set, members):
+    """LocalSteps over the set (sync_every=2, the outer SGD at lr 1 without momentum): the rank
+    outside trains on alone, equal to torch's SGD on its own gradients (its synchronisations
+    exchange nothing; before, its first one raised "Rank N is not a member of the provided
+    process set"); the members end equal among themselves."""
+    rank = hvd.rank()
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    opt = hvd_topk.LocalSteps(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                              sync_every=2, compression=hvd_topk.TopK(density=DENSITY), exchange="allgather",
+                              min_numel=500, process_set=process_set)
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(4):
+        x, y = batch(step, rank)
+        for m, o in ((model, opt), (reference, sgd)):
+            o.zero_grad()
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        every = gather(p.detach().numpy())
+        if rank in members:
+            np.testing.assert_array_equal(every[rank], every[members[0]], err_msg=f"members: {name}")
+        else:
+            np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=1e-5, atol=1e-7,
+                                       err_msg=f"the rank outside against torch's SGD: {name}")
+
+
+@with_process_set
 def check_drop_in_compressor(process_set, members):
     torch.manual_seed(0)
     model = Net()
@@ -268,6 +297,7 @@ def check_auto_over_a_set_without_rank_0(steps=12):
 CHECKS = [
     ("error-feedback optimizer, rank outside the set", check_error_feedback_optimizer),
     ("LocalAdamW, rank outside the set", check_local_adamw_outside),
+    ("LocalSteps, rank outside the set", check_local_steps_outside),
     ("drop-in TopK, rank outside the set", check_drop_in_compressor),
     ("drop-in TopK, grouped allreduce over the set", check_drop_in_grouped_allreduce),
     ("drop-in TopK, instances built on some ranks only", check_drop_in_built_on_some_ranks),
