@@ -919,6 +919,23 @@ def check_scheduler_on_the_inner_optimizer_after_load():
             assert opt_c.param_groups[0]["lr"] == 0.1 * 0.5 ** 5, (what, opt_c.param_groups[0]["lr"])
 
 
+def loaded_on_rank_0_and_broadcast(build_one, steps=3):
+    """``build_one()``'s model and optimizer trained ``steps`` steps and saved; fresh ones
+    (``build_one(seed=5)``) of which rank 0 alone loads that checkpoint, then Horovod's
+    broadcasts of the parameters and the optimizer state from rank 0, as a resumed job does.
+    Returns ``(saved, model, optimizer)``."""
+    model_b, opt_b = build_one()
+    train(model_b, opt_b, steps)
+    saved = copy.deepcopy({"model": model_b.state_dict(), "opt": opt_b.state_dict()})
+    model_c, opt_c = build_one(seed=5)
+    if hvd.rank() == 0:
+        model_c.load_state_dict(saved["model"])
+        opt_c.load_state_dict(saved["opt"])
+    hvd.broadcast_parameters(model_c.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt_c, root_rank=0)
+    return saved, model_c, opt_c
+
+
 def check_local_adamw_broadcast_from_rank_0():
     """LocalAdamW with ``signal="mean+lag1"``, beta1 0.5 and ``variance_sketch=16`` (state
     entries made at first use): a checkpoint loaded on rank 0 alone into fresh objects, then
@@ -933,15 +950,7 @@ def check_local_adamw_broadcast_from_rank_0():
         return model, hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
                                                     compression=hvd_topk.TopK(density=0.05), exchange="allgather",
                                                     min_numel=500)
-    model_b, opt_b = build_local()
-    train(model_b, opt_b, 3)
-    saved = copy.deepcopy({"model": model_b.state_dict(), "opt": opt_b.state_dict()})
-    model_c, opt_c = build_local(seed=5)
-    if hvd.rank() == 0:
-        model_c.load_state_dict(saved["model"])
-        opt_c.load_state_dict(saved["opt"])
-    hvd.broadcast_parameters(model_c.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(opt_c, root_rank=0)
+    _, model_c, opt_c = loaded_on_rank_0_and_broadcast(build_local)
     keys = set(opt_c.state[model_c.fc1.weight])  # every rank the same entries: AdamW's, and the options'
     assert keys == {"step", "exp_avg", "exp_avg_sq", "grad_mean", "grad_lag1", "grad_prev", "sketch_sq", "sketches",
                     "estimate_sum"}, sorted(keys)
@@ -964,15 +973,7 @@ def check_frozen_variance_broadcast_from_rank_0():
         return model, hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
                                                     compression=hvd_topk.TopK(density=0.05), exchange="allgather",
                                                     min_numel=500, momentum_correction=0.9)
-    model_b, opt_b = build_frozen()
-    train(model_b, opt_b, 3)
-    saved = copy.deepcopy({"model": model_b.state_dict(), "opt": opt_b.state_dict()})
-    model_c, opt_c = build_frozen(seed=5)
-    if hvd.rank() == 0:
-        model_c.load_state_dict(saved["model"])
-        opt_c.load_state_dict(saved["opt"])
-    hvd.broadcast_parameters(model_c.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(opt_c, root_rank=0)
+    saved, model_c, opt_c = loaded_on_rank_0_and_broadcast(build_frozen)
     for name, p in model_c.named_parameters():
         assert torch.equal(p.detach(), saved["model"][name]), \
             f"rank {hvd.rank()}: {name} is not the checkpoint's after the broadcast " \

@@ -77,13 +77,32 @@ def check_error_feedback_optimizer(process_set, members):
     train_and_check(model, opt, members, expected)
 
 
+def beside_torch(model, opt, reference, plain, members, steps):
+    """``model`` trained with ``opt`` (over the set), ``reference`` with the torch optimizer
+    ``plain``, on the same batches: the members end equal among themselves, the rank outside
+    equal to ``reference`` (it trains on alone, as Horovod leaves it its own gradient)."""
+    rank = hvd.rank()
+    for step in range(steps):
+        x, y = batch(step, rank)
+        for m, o in ((model, opt), (reference, plain)):
+            o.zero_grad()
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        every = gather(p.detach().numpy())
+        if rank in members:
+            np.testing.assert_array_equal(every[rank], every[members[0]], err_msg=f"members: {name}")
+        else:
+            np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=1e-5, atol=1e-7,
+                                       err_msg=f"the rank outside against torch's {type(plain).__name__}: {name}")
+
+
 @with_process_set
 def check_local_adamw_outside(process_set, members):
     """LocalAdamW under the optimizer with the set: the rank outside takes its own AdamW steps
     (before, its step raised "a gradient that was not turned into an update"), equal to
     torch.optim.AdamW on its own gradients (LocalAdamW over one rank is AdamW); the members
     stay equal among themselves."""
-    rank = hvd.rank()
     torch.manual_seed(0)
     model = Net()
     reference = copy.deepcopy(model)
@@ -92,20 +111,7 @@ def check_local_adamw_outside(process_set, members):
                                         named_parameters=model.named_parameters(), min_numel=500,
                                         compression=hvd_topk.TopK(density=DENSITY), exchange="allgather",
                                         process_set=process_set)
-    adamw = torch.optim.AdamW(reference.parameters(), **options)
-    for step in range(3):
-        x, y = batch(step, rank)
-        for m, o in ((model, opt), (reference, adamw)):
-            o.zero_grad()
-            torch.nn.functional.cross_entropy(m(x), y).backward()
-            o.step()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        every = gather(p.detach().numpy())
-        if rank in members:
-            np.testing.assert_array_equal(every[rank], every[members[0]], err_msg=f"members: {name}")
-        else:
-            np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=1e-5, atol=1e-7,
-                                       err_msg=f"the rank outside against torch's AdamW: {name}")
+    beside_torch(model, opt, reference, torch.optim.AdamW(reference.parameters(), **options), members, 3)
 
 
 @with_process_set
@@ -114,27 +120,13 @@ def check_local_steps_outside(process_set, members):
     outside trains on alone, equal to torch's SGD on its own gradients (its synchronisations
     exchange nothing; before, its first one raised "Rank N is not a member of the provided
     process set"); the members end equal among themselves."""
-    rank = hvd.rank()
     torch.manual_seed(0)
     model = Net()
     reference = copy.deepcopy(model)
     opt = hvd_topk.LocalSteps(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
                               sync_every=2, compression=hvd_topk.TopK(density=DENSITY), exchange="allgather",
                               min_numel=500, process_set=process_set)
-    sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for step in range(4):
-        x, y = batch(step, rank)
-        for m, o in ((model, opt), (reference, sgd)):
-            o.zero_grad()
-            torch.nn.functional.cross_entropy(m(x), y).backward()
-            o.step()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        every = gather(p.detach().numpy())
-        if rank in members:
-            np.testing.assert_array_equal(every[rank], every[members[0]], err_msg=f"members: {name}")
-        else:
-            np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=1e-5, atol=1e-7,
-                                       err_msg=f"the rank outside against torch's SGD: {name}")
+    beside_torch(model, opt, reference, torch.optim.SGD(reference.parameters(), lr=0.1), members, 4)
 
 
 @with_process_set
