@@ -118,8 +118,11 @@ _NATIVE_FUNCS = {torch.float32: "hvdtk_select_f32", torch.float64: "hvdtk_select
 
 
 def native_ok(tensor):
-    """Whether the native kernel can work on this tensor (CPU, fp32/fp64, contiguous)."""
-    return (tensor.dtype in _NATIVE_FUNCS and tensor.device.type == "cpu" and tensor.is_contiguous()
+    """Whether the native kernel can work on this tensor (CPU, fp32, contiguous). float64 takes
+    the torch ops: the kernel ranks by float32 keys, so float64 magnitudes outside float32's
+    range, or apart by less than float32 resolves, would tie (a review found 0 of 100 right on
+    randn * 1e-50)."""
+    return (tensor.dtype == torch.float32 and tensor.device.type == "cpu" and tensor.is_contiguous()
             and native.library() is not None)
 
 
@@ -295,8 +298,13 @@ def select_sampled_torch(flat, k, seed=None):
     magnitude = flat.abs().nan_to_num_(nan=math.inf, posinf=math.inf)  # NaN counts as largest, as in torch.topk
     sample = magnitude[_positions(n, flat.device, seed)]
     threshold = _above_zero(torch.kthvalue(sample, SAMPLE - r).values)  # the r-th largest (1-based)
-    capacity = candidate_capacity(n, r, SAMPLE)
-    candidates = torch.nonzero_static(magnitude >= threshold, size=capacity, fill_value=-1).view(-1)
+    # Two tiers: the entries strictly above the threshold (their count is bounded as the room
+    # assumes), then up to k equal to it. One room for ">=" let a cluster of equal magnitudes at
+    # the threshold (fp16's few subnormal values, a saturated layer) fill it by position and
+    # push out larger entries behind it: 0 of the true top 10,000 sent in a review's case.
+    above = torch.nonzero_static(magnitude > threshold, size=candidate_capacity(n, r, SAMPLE), fill_value=-1)
+    ties = torch.nonzero_static(magnitude == threshold, size=k, fill_value=-1)
+    candidates = torch.cat([above, ties]).view(-1)
     valid = candidates >= 0
     candidates = candidates.clamp_(min=0)
     keys = torch.where(valid, magnitude[candidates], -1.0)
@@ -345,13 +353,17 @@ class _SegmentConstants:
             ranks.append(per if r is None else r)
             caps.append(n if r is None else candidate_capacity(n, r, per))
         self.capacity = sum(caps)
+        # room for entries equal to a segment's threshold: up to k of each thresholded segment,
+        # after every segment's entries strictly above (see select_sampled_torch)
+        tie_room = sum(k for k, c, n in zip(ks, caps, sizes) if c != n)
         self.size_f64 = torch.tensor(sizes, dtype=torch.float64, device=device)
         self.last = (self.size_f64.long() - 1)[:, None]
         self.rank_index = torch.tensor(ranks, **long)[:, None] - 1
         # (segment, begin, end) of the segments compared against a threshold; the others are
         # taken whole
-        self.thresholded = [(s, starts[s], starts[s + 1]) for s, (c, n) in enumerate(zip(caps, sizes)) if c != n]
-        self.candidate_rank = torch.arange(self.capacity, **long)
+        self.thresholded = [(s, starts[s], starts[s + 1], ks[s]) for s, (c, n) in enumerate(zip(caps, sizes))
+                            if c != n]
+        self.candidate_rank = torch.arange(self.capacity + tie_room, **long)
         self.run_values = torch.arange(nseg + 2, **long)
         # exact: each selected index's segment start, added to topk's positions inside it
         self.offsets = self.start_t[self.slot_seg]
@@ -403,13 +415,19 @@ def select_segments_torch(x, sizes, ks, method=DEFAULT_METHOD, seed=None):
     pos = torch.minimum(pos, c.last) + c.start_t[:, None]
     ordered = magnitude[pos].sort(dim=1, descending=True).values
     threshold = _above_zero(ordered.gather(1, c.rank_index).view(-1)).unbind()
-    # Candidates: every entry of a segment taken whole, the rest at or above their threshold
+    # Candidates: every entry of a segment taken whole, the rest strictly above their threshold
     # (one comparison per such segment: cheaper on a GPU than spreading the thresholds over the
-    # buffer, which cost ~4 ms at BERT-base's 110M entries on an H100)
+    # buffer, which cost ~4 ms at BERT-base's 110M entries on an H100), then each segment's own
+    # room for entries equal to its threshold: with one shared room for ">=", a cluster of equal
+    # magnitudes in one tensor took every slot and the tensors after it sent nothing, an inf or
+    # NaN among them included (select_sampled_torch says more)
     mask = torch.ones(x.numel(), dtype=torch.bool, device=device)
-    for s, b, e in c.thresholded:
-        torch.ge(magnitude[b:e], threshold[s], out=mask[b:e])
-    cand = torch.nonzero_static(mask, size=c.capacity, fill_value=-1).view(-1)
+    ties = []
+    for s, b, e, k in c.thresholded:
+        torch.gt(magnitude[b:e], threshold[s], out=mask[b:e])
+        at = torch.nonzero_static(magnitude[b:e] == threshold[s], size=k, fill_value=-1).view(-1)
+        ties.append(torch.where(at >= 0, at + b, at))
+    cand = torch.cat([torch.nonzero_static(mask, size=c.capacity, fill_value=-1).view(-1), *ties])
     valid = cand >= 0
     cand = cand.clamp_(min=0)
     seg = torch.where(valid, torch.searchsorted(c.bounds, cand, right=True), nseg)

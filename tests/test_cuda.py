@@ -197,3 +197,40 @@ def test_encode_flags_the_segments_holding_inf_or_nan(device, dtype):
     sent = dict(zip(indices.cpu().tolist(), values.double().cpu().tolist()))
     assert sent[where["+inf"]] == float("inf") and sent[where["-inf"]] == -float("inf")
     assert np.isnan(sent[where["nan"]])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_sampled_selection_past_a_cluster_of_equal_magnitudes(device, dtype):
+    """A cluster of equal magnitudes at the sampled threshold (fp16's few subnormal values, a
+    saturated layer) before the true top-k: every larger entry is still sent, in one tensor and
+    in a bucket whose first tensor holds the cluster, and a NaN behind it is sent and flagged.
+    (The candidates ">= threshold" were kept by position in one room: the cluster filled it, 0 of
+    the true top-k were sent and the later tensors sent nothing.) The truth is numpy's sort."""
+    gen = torch.Generator().manual_seed(5)
+    n, k = 1_000_000, 10_000
+    x = torch.rand(n, generator=gen) * 0.1
+    x[:600_000], x[-k:] = 0.5, 2.0
+    values, indices = selection.select_sampled_torch(x.to(dtype).to(device), k)
+    assert np.isin(np.arange(n - k, n), indices.cpu().numpy()).all(), "an entry of 2.0 was left out"
+    np.testing.assert_array_equal(values.float().cpu().numpy(), np.full(k, 2.0, np.float32))
+
+    sizes = [400_000, 300_000, 300_000]
+    ks = [selection.k_for(m, DENSITY) for m in sizes]
+    x = torch.randn(sum(sizes), generator=gen)
+    x[:400_000] = torch.rand(400_000, generator=gen) * 0.1
+    x[:240_000] = 0.5
+    x[500_000] = float("nan")
+    x = x.to(dtype).to(device)
+    values, indices, bad = selection.select_segments_torch(x, sizes, ks, "sampled")
+    assert bad.cpu().tolist() == [False, True, False]
+    a = np.abs(x.float().cpu().numpy())
+    a[np.isnan(a)] = np.inf
+    got, start, slot = indices.cpu().numpy(), 0, 0
+    for m, kk in zip(sizes, ks):
+        mine = got[slot:slot + kk]
+        assert np.unique(mine).size == kk and ((mine >= start) & (mine < start + m)).all()
+        want = -np.sort(-a[start:start + m])[:kk]
+        np.testing.assert_array_equal(np.sort(a[mine])[::-1], want, err_msg=f"segment at {start}")
+        start, slot = start + m, slot + kk
+    assert 500_000 in got.tolist()

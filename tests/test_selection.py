@@ -381,3 +381,18 @@ def test_exact_selection_matches_numpy(n, density):
     _, keep = topk_sparse(x, density)
     assert sorted(indices.tolist()) == sorted(keep.tolist())
     np.testing.assert_array_equal(values.numpy(), x[indices.numpy()])
+
+
+@pytest.mark.parametrize("method", ["exact", "sampled"])
+@pytest.mark.parametrize("scale", [1e-50, 1e300, None], ids=["tiny", "huge", "near-ties"])
+def test_float64_is_ranked_in_float64(method, scale):
+    """float64 magnitudes outside float32's range, or apart by less than float32 resolves, keep
+    their order: the native kernel ranked them by float32 keys (0 of 100 right on randn * 1e-50);
+    float64 now takes the torch ops. Truth: numpy's argsort."""
+    gen = torch.Generator().manual_seed(3)
+    n, k = 100_000, 100
+    x = (torch.randn(n, generator=gen, dtype=torch.float64) * scale if scale is not None else
+         1.0 + torch.randperm(n, generator=gen).double() * 1e-12)
+    _, indices = selection.select(x, k, method)
+    truth = np.argsort(-np.abs(x.numpy()), kind="stable")[:k]
+    assert np.isin(truth, indices.numpy()).mean() >= (1.0 if method == "exact" else 0.95)
