@@ -184,7 +184,8 @@ def check_momentum_correction_sent_whole(exchange):
     bucket always, and with ``exchange="dense"`` the big ones too. Each tensor's result is the
     ranks' average of u = 0.9 u + grad (numpy), the same as Horovod's dense optimizer with
     SGD momentum 0.9 trains (to float32 rounding): before, those tensors got no momentum. A
-    checkpoint carries the small tensors' momentum: resumed at step 2, bitwise equal at step 5."""
+    checkpoint carries the small tensors' momentum: resumed at step 2, bitwise equal at step 5
+    (to float32 rounding when a dense exchange sums 3+ ranks)."""
     size = hvd.size()
     model, opt = build(min_numel=500, momentum=0.0, momentum_correction=0.9, exchange=exchange)
     torch.manual_seed(0)
@@ -218,7 +219,14 @@ def check_momentum_correction_sent_whole(exchange):
     opt_c.load_state_dict(saved["opt"])
     train(model_c, opt_c, 3, start=2)
     for (name, a), c in zip(model.named_parameters(), model_c.parameters()):
-        assert torch.equal(a, c), f"resume with momentum correction: {name} differs"
+        if exchange == "dense" and size > 2:
+            # a dense allreduce of 3+ ranks sums in an order MPI picks by message size, which
+            # Horovod's tensor fusion makes timing-dependent (make test once saw fc1.weight part
+            # between the two runs): within float32 rounding there
+            np.testing.assert_allclose(a.detach().cpu().numpy(), c.detach().cpu().numpy(), rtol=1e-6, atol=1e-7,
+                                       err_msg=f"resume with momentum correction: {name}")
+        else:
+            assert torch.equal(a, c), f"resume with momentum correction: {name} differs"
     # a plain torch checkpoint restarts every momentum, the small tensors' too
     plain = {"state": {}, "param_groups": [{k: v for k, v in g.items() if k != "hvd_topk_step"}
                                            for g in saved["opt"]["param_groups"]]}
