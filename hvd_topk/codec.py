@@ -5,7 +5,7 @@ flat buffer (a gradient, or a fusion bucket's accumulator) into one message.
 ``decode``: unpack every rank's message -> add in rank order -> scale, into the destination
 tensors. The native-or-torch-ops choice is made here and nowhere else:
 
-- CPU fp32/fp64: the native kernel selects every segment of the buffer in one call, writing
+- CPU fp32: the native kernel selects every segment of the buffer in one call, writing
   the pairs straight into the message (or one segment at a time, ``SegmentEncoder``, folding the
   gradient in during the same pass), and scatters the gathered pairs straight into the
   destination tensors in one call.
@@ -145,7 +145,7 @@ def rotating_part(rank, step, bucket_index, world):
 
 
 class SegmentEncoder:
-    """``encode`` for one segment of a tensor-scope plan at a time (CPU fp32/fp64, native), as
+    """``encode`` for one segment of a tensor-scope plan at a time (CPU fp32, native), as
     its gradient arrives: ``encoder(s, grad)`` compensates first, ``x[segment s] += grad``, in
     the same pass over memory that selects, and writes segment s's pairs into its own slots of
     the message. The optimizer calls it from each gradient's hook, instead of folding every
@@ -179,7 +179,7 @@ class SegmentEncoder:
 
 
 class SegmentFolder:
-    """``Codec.fold`` for one segment of a flat buffer at a time (CPU fp32/fp64, native), with
+    """``Codec.fold`` for one segment of a flat buffer at a time (CPU fp32, native), with
     pointers and sizes worked out once: what a rank that does not select this step (the sparse
     allreduce) runs in each gradient's hook. ``folder(s, grad)`` adds ``grad`` into segment
     ``s`` and returns whether the segment now holds inf/nan."""
@@ -294,7 +294,7 @@ class Codec:
         return encoded
 
     def segment_encoder(self, x, plan, message, zero_sent=False):
-        """A ``SegmentEncoder`` of ``plan``'s segments of ``x`` into ``message`` (CPU fp32/fp64,
+        """A ``SegmentEncoder`` of ``plan``'s segments of ``x`` into ``message`` (CPU fp32,
         native), kept on the plan while the buffer and the message stay the same."""
         key = (x.data_ptr(), message.data_ptr(), x.dtype, zero_sent, self.method)
         encoder = plan.encoders.get(key)
@@ -307,7 +307,7 @@ class Codec:
     @staticmethod
     def segment_folder(x, bounds):
         """A ``SegmentFolder`` of the segments ``[bounds[i], bounds[i+1])`` of ``x`` (flat, CPU
-        fp32/fp64; the caller checks ``native_ok``)."""
+        fp32; the caller checks ``native_ok``)."""
         return SegmentFolder(x, bounds)
 
     @staticmethod
@@ -325,7 +325,7 @@ class Codec:
     def take(x, indices, out, zero=False):
         """``out = x[indices]`` and, with ``zero``, ``x[indices] = 0`` (flat ``x``; what rounding
         to a narrower ``out`` took stays in ``x``): what a rank that did not select sends at the
-        selecting rank's positions, a position listed twice once. Native on CPU fp32/fp64 (one
+        selecting rank's positions, a position listed twice once. Native on CPU fp32 (one
         visit per position; the native selection never repeats a position), torch ops elsewhere."""
         if native_ok(x) and out.dtype == x.dtype and out.is_contiguous() and indices.is_contiguous():
             return selection.take_native(x, indices, out, zero)
@@ -380,7 +380,7 @@ class Codec:
         touched, and zero elsewhere. Same bits on every rank. ``mul`` may be a 0-d tensor (a
         CUDA probe, never read on the host).
 
-        Native (fp32/fp64 values into tensors of their dtype, or 16-bit values of
+        Native (fp32 values into tensors of their dtype, or 16-bit values of
         ``TopK(fp16_values=True)`` into fp32 tensors, each widened exactly as it is added): one
         sequential write over the destinations, chunk by chunk (each rank's ascending pairs
         added into a zeroed chunk in L1, each value scaled as it is added), no separate zeroing
@@ -412,7 +412,6 @@ class Codec:
 
 # (values' dtype, the tensors' dtype): the native decode; 16-bit values are widened as added
 _SCATTER = {(torch.float32, torch.float32): "hvdtk_scatter_segments_f32",
-            (torch.float64, torch.float64): "hvdtk_scatter_segments_f64",
             (torch.float16, torch.float32): "hvdtk_scatter_segments_f16_f32"}
 
 
@@ -422,7 +421,7 @@ def scatter_add_ranks(out, values, indices, div=1.0, mul=1.0):
 
     Summing first and scaling once matters for 16-bit gradients: scaling each value before the
     sum rounds every term, and where ranks' values nearly cancel (bf16 at P=3) that error is
-    as large as the result. The native fp32/fp64 decode scales as it adds (one multiply per
+    as large as the result. The native fp32 decode scales as it adds (one multiply per
     value); the two differ by rounding at the last bit of the largest term, and every rank of
     one job takes the same path, so ranks still agree bit for bit."""
     for r in range(values.shape[0]):

@@ -10,7 +10,7 @@ Methods (``TopK(method=...)``):
 
 Where it runs:
 
-- CPU, float32/float64: the native kernel (``hvd_topk.native``), ~one pass over memory, one
+- CPU, float32: the native kernel (``hvd_topk.native``), ~one pass over memory, one
   call per fusion bucket (``select_segments``).
 - Elsewhere (CUDA, half precision, no compiler): torch ops with no host synchronisation.
   ``sampled`` then takes a fixed number of candidates with ``torch.nonzero_static``; if too few
@@ -114,15 +114,17 @@ def check_flag(value, name):
     return value
 
 
-_NATIVE_FUNCS = {torch.float32: "hvdtk_select_f32", torch.float64: "hvdtk_select_f64"}
+# float32 only: the kernel ranks by float32 keys, so float64 magnitudes outside float32's range,
+# or apart by less than float32 resolves, would tie (a review found 0 of 100 right on
+# randn * 1e-50); float64 takes the torch ops, end to end (the native decode expects the
+# native selection's ascending pairs). The kernel's float64 entry points are not called.
+_NATIVE_FUNCS = {torch.float32: "hvdtk_select_f32"}
 
 
 def native_ok(tensor):
-    """Whether the native kernel can work on this tensor (CPU, fp32, contiguous). float64 takes
-    the torch ops: the kernel ranks by float32 keys, so float64 magnitudes outside float32's
-    range, or apart by less than float32 resolves, would tie (a review found 0 of 100 right on
-    randn * 1e-50)."""
-    return (tensor.dtype == torch.float32 and tensor.device.type == "cpu" and tensor.is_contiguous()
+    """Whether the native kernel can work on this tensor (CPU, fp32, contiguous; ``_NATIVE_FUNCS``
+    says why not fp64)."""
+    return (tensor.dtype in _NATIVE_FUNCS and tensor.device.type == "cpu" and tensor.is_contiguous()
             and native.library() is not None)
 
 
@@ -149,7 +151,7 @@ class NativeResult:
 
 def select_native(x, k, out_indices, out_values, method=DEFAULT_METHOD, offset=0, zero_sent=False,
                   seed=0, fold=None):
-    """Native top-k of ``x`` (flat, CPU fp32/fp64) into preallocated outputs, in one call.
+    """Native top-k of ``x`` (flat, CPU fp32) into preallocated outputs, in one call.
 
     ``out_indices`` (int32 or int64, k entries) gets ascending positions plus ``offset``;
     ``out_values`` (x's dtype) their values. ``zero_sent``: zero ``x`` at the selected
@@ -175,7 +177,7 @@ def native_select_function(dtype):
     return getattr(native.library(), _NATIVE_FUNCS[dtype])
 
 
-_FOLD_FUNCS = {torch.float32: "hvdtk_fold_f32", torch.float64: "hvdtk_fold_f64"}
+_FOLD_FUNCS = {torch.float32: "hvdtk_fold_f32"}
 
 
 def native_fold_function(dtype):
@@ -185,19 +187,19 @@ def native_fold_function(dtype):
 
 
 def fold_native(x, g):
-    """``x += g`` (flat, CPU fp32/fp64, same dtype and size, contiguous) in one native pass;
+    """``x += g`` (flat, CPU fp32, same dtype and size, contiguous) in one native pass;
     returns whether the result holds inf/nan. The caller checks ``native_ok`` for both."""
     if g.dtype != x.dtype or g.numel() != x.numel() or not g.is_contiguous():
         raise ValueError("g must be a contiguous tensor of x's dtype and size")
     return bool(native_fold_function(x.dtype)(x.data_ptr(), g.data_ptr(), x.numel()))
 
 
-_TAKE_FUNCS = {torch.float32: "hvdtk_take_f32", torch.float64: "hvdtk_take_f64"}
+_TAKE_FUNCS = {torch.float32: "hvdtk_take_f32"}
 
 
 def take_native(x, indices, out, zero=False):
     """``out = x[indices]``, then ``x[indices] = 0`` with ``zero``, in one native visit per
-    position (flat CPU fp32/fp64 ``x`` and ``out`` of its dtype, int32/int64 ``indices``, all
+    position (flat CPU fp32 ``x`` and ``out`` of its dtype, int32/int64 ``indices``, all
     contiguous; the caller checks ``native_ok``). Positions outside ``x`` raise, as
     ``index_select`` does."""
     if out.dtype != x.dtype or out.numel() != indices.numel() or not (out.is_contiguous() and indices.is_contiguous()):
@@ -213,12 +215,12 @@ def take_native(x, indices, out, zero=False):
     return out
 
 
-_SEGMENT_FUNCS = {torch.float32: "hvdtk_select_segments_f32", torch.float64: "hvdtk_select_segments_f64"}
+_SEGMENT_FUNCS = {torch.float32: "hvdtk_select_segments_f32"}
 
 
 def select_segments(x, bounds, ks, out_indices, out_values, method=DEFAULT_METHOD, zero_sent=False,
                     nonfinite=None, seed=0):
-    """Native top-k of every segment of ``x`` (flat, CPU fp32/fp64) in one call.
+    """Native top-k of every segment of ``x`` (flat, CPU fp32) in one call.
 
     Segment ``s`` is ``x[bounds[s]:bounds[s+1]]``; its ``ks[s]`` largest-|value| entries are
     written, segment after segment, into ``out_indices`` (int32 or int64; positions in ``x``,
