@@ -112,6 +112,27 @@ class Trial:
         self.choice = self.candidates[0] if len(self.candidates) == 1 else None
         self.medians = None        # {family: seconds}, once decided
         self.decided_at = None     # step counter at the decision
+        self.adopted = False       # taken over from another rank's record (``resume``)
+
+    def record(self):
+        """The trial's progress as plain values, without this rank's timings: what another rank
+        needs to go on with it in step (``resume``)."""
+        return tuple(self.candidates), self.position, self.choice, self.decided_at
+
+    @classmethod
+    def resume(cls, record, trial_steps, agree, left_out=None):
+        """A trial at ``record``'s point (another rank's ``record()``). The steps timed before it
+        are not this rank's: it reports no time for them (its medians there are inf, so the
+        ranks' average rules those candidates out where the decision is still to come)."""
+        candidates, position, choice, decided_at = record
+        trial = cls(candidates, trial_steps, agree, left_out)
+        trial.position, trial.choice, trial.decided_at, trial.adopted = position, choice, decided_at, True
+        return trial
+
+    def skip(self):
+        """A step that did not count (a rank sat it out inside ``hvd.join()``): the next step is
+        not timed from this one's end, which held the uncounted step."""
+        self.last_end = None
 
     @property
     def per_candidate(self):
@@ -146,7 +167,9 @@ class Trial:
     def reason(self):
         """Why the trial chose (or has not yet chosen), and what it was not offered."""
         if self.medians is None:
-            if self.choice is not None:
+            if self.choice is not None and self.adopted:
+                why = "taken from the root rank's optimizer state (hvd.broadcast_optimizer_state)"
+            elif self.choice is not None:
                 why = "the only candidate the cost model left"
             else:
                 why = f"trial in progress ({self.position} of {self.per_candidate * len(self.candidates)} steps)"

@@ -94,6 +94,10 @@ def check(engine, state):
     if not isinstance(state, dict):
         raise CheckpointMismatch(f"the checkpoint's {STATE_KEY!r} entry is a {type(state).__name__}, not "
                                  "the section hvd_topk.DistributedOptimizer saves. Nothing was loaded.")
+    if is_count(state.get("format")) and state["format"] > STATE_FORMAT:  # first: its other fields may differ
+        raise CheckpointMismatch(f"the checkpoint's {STATE_KEY!r} section has format {state['format']}, "
+                                 f"newer than this hvd_topk's ({STATE_FORMAT}): upgrade hvd_topk to load it. "
+                                 "Nothing was loaded.")
     missing = [k for k in REQUIRED if k not in state]
     if missing:
         raise CheckpointMismatch(f"the checkpoint's {STATE_KEY!r} section lacks {missing} (truncated, or "
@@ -106,10 +110,6 @@ def check(engine, state):
     if not is_loss_scale(scale):
         raise CheckpointMismatch(f"the checkpoint's {STATE_KEY!r} section has residual_scale={scale!r}, not a "
                                  "loss scale (a finite number > 0, or None). Nothing was loaded.")
-    if state["format"] > STATE_FORMAT:
-        raise CheckpointMismatch(f"the checkpoint's {STATE_KEY!r} section has format {state['format']}, "
-                                 f"newer than this hvd_topk's ({STATE_FORMAT}): upgrade hvd_topk to load it. "
-                                 "Nothing was loaded.")
     nonfinite = []
     for kind, buckets in (("residuals", residual_buckets(engine)), ("momenta", momentum_buckets(engine))):
         members = {m.name: m for b in buckets for m in b.members}
@@ -129,14 +129,15 @@ def check(engine, state):
                                          "not floating point. Nothing was loaded.")
             if not bool(torch.isfinite(tensor).all()):
                 nonfinite.append(name)
-    _check_hierarchical(engine, state)
-    return nonfinite
+    return nonfinite + _check_hierarchical(engine, state)
 
 
 def _check_hierarchical(engine, state):
-    """Shards and full buffers of a hierarchical job: sized as this job's, where they load."""
+    """Shards and full buffers of a hierarchical job: sized as this job's, where they load.
+    Returns the labels (``bucket_label``) of those holding inf/nan."""
     if engine.hier is None or state.get("hierarchy") != hierarchy_key(engine):
-        return
+        return []
+    nonfinite = []
     for b in residual_buckets(engine):
         lo, hi = engine.planner.shard(b)
         for kind, want in (("shards", hi - lo), ("flat_buffers", b.numel)):
@@ -144,6 +145,14 @@ def _check_hierarchical(engine, state):
             if tensor is not None and (not torch.is_tensor(tensor) or tensor.numel() != want):
                 raise CheckpointMismatch(f"bucket {b.index}: the checkpoint's {kind} entry does not hold "
                                          f"{want} elements. " + MISMATCH_HINT)
+            if tensor is not None and not bool(torch.isfinite(tensor).all()):
+                nonfinite.append(bucket_label(kind, b.index))
+    return nonfinite
+
+
+def bucket_label(kind, index):
+    """How a hierarchical job's residual of bucket ``index`` is named in ``check``'s list."""
+    return f"bucket {index} ({kind})"
 
 
 def residual_buckets(engine):
@@ -211,7 +220,7 @@ def _load_residuals(engine, state, nonfinite):
     same_rank = (state["rank"], state["size"]) == (engine.rank, engine.world)
     buckets = residual_buckets(engine)
     if engine.hier is not None or state.get("hierarchy") is not None:
-        _load_shards(engine, state, same_rank)
+        _load_shards(engine, state, same_rank, nonfinite)
         return
     if not same_rank:
         for b in momentum_buckets(engine):
@@ -240,12 +249,18 @@ def _load_residuals(engine, state, nonfinite):
             _restore(b, b.momentum_buffer(), momenta)
 
 
-def _load_shards(engine, state, same_rank):
+def _load_shards(engine, state, same_rank, nonfinite=()):
     """Hierarchical residuals come back only into the same place of the same job shape
-    (rank, hosts, ranks per host, buckets); anywhere else they start from zero."""
+    (rank, hosts, ranks per host, buckets); anywhere else they start from zero, as do those
+    holding inf/nan (``nonfinite``, with a warning)."""
     exact = same_rank and state.get("hierarchy") == hierarchy_key(engine)
     shards = state.get("shards", {}) if exact else {}
     flat = state.get("flat_buffers", {}) if exact else {}
+    if exact and nonfinite:
+        warnings.warn(f"hvd_topk: the checkpoint's error-feedback state of {sorted(set(nonfinite))} held "
+                      "inf/nan (saved after an overflow?): those residuals start from zero.")
+        shards = {k: t for k, t in shards.items() if bucket_label("shards", k) not in nonfinite}
+        flat = {k: t for k, t in flat.items() if bucket_label("flat_buffers", k) not in nonfinite}
     for b in residual_buckets(engine):
         key = str(b.index)
         for buf in (b.shard, b.acc):

@@ -224,7 +224,11 @@ class TopKState:
         """Restore ``state_dict()``'s output: the step always; the residuals when the state was
         saved by this rank in a job of this size (otherwise they restart from zero, with a
         warning: each rank's residual is its own unsent work)."""
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+        version = state.get("version") if isinstance(state, dict) else None
+        if checkpoint.is_count(version) and version > STATE_VERSION:
+            raise ValueError(f"this TopKState checkpoint has version {version}, newer than this hvd_topk's "
+                             f"({STATE_VERSION}): upgrade hvd_topk to load it; nothing was loaded")
+        if version != STATE_VERSION:
             raise ValueError(f"not a hvd_topk.ddp.TopKState state_dict (version {STATE_VERSION})")
         if self.names is None:
             raise ValueError("TopKState.load_state_dict() needs parameter names: build the state with "

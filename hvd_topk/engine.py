@@ -29,6 +29,7 @@ One step, per bucket:
 
 import dataclasses
 import time
+import warnings
 import weakref
 
 import torch
@@ -46,6 +47,7 @@ from hvd_topk.sparse_grads import SparseGradients
 from hvd_topk.stats import CompressionStats
 
 STEP_KEY = "hvd_topk_step"  # in the optimizer's first param group (see TopKEngine.step)
+TRIAL_KEY = "hvd_topk_exchange_trial"  # there too: exchange="auto"'s progress (TopKEngine._follow_root)
 COMPILED_AUTOGRAD_ERROR = (
     "hvd_topk.DistributedOptimizer does not support compiled autograd "
     "(torch._dynamo.config.compiled_autograd = True): compiled autograd traces the gradient "
@@ -143,7 +145,18 @@ class TopKEngine:
         # keyed by id(p): a tensor's __hash__ is a Python-level call, and these are read per hook
         self.place = {id(m.param): (b, i) for b in self.buckets for i, m in enumerate(b.members)}
         self.passes = dict.fromkeys(map(id, self.params), 0)
-        self.step = 0  # a param-group option from the start: hvd.broadcast_optimizer_state expects it
+        carried = self.step
+        if carried:
+            warnings.warn(
+                f"hvd_topk.DistributedOptimizer: the optimizer's param groups already hold hvd_topk's step counter "
+                f"({carried}): a checkpoint loaded into the optimizer before wrapping it, or an earlier wrapper. "
+                "A new wrapper starts at step 0 with zero error-feedback residuals (torch's load_state_dict "
+                "ignores the checkpoint's 'hvd_topk' section). To resume, load the checkpoint into the "
+                "hvd_topk.DistributedOptimizer itself.", stacklevel=4)
+        # param-group options from the start: hvd.broadcast_optimizer_state expects the same keys everywhere
+        self.step = 0
+        self.expected_step = 0  # where this rank's counter should be: it moved otherwise if not (_follow_root)
+        self.param_groups[0][TRIAL_KEY] = None
         self.stats = CompressionStats()
         self.synchronized = False
         self.synchronized_for_scaler = False  # GradScaler.step(opt) exchanged before unscaling (optimizer.py)
@@ -206,7 +219,9 @@ class TopKEngine:
         # sparse-or-dense choice, the rank the sparse allreduce's parts, so both are read each step
         self.world, self.rank = self.process_set.size(), self.process_set.rank()
         self.residual_scale.follow(checkpoint.momentum_buckets(self))
+        self._follow_root()
         self.family = self.planner.family(self.step, self.world)
+        self.param_groups[0][TRIAL_KEY] = self.planner.trial_record()
         topology = self.hier if self.planner.hierarchical(self.family) else None
         o = self.options
         self.ctx = inflight.StepContext(self.codec, self.stats, self.process_set, self.world, self.rank, self.op,
@@ -319,6 +334,29 @@ class TopKEngine:
             while bucket.inflight is not None and bucket.inflight.advance():
                 pass
 
+    def _follow_root(self):
+        """Catch up with what ``hvd.broadcast_optimizer_state`` wrote into the first param group
+        since the last step (it writes the root rank's options there and calls nothing of
+        ours): the step counter and ``exchange="auto"``'s trial. A rank that did not load the
+        root's checkpoint in mid-run (a rollback), or an elastic job's new worker, then goes on
+        with the root's trial (where they differed, the ranks would run different exchanges
+        and hang), and its residuals, if its counter moved, start from zero: they hold work of
+        steps the root's checkpoint does not have (a new rank's are zero already)."""
+        if self.step != self.expected_step:
+            live = [b for b in checkpoint.momentum_buckets(self) if any(bool(f.any()) for f in b.residuals())]
+            for b in live:
+                for flat in b.residuals():
+                    flat.zero_()
+            if live and self.options.error_feedback:
+                warnings.warn(f"hvd_topk.DistributedOptimizer: the step counter moved from {self.expected_step} to "
+                              f"{self.step} without load_state_dict() on this rank (hvd.broadcast_optimizer_state "
+                              "after another rank loaded a checkpoint?): this rank's error-feedback residuals belong "
+                              "to other steps and start from zero, as a rank's that did not load.")
+            self.expected_step = self.step
+        record = self.param_groups[0].get(TRIAL_KEY)
+        if record != self.planner.trial_record():
+            self.planner.adopt_trial(record)
+
     def _someone_joined(self):
         """Whether a rank is inside ``hvd.join()`` this step, from the probe (checked as it is read)."""
         active = self._read_probe()
@@ -405,6 +443,10 @@ class TopKEngine:
             # (Horovod's multi-epoch pattern: uneven batches, hvd.join() at each epoch's end).
             self.planner.step_done(self.step, self.world)
             self.step += 1
+            self.param_groups[0][TRIAL_KEY] = self.planner.trial_record()
+        else:
+            self.planner.skip_step()
+        self.expected_step = self.step
         self.stats.add(steps=1)
         self.synchronized = True
         self.ctx = None
@@ -486,7 +528,8 @@ class TopKEngine:
         step = self.step if step_before is None else step_before
         if param_groups is not None:
             self.param_groups = param_groups
-        self.step = step if state is None else state["step"]
+        self.step = self.expected_step = step if state is None else state["step"]
+        self.param_groups[0][TRIAL_KEY] = None  # the checkpoint's is of the run that saved it
         checkpoint.load(self, state, nonfinite)
 
     # ---- statistics ------------------------------------------------------------------------

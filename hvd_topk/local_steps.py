@@ -34,7 +34,7 @@ from hvd_topk import agreement, checkpoint
 from hvd_topk._horovod import hvd, is_horovod_distributed_optimizer
 from hvd_topk._torch import AMP_SCALING_ATTRIBUTE, keep_objects
 from hvd_topk.compressor import TopK
-from hvd_topk.engine import (STEP_KEY, check_parameters_unchanged, check_still_frozen, check_still_trainable,
+from hvd_topk.engine import (STEP_KEY, TRIAL_KEY, check_parameters_unchanged, check_still_frozen, check_still_trainable,
                              parameter_layout)
 from hvd_topk.optimizer import ENGINE, LOCAL, DistributedOptimizer, _name_parameters, share_as_subclass
 from hvd_topk.selection import check_flag, check_integer, check_number
@@ -296,7 +296,7 @@ class _LocalSteps(torch.optim.Optimizer):
             warnings.warn("this checkpoint was written by hvd_topk.DistributedOptimizer: its error-feedback "
                           "residuals (unsent gradients) do not carry over to LocalSteps and are dropped; "
                           "the inner optimizer's state is loaded and a new period starts", stacklevel=2)
-            state_dict["param_groups"] = [{k: v for k, v in g.items() if k != STEP_KEY}
+            state_dict["param_groups"] = [{k: v for k, v in g.items() if k not in (STEP_KEY, TRIAL_KEY)}
                                           for g in state_dict["param_groups"]]
         if ours is not None and "anchors" in ours:
             groups = [dict(g) for g in state_dict["param_groups"]]

@@ -113,6 +113,24 @@ class ExchangePlanner:
         """Measure again from here (a restored checkpoint: every rank restarts alike)."""
         self.trial, self.trial_world = None, None
 
+    def skip_step(self):
+        """A step some rank sat out inside ``hvd.join()``: not counted, and not timed into the next."""
+        if self.trial is not None:
+            self.trial.skip()
+
+    def trial_record(self):
+        """The trial's progress as plain values (``auto.Trial.record`` and its world size), or None."""
+        return None if self.trial is None else (self.trial_world, *self.trial.record())
+
+    def adopt_trial(self, record):
+        """Go on with another rank's trial (``trial_record()``'s output; None: no trial)."""
+        if record is None:
+            self.forget_trial()
+            return
+        world, *rest = record
+        self.trial = auto.Trial.resume(rest, self.options.exchange_trial_steps, self._agree, self.left_out)
+        self.trial_world = world
+
     def bucket_step(self, bucket, step, family, world, rank):
         """``bucket``'s ``BucketStep`` under ``family``: codec plan, strategy, whether it runs
         hierarchically, and which of the plan's segments this rank selects (all; with the

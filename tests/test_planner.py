@@ -2,6 +2,9 @@
 model and the codec plans, against byte counts worked out by hand from the ring formulas in
 hvd_topk/exchange.py's docstring (fp32 values and int32 indices: 8 bytes a pair)."""
 
+import threading
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -235,3 +238,68 @@ def test_auto_over_updates_leaves_both_sparse_allreduces_out():
     assert flat_updates.family(0, 4) == "allgather"
     pinned, _ = planner(hier=topo, exchange="sparse_allreduce", updates=True)
     assert pinned.family(0, 4) == "hier_sparse_allreduce" and pinned.left_out is None
+
+
+def test_a_step_sat_out_in_join_is_not_timed_into_the_next(monkeypatch):
+    """The trial times a step from the previous ``synchronize()``'s end. A step some rank sat out
+    inside ``hvd.join()`` is not counted (``skip``), and the next is not timed from it either:
+    it held the uncounted step and the wait. Clock by hand: candidate a's one timed step takes 1,
+    then a joined step, then a step ending 9 after it; b's two steps take 2 each. Without the
+    skip a's times are [1, 9] (median 5) and b wins; with it a's are [1] and a wins."""
+    from hvd_topk import auto
+    clock = iter([0.0, 1.0, 10.0, 11.0, 13.0, 15.0])
+    monkeypatch.setattr(auto.time, "perf_counter", lambda: next(clock))
+    trial = auto.Trial(["a", "b"], 2, agree=lambda medians: medians)
+    trial.step_done(0)        # a settles
+    trial.step_done(1)        # a: 1
+    trial.skip()              # a step a rank sat out inside hvd.join(): not counted
+    trial.step_done(2)        # not timed (it would read 9)
+    trial.step_done(3)        # b settles
+    trial.step_done(4)        # b: 2
+    assert trial.step_done(5)  # b: 2, decided
+    assert trial.times == {"a": [1.0], "b": [2.0, 2.0]}
+    assert trial.choice == "a"
+
+
+def test_a_trial_goes_on_from_another_ranks_record():
+    """``trial_record()`` / ``adopt_trial``: a planner that takes another's record (as
+    hvd.broadcast_optimizer_state carries it to a rank that did not load, or to an elastic job's
+    new worker) runs the same family at every later step and decides at the same step, with
+    the candidates timed before it ruled out (it has no times for them: inf); a record of None
+    forgets the trial."""
+    root, _ = planner(exchange="auto", exchange_trial_steps=1)
+    for step in range(3):
+        root.family(step, 4)
+        root.step_done(step, 4)
+    joiner, _ = planner(exchange="auto", exchange_trial_steps=1)
+    joiner.adopt_trial(root.trial_record())
+    assert joiner.trial_record() == root.trial_record()
+    # no Horovod here: the two run in threads and "allreduce" through a barrier; neither is rank 0 (silent)
+    barrier, parts, families = threading.Barrier(2, timeout=30), {}, {}
+
+    def run(name, one):
+        def average(medians):
+            parts[name] = medians
+            barrier.wait()
+            out = (parts["root"] + parts["joiner"]) / 2
+            barrier.wait()
+            return out
+        one.trial.agree, one.process_set = average, SimpleNamespace(rank=lambda: 1)
+        families[name] = []
+        for step in range(3, 3 + 2 * len(root.trial.candidates)):
+            families[name].append(one.family(step, 4))
+            one.step_done(step, 4)
+
+    threads = [threading.Thread(target=run, args=pair) for pair in (("root", root), ("joiner", joiner))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert families["root"] == families["joiner"], families
+    assert root.trial.choice is not None and joiner.trial.decided_at == root.trial.decided_at
+    timed_before = root.trial.candidates[:1]  # the first candidate's steps were the root's alone
+    assert all(joiner.trial.medians[c] == float("inf") for c in timed_before), joiner.trial.medians
+    assert joiner.trial.choice == root.trial.choice and joiner.trial.choice not in timed_before
+    assert "taken from the root rank" not in joiner.trial.reason()
+    joiner.adopt_trial(None)
+    assert joiner.trial is None and joiner.trial_record() is None

@@ -126,6 +126,9 @@ def check_truncated_and_foreign_sections():
     newer = copy.deepcopy(good)
     newer["hvd_topk"]["format"] = 99
     refused(opt, newer, "newer than this hvd_topk", "newer format")
+    reshaped = copy.deepcopy(newer)  # a later format may rename what this one requires
+    reshaped["hvd_topk"]["world"] = reshaped["hvd_topk"].pop("size")
+    refused(opt, reshaped, "newer than this hvd_topk", "newer format, other fields")
     refused(opt, {"state": {}}, "not an optimizer state_dict", "no param_groups")
     for scale in (0.0, float("inf"), "1024", True):
         odd = copy.deepcopy(good)
@@ -180,6 +183,35 @@ def check_nonfinite_residual_wiped():
     trains_on(model_b, opt_b, "after the wiped load")
 
 
+def check_loaded_then_wrapped_is_told():
+    """A checkpoint loaded into the user's optimizer, which is then wrapped: torch's load leaves
+    out the 'hvd_topk' section, so the new wrapper starts at step 0 with zero residuals, and it
+    says so, naming the fix (it did so silently). Wrapping a fresh optimizer says nothing."""
+    model, opt = trained()
+    saved = copy.deepcopy(opt.state_dict())
+    model_b = build(seed=7)[0]
+    model_b.load_state_dict(model.state_dict())
+    for inner, want in ((torch.optim.SGD(Net().parameters(), lr=0.1, momentum=0.9), 0),
+                        (torch.optim.SGD(model_b.parameters(), lr=0.1, momentum=0.9), 1)):
+        if want:
+            inner.load_state_dict(saved)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            wrapped = hvd_topk.DistributedOptimizer(inner, named_parameters=model_b.named_parameters()
+                                                    if want else None,
+                                                    compression=hvd_topk.TopK(density=0.05), min_numel=300,
+                                                    exchange="allgather")
+        told = [str(w.message) for w in caught if "load the checkpoint into the hvd_topk.DistributedOptimizer"
+                in str(w.message)]
+        assert len(told) == want, [str(w.message) for w in caught]
+        if want:
+            assert "(3)" in told[0], told[0]
+            section = wrapped.state_dict()["hvd_topk"]
+            assert section["step"] == 0
+            assert all(float(r.abs().sum()) == 0 for r in section["residuals"].values())
+    trains_on(model_b, wrapped, "after wrapping the loaded optimizer", start=0)
+
+
 def check_plain_torch_state_loads():
     """A plain torch optimizer's state_dict (no hvd_topk section, no step in its param groups):
     loads, residuals start at zero, the step counter (3) is kept."""
@@ -203,6 +235,7 @@ CHECKS = [
     ("truncated or foreign section refused", check_truncated_and_foreign_sections),
     ("non-finite residual wiped with a warning", check_nonfinite_residual_wiped),
     ("plain torch optimizer state loads", check_plain_torch_state_loads),
+    ("a checkpoint loaded into the inner optimizer, then wrapped: told", check_loaded_then_wrapped_is_told),
     ("state_dict() between backward() and step() refused", check_state_dict_mid_step_refused),
 ]
 

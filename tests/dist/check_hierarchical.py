@@ -16,6 +16,7 @@ Run: PYTHONPATH=.:tests/support mpirun -np 4 -H host0:2,host1:2 python tests/dis
 
 import copy
 import os
+import warnings
 
 import numpy as np
 import torch
@@ -130,24 +131,27 @@ def check_contract(exchange="allgather", scope="tensor", steps=4):
     return model, opt
 
 
+def build(seed=0):
+    """The test model under the hierarchical allgather (SGD with momentum)."""
+    torch.manual_seed(seed)
+    model = Net()
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                        named_parameters=model.named_parameters(),
+                                        compression=hvd_topk.TopK(density=DENSITY), min_numel=MIN_NUMEL,
+                                        exchange="allgather", hierarchical=True)
+    return model, opt
+
+
+def train(model, opt, start, steps):
+    for step in range(start, start + steps):
+        x, y = batch(step, hvd.rank())
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
 def check_resume():
     """Save after 2 steps, restore into fresh objects: bitwise equal to an unbroken run at step 4."""
-    def build(seed=0):
-        torch.manual_seed(seed)
-        model = Net()
-        opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                            named_parameters=model.named_parameters(),
-                                            compression=hvd_topk.TopK(density=DENSITY), min_numel=MIN_NUMEL,
-                                            exchange="allgather", hierarchical=True)
-        return model, opt
-
-    def train(model, opt, start, steps):
-        for step in range(start, start + steps):
-            x, y = batch(step, hvd.rank())
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-
     model_a, opt_a = build()
     train(model_a, opt_a, 0, 4)
     model_b, opt_b = build()
@@ -160,6 +164,35 @@ def check_resume():
     for (name, a), c in zip(model_a.named_parameters(), model_c.parameters()):
         assert torch.equal(a, c), f"hierarchical resume: {name} differs"
     assert_same_on_all_ranks(model_c.fc1.weight.detach().numpy(), "hierarchical resume")
+
+
+def check_nonfinite_residual_wiped():
+    """A saved shard (or, after flat steps, full buffer) holding inf loads as zeros on that rank,
+    with a warning naming its bucket; the rest loads as saved, and training goes on finite, the
+    ranks equal. (It loaded as it was, and the parameters turned NaN.)"""
+    model_b, opt_b = build()
+    train(model_b, opt_b, 0, 2)
+    saved = copy.deepcopy({"model": model_b.state_dict(), "opt": opt_b.state_dict()})
+    section = saved["opt"]["hvd_topk"]
+    kind = "shards" if section["shards"] else "flat_buffers"
+    key = sorted(section[kind])[0]
+    section[kind][key].view(-1)[0] = float("inf")
+    model_c, opt_c = build(seed=7)
+    model_c.load_state_dict(saved["model"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt_c.load_state_dict(saved["opt"])
+    messages = [str(w.message) for w in caught]
+    assert any(f"bucket {key} ({kind})" in m and "inf/nan" in m for m in messages), messages
+    loaded = opt_c.state_dict()["hvd_topk"]
+    wiped = loaded[kind].get(key)  # absent: the bucket holds no residual (zero) until its next step
+    assert wiped is None or float(wiped.abs().sum()) == 0, f"the {kind} entry of bucket {key} was not wiped"
+    for other in set(section[kind]) - {key}:
+        assert torch.equal(loaded[kind][other], section[kind][other]), f"bucket {other} not loaded as saved"
+    train(model_c, opt_c, 2, 2)
+    for name, p in model_c.named_parameters():
+        assert torch.isfinite(p).all(), f"{name} not finite after the wiped load"
+        assert_same_on_all_ranks(p.detach().numpy(), f"after the wiped load: {name}")
 
 
 def check_auto_with_hierarchical_families():
@@ -312,6 +345,7 @@ CHECKS = [
     ("sparse allreduce across hosts", lambda: check_contract("sparse_allreduce")),
     ("allgather across hosts, bucket scope", lambda: check_contract("allgather", scope="bucket")),
     ("checkpoint resume", check_resume),
+    ("a non-finite residual wiped with a warning", check_nonfinite_residual_wiped),
     ("auto with hierarchical families", check_auto_with_hierarchical_families),
     ("gradients readable before synchronize", check_grads_readable_before_synchronize),
     ("buckets smaller than a host", check_buckets_smaller_than_a_host),

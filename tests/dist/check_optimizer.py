@@ -944,6 +944,63 @@ def loaded_on_rank_0_and_broadcast(build_one, steps=3):
     return saved, model_c, opt_c
 
 
+def rolled_back_on_rank_0(build_one, saved_at=2, rolled_at=8):
+    """``build_one()``'s model and optimizer trained to ``rolled_at`` steps, then rolled back in
+    mid-run to their checkpoint of step ``saved_at``: rank 0 alone loads it into the same
+    objects, then Horovod's broadcasts from rank 0 (its documented pattern). Returns
+    ``(model, optimizer, warnings caught on this rank from the first step after)``."""
+    model, opt = build_one()
+    train(model, opt, saved_at)
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    train(model, opt, rolled_at - saved_at, start=saved_at)
+    if hvd.rank() == 0:
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(model, opt, 1, start=saved_at)
+    return model, opt, [str(w.message) for w in caught]
+
+
+def check_rollback_on_rank_0_auto():
+    """exchange="auto" (one timed step per candidate), decided by step 8, rolled back on rank 0
+    to its step-2 checkpoint (mid-trial), then Horovod's broadcasts: every rank runs the same
+    exchange at every step after, and they stay in step. (Only rank 0's trial restarted: the
+    others kept their choice, the ranks ran different exchanges and the job hung.)"""
+    model, opt, _ = rolled_back_on_rank_0(lambda: build(min_numel=500, exchange="auto", exchange_trial_steps=1))
+    for step in range(3, 12):
+        train(model, opt, 1, start=step)
+        families = hvd.allgather_object(opt.compression_stats()["exchange_family"])
+        assert len(set(families)) == 1, f"step {step}: the ranks ran {families}"
+    assert opt.compression_stats()["exchange_choice"] is not None, opt.compression_stats()["exchange_reason"]
+    for name, p in model.named_parameters():
+        assert_same_on_all_ranks(p.detach().cpu().numpy(), f"after the rollback: {name}")
+
+
+def check_rollback_on_rank_0_residuals():
+    """Rolled back on rank 0 to its step-2 checkpoint at step 8, then Horovod's broadcasts: the
+    run goes on bitwise as one whose other ranks were fresh (``loaded_on_rank_0_and_broadcast``,
+    residuals zero), and those ranks are told, once, that their residuals were dropped. (They
+    kept the residuals of steps 2-8, which the checkpoint does not have, and added them back.)"""
+    build_one = lambda seed=0: build(min_numel=500, seed=seed)  # noqa: E731
+    model, opt, caught = rolled_back_on_rank_0(build_one)
+    _, model_ref, opt_ref = loaded_on_rank_0_and_broadcast(build_one, steps=2)
+    with warnings.catch_warnings(record=True) as fresh:
+        warnings.simplefilter("always")
+        train(model_ref, opt_ref, 1, start=2)
+    train(model, opt, 3, start=3)
+    train(model_ref, opt_ref, 3, start=3)
+    for (name, p), q in zip(model.named_parameters(), model_ref.parameters()):
+        assert torch.equal(p, q), f"rank {hvd.rank()}: {name} differs from the run with fresh ranks " \
+                                  f"(max {float((p - q).abs().max())})"
+    dropped = [m for m in caught if "without load_state_dict() on this rank" in m]
+    assert len(dropped) == (0 if hvd.rank() == 0 else 1), caught
+    assert not [str(w.message) for w in fresh if "without load_state_dict()" in str(w.message)], \
+        "a fresh rank (zero residuals) was warned"
+
+
 def check_local_adamw_broadcast_from_rank_0():
     """LocalAdamW with ``signal="mean+lag1"``, beta1 0.5 and ``variance_sketch=16`` (state
     entries made at first use): a checkpoint loaded on rank 0 alone into fresh objects, then
@@ -1187,6 +1244,8 @@ CHECKS = [
     ("LocalAdamW: a checkpoint on rank 0 alone, broadcast (lag1, sketch)", check_local_adamw_broadcast_from_rank_0),
     ("LocalAdamW: bf16 resume with the variance sketch", check_local_adamw_resume_bf16),
     ("FrozenVarianceAdamW: a checkpoint on rank 0 alone, broadcast", check_frozen_variance_broadcast_from_rank_0),
+    ("a rollback on rank 0, broadcast: one exchange on every rank (auto)", check_rollback_on_rank_0_auto),
+    ("a rollback on rank 0, broadcast: the other ranks' residuals start from zero", check_rollback_on_rank_0_residuals),
     ("LocalAdamW: a gradient whose last hook never fired", check_local_adamw_gradient_without_its_last_hook),
     ("step hooks run once a step, also after load_state_dict", check_step_hooks_once_after_load),
     ("LocalAdamW: lr in the residual, residual decay", lambda: check_local_adamw(
