@@ -88,6 +88,11 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} only applies to --hook topk")
     if (args.powersgd_rank, args.powersgd_start) != (4, 100) and args.hook != "powersgd":
         p.error("--powersgd-rank and --powersgd-start only apply to --hook powersgd")
+    if args.hook == "powersgd" and args.bucket_cap_mb is not None and args.device == "cpu":
+        # PowerSGD allreduces its matrices of several buckets at once; gloo then pairs messages of
+        # different sizes and aborts ("Is there a distributed collective mismatch")
+        p.error("--bucket-cap-mb with --hook powersgd on the CPU: gloo needs PowerSGD's tensors in one DDP "
+                "bucket, which this example sets up by default; leave --bucket-cap-mb out")
     check_topk_arguments(p, args)
     if "RANK" not in os.environ:
         p.error("launch it with torchrun (torchrun --nproc_per_node 2 examples/ddp_gpt.py ...): "

@@ -213,8 +213,11 @@ def check_training_arguments(p, args):
             p.error(f"--{name.replace('_', '-')} must be a positive integer")
     if args.width % args.heads:
         p.error("--width must be a multiple of --heads")
-    if args.lr <= 0 or not 0 <= args.lr_warmup < 1 or args.corpus_mb <= 0:
+    if not (args.lr > 0 and 0 <= args.lr_warmup < 1 and args.corpus_mb > 0):  # (NaN fails these too)
         p.error("--lr and --corpus-mb must be positive, --lr-warmup in [0, 1)")
+    clip = getattr(args, "clip", None)  # each launcher has its own --clip (its default differs)
+    if clip is not None and not 0 <= clip < float("inf"):  # a negative limit flips the gradient
+        p.error(f"--clip must be a finite norm >= 0 (0: off), got {clip}")
     if args.lr_schedule == "wsd" and lr_warmup_steps(args) > args.steps - wsd_decay_steps(args):
         p.error(f"--lr-schedule wsd: the warm-up ({lr_warmup_steps(args)} steps) must end before the decay over "
                 f"the last {wsd_decay_steps(args)} steps; lower --lr-warmup")

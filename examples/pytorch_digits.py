@@ -48,7 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--json", metavar="PATH", help="write the final metrics here (rank 0)")
     p.add_argument("--quiet", action="store_true", help="only the final summary")
     args = p.parse_args(argv)
-    if args.epochs < 1 or args.batch_size < 1 or args.lr <= 0:
+    if args.epochs < 1 or args.batch_size < 1 or not args.lr > 0:  # (a NaN rate fails the last)
         p.error("--epochs, --batch-size and --lr must be positive")
     if args.optimizer == "topk-ef" and args.compression != "topk":
         p.error("--optimizer topk-ef always compresses with TopK; use --compression topk")

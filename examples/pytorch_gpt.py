@@ -158,6 +158,11 @@ def parse_args(argv=None):
         p.error(f"--sync-every must be >= 1, got {args.sync_every}")
     if args.sync_every > 1 and (args.optimizer != "topk-ef" or args.adam != "adamw"):
         p.error("--sync-every H > 1 needs --optimizer topk-ef --adam adamw (hvd_topk.LocalSteps runs plain AdamW)")
+    if args.steps % args.sync_every:
+        # between synchronisations each rank holds its own replica: ended there, the ranks'
+        # models would differ and rank 0's alone be reported
+        p.error(f"--steps ({args.steps}) must be a multiple of --sync-every ({args.sync_every}), so that the "
+                "run ends on a synchronisation, with the model the ranks share")
     if (args.outer_lr != 1.0 or args.outer_momentum or args.nesterov) and args.sync_every == 1:
         p.error("--outer-lr, --outer-momentum and --nesterov only apply with --sync-every H > 1")
     if not 0 < args.residual_decay <= 1:  # (NaN fails this too)
@@ -280,6 +285,9 @@ def main(argv=None):
     note = dense_start_note(args)
     if note:
         say(note, flush=True)
+    if args.eval_every % args.sync_every:
+        say(f"note: --eval-every {args.eval_every} is not a multiple of --sync-every {args.sync_every}: "
+            "validation between synchronisations is of rank 0's own replica", flush=True)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
     history, t0 = [], time.perf_counter()
     for step in range(args.steps):

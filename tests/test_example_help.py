@@ -130,3 +130,27 @@ def test_elastic_example_accepts_its_documented_failure():
     """docs/api.md's command (--epochs 4 --fail-rank 1 --fail-epoch 1) parses."""
     args = _example_module("pytorch_elastic").parse_args(["--epochs", "4", "--fail-rank", "1", "--fail-epoch", "1"])
     assert (args.fail_rank, args.fail_epoch) == (1, 1)
+
+
+@pytest.mark.parametrize("script, argv, says", [
+    ("pytorch_gpt", ["--clip", "-1"], "--clip must be a finite norm >= 0"),
+    ("ddp_gpt", ["--hook", "none", "--clip", "-1"], "--clip must be a finite norm >= 0"),
+    ("pytorch_gpt", ["--lr", "nan"], "--lr and --corpus-mb must be positive"),
+    ("pytorch_digits", ["--lr", "nan"], "--epochs, --batch-size and --lr must be positive"),
+    ("pytorch_gpt", ["--optimizer", "topk-ef", "--compression", "topk", "--sync-every", "4", "--steps", "6",
+                     "--eval-every", "4"], "--steps (6) must be a multiple of --sync-every (4)"),
+    ("ddp_gpt", ["--hook", "powersgd", "--bucket-cap-mb", "1"], "leave --bucket-cap-mb out"),
+    ("lightning_digits", ["--epochs", "0"], "--epochs, --batch-size and --devices must be positive"),
+    ("lightning_digits", ["--epochs", "-1"], "--epochs, --batch-size and --devices must be positive"),
+    ("lightning_digits", ["--density", "0"], "--density must be in (0, 1]"),
+])
+def test_examples_refuse_what_would_train_wrong(script, argv, says, capsys):
+    """Settings that trained silently wrong (a negative clip is gradient ascent; a NaN rate;
+    local steps ending between synchronisations, where the ranks' models differ; Lightning
+    with no epochs, or -1, which it takes as unlimited) or failed deep inside (PowerSGD over
+    several gloo buckets; a density of 0) are usage errors naming the flag, before anything runs."""
+    module = _example_module(script)
+    with pytest.raises(SystemExit) as stop:
+        (module.main if script == "lightning_digits" else module.parse_args)(argv)
+    assert stop.value.code == 2
+    assert says in capsys.readouterr().err
