@@ -22,9 +22,11 @@ for the distributed modes, ``opt.synchronize()``. Modes:
                    as many elements as the model, timed with torch ops (one thread)
 
 The topk modes run ``--exchange`` (default ``auto``, hvd_topk's default: its first steps time
-the strategies, dense included, and keep the fastest). With ``auto`` the trial's steps (up to
-_common.AUTO_TRIAL_STEPS) are added to the warm-up, so the timed steps run what it chose (the
-table names it); a user pays the trial once per job, not per step.
+the strategies, dense included, and keep the fastest). With ``auto`` each topk mode first steps
+alone for its trial (up to _common.AUTO_TRIAL_STEPS steps, before the round-robin): the trial
+times one ``synchronize()`` end to the next, which in the round-robin would also hold every
+other mode's step. The timed steps then run what it chose (the table names it); a user pays the
+trial once per job, not per step.
 
 Ranks are aligned by a scalar allreduce before every timed step; a step's time is the slower
 rank's; the table gives the median over ``--steps`` after the warm-up iterations, the added time
@@ -112,10 +114,10 @@ def build_mode(mode, shapes, density, hvd, hvd_topk, torch, exchange_name="auto"
         return params, opt, f"selection_scope rejected ({str(e)[:80]}...): the library's default (per tensor)"
 
 
-def warmup_iterations(args):
-    """``--warmup``, plus exchange="auto"'s trial when a topk mode runs it."""
+def trial_steps(args):
+    """Steps each topk mode takes alone before the round-robin: exchange="auto"'s trial."""
     auto = args.exchange == "auto" and any(m.startswith("topk") for m in args.modes)
-    return args.warmup + (common.AUTO_TRIAL_STEPS if auto else 0)
+    return common.AUTO_TRIAL_STEPS if auto else 0
 
 
 def stats_snapshot(opt):
@@ -148,7 +150,16 @@ def run_model(model, args, hvd, hvd_topk, torch, say):
     def barrier():
         hvd.allreduce(torch.zeros(1), name="overhead.barrier", op=hvd.Sum)
 
-    warmup = warmup_iterations(args)
+    for mode in names:  # auto's trial, each topk mode alone (see the module docstring)
+        if not mode.startswith("topk"):
+            continue
+        params, opt = modes[mode]
+        for it in range(trial_steps(args)):
+            common.zero_grad(opt, params)
+            common.forward(params, consts[it % len(consts)]).backward()
+            opt.synchronize()
+        say(f"  [{model}] {mode}: {trial_steps(args)} steps alone for exchange={args.exchange!r}'s trial")
+    warmup = args.warmup
     total = warmup + args.steps
     started = time.time()
     for it in range(total):
@@ -249,7 +260,8 @@ def worker(args):
 # ------------------------------------------------------------------------------------------------
 def markdown(report):
     s = report["settings"]
-    trial = (f" + {s['trial_iterations']} for exchange=\"auto\"'s trial" if s.get("trial_iterations") else "")
+    trial = (f" after {s['trial_iterations']} steps of each topk mode alone for exchange=\"auto\"'s trial"
+             if s.get("trial_iterations") else "")
     lines = ["# Overhead of the distributed optimizer on backward, vs one streaming pass", "",
              f"- command: `{report['command']}`",
              f"- date: {report['date_utc']}; machine: {common.summary(report['machine'])}",
@@ -312,7 +324,7 @@ def driver(args, argv):
                         + "-x OMP_NUM_THREADS=1 python benchmarks/overhead.py --worker ...",
               "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": info, "settings": {**{k: v for k, v in vars(args).items() if k not in ("worker", "out")},
-                                            "trial_iterations": warmup_iterations(args) - args.warmup},
+                                            "trial_iterations": trial_steps(args)},
               "wall_s": time.time() - started, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
               **res}
     md = markdown(report)

@@ -284,3 +284,18 @@ def test_benchmark_help_runs(script):
                          text=True, timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("usage: "), out.stdout[:200]
+
+
+def test_benchmarks_wait_out_autos_longest_trial():
+    """The benchmarks time exchange="auto" only after its trial: their allowance must cover the
+    longest one auto can run (every family it may try, hierarchical and dense fp16 included)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import _common
+    finally:
+        sys.path.pop(0)
+    from hvd_topk import auto
+    longest = max(len(auto.families(h, False, compact=c, fp16=f)) for h in (False, True)
+                  for c in (False, True) for f in (False, True))
+    assert longest == 6  # dense, dense fp16, allgather, sparse allreduce, two hierarchical
+    assert _common.AUTO_TRIAL_STEPS >= longest * (auto.TRIAL_STEPS + 1)
