@@ -18,8 +18,11 @@ optimizer with a named exchange, built as benchmarks/exchange.py builds them
 ("auto": its trial is added to the warm-up, so the timed steps run its choice), at
 ``--densities`` (default 1%).
 
-Full run (about 3 min):
+Full run (about 3 min; ``--interleave`` builds every method at once and interleaves their
+timed steps, as benchmarks/ddp_hooks.py does: one method after another, the first one's steps
+ran up to 40% slower in a run of 2026-12-04, which the others' overheads then read against):
     .venv/bin/python benchmarks/training.py
+    .venv/bin/python benchmarks/training.py --ranks 2 --interleave --steps 10 --warmup 4
 Smoke run:
     .venv/bin/python benchmarks/training.py --ranks 2 --rates 1gbit --methods none dense topk-ef \\
         --steps 2 --warmup 1 --output-name training-smoke
@@ -115,8 +118,8 @@ def worker(args):
     def barrier():
         hvd.allreduce(torch.zeros(1), name="bench.barrier", op=hvd.Sum)
 
-    rows = []
-    for method in common.method_list(args.methods, args.densities):
+    def build(method):
+        """``method``'s model (the same initial weights for every method) and optimizer."""
         gc.collect()
         torch.manual_seed(0)
         model = build_resnet50(torch)
@@ -124,42 +127,67 @@ def worker(args):
         inner = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         opt, comp = common.make_optimizer(method, inner, list(model.named_parameters()), args.topk_method,
                                           hvd, hvd_topk)
-        opt = opt or inner
         if name != "none":
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        params = list(model.parameters())
-        times, losses = [], []
-        warmup = common.warmup_steps(method, args.warmup)
-        total = warmup + args.steps
-        t_method = time.time()
-        for step in range(total):
-            x, y = batches[step % len(batches)]
-            barrier()
-            t0 = time.perf_counter()
-            common.zero_grad(opt, params)  # zero_grad(set_to_none=True)
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            opt.step()
-            dt = time.perf_counter() - t0
-            losses.append(loss.item())
-            if step >= warmup:
-                times.append(dt)
-            say(f"  [{method}] step {step + 1}/{total} {'(warm-up) ' if step < warmup else ''}"
-                f"{dt * 1e3:.0f} ms (rank 0), loss {losses[-1]:.3f}")
+        return {"method": method, "name": name, "model": model, "opt": opt or inner, "comp": comp,
+                "params": list(model.parameters()), "times": [], "losses": [],
+                "warmup": common.warmup_steps(method, args.warmup), "started": time.time()}
+
+    def one_step(m, step):
+        """One timed training step of ``m`` (ranks aligned first); returns its seconds on this rank."""
+        x, y = batches[step % len(batches)]
+        barrier()
+        t0 = time.perf_counter()
+        common.zero_grad(m["opt"], m["params"])  # zero_grad(set_to_none=True)
+        loss = loss_fn(m["model"](x), y)
+        loss.backward()
+        m["opt"].step()
+        dt = time.perf_counter() - t0
+        m["losses"].append(loss.item())
+        total = m["warmup"] + args.steps
+        say(f"  [{m['method']}] step {step + 1}/{total} {'(warm-up) ' if step < m['warmup'] else ''}"
+            f"{dt * 1e3:.0f} ms (rank 0), loss {m['losses'][-1]:.3f}")
+        return dt
+
+    def finish(m):
         # parameters must agree across ranks after distributed steps
-        agree = None if name == "none" else len(set(common.rank_sums(hvd, torch, model.parameters()))) == 1
-        row = {"method": method, "label": common.label(method), "P": size,
-               **common.slowest_rank_ms(hvd, torch, times),
-               "rank0_ms": [1e3 * t for t in times], "losses_rank0": losses,
-               "params_identical_across_ranks": agree, "wall_s": time.time() - t_method}
+        name, opt = m["name"], m["opt"]
+        agree = None if name == "none" else len(set(common.rank_sums(hvd, torch, m["model"].parameters()))) == 1
+        row = {"method": m["method"], "label": common.label(m["method"]), "P": size,
+               **common.slowest_rank_ms(hvd, torch, m["times"]),
+               "rank0_ms": [1e3 * t for t in m["times"]], "losses_rank0": m["losses"],
+               "params_identical_across_ranks": agree, "wall_s": time.time() - m["started"]}
         if name in common.TOPK_METHODS and name != "topk":
             row["compression_stats"] = opt.compression_stats()
         elif name == "topk":
-            row["compression_stats"] = comp.stats()
-        rows.append(row)
-        say(f"{common.label(method):>14}: median {row['median_ms']:8.1f} ms/step"
+            row["compression_stats"] = m["comp"].stats()
+        say(f"{common.label(m['method']):>14}: median {row['median_ms']:8.1f} ms/step"
             f"{'' if agree in (None, True) else '   WARNING: parameters differ across ranks'}")
-        del opt, inner, model, comp
+        return row
+
+    methods = common.method_list(args.methods, args.densities)
+    rows = []
+    if not args.interleave:
+        for method in methods:
+            m = build(method)
+            for step in range(m["warmup"] + args.steps):
+                dt = one_step(m, step)
+                if step >= m["warmup"]:
+                    m["times"].append(dt)
+            rows.append(finish(m))
+            del m
+    else:
+        # Every method built at once; each takes its warm-up alone (exchange="auto"'s trial too,
+        # timed without the other methods' steps in it), then the timed steps rotate: step i runs
+        # each method once, starting at a different one, so the machine's drift falls on all alike.
+        built = [build(method) for method in methods]
+        for m in built:
+            for step in range(m["warmup"]):
+                one_step(m, step)
+        for i in range(args.steps):
+            for m in built[i % len(built):] + built[:i % len(built)]:
+                m["times"].append(one_step(m, m["warmup"] + i))
+        rows = [finish(m) for m in built]
     if rank == 0 and args.out:
         Path(args.out).write_text(json.dumps({"hosts": names, "rows": rows,
                                               "hvd_topk": {"version": hvd_topk.__version__, "file": hvd_topk.__file__,
@@ -173,6 +201,8 @@ def worker_args(args):
            "--image-size", str(args.image_size)]
     if args.topk_method:
         out += ["--topk-method", args.topk_method]
+    if args.interleave:
+        out += ["--interleave"]
     return out
 
 
@@ -186,7 +216,10 @@ def markdown(report):
              f"- one emulated host per rank (network namespace, tbf-shaped veth), mpirun over ssh, MPI "
              f"over TCP only; step = zero_grad(set_to_none=True) + forward + backward + opt.step() (SGD momentum 0.9); "
              f"{s['warmup']} warm-up + {s['steps']} timed steps, median of the slowest rank; "
-             f"{s['threads']} torch thread(s) per rank; selection `{s.get('topk_method') or 'TopK default'}`",
+             + ("the methods built at once, each warmed up alone, their timed steps interleaved (step i "
+                "runs each once, the order rotating); " if s.get("interleave") else
+                "one method after another (their times drift with the machine between them); ")
+             + f"{s['threads']} torch thread(s) per rank; selection `{s.get('topk_method') or 'TopK default'}`",
              common.hvd_topk_line(report),
              "- `none` = the same step without any exchange (plain torch optimizer)", ""]
     for run in report["runs"]:
@@ -196,7 +229,9 @@ def markdown(report):
                   "|---|---:|---:|---:|---:|---:|---|"]
         for r in run["rows"]:
             ov = f"{r['median_ms'] - ref['none']:+.0f} ms" if "none" in ref and r["method"] != "none" else "-"
-            lines.append(f"| {r['label']} | {r['median_ms']:.1f} | {r['min_ms']:.0f}-{r['max_ms']:.0f} | "
+            chose = (r.get("compression_stats") or {}).get("exchange_family") if "auto" in r["method"] else None
+            label = r["label"] + (f" (chose {chose})" if chose else "")
+            lines.append(f"| {label} | {r['median_ms']:.1f} | {r['min_ms']:.0f}-{r['max_ms']:.0f} | "
                          f"{common.versus(ref, r, 'dense')} | {common.versus(ref, r, 'fp16')} | {ov} | "
                          f"{common.agree(r['params_identical_across_ranks'])} |")
         lines.append("")
@@ -209,6 +244,9 @@ def main(argv=None):
     common.common_arguments(ap, densities=[0.01], pool=2, output_name="training")
     ap.add_argument("--batch", type=int, default=8, help="per rank")
     ap.add_argument("--image-size", type=int, default=32)
+    ap.add_argument("--interleave", action="store_true",
+                    help="build every method at once and interleave their timed steps (after each one's "
+                         "warm-up alone), so that the machine's drift falls on every method alike")
     args = ap.parse_args(argv)
     if args.worker:
         worker(args)
