@@ -91,6 +91,16 @@ def test_ranks_renumbered_at_the_same_size(tmp_path):
     assert [line["optimizer_rank"] for line in lines] == [0, 0, 0, 0], lines  # rank 0 writes the log
 
 
+def test_host_replaced_at_the_same_size_under_auto(tmp_path):
+    """The host of rank 1 leaves and another takes its place at once, no worker failing: the job
+    stays at 2 ranks, and the new worker, whose optimizer is built alone, takes over the
+    survivor's ``exchange="auto"`` trial through ``hvd.broadcast_optimizer_state`` (it travels in
+    the first param group), so both ranks run the same exchange to the end (the survivor kept its
+    trial, the new worker started one of its own, and they ran different exchanges)."""
+    lines = run_elastic(tmp_path, "topk-ef", 2, ["localhost:1", "127.0.0.1:1"], ["localhost:1", "127.0.1:1"])
+    assert [line["size"] for line in lines] == [2, 2, 2, 2], lines
+
+
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_worker_added(tmp_path, optimizer):
     """1 -> 2: the new worker builds its optimizer alone (no constructor collective) and joins."""
