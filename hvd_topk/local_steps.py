@@ -42,6 +42,7 @@ from hvd_topk.selection import check_flag, check_integer, check_number
 STATE_KEY = checkpoint.LOCAL_STEPS_KEY  # its section of state_dict(): this rank's outer optimizer
 PHASE_KEY = "hvd_topk_local_step"   # param group 0: steps since the last synchronisation
 SYNCS_KEY = "hvd_topk_local_syncs"  # param group 0: the outer optimizer's step (synchronisations done)
+OUTER_TRIAL_KEY = "hvd_topk_local_trial"  # param group 0: the outer exchange="auto"'s trial (engine.TRIAL_KEY)
 # param group 0 of state_dict() (never of the live groups): what every rank shares, the anchors and
 # the outer SGD's momentum buffers. hvd.broadcast_optimizer_state broadcasts a state_dict()'s
 # param-group options from the root and sets them on the live groups, where the next step()
@@ -166,6 +167,7 @@ def LocalSteps(optimizer, named_parameters=None, *, sync_every, compression=TopK
     # keys, so a fresh elastic worker must have the same ones as the others
     wrapped.param_groups[0].setdefault(PHASE_KEY, 0)
     wrapped.param_groups[0].setdefault(SYNCS_KEY, 0)
+    wrapped.param_groups[0].setdefault(OUTER_TRIAL_KEY, None)
     return wrapped
 
 
@@ -250,6 +252,9 @@ class _LocalSteps(torch.optim.Optimizer):
         # kept in this optimizer's param groups too, so that hvd.broadcast_optimizer_state brings
         # a rank that did not take part (a new elastic worker, a rank that loaded nothing) to it.
         getattr(local.outer, ENGINE).step = self.param_groups[0][SYNCS_KEY]
+        # and so is the outer exchange="auto"'s trial: a rank that did not load the root's state
+        # (a rollback on rank 0, an elastic job's new worker) goes on with the root's
+        local.outer.param_groups[0][TRIAL_KEY] = self.param_groups[0].get(OUTER_TRIAL_KEY)
         with torch.no_grad():
             for p, a in zip(local.params, local.anchors):
                 if a.grad is None:
@@ -258,6 +263,7 @@ class _LocalSteps(torch.optim.Optimizer):
             local.outer.step()  # Top-K + error feedback, the exchange, SGD on the anchors
             for p, a in zip(local.params, local.anchors):
                 p.copy_(a)
+        self.param_groups[0][OUTER_TRIAL_KEY] = local.outer.param_groups[0][TRIAL_KEY]
 
     def synchronize(self):
         """Nothing to wait for: gradients stay on their rank (the model is exchanged in step())."""
@@ -310,10 +316,12 @@ class _LocalSteps(torch.optim.Optimizer):
             self.param_groups[0].pop(SHARED_KEY, None)
             self.param_groups[0][PHASE_KEY] = 0
             self.param_groups[0].setdefault(SYNCS_KEY, 0)
+            self.param_groups[0][OUTER_TRIAL_KEY] = None
             self._restart_outer()
             return
         self._adopt_shared()
         local.outer.load_state_dict(ours["outer"])
+        self.param_groups[0][OUTER_TRIAL_KEY] = None  # the outer optimizer measures again, as after any load
 
     def _restart_outer(self):
         """After loading a checkpoint without an outer optimizer (a plain one's, or a

@@ -469,6 +469,30 @@ def check_plain_checkpoint_on_rank_0_broadcast():
             assert_same_on_all_ranks(p.detach().numpy(), f"after the synchronisation at step {start + 2}: {n}")
 
 
+def check_rollback_on_rank_0_auto():
+    """The outer exchange="auto" (one timed step per candidate), decided by the 8th
+    synchronisation, rolled back on rank 0 to its checkpoint of the 2nd, then Horovod's
+    broadcasts: the outer trial travels in LocalSteps' param group 0 as its step does, so every
+    rank runs the same outer exchange at every synchronisation after, and the ranks hold the
+    same bits (only rank 0's outer trial restarted, the ranks ran different exchanges and hung)."""
+    model, opt = build(sgd(0.9), sync_every=2, exchange="auto", exchange_trial_steps=1)
+    outer = getattr(opt, "_hvd_topk_local").outer
+    train(model, opt, 4)
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    train(model, opt, 12, start=4)
+    if hvd.rank() == 0:
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    for start in range(4, 20, 2):
+        train(model, opt, 2, start=start)
+        families = hvd.allgather_object(outer.compression_stats()["exchange_family"])
+        assert len(set(families)) == 1, f"synchronisation at step {start + 2}: the ranks ran {families}"
+        for n, p in model.named_parameters():
+            assert_same_on_all_ranks(p.detach().numpy(), f"after the synchronisation at step {start + 2}: {n}")
+
+
 def check_groups():
     """``groups=[[...]]`` lists the model's parameters: their anchors are fused as listed (a
     frozen one left out, as DistributedOptimizer does), and the run equals the one without
@@ -575,6 +599,7 @@ def check_bad_input():
 
 
 CHECKS = [
+    ("a rollback on rank 0, broadcast: one outer exchange on every rank (auto)", check_rollback_on_rank_0_auto),
     ("SGD inside, H=3, allgather", lambda: check_reference(sgd())),
     ("AdamW inside, H=2, Nesterov outer, residual decay, sparse allreduce", lambda: check_reference(
         adamw(), sync_every=2, steps=6, outer_lr=0.7, outer_momentum=0.9, nesterov=True, residual_decay=0.9,
