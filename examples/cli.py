@@ -1,4 +1,5 @@
-"""The examples' --help: each script's docstring as written, and every option's default."""
+"""The examples' command lines: --help with each script's docstring as written and every
+option's default, and the library's own checks of a value as usage errors."""
 
 import argparse
 import copy
@@ -17,3 +18,12 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
             action = copy.copy(action)
             action.help = f"{action.help or ''} (default: %(default)s)".strip()
         return super()._format_action(action)
+
+
+def usage_error_from(p, check, *args):
+    """``check(*args)`` (one of the library's checks, e.g. ``hvd_topk.selection.check_density``),
+    its ``ValueError`` turned into ``p.error``: a usage message and exit status 2, not a traceback."""
+    try:
+        return check(*args)
+    except ValueError as exc:
+        p.error(str(exc))

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from hvd_topk.optim import LocalAdamW
 from hvd_topk.selection import check_density
 
+from cli import usage_error_from  # shared by the examples
+
 
 def load_corpus(limit_bytes):
     """The standard library's .py files, sorted by relative path, concatenated, cut to the limit."""
@@ -200,10 +202,7 @@ def check_topk_arguments(p, args):
         p.error("--fp16-values and --compact are two wire formats: choose one")
     if args.compact and args.exchange == "sparse_allreduce":
         p.error("--compact packs the allgather's pairs: use --exchange allgather or auto")
-    try:
-        check_density(args.density, "--density")
-    except ValueError as exc:
-        p.error(str(exc))
+    usage_error_from(p, check_density, args.density, "--density")
 
 
 def check_training_arguments(p, args):

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.strategies import DDPStrategy
 
-from cli import HelpFormatter  # shared by the examples: --help shows the defaults
+from cli import HelpFormatter, usage_error_from  # shared by the examples
 import hvd_topk.ddp
 from hvd_topk.selection import check_density
 from digits_model import DigitsNet, load_digits_split
@@ -66,10 +66,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.epochs < 1 or args.batch_size < 1 or args.devices < 1 or not args.lr > 0:
         p.error("--epochs, --batch-size and --devices must be positive integers, --lr a positive number")
-    try:
-        check_density(args.density, "--density")
-    except ValueError as exc:
-        p.error(str(exc))
+    usage_error_from(p, check_density, args.density, "--density")
     lightning.seed_everything(args.seed, verbose=False)
     torch.set_num_threads(1)
     (x_train, y_train), (x_test, y_test) = load_digits_split()

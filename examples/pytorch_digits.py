@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import horovod.torch as hvd
-from cli import HelpFormatter  # shared by the examples: --help shows the defaults
+from cli import HelpFormatter, usage_error_from  # shared by the examples
 import hvd_topk
 from digits_model import DigitsNet, load_digits_split  # shared with lightning_digits.py
 
@@ -65,10 +65,7 @@ def parse_args(argv=None):
     if args.compression != "topk" and args.density != 0.01:
         p.error("--density only applies to --compression topk")
     if args.compression == "topk":
-        try:
-            hvd_topk.selection.check_density(args.density, "--density")
-        except ValueError as exc:
-            p.error(str(exc))
+        usage_error_from(p, hvd_topk.selection.check_density, args.density, "--density")
     return args
 
 

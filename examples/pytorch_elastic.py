@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 import horovod.torch as hvd
-from cli import HelpFormatter  # shared by the examples: --help shows the defaults
+from cli import HelpFormatter, usage_error_from  # shared by the examples
 import hvd_topk
 
 
@@ -70,10 +70,7 @@ def parse_args(argv=None):
         p.error("--density only applies to --optimizer topk-ef or topk")
     if args.optimizer != "topk-ef" and args.exchange != "auto":
         p.error("--exchange only applies to --optimizer topk-ef")
-    try:
-        hvd_topk.selection.check_density(args.density, "--density")
-    except ValueError as exc:
-        p.error(str(exc))
+    usage_error_from(p, hvd_topk.selection.check_density, args.density, "--density")
     if args.fail_rank is None and args.fail_epoch != 1:
         p.error("--fail-epoch only applies with --fail-rank")
     if args.fail_rank is not None and not (args.fail_rank >= 0 and 0 <= args.fail_epoch < args.epochs):

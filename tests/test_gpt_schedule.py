@@ -4,14 +4,19 @@ long runs)."""
 
 import argparse
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
 
-_SPEC = importlib.util.spec_from_file_location(
-    "gpt_model", Path(__file__).resolve().parent.parent / "examples" / "gpt_model.py")
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+_SPEC = importlib.util.spec_from_file_location("gpt_model", EXAMPLES / "gpt_model.py")
 gpt_model = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(gpt_model)
+sys.path.insert(0, str(EXAMPLES))  # its siblings (cli), as when an example script imports it
+try:
+    _SPEC.loader.exec_module(gpt_model)
+finally:
+    sys.path.remove(str(EXAMPLES))
 
 
 def args(steps, warmup_steps=100, adam="local", lr_warmup=0.1, lr=1.0, density=0.01, lr_schedule="cosine"):
