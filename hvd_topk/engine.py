@@ -156,7 +156,7 @@ class TopKEngine:
         # param-group options from the start: hvd.broadcast_optimizer_state expects the same keys everywhere
         self.step = 0
         self.expected_step = 0  # where this rank's counter should be: it moved otherwise if not (_follow_root)
-        self.param_groups[0][TRIAL_KEY] = None
+        self._publish_trial()
         self.stats = CompressionStats()
         self.synchronized = False
         self.synchronized_for_scaler = False  # GradScaler.step(opt) exchanged before unscaling (optimizer.py)
@@ -221,7 +221,7 @@ class TopKEngine:
         self.residual_scale.follow(checkpoint.momentum_buckets(self))
         self._follow_root()
         self.family = self.planner.family(self.step, self.world)
-        self.param_groups[0][TRIAL_KEY] = self.planner.trial_record()
+        self._publish_trial()
         topology = self.hier if self.planner.hierarchical(self.family) else None
         o = self.options
         self.ctx = inflight.StepContext(self.codec, self.stats, self.process_set, self.world, self.rank, self.op,
@@ -357,6 +357,11 @@ class TopKEngine:
         if record != self.planner.trial_record():
             self.planner.adopt_trial(record)
 
+    def _publish_trial(self):
+        """Mirror auto's trial into the first param group, where ``_follow_root`` reads it back
+        after a broadcast (and checkpoints carry it, though a load measures again)."""
+        self.param_groups[0][TRIAL_KEY] = self.planner.trial_record()
+
     def _someone_joined(self):
         """Whether a rank is inside ``hvd.join()`` this step, from the probe (checked as it is read)."""
         active = self._read_probe()
@@ -443,7 +448,7 @@ class TopKEngine:
             # (Horovod's multi-epoch pattern: uneven batches, hvd.join() at each epoch's end).
             self.planner.step_done(self.step, self.world)
             self.step += 1
-            self.param_groups[0][TRIAL_KEY] = self.planner.trial_record()
+            self._publish_trial()
         else:
             self.planner.skip_step()
         self.expected_step = self.step
@@ -529,7 +534,7 @@ class TopKEngine:
         if param_groups is not None:
             self.param_groups = param_groups
         self.step = self.expected_step = step if state is None else state["step"]
-        self.param_groups[0][TRIAL_KEY] = None  # the checkpoint's is of the run that saved it
+        self._publish_trial()  # None (forgotten above): the checkpoint's is of the run that saved it
         checkpoint.load(self, state, nonfinite)
 
     # ---- statistics ------------------------------------------------------------------------
