@@ -117,7 +117,7 @@ def check_flag(value, name):
 # float32 only: the kernel ranks by float32 keys, so float64 magnitudes outside float32's range,
 # or apart by less than float32 resolves, would tie (a review found 0 of 100 right on
 # randn * 1e-50); float64 takes the torch ops, end to end (the native decode expects the
-# native selection's ascending pairs). The kernel's float64 entry points are not called.
+# native selection's ascending pairs). The kernel has no float64 entry points since.
 _NATIVE_FUNCS = {torch.float32: "hvdtk_select_f32"}
 
 

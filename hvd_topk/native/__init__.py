@@ -21,7 +21,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("topk.cpp")
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]
-ABI_VERSION = 9
+ABI_VERSION = 10
 
 _lock = threading.Lock()
 _lib = None
@@ -60,27 +60,23 @@ def build(verbose=False):
 
 def _declare(lib):
     p, i64, i32, u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint64
-    for name in ("hvdtk_select_f32", "hvdtk_select_f64"):
-        fn = getattr(lib, name)
-        fn.argtypes = [p, p, i64, i64, i64, p, i32, p, i32, i32, u64, p]
-        fn.restype = i64
-    for name in ("hvdtk_select_segments_f32", "hvdtk_select_segments_f64"):
-        fn = getattr(lib, name)
-        fn.argtypes = [p, i64, p, p, p, i32, p, i32, i32, u64, p, p]
-        fn.restype = i64
+    fn = lib.hvdtk_select_f32
+    fn.argtypes = [p, p, i64, i64, i64, p, i32, p, i32, i32, u64, p]
+    fn.restype = i64
+    fn = lib.hvdtk_select_segments_f32
+    fn.argtypes = [p, i64, p, p, p, i32, p, i32, i32, u64, p, p]
+    fn.restype = i64
     f64 = ctypes.c_double
-    for name in ("hvdtk_scatter_segments_f32", "hvdtk_scatter_segments_f64", "hvdtk_scatter_segments_f16_f32"):
+    for name in ("hvdtk_scatter_segments_f32", "hvdtk_scatter_segments_f16_f32"):
         fn = getattr(lib, name)
         fn.argtypes = [p, p, i64, p, i32, p, i64, i64, i64, f64, f64]
         fn.restype = i64
-    for name in ("hvdtk_take_f32", "hvdtk_take_f64"):
-        fn = getattr(lib, name)
-        fn.argtypes = [p, i64, p, i32, i64, p, i32]
-        fn.restype = i64
-    for name in ("hvdtk_fold_f32", "hvdtk_fold_f64"):
-        fn = getattr(lib, name)
-        fn.argtypes = [p, p, i64]
-        fn.restype = i64
+    fn = lib.hvdtk_take_f32
+    fn.argtypes = [p, i64, p, i32, i64, p, i32]
+    fn.restype = i64
+    fn = lib.hvdtk_fold_f32
+    fn.argtypes = [p, p, i64]
+    fn.restype = i64
     fn = lib.hvdtk_compact_pack_f32
     fn.argtypes = [p, p, i32, i64, p, i64, i32, p, p, i64, p, i64, p, p]
     fn.restype = i64

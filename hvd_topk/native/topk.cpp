@@ -87,11 +87,11 @@ struct Scratch {  // reused across calls (one per thread): no allocation in stea
   std::vector<uint32_t> sample, keys;
   std::vector<int64_t> starts;  // sample positions
   Grow<int64_t> cand;           // candidates' positions, ascending
-  Grow<float> cand_f;           // and their values (fp32 input)
-  Grow<double> cand_d;          // (fp64 input)
+  Grow<float> cand_f;           // and their values
   uint64_t calls = 0;  // varies the sample positions from call to call
   template <typename T> Grow<T>& values() {
-    if constexpr (std::is_same<T, float>::value) return cand_f; else return cand_d;
+    static_assert(std::is_same<T, float>::value, "the kernel selects float32 only");
+    return cand_f;
   }
 };
 thread_local Scratch scratch;
@@ -596,7 +596,6 @@ inline float widen(Half h) {
   return out;
 }
 inline float widen(float v) { return v; }
-inline double widen(double v) { return v; }
 
 template <typename T, typename I, typename V = T>
 int64_t scatter_segments_impl(T* const* dest, const int64_t* bounds, int64_t nseg, const char* idx,
@@ -829,17 +828,9 @@ extern "C" {
 // returning 1 when the result holds inf/nan (the caller then flags the exchange and wipes x).
 int64_t hvdtk_fold_f32(float* x, const float* g, int64_t n) { return fold_impl<float, uint32_t>(x, g, n); }
 
-int64_t hvdtk_fold_f64(double* x, const double* g, int64_t n) { return fold_impl<double, uint64_t>(x, g, n); }
-
 
 // Scatter a bucket's allgathered pairs into its tensors; see scatter_segments_impl.
 int64_t hvdtk_scatter_segments_f32(float* const* dest, const int64_t* bounds, int64_t nseg,
-                                   const void* idx, int index_bytes, const void* val, int64_t world,
-                                   int64_t k, int64_t row_bytes, double div, double mul) {
-  return scatter_segments_dispatch(dest, bounds, nseg, idx, index_bytes, val, world, k, row_bytes, div, mul);
-}
-
-int64_t hvdtk_scatter_segments_f64(double* const* dest, const int64_t* bounds, int64_t nseg,
                                    const void* idx, int index_bytes, const void* val, int64_t world,
                                    int64_t k, int64_t row_bytes, double div, double mul) {
   return scatter_segments_dispatch(dest, bounds, nseg, idx, index_bytes, val, world, k, row_bytes, div, mul);
@@ -856,10 +847,6 @@ int64_t hvdtk_scatter_segments_f16_f32(float* const* dest, const int64_t* bounds
 // Gather x at k positions into out, zeroing them in x with `zero`; see take_impl. Returns the
 // number of positions outside [0, n).
 int64_t hvdtk_take_f32(float* x, int64_t n, const void* idx, int index_bytes, int64_t k, float* out, int zero) {
-  return take_dispatch(x, n, idx, index_bytes, k, out, zero);
-}
-
-int64_t hvdtk_take_f64(double* x, int64_t n, const void* idx, int index_bytes, int64_t k, double* out, int zero) {
   return take_dispatch(x, n, idx, index_bytes, k, out, zero);
 }
 
@@ -890,18 +877,12 @@ int64_t hvdtk_compact_unpack_f32(const uint8_t* rows, int64_t world, int64_t row
                              low_bits, val, (int64_t*)idx, out_row);
 }
 
-int hvdtk_abi_version() { return 9; }
+int hvdtk_abi_version() { return 10; }
 
 // Segmented selection in one call (a fusion bucket's tensors, k each); see segments_impl.
 // Returns the number of pairs written (the sum of min(ks[s], segment size)).
 int64_t hvdtk_select_segments_f32(float* x, int64_t nseg, const int64_t* bounds, const int64_t* ks,
                                   void* idx, int index_bytes, float* val, int exact, int zero_sent,
-                                  uint64_t seed, int64_t* flags, uint8_t* nonfinite) {
-  return segments_dispatch(x, nseg, bounds, ks, idx, index_bytes, val, exact, zero_sent, seed, flags, nonfinite);
-}
-
-int64_t hvdtk_select_segments_f64(double* x, int64_t nseg, const int64_t* bounds, const int64_t* ks,
-                                  void* idx, int index_bytes, double* val, int exact, int zero_sent,
                                   uint64_t seed, int64_t* flags, uint8_t* nonfinite) {
   return segments_dispatch(x, nseg, bounds, ks, idx, index_bytes, val, exact, zero_sent, seed, flags, nonfinite);
 }
@@ -913,12 +894,6 @@ int64_t hvdtk_select_segments_f64(double* x, int64_t nseg, const int64_t* bounds
 // flags (3 int64): [non-finite seen, passes, entries filled up]. Returns k (clamped to n).
 int64_t hvdtk_select_f32(float* x, const float* g, int64_t n, int64_t k, int64_t offset, void* idx,
                          int index_bytes, float* val, int exact, int zero_sent, uint64_t seed,
-                         int64_t* flags) {
-  return dispatch_index(x, g, n, k, offset, idx, index_bytes, val, exact, zero_sent, seed, flags);
-}
-
-int64_t hvdtk_select_f64(double* x, const double* g, int64_t n, int64_t k, int64_t offset, void* idx,
-                         int index_bytes, double* val, int exact, int zero_sent, uint64_t seed,
                          int64_t* flags) {
   return dispatch_index(x, g, n, k, offset, idx, index_bytes, val, exact, zero_sent, seed, flags);
 }
