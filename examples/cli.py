@@ -3,6 +3,8 @@ option's default, and the library's own checks of a value as usage errors."""
 
 import argparse
 import copy
+import os
+from pathlib import Path
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -27,3 +29,17 @@ def usage_error_from(p, check, *args):
         return check(*args)
     except ValueError as exc:
         p.error(str(exc))
+
+
+def output_path(text):
+    """argparse ``type=`` for a file the run writes at its end (``--json``): refused up front
+    when it could not be written, not after the training it reports on."""
+    path = Path(text).expanduser()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory, not a file")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: its directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text}: not writable")
+    return str(path)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from hvd_topk.optim import LocalAdamW
 from hvd_topk.selection import check_density
 
-from cli import usage_error_from  # shared by the examples
+from cli import usage_error_from, output_path  # shared by the examples
 
 
 def load_corpus(limit_bytes):
@@ -191,7 +191,8 @@ def add_training_arguments(p):
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-batches", type=int, default=16)
     p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--json", metavar="PATH", help="write the final metrics here (rank 0)")
+    p.add_argument("--json", metavar="PATH", type=output_path,
+                   help="write the final metrics here (rank 0)")
     p.add_argument("--quiet", action="store_true", help="only the final summary")
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.strategies import DDPStrategy
 
-from cli import HelpFormatter, usage_error_from  # shared by the examples
+from cli import HelpFormatter, usage_error_from, output_path  # shared by the examples
 import hvd_topk.ddp
 from hvd_topk.selection import check_density
 from digits_model import DigitsNet, load_digits_split
@@ -62,7 +62,8 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=32, help="per process")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="PATH", help="write the final metrics here (rank 0)")
+    p.add_argument("--json", metavar="PATH", type=output_path,
+                   help="write the final metrics here (rank 0)")
     args = p.parse_args(argv)
     if args.epochs < 1 or args.batch_size < 1 or args.devices < 1 or not args.lr > 0:
         p.error("--epochs, --batch-size and --devices must be positive integers, --lr a positive number")

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import horovod.torch as hvd
-from cli import HelpFormatter, usage_error_from  # shared by the examples
+from cli import HelpFormatter, usage_error_from, output_path  # shared by the examples
 import hvd_topk
 from digits_model import DigitsNet, load_digits_split  # shared with lightning_digits.py
 
@@ -45,7 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=0.05, help="per rank; scaled by the number of ranks")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--json", metavar="PATH", help="write the final metrics here (rank 0)")
+    p.add_argument("--json", metavar="PATH", type=output_path,
+                   help="write the final metrics here (rank 0)")
     p.add_argument("--quiet", action="store_true", help="only the final summary")
     args = p.parse_args(argv)
     if args.epochs < 1 or args.batch_size < 1 or not args.lr > 0:  # (a NaN rate fails the last)

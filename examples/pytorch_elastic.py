@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 import horovod.torch as hvd
-from cli import HelpFormatter, usage_error_from  # shared by the examples
+from cli import HelpFormatter, usage_error_from, output_path  # shared by the examples
 import hvd_topk
 
 
@@ -56,7 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--fail-epoch", type=int, default=1, help="with --fail-rank: the epoch it fails in")
     p.add_argument("--fail-marker", default="/tmp/hvd_topk_elastic_failed",
                    help="file recording that the failure happened (so it happens once)")
-    p.add_argument("--epoch-log", default=None, help="append one JSON line per epoch (rank 0)")
+    p.add_argument("--epoch-log", default=None, type=output_path, help="append one JSON line per epoch (rank 0)")
     p.add_argument("--epoch-wait", type=float, default=0.0,
                    help="seconds to wait before each commit (lets host changes be discovered)")
     p.add_argument("--seed", type=int, default=42)
@@ -88,6 +88,9 @@ def digits():
 
 def main(args):
     hvd.init()
+    if args.fail_rank is not None and args.fail_rank >= hvd.size() and hvd.rank() == 0:
+        print(f"note: --fail-rank {args.fail_rank} but the job starts with {hvd.size()} ranks (0-{hvd.size() - 1}): "
+              "no rank fails unless the job grows that far", flush=True)
     if args.fail_rank is not None and hvd.rank() == 0 and os.path.exists(args.fail_marker):
         print(f"note: {args.fail_marker} exists (an earlier run failed already): no rank will fail in this "
               "run; delete it to see the failure again", flush=True)

@@ -154,3 +154,20 @@ def test_examples_refuse_what_would_train_wrong(script, argv, says, capsys):
         (module.main if script == "lightning_digits" else module.parse_args)(argv)
     assert stop.value.code == 2
     assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script", ["pytorch_digits", "pytorch_gpt", "ddp_gpt", "lightning_digits"])
+@pytest.mark.parametrize("where, says", [("missing-dir/out.json", "does not exist"), (".", "is a directory")])
+def test_examples_refuse_a_json_path_they_could_not_write(script, where, says, tmp_path, capsys):
+    """--json is written after training: a path that cannot be written is a usage error up
+    front, not a traceback after the run it reports on."""
+    module = _example_module(script)
+    with pytest.raises(SystemExit) as stop:
+        (module.main if script == "lightning_digits" else module.parse_args)(["--json", str(tmp_path / where)])
+    assert stop.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_examples_accept_a_json_path_in_an_existing_directory(tmp_path):
+    args = _example_module("pytorch_digits").parse_args(["--json", str(tmp_path / "out.json")])
+    assert args.json == str(tmp_path / "out.json") and not (tmp_path / "out.json").exists()
