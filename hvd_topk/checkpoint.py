@@ -26,7 +26,7 @@ from hvd_topk.loss_scale import is_loss_scale
 STATE_KEY = "hvd_topk"  # the optimizer state_dict's entry holding this section
 LOCAL_STEPS_KEY = "hvd_topk_local_steps"  # hvd_topk.LocalSteps' section (its outer optimizer)
 LOCAL_SHARED_KEY = "hvd_topk_local_shared"  # LocalSteps' param group 0: the shared weights (anchors)
-STATE_FORMAT = 2
+STATE_FORMAT = 3  # 3: "residual_scale" always present (format 2 has it only from 5809ec8, 2026-12-04)
 COMPILED_MODULE = "_orig_mod"  # the attribute torch.compile's OptimizedModule keeps the model in
 WRAPPER_MODULE = "module"      # the attribute DistributedDataParallel (and DataParallel) keeps it in
 
@@ -213,6 +213,14 @@ def load(engine, state, nonfinite=()):
         engine.residual_scale.adopt(state["residual_scale"], momentum_buckets(engine))
     else:  # written before the scale was saved: taken as in the scale of the next step, as then
         engine.residual_scale.scale = None
+        scaler = engine.residual_scale.scaler
+        if scaler is not None and scaler.is_enabled() and any(
+                bool(flat.any()) for b in momentum_buckets(engine) for flat in b.residuals()):
+            warnings.warn("hvd_topk: this checkpoint predates the record of its loss scale (format "
+                          f"{state.get('format')}): its error-feedback residuals are taken to be in the "
+                          "GradScaler's scale of the next step, which holds if it was saved with this same "
+                          "scaler (its state loaded too); saved without a scaler, they are 1/scale too small. "
+                          "A checkpoint written now records the scale.")
 
 
 def _load_residuals(engine, state, nonfinite):

@@ -214,6 +214,11 @@ class TopKEngine:
         ``synchronize`` when none fired): refuse what would make ranks silently diverge, then
         keep the residuals in the units of this step's gradients, and fix this step's family."""
         check_step_start(self)
+        # p.grad no longer holds the last step's result (it may never have been stepped: a
+        # GradScaler skipped it, and the loop zeroed gradients with model.zero_grad(), which
+        # the optimizer does not see): without this, a step whose buckets did not all launch
+        # during backward would take the stale flag for its own exchange and skip it
+        self.synchronized = self.synchronized_for_scaler = False
         # Horovod elastic re-forms the job between steps, and may renumber the ranks at the same
         # size (a worker replaced by a new host): the size decides the averaging and the
         # sparse-or-dense choice, the rank the sparse allreduce's parts, so both are read each step

@@ -273,7 +273,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none=True):
         engine = getattr(self, ENGINE)
-        if engine.pending():
+        # taken_in: a bucket not yet launched holds this step's folded gradients too (Horovod has a
+        # handle per tensor from its first hook, and refuses as soon as any exists)
+        if engine.pending() or engine.taken_in():
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
                                  "optimizer.step() or optimizer.synchronize(). This is prohibited "
                                  "as it can cause a race condition.")

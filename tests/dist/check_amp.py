@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import horovod.torch as hvd
 import hvd_topk
-from check_optimizer import Net, batch, build
+from check_optimizer import Net, WithUnused, batch, build
 from harness import DEVICE, assert_same_on_all_ranks, gather, raises, raw_gradients, run
 from reference import ErrorFeedbackReference, sparse_allreduce
 
@@ -233,6 +233,61 @@ def check_horovod_scaler(drop_in):
     assert worst < 1e-6, f"unscaled gradients differ from the true-unit reference by {worst:g}"
 
 
+def check_skipped_step_then_model_zero_grad(pattern):
+    """A step the scaler skipped (inf on rank 0), gradients then zeroed with
+    ``model.zero_grad()`` (the optimizer never hears of it): the next step is still exchanged.
+    Before the fix the skipped step's "synchronized" flag survived, ``synchronize()`` took it
+    for the next step's exchange, each rank applied its own gradient (the ranks' weights
+    differed by 0.026) and the step after raised a misleading "computed more than
+    backward_passes_per_step times"."""
+    rank = hvd.rank()
+    torch.manual_seed(0)
+    model = WithUnused().to(DEVICE)
+    scaler = torch.amp.GradScaler(DEVICE.type, init_scale=1024.0)
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters(),
+                                        compression=hvd_topk.TopK(density=0.1), exchange="allgather",
+                                        grad_scaler=scaler)
+    for step in range(4):
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 40, generator=gen).to(DEVICE), torch.randint(0, 10, (8,), generator=gen).to(DEVICE)
+        if step == 1 and rank == 0:
+            x[0, 0] = float("inf")
+        model.zero_grad()
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        if pattern == "plain":
+            scaler.step(opt)
+        else:
+            opt.synchronize()
+            scaler.unscale_(opt)
+            with opt.skip_synchronize():
+                scaler.step(opt)
+        scaler.update()
+        for name, p in model.named_parameters():
+            assert_same_on_all_ranks(p.detach().cpu().numpy(), f"{pattern} loop, step {step}: {name}")
+    assert opt.compression_stats()["step"] == 4, opt.compression_stats()["step"]
+
+
+def check_checkpoint_without_its_loss_scale_warns():
+    """A checkpoint written before the loss scale was recorded (no ``residual_scale``), its
+    residuals non-zero, loaded with a scaler: the residuals' units are a guess (the next step's
+    scale), so the load says so; loaded without a scaler (true units, as such a run kept them)
+    it stays quiet."""
+    model, opt, scaler = build_scaled(pass_scaler=False)
+    off = torch.amp.GradScaler(DEVICE.type, enabled=False)
+    train_scaled(model, opt, off, 3)
+    saved = copy.deepcopy(opt.state_dict())
+    del saved["hvd_topk"]["residual_scale"]
+    saved["hvd_topk"]["format"] = 2
+    for pass_scaler, warned in ((True, True), (False, False)):
+        _, opt_b, _ = build_scaled(pass_scaler=pass_scaler)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt_b.load_state_dict(copy.deepcopy(saved))
+        said = any("predates the record of its loss scale" in str(w.message) for w in caught)
+        assert said == warned, (pass_scaler, [str(w.message)[:80] for w in caught])
+
+
 CHECKS = [
     ("residuals follow loss-scale changes", check_residuals_follow_scale_changes),
     ("residuals follow loss-scale changes, momentum correction",
@@ -246,6 +301,11 @@ CHECKS = [
     ("PyTorch's plain GradScaler loop equals Horovod's pattern; unscale_ first refused", check_plain_pytorch_loop),
     ("drop-in: GradScaler pattern", lambda: check_horovod_scaler(drop_in=True)),
     ("horovod dense: GradScaler pattern", lambda: check_horovod_scaler(drop_in=False)),
+    ("a skipped step, then model.zero_grad(): the next step is exchanged (PyTorch's loop)",
+     lambda: check_skipped_step_then_model_zero_grad("plain")),
+    ("a skipped step, then model.zero_grad(): the next step is exchanged (Horovod's pattern)",
+     lambda: check_skipped_step_then_model_zero_grad("horovod")),
+    ("a checkpoint without its loss scale, loaded with a scaler: told", check_checkpoint_without_its_loss_scale_warns),
 ]
 
 

@@ -30,6 +30,20 @@ def batch(step, rank, n=24, part=None):
     return x[part * half:(part + 1) * half], y[part * half:(part + 1) * half]
 
 
+class WithUnused(torch.nn.Module):
+    """A layer that forward never uses, in the same sparse bucket as a used one: that bucket
+    completes only in ``synchronize()``, never during backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(40, 32)
+        self.unused = torch.nn.Linear(40, 32)
+        self.out = torch.nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.fc(x)))
+
+
 def build(density=0.05, lr=0.1, momentum=0.9, seed=0, fp16_values=False, compact=False, **options):
     """The test model and its optimizer; the allgather exchange unless ``exchange`` says
     otherwise (the default, "auto", would try several strategies in the first steps)."""
@@ -1185,6 +1199,28 @@ def contract(label, **options):
 
 
 # Run in this order on every rank; add a check with one line.
+
+
+def check_zero_grad_with_a_bucket_not_launched_refused():
+    """``opt.zero_grad()`` after backward, before step, is Horovod's AssertionError also when a
+    bucket has not launched yet (an unused layer in it): its gradients are already folded into
+    the residual. Before the fix it was accepted, the fold stayed, and the next backward raised
+    a misleading "computed more than backward_passes_per_step times"."""
+    torch.manual_seed(0)
+    model = WithUnused().to(DEVICE)
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters(),
+                                        compression=hvd_topk.TopK(density=0.1), exchange="allgather")
+    x, y = batch(0, hvd.rank(), n=8)
+    F.cross_entropy(model(x), y).backward()
+    assert opt._hvd_topk.taken_in() and not opt._hvd_topk.pending()
+    with raises(AssertionError, match=r"zero_grad\(\) was called after loss\.backward\(\)", what="zero_grad"):
+        opt.zero_grad()
+    opt.step()  # the step goes on as if zero_grad had not been called
+    for name, p in model.named_parameters():
+        assert_same_on_all_ranks(p.detach().cpu().numpy(), f"after the refused zero_grad: {name}")
+
+
 CHECKS = [
     contract("default"),
     contract("sum", op=hvd.Sum),
@@ -1232,6 +1268,7 @@ CHECKS = [
     ("the same with the sparse allreduce", lambda: check_checkpoint_mid_run_on_one_rank_refused("sparse_allreduce")),
     ("non-finite gradient", check_nonfinite),
     ("bad input", check_bad_input),
+    ("zero_grad with a bucket not launched refused", check_zero_grad_with_a_bucket_not_launched_refused),
     ("a second synchronize() before step() changes nothing", check_second_synchronize_changes_nothing),
     ("step(closure): evaluated once, before the exchange", check_step_closure),
     ("a parameter with no elements, min_numel=0", check_empty_parameter),
