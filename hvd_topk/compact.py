@@ -22,7 +22,9 @@ codec plan (n entries in the buffer, k pairs), so that it is allgathered as the 
   (under 2% for a 100x band; Top-K's values lie in a narrow band, above the threshold). The
   band's ends arrive exactly (float32 ends: exactly for float32, float16 and bfloat16 buffers;
   a float64 buffer's ends are rounded to float32 first, and the levels measured against them).
-  A segment holding inf/nan arrives non-finite, so that it still reaches the average.
+  A segment holding inf/nan arrives non-finite, so that it still reaches the average, and
+  feeds nothing back (the exchange wipes its residual). Float64 magnitudes outside float32's
+  range: under 2**-149 sent as zero (kept in the residual), over its largest sent as that.
 - Error feedback: what the rounding took (the value minus what arrives) goes back into the
   residual at the sent positions, so nothing is lost, only sent later.
 
@@ -36,6 +38,8 @@ from hvd_topk import native
 from hvd_topk.wire import RANKS_DISAGREE
 
 LEVELS = 126  # codes 1..127 span the band's log-width in 126 steps
+FLOAT32_SMALLEST = 2.0 ** -149  # the band's ends travel as float32
+FLOAT32_LARGEST = torch.finfo(torch.float32).max
 _ALIGN = 8
 
 
@@ -104,12 +108,15 @@ class CompactPairs:
         segment = self._on(message.device)
         magnitude = values.double().abs()
         finite = torch.isfinite(magnitude)
-        sent = magnitude > 0
+        # A float64 magnitude below float32's smallest (2**-149) would make a band end of 0: it
+        # is sent as zero (the residual keeps it); one above float32's largest arrives as that
+        sent = magnitude >= FLOAT32_SMALLEST
         hi = torch.zeros(self.segments, dtype=torch.float64, device=message.device)
         hi.scatter_reduce_(0, segment, magnitude, "amax")  # nan and inf win: the band turns non-finite
         smallest = torch.where(sent & finite, magnitude, float("inf"))  # zeros and inf/nan left out
         lo = torch.full_like(hi, float("inf")).scatter_reduce_(0, segment, smallest, "amin")
-        band[0, :, 0], band[0, :, 1] = lo, hi
+        band[0, :, 0] = lo.clamp(max=FLOAT32_LARGEST)
+        band[0, :, 1] = torch.where(torch.isfinite(hi), hi.clamp(max=FLOAT32_LARGEST), hi)
         lo, hi = band[0, :, 0].double(), band[0, :, 1].double()  # what the receivers will read
         log_lo, width = torch.log(lo)[segment], torch.log(hi / lo)[segment]
         step = torch.round((torch.log(magnitude) - log_lo) / width * LEVELS).clamp_(0, LEVELS) + 1
@@ -127,7 +134,10 @@ class CompactPairs:
         if residual is not None and self.count:
             arrives = self._dequantise(code, band, segment.unsqueeze(0))[0].to(values.dtype)
             lost = values - arrives
-            residual.index_add_(0, index, torch.where(torch.isfinite(lost), lost, 0).to(residual.dtype))
+            # not in a segment holding inf/nan: its residual was just wiped, and its finite values
+            # all arrive as the band's low end, so nearly all of each would come back
+            keep = torch.isfinite(lost) & torch.isfinite(hi)[segment]
+            residual.index_add_(0, index, torch.where(keep, lost, 0).to(residual.dtype))
         return out
 
     def unpack(self, gathered, world, out=None):

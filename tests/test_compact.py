@@ -150,6 +150,29 @@ def test_a_segment_with_inf_or_nan_arrives_non_finite_and_the_residual_stays_fin
     assert not torch.isfinite(got[0, 1])
     assert torch.equal(got[0, 3:], torch.tensor([0.5, 0.25]))  # the other segment is untouched
     assert bool(torch.isfinite(residual).all())
+    # nothing fed back into the bad segment, whose residual the exchange wipes (before the fix
+    # -2.0, arriving as the band's low end 1.0, put -1.0 back into it after the wipe)
+    assert int(torch.count_nonzero(residual[:1000])) == 0
+
+
+def test_float64_beyond_float32s_range():
+    """The band's ends travel as float32: a float64 magnitude under 2**-149 is sent as zero and
+    stays in the residual (before the fix it made the band's low end 0 and every value of the
+    segment arrived as 0, for good); one over float32's largest arrives as that, the rest fed
+    back (before: inf, or the others as the band's low end)."""
+    plan = codec.Plan([10, 10], 1.0, "tensor", torch.float64, torch.int32)
+    plan.ks, plan.count, plan.slots = [2, 2], 4, [0, 2, 4]
+    plan.layout = wire.Layout(4, torch.float64, torch.int32)
+    big = float(torch.finfo(torch.float32).max)
+    values = torch.tensor([1.0, 1e-50, 1e39, 2.0], dtype=torch.float64)
+    residual = torch.zeros(20, dtype=torch.float64)
+    message = plan.layout.pack(values, torch.tensor([3, 5, 12, 17], dtype=torch.int32))
+    packed = plan.compact().pack(message, residual=residual)
+    got, _ = plan.layout.unpack(plan.compact().unpack(packed, 1), 1)
+    assert got[0].tolist()[:2] == [1.0, 0.0]
+    assert got[0, 2] == big and got[0, 3] > 0 and bool(torch.isfinite(got).all())
+    assert residual[5] == 1e-50 and residual[12] == 1e39 - big
+    assert torch.allclose(got[0] + residual[[3, 5, 12, 17]], values, rtol=1e-12)
 
 
 def test_an_all_zero_segment_and_a_single_value():

@@ -737,6 +737,7 @@ int64_t compact_pack_impl(const float* val, const I* idx, int64_t k, const int64
     band[2 * s + 1] = nan ? NAN : (inf ? INFINITY : (float)hi);
     const double lo_d = band[2 * s], log_lo = std::log(lo_d), width = std::log((double)band[2 * s + 1] / lo_d);
     compact_table(band[2 * s], band[2 * s + 1], table);
+    const bool finite_band = !nan && !inf;
     for (int64_t i = a; i < b; ++i) {
       const float v = val[i];
       const double m = std::fabs((double)v);
@@ -750,7 +751,7 @@ int64_t compact_pack_impl(const float* val, const I* idx, int64_t k, const int64
       }
       const bool negative = std::signbit(v);
       code[i] = (uint8_t)(level | (negative ? 128 : 0));
-      if (residual) {
+      if (residual && finite_band) {  // a segment with inf/nan: its residual was wiped, keep it so
         // the positions are far apart in a large residual: fetch ahead, as take_impl does
         if (i + kAhead < b) __builtin_prefetch(residual + idx[i + kAhead], 1);
         const float arrives = (float)(negative ? -table[level] : table[level]);
