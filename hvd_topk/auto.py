@@ -96,17 +96,30 @@ class Trial:
     Args:
         candidates: family names to try, in a fixed order (the same on every rank).
         trial_steps: measured steps per candidate (after one settling step each).
-        agree: the transport's one decision collective: a float64 tensor of this rank's
-            medians in, the ranks' average out (Horovod's allreduce, or torch.distributed's).
+        agree: the transport's one decision collective: a float64 tensor in, the ranks'
+            average out (Horovod's allreduce, or torch.distributed's). Called twice, at the
+            decision only.
         left_out: what the trial was not offered, and why (``UPDATES_NOTE``), added to ``reason``.
+
+    Steps that would mislead are not timed, on any rank: the step after one a rank sat out
+    inside ``hvd.join()`` (it holds the wait), or after one whose inner step did not run (a
+    ``GradScaler`` skipped it after an overflow, common in the first steps). Each rank marks
+    what it could not time (``skip``), and the decision drops the union of the marks, so a
+    rank that joined and does not know it drops that step too. A candidate with no timed step
+    on any rank runs again (``RETRIES`` times) rather than being ruled out.
     """
 
+    RETRIES = 2
+
     def __init__(self, candidates, trial_steps, agree, left_out=None):
-        self.candidates = list(candidates)
+        self.candidates = list(candidates)  # one slot of per_candidate steps each; retries appended
         self.left_out = left_out
         self.trial_steps = trial_steps
         self.agree = agree
-        self.times = {c: [] for c in self.candidates}
+        self.samples = {}          # trial position -> seconds, this rank's timed steps
+        self.untimed = set()       # trial positions this rank could not time (after a ``skip``)
+        self.retried = {}          # family -> times it was run again
+        self.times = None          # {family: [seconds]}, the samples the decision used
         self.position = 0          # steps run since the trial started
         self.last_end = None       # perf_counter at the previous synchronize's end
         self.choice = self.candidates[0] if len(self.candidates) == 1 else None
@@ -122,21 +135,26 @@ class Trial:
     @classmethod
     def resume(cls, record, trial_steps, agree, left_out=None):
         """A trial at ``record``'s point (another rank's ``record()``). The steps timed before it
-        are not this rank's: it reports no time for them (its medians there are inf, so the
-        ranks' average rules those candidates out where the decision is still to come)."""
+        are not this rank's: it has no time for them, and the decision takes the other ranks'
+        (a candidate no rank timed runs again)."""
         candidates, position, choice, decided_at = record
         trial = cls(candidates, trial_steps, agree, left_out)
         trial.position, trial.choice, trial.decided_at, trial.adopted = position, choice, decided_at, True
         return trial
 
     def skip(self):
-        """A step that did not count (a rank sat it out inside ``hvd.join()``): the next step is
-        not timed from this one's end, which held the uncounted step."""
+        """The step just done misleads the next one's timing (a rank sat it out inside
+        ``hvd.join()``, or its inner step did not run): the next step is not timed."""
         self.last_end = None
 
     @property
     def per_candidate(self):
         return self.trial_steps + 1
+
+    @property
+    def families(self):
+        """The candidates, each once."""
+        return list(dict.fromkeys(self.candidates))
 
     def family(self):
         """The family the current step uses."""
@@ -150,17 +168,40 @@ class Trial:
         last, self.last_end = self.last_end, now
         if self.choice is not None:
             return False
-        slot, offset = divmod(self.position, self.per_candidate)
+        if self.position % self.per_candidate > 0:  # offset 0 settles after a switch
+            if last is None:
+                self.untimed.add(self.position)
+            else:
+                self.samples[self.position] = now - last
         self.position += 1
-        if offset > 0 and last is not None:  # offset 0 settles after a switch
-            self.times[self.candidates[slot]].append(now - last)
         if self.position < self.per_candidate * len(self.candidates):
             return False
-        mine = [statistics.median(self.times[c]) if self.times[c] else float("inf")
-                for c in self.candidates]
-        agreed = self.agree(torch.tensor(mine, dtype=torch.float64))
-        self.medians = dict(zip(self.candidates, agreed.tolist()))
-        self.choice = min(self.candidates, key=lambda c: (self.medians[c], self.candidates.index(c)))
+        return self._decide(step)
+
+    def _decide(self, step):
+        """Every rank's medians over the steps no rank marked untimed, averaged over the ranks
+        that timed each family; True when decided, False when a family runs again."""
+        marks = torch.zeros(self.position, dtype=torch.float64)
+        marks[sorted(self.untimed)] = 1.0
+        dropped = self.agree(marks) > 0
+        families = self.families
+        self.times = {f: [] for f in families}
+        for position, seconds in sorted(self.samples.items()):
+            if not dropped[position]:
+                self.times[self.candidates[position // self.per_candidate]].append(seconds)
+        mine = [statistics.median(self.times[f]) if self.times[f] else 0.0 for f in families]
+        timed = [1.0 if self.times[f] else 0.0 for f in families]
+        agreed = self.agree(torch.tensor(mine + timed, dtype=torch.float64)).tolist()
+        total, ranks = agreed[:len(families)], agreed[len(families):]
+        medians = {f: t / r if r > 0 else float("inf") for f, t, r in zip(families, total, ranks)}
+        again = [f for f in families if medians[f] == float("inf") and self.retried.get(f, 0) < self.RETRIES]
+        if again:
+            for f in again:
+                self.retried[f] = self.retried.get(f, 0) + 1
+            self.candidates.extend(again)
+            return False
+        self.medians = medians
+        self.choice = min(families, key=lambda f: (medians[f], families.index(f)))
         self.decided_at = step
         return True
 

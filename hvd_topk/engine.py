@@ -160,6 +160,7 @@ class TopKEngine:
         self.stats = CompressionStats()
         self.synchronized = False
         self.synchronized_for_scaler = False  # GradScaler.step(opt) exchanged before unscaling (optimizer.py)
+        self.awaiting_inner_step = False  # synchronized, and the inner step has not run since (optimizer.step)
         self.should_synchronize = True
         self.residual_scale = ResidualScale(grad_scaler)  # the loss scale residuals are kept in
         self.ctx = None            # this step's inflight.StepContext, from _begin_step
@@ -219,6 +220,9 @@ class TopKEngine:
         # the optimizer does not see): without this, a step whose buckets did not all launch
         # during backward would take the stale flag for its own exchange and skip it
         self.synchronized = self.synchronized_for_scaler = False
+        if self.awaiting_inner_step:  # the last step's inner step did not run: auto must not time this one
+            self.planner.skip_step()
+            self.awaiting_inner_step = False
         # Horovod elastic re-forms the job between steps, and may renumber the ranks at the same
         # size (a worker replaced by a new host): the size decides the averaging and the
         # sparse-or-dense choice, the rank the sparse allreduce's parts, so both are read each step
@@ -458,7 +462,7 @@ class TopKEngine:
             self.planner.skip_step()
         self.expected_step = self.step
         self.stats.add(steps=1)
-        self.synchronized = True
+        self.synchronized = self.awaiting_inner_step = True
         self.ctx = None
         if self.on_exchanged is not None:
             self.on_exchanged()

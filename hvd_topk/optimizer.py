@@ -267,7 +267,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               "holds the exchanged result and is used as it is.)")
             else:
                 self.synchronize()  # (nothing left to do after scaler.step's exchange)
-        engine.synchronized = engine.synchronized_for_scaler = False
+        engine.synchronized = engine.synchronized_for_scaler = engine.awaiting_inner_step = False
         inner = super(self.__class__, self).step()
         return loss if closure is not None else inner
 

@@ -114,7 +114,8 @@ class ExchangePlanner:
         self.trial, self.trial_world = None, None
 
     def skip_step(self):
-        """A step some rank sat out inside ``hvd.join()``: not counted, and not timed into the next."""
+        """A step not to time the next one from: some rank sat it out inside ``hvd.join()`` (it
+        is not counted either), or its inner step did not run (``Trial.skip``)."""
         if self.trial is not None:
             self.trial.skip()
 
@@ -248,7 +249,7 @@ class ExchangePlanner:
                 ("one rank: the residual decays, so pairs, as on more ranks" if self.keeps_residual else
                  "one rank: nothing to exchange") if world <= 1 else "density warm-up: fewest bytes")
             if self.trial is not None:
-                out["exchange_candidates"] = list(self.trial.candidates)
+                out["exchange_candidates"] = self.trial.families
                 out["exchange_choice"] = self.trial.choice
                 out["exchange_median_step_s"] = dict(self.trial.medians or {})
         return out

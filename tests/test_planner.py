@@ -264,8 +264,9 @@ def test_a_step_sat_out_in_join_is_not_timed_into_the_next(monkeypatch):
 def test_a_trial_goes_on_from_another_ranks_record():
     """``trial_record()`` / ``adopt_trial``: a planner that takes another's record (as
     hvd.broadcast_optimizer_state carries it to a rank that did not load, or to an elastic job's
-    new worker) runs the same family at every later step and decides at the same step, with
-    the candidates timed before it ruled out (it has no times for them: inf); a record of None
+    new worker) runs the same family at every later step and decides at the same step, on the
+    same medians: for the candidates timed before it the root's alone (the joiner has no times
+    for them, and the decision averages over the ranks that timed each); a record of None
     forgets the trial."""
     root, _ = planner(exchange="auto", exchange_trial_steps=1)
     for step in range(3):
@@ -297,9 +298,100 @@ def test_a_trial_goes_on_from_another_ranks_record():
         t.join()
     assert families["root"] == families["joiner"], families
     assert root.trial.choice is not None and joiner.trial.decided_at == root.trial.decided_at
-    timed_before = root.trial.candidates[:1]  # the first candidate's steps were the root's alone
-    assert all(joiner.trial.medians[c] == float("inf") for c in timed_before), joiner.trial.medians
-    assert joiner.trial.choice == root.trial.choice and joiner.trial.choice not in timed_before
+    timed_before = root.trial.candidates[0]  # the first candidate's steps were the root's alone
+    assert joiner.trial.times[timed_before] == [] and root.trial.times[timed_before]
+    assert joiner.trial.medians == root.trial.medians, (joiner.trial.medians, root.trial.medians)
+    assert root.trial.medians[timed_before] == root.trial.times[timed_before][0]  # one step each: the median
+    assert joiner.trial.choice == root.trial.choice
     assert "taken from the root rank" not in joiner.trial.reason()
     joiner.adopt_trial(None)
     assert joiner.trial is None and joiner.trial_record() is None
+
+
+def _fake_ranks(n, run_one):
+    """``n`` trials on threads whose ``agree`` averages over them (no Horovod: a barrier)."""
+    barrier, parts, out = threading.Barrier(n, timeout=30), {}, {}
+
+    def average_for(r):
+        def average(values):
+            parts[r] = values
+            barrier.wait()
+            mean = sum(parts[i] for i in range(n)) / n
+            barrier.wait()
+            return mean
+        return average
+
+    threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, run_one(r, average_for(r)))) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_a_step_one_rank_could_not_time_is_dropped_on_every_rank():
+    """Rank 1 sat a step out inside ``hvd.join()`` without knowing it (the joined rank times
+    its next step across the wait, 50 s here); rank 0 marks that step untimed (``skip``). The
+    decision drops it on both, so the wait does not count: a's median is its other step's
+    (1 s), not the mean of 1 and 50 on rank 1. One timed step a candidate: rank 0 has no
+    time for a at all, and the ranks that timed it decide (before, rank 0's inf ruled a out)."""
+    from hvd_topk import auto
+    durations = {0: [1.0, None, 2.0, 2.0], 1: [1.0, 50.0, 2.0, 2.0]}  # per timed position; None: skip
+
+    def run_one(rank, agree):
+        trial = auto.Trial(["a", "b"], 2, agree)
+        now = [0.0]
+        for slot in range(2):
+            trial.last_end = now[0]
+            trial.position = slot * 3 + 1  # after the settling step
+            for d in durations[rank][2 * slot:2 * slot + 2]:
+                if d is None:
+                    trial.skip()
+                    d = 1.0
+                now[0] += d
+                with _clock(now[0]):
+                    decided = trial.step_done(0)
+        return trial, decided
+
+    out = _fake_ranks(2, run_one)
+    for rank, (trial, decided) in out.items():
+        assert decided and trial.medians == {"a": 1.0, "b": 2.0}, (rank, trial.times, trial.medians)
+        assert trial.choice == "a"
+
+
+def test_a_family_no_rank_timed_runs_again():
+    """Every step of a's slot untimed on every rank (``exchange_trial_steps=1`` and a step the
+    scaler skipped, say): a is run once more instead of being ruled out, then decided on."""
+    from hvd_topk import auto
+    trial = auto.Trial(["a", "b"], 1, agree=lambda values: values)
+    with _clock(0.0):
+        trial.step_done(0)  # a settles
+    trial.skip()
+    with _clock(5.0):
+        trial.step_done(1)  # a: not timed
+    with _clock(6.0):
+        trial.step_done(2)  # b settles
+    with _clock(9.0):
+        assert not trial.step_done(3)  # b: 3; a has no time anywhere: run again
+    assert trial.candidates == ["a", "b", "a"] and trial.family() == "a" and trial.choice is None
+    with _clock(10.0):
+        trial.step_done(4)  # a settles
+    with _clock(11.0):
+        assert trial.step_done(5)  # a: 1
+    assert trial.medians == {"a": 1.0, "b": 3.0} and trial.choice == "a"
+    assert trial.families == ["a", "b"]
+
+
+class _clock:
+    """``auto.time.perf_counter`` reads ``t`` inside the block."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def __enter__(self):
+        from hvd_topk import auto
+        self.saved, auto.time = auto.time, SimpleNamespace(perf_counter=lambda: self.t)
+
+    def __exit__(self, *exc):
+        from hvd_topk import auto
+        auto.time = self.saved

@@ -288,6 +288,39 @@ def check_checkpoint_without_its_loss_scale_warns():
         assert said == warned, (pass_scaler, [str(w.message)[:80] for w in caught])
 
 
+def check_auto_trial_after_skipped_steps():
+    """``exchange="auto"`` under a GradScaler whose first two steps overflow (inf on rank 0):
+    the step after a skipped one lacks the inner step, so it is not timed, on any rank; a
+    family left with no timed step runs again instead of being ruled out (or, before the fix,
+    judged by a step without the inner step's time: dense came out 10x faster than it is)."""
+    rank = hvd.rank()
+    scaler = torch.amp.GradScaler(DEVICE.type, init_scale=SCALES[0])
+    model, opt = build(min_numel=500, exchange="auto", exchange_trial_steps=1, grad_scaler=scaler)
+    engine = opt._hvd_topk
+    for step in range(30):
+        x, y = batch(step, rank)
+        if step < 2 and rank == 0:
+            x = x.clone()
+            x[0, 0] = float("inf")
+        opt.zero_grad()
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        for name, p in model.named_parameters():
+            assert_same_on_all_ranks(p.detach().cpu().numpy(), f"auto under overflows, step {step}: {name}")
+        if engine.planner.trial is not None and engine.planner.trial.choice is not None:
+            break
+    trial = engine.planner.trial
+    assert trial.choice is not None, "auto never decided"
+    assert 1 in trial.untimed, trial.untimed  # position 1 followed the first skipped step
+    first = trial.families[0]
+    if len(trial.families) > 1:
+        assert trial.candidates.count(first) == 2, trial.candidates  # run again: no rank timed it
+        assert trial.medians[first] < float("inf"), trial.medians
+    choice = torch.tensor([trial.families.index(trial.choice)], dtype=torch.float64)
+    assert_same_on_all_ranks(choice.numpy(), "auto's choice")
+
+
 CHECKS = [
     ("residuals follow loss-scale changes", check_residuals_follow_scale_changes),
     ("residuals follow loss-scale changes, momentum correction",
@@ -306,6 +339,7 @@ CHECKS = [
     ("a skipped step, then model.zero_grad(): the next step is exchanged (Horovod's pattern)",
      lambda: check_skipped_step_then_model_zero_grad("horovod")),
     ("a checkpoint without its loss scale, loaded with a scaler: told", check_checkpoint_without_its_loss_scale_warns),
+    ("auto's trial does not time the step after a skipped one", check_auto_trial_after_skipped_steps),
 ]
 
 
