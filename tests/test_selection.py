@@ -339,6 +339,43 @@ def test_without_native_kernel_falls_back_with_a_warning(tmp_path):
     assert "SAME True" in out.stdout
 
 
+
+def _native_cli(tmp_path, **env):
+    return subprocess.run([sys.executable, "-m", "hvd_topk.native"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HVD_TOPK_NATIVE_DIR": str(tmp_path), **env})
+
+
+def test_native_build_is_readable_by_others_and_leaves_no_temporary_files(tmp_path):
+    """A shared ``HVD_TOPK_NATIVE_DIR``: the library is readable and executable by every user
+    (it was 0700 from mkstemp, so other users silently fell back to torch ops), and a compiler
+    that cannot even start leaves no empty temporary file behind (one a process start before)."""
+    out = _native_cli(tmp_path)
+    assert out.returncode == 0, out.stderr
+    (built,) = tmp_path.glob("libhvdtk-*.so")
+    assert built.stat().st_mode & 0o055 == 0o055 & ~_umask(), oct(built.stat().st_mode)
+    failing = tmp_path / "failing"
+    out = _native_cli(failing, CXX="/nonexistent/g++")
+    assert out.returncode != 0 and "cannot be used" in out.stderr and "/nonexistent/g++" in out.stderr
+    assert list(failing.iterdir()) == [], list(failing.iterdir())
+
+
+def test_a_broken_cached_library_is_rebuilt(tmp_path):
+    """A cached library that does not load (emptied, or another library under its name) is
+    removed and built again, and ``python -m hvd_topk.native`` says when the kernel cannot be
+    used (it printed the path and exited 0 whatever the file held)."""
+    assert _native_cli(tmp_path).returncode == 0
+    (built,) = tmp_path.glob("libhvdtk-*.so")
+    built.write_bytes(b"")
+    out = _native_cli(tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert built.stat().st_size > 0 and str(built) in out.stdout
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
 # ---- the k rule, density and method checks (moved from test_units.py) -------------------------
 @pytest.mark.parametrize("n,density,want", [(1000, 0.01, 10), (10, 0.01, 1), (150, 0.01, 2),
                                             (250, 0.01, 2), (7, 1.0, 7), (3, 0.5, 2), (0, 0.1, 0)])

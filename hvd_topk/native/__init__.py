@@ -11,6 +11,8 @@ selection falls back to torch ops, with one warning saying so and how to fix it.
 import ctypes
 import hashlib
 import os
+import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -29,7 +31,9 @@ _error = None
 
 
 def _library_path():
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    # the machine too: a home directory shared by x86 and aarch64 nodes holds one of each
+    key = SOURCE.read_bytes() + " ".join(FLAGS).encode() + platform.machine().encode()
+    digest = hashlib.sha256(key).hexdigest()[:16]
     root = os.environ.get("HVD_TOPK_NATIVE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hvd_topk", "native")
     return Path(root) / f"libhvdtk-{digest}.so"
@@ -40,22 +44,44 @@ def build(verbose=False):
     path = _library_path()
     if path.exists():
         return path
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not compiler:
+    compiler = shlex.split(os.environ.get("CXX", "")) or [shutil.which("g++") or shutil.which("c++")]
+    if not compiler[0]:
         raise RuntimeError("no C++ compiler found (install g++, or set CXX)")
     path.parent.mkdir(parents=True, exist_ok=True)
     # Build to a temporary name and rename: ranks starting together may build at once.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
-    cmd = [compiler, *FLAGS, "-o", tmp, str(SOURCE)]
-    if verbose:
-        print(" ".join(cmd), file=sys.stderr)
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"building {SOURCE.name} failed:\n{result.stderr[-4000:]}")
-    os.replace(tmp, path)
+    try:
+        cmd = [*compiler, *FLAGS, "-o", tmp, str(SOURCE)]
+        if verbose:
+            print(" ".join(cmd), file=sys.stderr)
+        try:
+            result = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as exc:  # the compiler could not be started
+            raise RuntimeError(f"running {compiler[0]} failed: {exc}") from None
+        if result.returncode != 0:
+            raise RuntimeError(f"building {SOURCE.name} failed:\n{result.stderr[-4000:]}")
+        # mkstemp made it 0600: readable by every user of a shared HVD_TOPK_NATIVE_DIR, as a
+        # compiler's own output would be
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o755 & ~umask)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     return path
+
+
+def _load():
+    """The built library, loaded and declared; a cached file that does not load (truncated,
+    replaced, another ABI) is removed and built again, once."""
+    path = build()
+    try:
+        return _declare(ctypes.CDLL(str(path)))
+    except (OSError, AttributeError, RuntimeError):
+        path.unlink(missing_ok=True)
+        return _declare(ctypes.CDLL(str(build())))
 
 
 def _declare(lib):
@@ -100,7 +126,7 @@ def library():
                 _error = "disabled by HVD_TOPK_NATIVE=0"
                 return None
             try:
-                _lib = _declare(ctypes.CDLL(str(build())))
+                _lib = _load()
             except Exception as exc:  # noqa: BLE001 - any failure means: use torch ops
                 _error = str(exc)
                 warnings.warn(f"hvd_topk: the native CPU selection kernel is unavailable ({exc}); "

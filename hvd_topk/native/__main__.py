@@ -1,5 +1,14 @@
-"""``python -m hvd_topk.native``: build the native kernel now (set-up runs this) and print its path."""
+"""``python -m hvd_topk.native``: build the native kernel now (set-up runs this), load it, and
+print its path; exit status 1, with the reason, when it cannot be used."""
 
-from hvd_topk.native import build
+import sys
 
-print(build(verbose=True))
+from hvd_topk.native import _library_path, build, library, unavailable_reason
+
+try:
+    build(verbose=True)
+except RuntimeError as exc:
+    sys.exit(f"hvd_topk: the native kernel cannot be used: {exc}")
+if library() is None:
+    sys.exit(f"hvd_topk: the native kernel cannot be used: {unavailable_reason()}")
+print(_library_path())
