@@ -3,12 +3,18 @@
 # checks on a machine that already has it.
 VENV ?= .venv
 NP ?= 2
-BIN := $(abspath $(VENV))/bin
+ifeq ($(VENV),system)  # docker/install.sh's "use the current python3"
+VENV_PATH := system
+BIN := $(patsubst %/,%,$(dir $(shell command -v python3)))
+else
+VENV_PATH := $(abspath $(VENV))
+BIN := $(VENV_PATH)/bin
+endif
 
 .PHONY: setup demo demo-gpt test test-slow test-unit test-distributed image-test two-hosts clean
 
 setup:
-	VENV=$(abspath $(VENV)) bash docker/install.sh
+	VENV=$(VENV_PATH) bash docker/install.sh
 
 demo: setup
 	PATH=$(BIN):$$PATH horovodrun -np $(NP) --gloo python examples/pytorch_digits.py --compression topk --density 0.01

@@ -10,7 +10,9 @@
 #
 # Environment knobs:
 #   VENV=.venv                 where the virtual environment goes ("system" = use the current python)
-#   TORCH_SPEC=torch==2.13.0   pip requirement for torch (e.g. a CUDA build on a GPU host)
+#   TORCH_SPEC=torch==2.13.0   pip requirement for torch (e.g. a CUDA build on a GPU host); unset,
+#                              a torch already in the environment is kept (a later `make test`
+#                              does not undo the one you chose)
 #   HOROVOD_VERSION=0.28.1
 #   HVD_TOPK_CACHE=~/.cache/hvd_topk   built wheels are cached here, outside the clone
 #   HVD_TOPK_SKIP_APT=1        do not touch Debian packages (they are already there)
@@ -19,6 +21,7 @@ set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${VENV:-$REPO/.venv}
+TORCH_CHOSEN=${TORCH_SPEC:+1}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 HOROVOD_VERSION=${HOROVOD_VERSION:-0.28.1}
 CACHE=${HVD_TOPK_CACHE:-$HOME/.cache/hvd_topk}
@@ -66,10 +69,16 @@ INSTALL=("${PIP[@]}" install --no-compile)
 
 # ---- 3. Python dependencies ----------------------------------------------------------------
 mkdir -p "$CACHE/wheels"
-log "pip: $TORCH_SPEC numpy mpi4py pytest scikit-learn matplotlib lightning"
-"${INSTALL[@]}" setuptools wheel packaging
+TORCH_REQ=("$TORCH_SPEC")
+if [ -z "$TORCH_CHOSEN" ] && TORCH_HAVE=$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null); then
+  TORCH_REQ=()
+  log "torch $TORCH_HAVE present: kept (set TORCH_SPEC to change it)"
+fi
+log "pip: ${TORCH_REQ[*]} numpy mpi4py pytest scikit-learn matplotlib lightning"
+# setuptools 77: pyproject.toml's SPDX license (a fresh venv comes with 65)
+"${INSTALL[@]}" "setuptools>=77" wheel packaging
 # mpi4py compiles against OpenMPI; --find-links picks the wheel cached by an earlier run.
-"${INSTALL[@]}" --find-links "$CACHE/wheels" "$TORCH_SPEC" numpy mpi4py pytest pytest-timeout \
+"${INSTALL[@]}" --find-links "$CACHE/wheels" "${TORCH_REQ[@]}" numpy mpi4py pytest pytest-timeout \
   scikit-learn cloudpickle psutil pyyaml matplotlib "lightning>=2.4,<3"
 if ! ls "$CACHE"/wheels/mpi4py-*.whl >/dev/null 2>&1; then
   "${PIP[@]}" wheel --no-deps --find-links "$CACHE/wheels" -w "$CACHE/wheels" mpi4py || true
@@ -79,6 +88,7 @@ fi
 TORCH_ID=$("$PY" -c 'import torch; print(torch.__version__.replace("+", "_"))')
 HAS_CUDA=$("$PY" -c 'import torch; print(int(torch.version.cuda is not None))')
 HVD_CACHE=$CACHE/horovod-$HOROVOD_VERSION-torch-$TORCH_ID
+PYTAG=$("$PY" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')  # one wheel per Python in the cache
 mkdir -p "$HVD_CACHE"
 
 hvd_ok() {
@@ -93,7 +103,7 @@ PY
 if hvd_ok; then
   log "Horovod $HOROVOD_VERSION already installed"
 else
-  WHEEL=$(ls "$HVD_CACHE"/horovod-*.whl 2>/dev/null | head -n1 || true)
+  WHEEL=$(ls "$HVD_CACHE"/horovod-*-"$PYTAG"-*.whl 2>/dev/null | head -n1 || true)
   if [ -z "$WHEEL" ]; then
     log "building Horovod $HOROVOD_VERSION against torch $TORCH_ID (a few minutes, once per machine)"
     WRAP=$(mktemp -d)
@@ -121,11 +131,12 @@ WRAPPER
       "horovod==$HOROVOD_VERSION" -w "$HVD_CACHE" > "$HVD_CACHE/build.log" 2>&1 \
       || { tail -n 40 "$HVD_CACHE/build.log" >&2; die "Horovod build failed; full log: $HVD_CACHE/build.log"; }
     rm -rf "$WRAP"
-    WHEEL=$(ls "$HVD_CACHE"/horovod-*.whl | head -n1)
+    WHEEL=$(ls "$HVD_CACHE"/horovod-*-"$PYTAG"-*.whl | head -n1)
   else
     log "using cached Horovod wheel $WHEEL"
   fi
-  "${INSTALL[@]}" --force-reinstall --no-deps "$WHEEL"
+  "${INSTALL[@]}" --force-reinstall --no-deps "$WHEEL" \
+    || { rm -f "$WHEEL"; die "installing the cached Horovod wheel $WHEEL failed; it was removed: run again to build it afresh"; }
   "${INSTALL[@]}" "$WHEEL"  # its light Python dependencies
 fi
 
@@ -138,7 +149,7 @@ if [ -f "$REPO/pyproject.toml" ]; then
     "${INSTALL[@]}" --no-deps --no-build-isolation "$REPO"
   fi
   log "building the native CPU selection kernel"
-  "$PY" -m hvd_topk.native >/dev/null || die "building hvd_topk's native kernel failed (see above)"
+  "$PY" -m hvd_topk.native >/dev/null || die "hvd_topk's native kernel cannot be built or loaded (see above)"
 fi
 
 # ---- 6. byte-compile ------------------------------------------------------------------------

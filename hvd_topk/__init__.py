@@ -17,6 +17,7 @@
 """
 
 import importlib as _importlib
+import importlib.util as _importlib_util
 
 __version__ = "0.1.0"
 __all__ = ["TopK", "DistributedOptimizer", "LocalSteps", "LocalAdamW", "DeMo", "FrozenVarianceAdamW", "init", "__version__"]
@@ -49,4 +50,6 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted([n for n in [*globals(), *_LAZY] if not n.startswith("_") or n.startswith("__")])
+    # without Horovod its names stay out: help(hvd_topk) and inspect.getmembers would meet their ImportError
+    lazy = _LAZY if _importlib_util.find_spec("horovod") is not None else ()
+    return sorted([n for n in [*globals(), *lazy] if not n.startswith("_") or n.startswith("__")])

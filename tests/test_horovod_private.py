@@ -22,6 +22,19 @@ def test_missing_horovod_gives_install_instructions():
     assert proc.stderr.count('File "') <= 3, proc.stderr
 
 
+def test_without_horovod_the_package_can_be_listed():
+    """``dir``, ``inspect.getmembers`` and ``help`` on the package without Horovod (a DDP user's
+    machine): its names are left out, where listing them made the tools meet their ImportError."""
+    code = ("import sys; sys.modules['horovod'] = None; sys.modules['horovod.torch'] = None\n"
+            "import inspect, pydoc, hvd_topk\n"
+            "names = [n for n, _ in inspect.getmembers(hvd_topk)]\n"
+            "pydoc.render_doc(hvd_topk)\n"
+            "print('TopK' in names, 'DistributedOptimizer' in names)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", "False"], proc.stdout
+
+
 def test_bf16_allreduced_as_float32():
     from hvd_topk._horovod import allreduce_dtype
 
