@@ -25,7 +25,7 @@ import torch
 from hvd_topk import native, selection
 from hvd_topk.compact import CompactPairs
 from hvd_topk.selection import k_for, native_ok
-from hvd_topk.wire import RANKS_DISAGREE, Layout
+from hvd_topk.wire import RANKS_DISAGREE, STEPS_DISAGREE, Layout
 
 
 class Plan:
@@ -397,7 +397,7 @@ class Codec:
                          values.stride(0) * values.element_size(), float(div), float(mul))
             if outside:
                 raise RuntimeError(f"{outside} received pairs point outside the buffer or out of order: "
-                                   f"{RANKS_DISAGREE}")
+                                   f"{RANKS_DISAGREE}.{STEPS_DISAGREE}")
             return
         if len(dests) == 1:
             flat = dests[0].zero_()

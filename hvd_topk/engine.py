@@ -46,6 +46,11 @@ from hvd_topk.selection import native_ok
 from hvd_topk.sparse_grads import SparseGradients
 from hvd_topk.stats import CompressionStats
 
+# Appended to Horovod's two errors about gradients left unexchanged: here the usual cause
+STEPPED_THE_INNER = (" If you stepped the optimizer you passed to hvd_topk.DistributedOptimizer rather than "
+                     "the one it returned, that applied this rank's own gradient without an exchange: step "
+                     "the returned one.")
+
 STEP_KEY = "hvd_topk_step"  # in the optimizer's first param group (see TopKEngine.step)
 TRIAL_KEY = "hvd_topk_exchange_trial"  # there too: exchange="auto"'s progress (TopKEngine._follow_root)
 COMPILED_AUTOGRAD_ERROR = (
@@ -199,7 +204,7 @@ class TopKEngine:
         if passes > self.passes_per_step:
             raise AssertionError("Gradients were computed more than backward_passes_per_step times "
                                  "before call to step(). Increase backward_passes_per_step to "
-                                 "accumulate gradients locally.")
+                                 "accumulate gradients locally." + STEPPED_THE_INNER)
         self.passes[key] = passes
         if passes == self.passes_per_step:
             grad = p.grad

@@ -14,6 +14,11 @@ _ALIGN = 8
 RANKS_DISAGREE = ("ranks disagree on the tensor being exchanged or on its TopK (density, fp16_values, compact): "
                   "build the same TopK for it on every rank")
 
+# ... and where ranks also keep a step counter that decides the messages (the DDP hook: the
+# Horovod optimizer checks the ranks' steps itself and refuses first)
+STEPS_DISAGREE = (" With the DDP hook the ranks may also be at different steps: TopKState.load_state_dict "
+                  "on some ranks only (load each rank's own state on every rank).")
+
 
 def index_dtype_for(numel):
     """int32 while every index fits, int64 beyond 2**31 - 1 elements."""

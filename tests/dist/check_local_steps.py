@@ -359,7 +359,7 @@ def check_join():
 def distributed_optimizer(model):
     """Plain AdamW, whose state LocalSteps' inner AdamW can take (the warning against it is not under test)."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*in front of plain torch.optim.AdamW")
+        warnings.filterwarnings("ignore", message=".*in front of torch.optim.AdamW")
         return hvd_topk.DistributedOptimizer(adamw()(model.parameters()), named_parameters=model.named_parameters(),
                                              compression=hvd_topk.TopK(density=0.05), min_numel=MIN_NUMEL,
                                              exchange="allgather")

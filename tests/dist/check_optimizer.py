@@ -667,7 +667,8 @@ def check_empty_parameter():
 
 
 def check_plain_adam_warns():
-    """Error feedback in front of plain torch Adam/AdamW warns once, naming the LocalAdamW recipe;
+    """Error feedback in front of torch's Adam/AdamW (NAdam, RAdam, Adamax, subclasses) warns once,
+    naming the LocalAdamW recipe as the README gives it;
     the recipe itself, SGD, and Adam without error feedback do not warn."""
     def recipe_warnings(make, **kwargs):
         with warnings.catch_warnings(record=True) as caught:
@@ -675,9 +676,13 @@ def check_plain_adam_warns():
             for _ in range(2):
                 hvd_topk.DistributedOptimizer(make(Net().parameters()), exchange="allgather", **kwargs)
         return [str(w.message) for w in caught if "LocalAdamW" in str(w.message)]
-    for cls in (torch.optim.Adam, torch.optim.AdamW):
+    class MyAdamW(torch.optim.AdamW):  # a subclass, and torch's other adaptive ones, warn too
+        pass
+
+    for cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax, MyAdamW):
         got = recipe_warnings(cls)
         assert len(got) == 1 and f"torch.optim.{cls.__name__}" in got[0] and "fp16_values=True" in got[0], got
+        assert 'exchange="allgather"' in got[0], got
     for make, kwargs in [(hvd_topk.LocalAdamW, {}), (lambda ps: torch.optim.SGD(ps, lr=0.1), {}),
                          (torch.optim.AdamW, {"error_feedback": False})]:
         assert recipe_warnings(make, **kwargs) == [], (make, kwargs)
@@ -1222,6 +1227,23 @@ def check_zero_grad_with_a_bucket_not_launched_refused():
         assert_same_on_all_ranks(p.detach().cpu().numpy(), f"after the refused zero_grad: {name}")
 
 
+def check_stepping_the_wrapped_optimizer_is_named():
+    """Stepping the optimizer passed in (the DDP hook's pattern) instead of the one returned
+    applies this rank's own gradient with no exchange; the next backward meets Horovod's error,
+    which now names that cause (a user was sent to ``backward_passes_per_step``)."""
+    torch.manual_seed(0)
+    model = Net().to(DEVICE)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(), exchange="allgather")
+    x, y = batch(0, hvd.rank())
+    F.cross_entropy(model(x), y).backward()
+    inner.step()  # where opt.step() was meant
+    model.zero_grad()
+    with raises(AssertionError, match="step the returned one", what="a second backward after inner.step()"):
+        F.cross_entropy(model(x), y).backward()
+    opt.synchronize()  # the first step's exchange, still in flight, finished: the next check starts clean
+
+
 CHECKS = [
     contract("default"),
     contract("sum", op=hvd.Sum),
@@ -1271,6 +1293,7 @@ CHECKS = [
     ("non-finite gradient, compact pairs", lambda: check_nonfinite(compact=True)),
     ("bad input", check_bad_input),
     ("zero_grad with a bucket not launched refused", check_zero_grad_with_a_bucket_not_launched_refused),
+    ("stepping the wrapped optimizer: the error names it", check_stepping_the_wrapped_optimizer_is_named),
     ("a second synchronize() before step() changes nothing", check_second_synchronize_changes_nothing),
     ("step(closure): evaluated once, before the exchange", check_step_closure),
     ("a parameter with no elements, min_numel=0", check_empty_parameter),
