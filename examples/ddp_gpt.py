@@ -34,7 +34,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from cli import HelpFormatter  # shared by the examples: --help shows the defaults
+from cli import HelpFormatter, bytes_report  # shared by the examples: --help shows the defaults
 import hvd_topk.ddp
 from gpt_model import (GPT, add_training_arguments, add_variance_arguments, batches, check_topk_arguments,
                        check_training_arguments, dense_start_note, evaluate, load_corpus, lr_at, split)
@@ -206,6 +206,7 @@ def main(argv=None):
                 f"validation loss {val_loss:.4f}  ({time.perf_counter() - t0:.0f}s)", flush=True)
 
     sent, dense = bytes_per_step(args, model, state)
+    sent, bytes_line = bytes_report(sent, dense, size)
     result = {"hook": args.hook, "adam": args.adam, "density": args.density if args.hook == "topk" else None,
               "powersgd_rank": args.powersgd_rank if args.hook == "powersgd" else None, "ranks": size,
               "steps": args.steps, "seed": args.seed, "amp": args.amp, "corpus_sha256": digest,
@@ -215,7 +216,7 @@ def main(argv=None):
     if state is not None:
         result["topk_stats"] = state.stats()
     if rank == 0:
-        print(f"bytes sent per step and rank {sent:,.0f} vs dense fp32 {dense:,.0f} ({100 * sent / dense:.2f}%)")
+        print(bytes_line)
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1, default=str))
         print(f"final validation loss: {result['final_val_loss']:.4f}", flush=True)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import horovod.torch as hvd
-from cli import HelpFormatter, usage_error_from, output_path  # shared by the examples
+from cli import HelpFormatter, bytes_report, usage_error_from, output_path  # shared by the examples
 import hvd_topk
 from digits_model import DigitsNet, load_digits_split  # shared with lightning_digits.py
 
@@ -156,6 +156,7 @@ def main(argv=None):
             f"test acc {100 * test_acc:5.1f}%  ({time.perf_counter() - t0:.1f}s)", flush=True)
 
     sent, dense = bytes_per_step(model, args, compression, opt)
+    sent, bytes_line = bytes_report(sent, dense, size)
     result = {"optimizer": args.optimizer, "error_feedback": args.optimizer == "topk-ef" and not args.no_error_feedback,
               "compression": args.compression, "density": args.density if args.compression == "topk" else None,
               "ranks": size, "epochs": args.epochs, "test_acc": history[-1]["test_acc"],
@@ -164,8 +165,7 @@ def main(argv=None):
     if args.optimizer == "topk-ef":
         result["compression_stats"] = opt.compression_stats()
     if rank == 0:
-        print(f"final test accuracy {100 * result['test_acc']:.2f}%  |  bytes sent per step and rank "
-              f"{sent:,.0f} vs dense fp32 {dense:,.0f} ({100 * result['bytes_ratio']:.2f}%)")
+        print(f"final test accuracy {100 * result['test_acc']:.2f}%  |  {bytes_line}")
         if "compression_stats" in result:
             st = result["compression_stats"]
             print(f"compression_stats: steps {st['steps']}, achieved density {st['density']:.4f}, "

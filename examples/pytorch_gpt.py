@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 import horovod.torch as hvd
-from cli import HelpFormatter  # shared by the examples: --help shows the defaults
+from cli import HelpFormatter, bytes_report  # shared by the examples: --help shows the defaults
 import hvd_topk
 # the model, data and their options, shared with ddp_gpt.py
 from gpt_model import (GPT, add_training_arguments, add_variance_arguments, batches, check_topk_arguments,
@@ -318,6 +318,7 @@ def main(argv=None):
                 f"({time.perf_counter() - t0:.0f}s)", flush=True)
 
     sent, dense = bytes_per_step(model, args, opt, topk)
+    sent, bytes_line = bytes_report(sent, dense, size)
     result = {"optimizer": args.optimizer, "compression": args.compression,
               "density": args.density if args.compression == "topk" else None,
               "error_feedback": args.optimizer == "topk-ef" and not args.no_error_feedback,
@@ -329,7 +330,7 @@ def main(argv=None):
     if args.optimizer == "topk-ef":
         result["compression_stats"] = opt.compression_stats()
     if rank == 0:
-        print(f"bytes sent per step and rank {sent:,.0f} vs dense fp32 {dense:,.0f} ({100 * sent / dense:.2f}%)")
+        print(bytes_line)
         if "compression_stats" in result:
             st = result["compression_stats"]
             print(f"compression_stats: steps {st['steps']}, achieved density {st['density']:.4f}, "

@@ -171,3 +171,20 @@ def test_examples_refuse_a_json_path_they_could_not_write(script, where, says, t
 def test_examples_accept_a_json_path_in_an_existing_directory(tmp_path):
     args = _example_module("pytorch_digits").parse_args(["--json", str(tmp_path / "out.json")])
     assert args.json == str(tmp_path / "out.json") and not (tmp_path / "out.json").exists()
+
+
+def test_one_rank_reports_no_bytes_whatever_the_optimizer(tmp_path):
+    """One rank exchanges nothing: the drop-in TopK reported 0 bytes and hvd_topk's optimizer
+    605,224 (100%, its local no-op allreduce counted); both report 0 now, as the DDP example does."""
+    import json
+    import subprocess
+
+    sent = {}
+    for name, args in (("drop-in", ["--compression", "topk"]), ("topk-ef", ["--optimizer", "topk-ef"])):
+        out = tmp_path / f"{name}.json"
+        proc = subprocess.run([sys.executable, str(ROOT / "examples" / "pytorch_digits.py"), "--epochs", "1",
+                               "--quiet", "--json", str(out), *args], capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "one rank: nothing is exchanged" in proc.stdout, proc.stdout
+        sent[name] = json.loads(out.read_text())["bytes_sent_per_step"]
+    assert sent == {"drop-in": 0, "topk-ef": 0}, sent
