@@ -35,7 +35,7 @@ from hvd_topk._torch import compiled_autograd_active
 from hvd_topk.codec import Codec
 from hvd_topk.exchange import ActiveRanks, AllgatherPairs, DenseAllreduce
 from hvd_topk.selection import DEFAULT_METHOD, check_density, check_flag, check_method
-from hvd_topk.stats import CompressionStats
+from hvd_topk.stats import DENSE_FP32_BYTES, CompressionStats
 from hvd_topk.wire import index_dtype_for
 
 from horovod.torch.compression import Compressor  # noqa: E402  (hvd_topk._horovod checked it)
@@ -313,7 +313,7 @@ class TopK(Compressor, metaclass=_FixedOptions):
             self._start_if_known(rnd, wait=False)
         rank = float(process_set.rank())
         probe = torch.tensor([1.0, rank, rank * rank], dtype=torch.float32, device=tensor.device)
-        self._stats.add(elements_total=numel, bytes_dense=numel * tensor.element_size(),
+        self._stats.add(elements_total=numel, bytes_dense=numel * DENSE_FP32_BYTES,
                         bytes_sent=probe.numel() * probe.element_size(), time_selection_s=t1 - t0)
         return probe, (job, rnd)
 

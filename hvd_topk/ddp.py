@@ -46,6 +46,7 @@ from hvd_topk.codec import Codec
 from hvd_topk.loss_scale import ResidualScale, check_grad_scaler, is_loss_scale
 from hvd_topk.optim import residual_decay_of
 from hvd_topk.schedule import DensitySchedule
+from hvd_topk.stats import DENSE_FP32_BYTES
 from hvd_topk.selection import (DEFAULT_METHOD, check_density, check_flag, check_integer, check_number,
                                 check_residual_decay, warn_ignored)
 
@@ -540,7 +541,7 @@ def topk_hook(state, bucket):
         state.retired = []
         for index in [i for i in state.layouts if i > bucket.index()]:
             del state.layouts[index]  # DDP rebuilt into fewer buckets: their residuals moved
-    state._stats["bytes_dense"] += buffer.numel() * 4
+    state._stats["bytes_dense"] += buffer.numel() * DENSE_FP32_BYTES
     state._stats["elements_total"] += buffer.numel()
     futures = []
     if layout.dense:  # the small tensors: a plain average

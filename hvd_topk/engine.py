@@ -44,7 +44,7 @@ from hvd_topk.planner import ExchangePlanner
 from hvd_topk.schedule import DensitySchedule
 from hvd_topk.selection import native_ok
 from hvd_topk.sparse_grads import SparseGradients
-from hvd_topk.stats import CompressionStats
+from hvd_topk.stats import DENSE_FP32_BYTES, CompressionStats
 
 # Appended to Horovod's two errors about gradients left unexchanged: here the usual cause
 STEPPED_THE_INNER = (" If you stepped the optimizer you passed to hvd_topk.DistributedOptimizer rather than "
@@ -329,7 +329,7 @@ class TopKEngine:
                 bucket.add_momentum(self.options.momentum_correction)
         strategy = current.strategy
         name = f"{self.prefix}.bucket{bucket.index}.{strategy.name}"
-        self.stats.add(elements_total=bucket.numel, bytes_dense=bucket.numel * bucket.element_size)
+        self.stats.add(elements_total=bucket.numel, bytes_dense=bucket.numel * DENSE_FP32_BYTES)
         if self.verify_step:
             self._check_steps_agree()
         if strategy.sparse and self._someone_joined():

@@ -265,6 +265,8 @@ class HierarchicalExchange:
         if wire_dtype != bucket.dtype:
             staged = bucket.scratch("wire", bucket.numel, wire_dtype).copy_(bucket.acc)
         self.stage = "host"
+        host_bytes = staged.numel() * staged.element_size()
+        ctx.stats.add(bytes_sent=host_bytes, bytes_host=host_bytes)
         self.handle = hierarchy.reduce_scatter(staged, ctx.topology.local, name + ".host")
 
     def advance(self, wait=False):
@@ -289,6 +291,8 @@ class HierarchicalExchange:
                 result, self.rows = self.strategy.finish(self.handle), topo.cross_size
             self.times["cross"] += time.perf_counter() - t0
             # inside the host the shards' results travel still compressed, and every rank decodes all
+            host_bytes = result.numel() * result.element_size()
+            self.ctx.stats.add(bytes_sent=host_bytes, bytes_host=host_bytes)
             self.stage, self.handle = "gather", hvd.allgather_async(result, name=self.name + ".gather",
                                                                     process_set=topo.local)
         self.times["spent"] += time.perf_counter() - t0

@@ -2,6 +2,10 @@
 
 import threading
 
+# The "dense fp32" every ratio is against: 4 bytes an element whatever the parameters' dtype (a
+# bf16 model's dense allreduce travels as fp32 through Horovod too, hvd_topk._horovod.allreduce_dtype)
+DENSE_FP32_BYTES = 4
+
 
 class CompressionStats:
     """Thread-safe running totals (backward hooks may run on autograd's device threads)."""
@@ -11,8 +15,9 @@ class CompressionStats:
         "tensors_dense",      # tensors sent by dense allreduce
         "elements_total",     # elements in all tensors handled
         "elements_selected",  # elements chosen by top-k
-        "bytes_dense",        # bytes a dense allreduce of the same tensors would send
-        "bytes_sent",         # bytes this rank actually handed to Horovod
+        "bytes_dense",        # bytes of the same tensors in fp32 (DENSE_FP32_BYTES each): "dense fp32"
+        "bytes_sent",         # bytes this rank actually handed to Horovod, whatever the dtype
+        "bytes_host",         # of those, handed to collectives inside a host (the hierarchical exchange)
         "nonfinite_resets",   # residuals reset because they held inf/nan
         "selection_repasses", # extra passes the native kernel made (threshold estimated too high)
         "selection_filled",   # entries 'sampled' took from outside the top-k (<= 5% of k each)

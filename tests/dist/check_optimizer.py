@@ -1244,6 +1244,24 @@ def check_stepping_the_wrapped_optimizer_is_named():
     opt.synchronize()  # the first step's exchange, still in flight, finished: the next check starts clean
 
 
+def check_bf16_model_counted_against_dense_fp32():
+    """A bf16 model: "vs dense fp32" is 4 bytes an element, whatever the parameters' dtype (a bf16
+    dense allreduce travels as fp32 through Horovod). Pinned dense, sent == dense fp32 (the ratio
+    read 2.0, against bf16's 2 bytes an element, and the DDP hook's 0.5 disagreed)."""
+    torch.manual_seed(0)
+    model = Net().to(DEVICE).to(torch.bfloat16)
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters(), exchange="dense")
+    n = sum(p.numel() for p in model.parameters())
+    for step in range(2):
+        x, y = batch(step, hvd.rank())
+        opt.zero_grad()
+        F.cross_entropy(model(x.to(torch.bfloat16)).float(), y).backward()
+        opt.step()
+    stats = opt.compression_stats()
+    assert stats["bytes_dense"] == 2 * 4 * n and stats["bytes_sent"] == stats["bytes_dense"], (n, stats)
+
+
 CHECKS = [
     contract("default"),
     contract("sum", op=hvd.Sum),
@@ -1294,6 +1312,7 @@ CHECKS = [
     ("bad input", check_bad_input),
     ("zero_grad with a bucket not launched refused", check_zero_grad_with_a_bucket_not_launched_refused),
     ("stepping the wrapped optimizer: the error names it", check_stepping_the_wrapped_optimizer_is_named),
+    ("a bf16 model is counted against dense fp32", check_bf16_model_counted_against_dense_fp32),
     ("a second synchronize() before step() changes nothing", check_second_synchronize_changes_nothing),
     ("step(closure): evaluated once, before the exchange", check_step_closure),
     ("a parameter with no elements, min_numel=0", check_empty_parameter),
