@@ -44,6 +44,7 @@ Checked against Horovod 0.28.1 (``CHECKED_VERSION``). Each private detail relied
 """
 
 import collections
+import copy
 import itertools
 import os
 import sys
@@ -89,6 +90,14 @@ def allreduce_dtype(dtype):
 def elastic_mode():
     """(6) True in a worker of an elastic job (``horovodrun --min-np/--max-np/--host-discovery-script``)."""
     return os.environ.get("HOROVOD_ELASTIC") == "1"
+
+
+def unshared_for_elastic(state_dict):
+    """The optimizer state to load, copied in an elastic job: ``TorchState.restore()`` (0.28.1)
+    hands in its commit itself, torch's ``load_state_dict`` keeps tensors whose dtype and device
+    fit, and training then changed the commit in place (a second failure before the next commit
+    brought back the model of the commit with the momentum and Adam moments of later steps)."""
+    return copy.deepcopy(state_dict) if elastic_mode() else state_dict
 
 
 def is_horovod_distributed_optimizer(optimizer):

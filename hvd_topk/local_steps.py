@@ -31,7 +31,7 @@ from contextlib import contextmanager
 import torch
 
 from hvd_topk import agreement, checkpoint
-from hvd_topk._horovod import hvd, is_horovod_distributed_optimizer
+from hvd_topk._horovod import hvd, is_horovod_distributed_optimizer, unshared_for_elastic
 from hvd_topk._torch import AMP_SCALING_ATTRIBUTE, keep_objects
 from hvd_topk.compressor import TopK
 from hvd_topk.engine import (STEP_KEY, TRIAL_KEY, check_parameters_unchanged, check_still_frozen, check_still_trainable,
@@ -294,7 +294,7 @@ class _LocalSteps(torch.optim.Optimizer):
         warning that its residuals are dropped. (Checkpoints written before the anchors moved to
         param group 0 hold them in the local-steps section: read from there.)"""
         local = getattr(self, LOCAL)
-        state_dict = dict(state_dict)
+        state_dict = dict(unshared_for_elastic(state_dict))
         ours = state_dict.pop(STATE_KEY, None)
         if state_dict.pop(checkpoint.STATE_KEY, None) is not None:
             # a hvd_topk.DistributedOptimizer's: its residuals hold unsent gradients (or updates),

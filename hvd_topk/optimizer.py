@@ -11,7 +11,8 @@ from contextlib import contextmanager
 
 import torch
 
-from hvd_topk._horovod import OPTIMIZER_MODULE, elastic_mode, hvd, instance_name, is_horovod_distributed_optimizer
+from hvd_topk._horovod import (OPTIMIZER_MODULE, elastic_mode, hvd, instance_name, is_horovod_distributed_optimizer,
+                              unshared_for_elastic)
 from hvd_topk._torch import AMP_SCALING_ATTRIBUTE, keep_objects, keep_step_unhooked, unscaled_already
 from hvd_topk.auto import TRIAL_STEPS
 from hvd_topk.compressor import TopK
@@ -22,6 +23,7 @@ from hvd_topk.loss_scale import check_grad_scaler
 from hvd_topk.optim import residual_decay_of
 from hvd_topk.options import Options
 from hvd_topk.selection import check_integer
+from hvd_topk.sparse_grads import SparseGradients
 
 ENGINE = "_hvd_topk"  # the one attribute hvd_topk adds to the user's optimizer
 LOCAL = "_hvd_topk_local"  # hvd_topk.LocalSteps' one attribute (local_steps.py), checked here too
@@ -160,6 +162,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                         groups=groups, prefix=instance_name("opt", process_set),
                         grad_scaler=grad_scaler, inner=type(optimizer).__qualname__,
                         updates=hasattr(optimizer, "transform_local_gradient"))
+    if isinstance(optimizer, torch.optim.SparseAdam):  # it takes sparse gradients only, from the first step
+        engine.sparse = SparseGradients(names, options.sparse_as_dense, always=engine.params)
     wrapped = share_as_subclass(optimizer, _DistributedOptimizer)
     setattr(wrapped, ENGINE, engine)
     # An inner optimizer that works on each rank's own gradient before the exchange (LocalAdamW)
@@ -320,7 +324,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # Everything is checked before anything is applied: a checkpoint that does not fit
         # raises checkpoint.CheckpointMismatch and leaves this optimizer as it was.
         checkpoint.check_inner(self.param_groups, engine.names, state_dict)
-        state_dict = dict(state_dict)
+        state_dict = dict(unshared_for_elastic(state_dict))
         ours = state_dict.pop(STATE_KEY, None)
         nonfinite = checkpoint.check(engine, ours)
         step = engine.step  # kept where the checkpoint is a plain torch optimizer's

@@ -11,14 +11,25 @@ does, so a sparse optimizer (``torch.optim.SparseAdam``) works unchanged. Withou
 
 import warnings
 
+import torch
+
 
 class SparseGradients:
-    """The parameters whose sparse gradient was densified this step."""
+    """The parameters whose gradient is handed back sparse.
 
-    def __init__(self, names, sparse_as_dense):
+    Every parameter whose gradient ever arrived sparse on this rank, not only this step's: a
+    rank that did not touch an embedding this step has no gradient of it (its hook never
+    fires), and the exchange writes the average into a dense ``p.grad``; handed over dense on
+    that rank alone, SparseAdam (and SGD's sparse momentum) raised there and the job died.
+    ``always``: parameters handed back sparse from the first step (a SparseAdam's, which takes
+    nothing else), before this rank has seen one of their sparse gradients.
+    """
+
+    def __init__(self, names, sparse_as_dense, always=()):
         self.names = names
         self.warned = sparse_as_dense  # passing the option is saying it: no warning then
-        self.densified = []
+        self.densified = []  # this step's
+        self.sparse = {id(p): p for p in always}  # every parameter handed back sparse
 
     def densify(self, p):
         """Replace ``p.grad`` (sparse) by its dense form, to be exchanged like any gradient."""
@@ -31,6 +42,7 @@ class SparseGradients:
                           "silence this warning.", stacklevel=3)
         if all(q is not p for q in self.densified):  # (``in`` would compare tensors by value)
             self.densified.append(p)
+        self.sparse[id(p)] = p
         p.grad = p.grad.to_dense()
 
     def forget(self):
@@ -38,7 +50,9 @@ class SparseGradients:
         self.densified = []
 
     def restore(self):
-        """After the exchange: each densified gradient back to sparse, as Horovod hands it over."""
-        for p in self.densified:
-            p.grad = p.grad.to_sparse()
+        """After the exchange: the gradients of every parameter in ``sparse`` back to sparse, as
+        Horovod hands them over (those this rank did not touch too: the exchange wrote them)."""
+        for p in self.sparse.values():
+            if p.grad is not None and p.grad.layout == torch.strided:
+                p.grad = p.grad.to_sparse()
         self.forget()

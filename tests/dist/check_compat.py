@@ -586,6 +586,46 @@ def check_parameter_names_attribute():
     assert all(other == names for other in every), every
 
 
+def check_embedding_untouched_on_one_rank(inner):
+    """An embedding the last rank does not touch in a step (its gradient None there, its hook
+    silent): the exchanged gradient is still handed back sparse on every rank, with the ranks'
+    average in it (density 1: exactly their mean). Before, that rank alone got it dense, and
+    SparseAdam (or SGD's sparse momentum) raised there and killed the job. With SparseAdam the
+    last rank skips the embedding from the very first step, before it has seen a sparse gradient."""
+    rank, size = hvd.rank(), hvd.size()
+    torch.manual_seed(0)
+    model = EmbeddingNet()
+    if inner == "sparseadam":
+        opt_inner, named = torch.optim.SparseAdam([model.emb.weight], lr=0.1), [("emb.weight", model.emb.weight)]
+        head = torch.optim.SGD(model.head.parameters(), lr=0.1)
+    else:
+        opt_inner, named, head = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), model.named_parameters(), None
+    opt = hvd_topk.DistributedOptimizer(opt_inner, named_parameters=named, compression=hvd_topk.TopK(density=1.0),
+                                        sparse_as_dense=True, min_numel=MIN_NUMEL, exchange="allgather")
+    skip = 0 if inner == "sparseadam" else 1  # the step the last rank leaves the embedding out
+    for step in range(3):
+        ids, y = embedding_batch(step, rank)
+        use = not (rank == size - 1 and step == skip)
+        shadow = copy.deepcopy(model)
+        h = shadow.emb(ids).mean(dim=1) if use else torch.zeros(ids.shape[0], 8)
+        F.cross_entropy(shadow.head(h), y).backward()
+        mine = shadow.emb.weight.grad.to_dense() if shadow.emb.weight.grad is not None else torch.zeros(200, 8)
+        opt.zero_grad()
+        if head is not None:
+            head.zero_grad()
+        h = model.emb(ids).mean(dim=1) if use else torch.zeros(ids.shape[0], 8)
+        F.cross_entropy(model.head(h), y).backward()
+        opt.synchronize()
+        assert model.emb.weight.grad.is_sparse, f"rank {rank} step {step}: handed back dense"
+        np.testing.assert_allclose(model.emb.weight.grad.to_dense().numpy(), np.mean(gather(mine.numpy()), axis=0),
+                                   rtol=1e-6, atol=1e-7, err_msg=f"{inner}: step {step}")
+        with opt.skip_synchronize():
+            opt.step()
+        if head is not None:
+            head.step()
+        assert_same_on_all_ranks(model.emb.weight.detach().numpy(), f"{inner}: step {step} embedding")
+
+
 CHECKS = [
     ("Horovod's _parameter_names", check_parameter_names_attribute),
     ("options refused", check_options_refused),
@@ -604,6 +644,10 @@ CHECKS = [
     ("sparse gradient without sparse_as_dense: densified, one warning",
      lambda: check_sparse_as_dense(as_dense=False)),
     ("horovod: sparse gradients", check_horovod_sparse_gradients),
+    ("an embedding one rank does not touch: handed back sparse (SGD, momentum)",
+     lambda: check_embedding_untouched_on_one_rank("sgd")),
+    ("an embedding one rank does not touch: handed back sparse (SparseAdam, from the first step)",
+     lambda: check_embedding_untouched_on_one_rank("sparseadam")),
     ("bf16 dense path", check_bf16_dense_path),
     ("bf16 top-k path", lambda: check_bf16_topk_path("allgather")),
     ("bf16 top-k path, sparse allreduce", lambda: check_bf16_topk_path("sparse_allreduce")),

@@ -1262,6 +1262,41 @@ def check_bf16_model_counted_against_dense_fp32():
     assert stats["bytes_dense"] == 2 * 4 * n and stats["bytes_sent"] == stats["bytes_dense"], (n, stats)
 
 
+def check_elastic_second_restore_without_a_commit():
+    """Horovod elastic: a failure, ``state.restore()``, more steps, a second failure before the
+    next commit and ``state.restore()`` again: the optimizer's state is the commit's, bitwise
+    (SGD's momentum, LocalAdamW's moments and step). Before the fix the first restore loaded the
+    commit's own tensors and training changed them in place, so the second brought back later
+    moments with the committed model (also with Horovod's own optimizer: upstream's doing)."""
+    import os
+    saved_env = os.environ.get("HOROVOD_ELASTIC")
+    os.environ["HOROVOD_ELASTIC"] = "1"  # what horovodrun sets in an elastic job's workers
+    try:
+        for make in (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+                     lambda ps: hvd_topk.LocalAdamW(ps, lr=1e-2, betas=(0.0, 0.95))):
+            torch.manual_seed(0)
+            model = Net().to(DEVICE)
+            opt = hvd_topk.DistributedOptimizer(make(model.parameters()), named_parameters=model.named_parameters(),
+                                                exchange="allgather", min_numel=500)
+            train(model, opt, 2)
+            state = hvd.elastic.TorchState(model=model, optimizer=opt, epoch=0)
+            state.commit()
+            committed = copy.deepcopy(opt.state_dict())
+            for start in (2, 4):
+                train(model, opt, 2, start=start)
+                state.restore()
+            now = opt.state_dict()
+            for pid, entries in committed["state"].items():
+                for key, value in entries.items():
+                    if torch.is_tensor(value):
+                        assert torch.equal(value, now["state"][pid][key]), f"{type(opt).__name__}: state {pid} {key}"
+    finally:
+        if saved_env is None:
+            os.environ.pop("HOROVOD_ELASTIC", None)
+        else:
+            os.environ["HOROVOD_ELASTIC"] = saved_env
+
+
 CHECKS = [
     contract("default"),
     contract("sum", op=hvd.Sum),
@@ -1313,6 +1348,8 @@ CHECKS = [
     ("zero_grad with a bucket not launched refused", check_zero_grad_with_a_bucket_not_launched_refused),
     ("stepping the wrapped optimizer: the error names it", check_stepping_the_wrapped_optimizer_is_named),
     ("a bf16 model is counted against dense fp32", check_bf16_model_counted_against_dense_fp32),
+    ("elastic: a second restore without a commit brings back the commit's state",
+     check_elastic_second_restore_without_a_commit),
     ("a second synchronize() before step() changes nothing", check_second_synchronize_changes_nothing),
     ("step(closure): evaluated once, before the exchange", check_step_closure),
     ("a parameter with no elements, min_numel=0", check_empty_parameter),
