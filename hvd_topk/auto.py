@@ -51,15 +51,17 @@ UPDATES_NOTE = ("the sparse allreduce not tried: the inner optimizer exchanges e
 # a rank alone sends pairs too (``hvd_topk.planner``, the DDP hook's ``ddp_exchange.choose``).
 # A step on which a rank sits inside ``hvd.join()`` still goes dense (Horovod's joined ranks
 # answer allreduces only).
-MOMENTUM_NOTE = ("dense not tried: the residual decays each step (DeMo's beta, residual_decay < 1) and is a "
+MOMENTUM_NOTE = ("dense not tried: the residual is DeMo's momentum, decaying each step (its beta), "
                  "momentum, which a dense exchange would send whole and zero; pin exchange='dense' to use it")
 
 
-def keeps_momentum(residual_decay, density=None):
-    """Whether the residual is a momentum a dense exchange would wipe (``MOMENTUM_NOTE``): it
-    decays each step, and at ``density`` (where given) Top-K would not send all of it anyway
-    (at 1, a dense start, it does, so dense's fewer bytes may be taken)."""
-    return residual_decay < 1 and (density is None or density < 1)
+def keeps_momentum(momentum_decay, density=None):
+    """Whether the residual is a momentum a dense exchange would wipe (``MOMENTUM_NOTE``): the
+    inner optimizer keeps its momentum there, decaying each step (``optim.momentum_decay_of``:
+    DeMo's beta, not a decay added to error feedback), and at ``density`` (where given) Top-K
+    would not send all of it anyway (at 1, a dense start, it does, so dense's fewer bytes may
+    be taken)."""
+    return momentum_decay < 1 and (density is None or density < 1)
 
 
 def left_out(updates, momentum):

@@ -44,7 +44,7 @@ from hvd_topk import agreement, auto, checkpoint
 from hvd_topk import ddp_exchange as exchange
 from hvd_topk.codec import Codec
 from hvd_topk.loss_scale import ResidualScale, check_grad_scaler, is_loss_scale
-from hvd_topk.optim import residual_decay_of
+from hvd_topk.optim import momentum_decay_of, residual_decay_of
 from hvd_topk.schedule import DensitySchedule
 from hvd_topk.stats import DENSE_FP32_BYTES
 from hvd_topk.selection import (DEFAULT_METHOD, check_density, check_flag, check_integer, check_number,
@@ -85,8 +85,8 @@ class TopKState:
             (``hvd_topk.auto``, the Horovod optimizer's trial); on a fast network that may be
             dense, which is the point (dense fp16 only where values travel in 16 bits:
             ``fp16_values`` or ``compact``; no sparse allreduce with ``optimizer=``, whose updates
-            it cost quality from 4 ranks on: ``auto.UPDATES_NOTE``; no dense with ``residual_decay``
-            below 1, DeMo's momentum, which dense would send whole: ``auto.MOMENTUM_NOTE``). Before that, the family
+            it cost quality from 4 ranks on: ``auto.UPDATES_NOTE``; no dense over ``DeMo``, whose
+            residual is its momentum, which dense would send whole: ``auto.MOMENTUM_NOTE``). Before that, the family
             moving the fewest bytes (the same limits; such a residual takes no dense fallback either). Pin
             one for quality experiments on one host. A sparse family still sends a bucket
             dense where a ring allreduce moves fewer bytes.
@@ -157,6 +157,7 @@ class TopKState:
         self.residual_decay = check_residual_decay(
             residual_decay_of(optimizer, check_number(residual_decay, "residual_decay"), self.error_feedback),
             self.error_feedback)
+        self.momentum_decay = momentum_decay_of(optimizer, self.residual_decay)  # DeMo's: never sent whole
         self.codec = Codec(method, fp16_values, self.compact)
         check_grad_scaler(grad_scaler, optimizer)
         self.residual_scale = ResidualScale(grad_scaler)  # the loss scale the residuals are kept in
@@ -418,7 +419,7 @@ class TopKState:
         self.family = self.trial.family()
 
     def _start_trial(self, density):
-        momentum = auto.keeps_momentum(self.residual_decay)  # (auto only: a pinned exchange starts no trial)
+        momentum = auto.keeps_momentum(self.momentum_decay)  # (auto only: a pinned exchange starts no trial)
         families = auto.families(False, False, self.compact, self.codec.dense_fp16, updates=self.sends_updates,
                                  momentum=momentum)
         assignments, byte_counts = {}, {}

@@ -113,7 +113,7 @@ class TopKEngine:
 
     def __init__(self, param_groups, names, compression, options, *, op, gradient_predivide_factor,
                  backward_passes_per_step, process_set, groups, prefix, grad_scaler=None, inner=None,
-                 updates=False):
+                 updates=False, momentum_decay=1.0):
         self.param_groups = param_groups
         self.param_ids = [id(p) for g in param_groups for p in g["params"]]
         self.params = [p for g in param_groups for p in g["params"] if p.requires_grad]
@@ -146,7 +146,8 @@ class TopKEngine:
             raise ValueError("momentum_correction is not supported with the hierarchical exchange; pass "
                              "hierarchical=False, or momentum_correction=0.0 with the inner optimizer's momentum")
         self.planner = ExchangePlanner(options, self.buckets, self.codec, self.schedule, self.hier,
-                                       process_set, f"{prefix}.exchange_trial", updates=updates)
+                                       process_set, f"{prefix}.exchange_trial", updates=updates,
+                                       momentum_decay=momentum_decay)
         # keyed by id(p): a tensor's __hash__ is a Python-level call, and these are read per hook
         self.place = {id(m.param): (b, i) for b in self.buckets for i, m in enumerate(b.members)}
         self.passes = dict.fromkeys(map(id, self.params), 0)

@@ -616,6 +616,14 @@ def _check_transformed(optimizer, p):
     return False
 
 
+def momentum_decay_of(optimizer, residual_decay):
+    """``residual_decay`` where the residual is the inner optimizer's momentum (``hvd_topk.DeMo``:
+    its ``beta``), else 1.0. Only such a residual is never sent whole by choice
+    (``auto.MOMENTUM_NOTE``); a decay the user adds to error feedback (the 0.1% recipe's, or
+    LocalSteps') only fades unsent work, and a dense step, which sends all of it, is then exact."""
+    return residual_decay if getattr(optimizer, "residual_decay", None) not in (None, 1.0) else 1.0
+
+
 def residual_decay_of(optimizer, residual_decay, error_feedback=True):
     """The residual decay to use: an inner optimizer that owns it (``hvd_topk.DeMo``'s ``beta``,
     its attribute ``residual_decay``) sets it unless the argument says otherwise."""

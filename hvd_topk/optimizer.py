@@ -20,7 +20,7 @@ from hvd_topk import checkpoint
 from hvd_topk.checkpoint import STATE_KEY
 from hvd_topk.engine import STEPPED_THE_INNER, TopKEngine
 from hvd_topk.loss_scale import check_grad_scaler
-from hvd_topk.optim import residual_decay_of
+from hvd_topk.optim import momentum_decay_of, residual_decay_of
 from hvd_topk.options import Options
 from hvd_topk.selection import check_integer
 from hvd_topk.sparse_grads import SparseGradients
@@ -85,16 +85,16 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
         min_numel (1024): tensors with fewer elements go through a dense allreduce.
         fusion_bytes (64 MiB): dense-equivalent size of a sparse bucket.
         dense_fallback (True): send a bucket dense when a ring allreduce moves fewer bytes than
-            the sparse exchange (the allgather at density >= 1/P for fp32 gradients); not where
-            the residual decays (``residual_decay`` < 1, DeMo), a momentum, below density 1.
+            the sparse exchange (the allgather at density >= 1/P for fp32 gradients); not below
+            density 1 where the residual is DeMo's momentum (a ``residual_decay`` added to error
+            feedback is no momentum: the 0.1% recipe's dense start takes the fallback).
         exchange ("auto"): how buckets travel. ``"auto"`` times each strategy the cost model
             proposes for ``exchange_trial_steps`` (3) real steps each and keeps the fastest
             (logged once on rank 0; ``compression_stats()["exchange_reason"]``); it may be dense
             where the network is fast (dense fp16 only where values travel in 16 bits already:
             ``TopK(fp16_values=True)`` or ``compact=True``; no sparse allreduce over ``LocalAdamW``
             or ``DeMo``, whose updates it cost quality from 4 ranks on: pin it to use it; no dense
-            where the residual decays, ``residual_decay`` < 1 or DeMo's ``beta``: it is a momentum,
-            which dense would send whole).
+            over ``DeMo``, whose residual is its momentum, which dense would send whole).
             ``"allgather"``: every rank's pairs (bytes grow with the
             ranks). ``"sparse_allreduce"``: each rank's top-k positions in one part of the bucket
             (rotating), every rank's values there allreduced (bytes grow as (P-1)/P). ``"dense"``,
@@ -161,7 +161,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                         backward_passes_per_step=backward_passes_per_step, process_set=process_set,
                         groups=groups, prefix=instance_name("opt", process_set),
                         grad_scaler=grad_scaler, inner=type(optimizer).__qualname__,
-                        updates=hasattr(optimizer, "transform_local_gradient"))
+                        updates=hasattr(optimizer, "transform_local_gradient"),
+                        momentum_decay=momentum_decay_of(optimizer, residual_decay))
     if isinstance(optimizer, torch.optim.SparseAdam):  # it takes sparse gradients only, from the first step
         engine.sparse = SparseGradients(names, options.sparse_as_dense, always=engine.params)
     wrapped = share_as_subclass(optimizer, _DistributedOptimizer)

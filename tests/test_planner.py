@@ -19,14 +19,14 @@ from hvd_topk.schedule import DensitySchedule
 N = 10_000  # the weight's elements: k = 100 at 1%
 
 
-def planner(density=0.01, hier=None, codec=None, dtype=torch.float32, updates=False, **options):
+def planner(density=0.01, hier=None, codec=None, dtype=torch.float32, updates=False, momentum_decay=1.0, **options):
     weight = torch.nn.Parameter(torch.zeros(100, 100, dtype=dtype))
     bias = torch.nn.Parameter(torch.zeros(100, dtype=dtype))
     options = Options(**options)
     buckets = make_buckets([weight, bias], {weight: "w", bias: "b"}, options.min_numel, options.fusion_bytes)
     schedule = DensitySchedule(density, options.warmup_steps, options.warmup_density)
     return ExchangePlanner(options, buckets, codec or Codec(), schedule, hier, process_set=None, name="test",
-                           updates=updates), buckets
+                           updates=updates, momentum_decay=momentum_decay), buckets
 
 
 def test_pinned_exchange_and_dense_fallback():
@@ -189,7 +189,7 @@ def test_describe_says_why_before_any_trial():
 
 
 def test_a_decaying_residual_is_never_sent_whole_by_choice():
-    """``residual_decay`` < 1 (DeMo's beta): the residual is a momentum, which a dense exchange
+    """DeMo's beta (``momentum_decay`` < 1): the residual is its momentum, which a dense exchange
     would send whole and zero each step. So auto offers no dense family (fp16 included) and
     says so, and no bucket takes the dense fallback, even where dense moves fewer bytes (at 50%
     and P = 4 the pairs alone, 3 x 5000 x 6 = 90000 bytes, are more than a ring allreduce of all
@@ -198,10 +198,11 @@ def test_a_decaying_residual_is_never_sent_whole_by_choice():
     send everything and zero the residual anyway, so the fallback's fewer bytes are taken. A
     pinned dense exchange is used as given."""
     fp16 = Codec(fp16_values=True)
-    decayed, (weight, _) = planner(warmup_steps=5, warmup_density=0.5, residual_decay=0.9, updates=True, codec=fp16)
+    demo = {"residual_decay": 0.9, "momentum_decay": 0.9}
+    decayed, (weight, _) = planner(warmup_steps=5, warmup_density=0.5, updates=True, codec=fp16, **demo)
     plain, (plain_weight, _) = planner(warmup_steps=5, warmup_density=0.5, codec=fp16)
-    pinned_allgather, (pinned_weight, _) = planner(warmup_steps=5, warmup_density=0.5, residual_decay=0.9,
-                                                   exchange="allgather", codec=fp16)
+    pinned_allgather, (pinned_weight, _) = planner(warmup_steps=5, warmup_density=0.5, exchange="allgather",
+                                                   codec=fp16, **demo)
     assert plain.families == ("dense", "dense_fp16", "allgather", "sparse_allreduce")
     assert decayed.families == ("allgather",)
     assert "dense not tried" in decayed.left_out and "sparse allreduce not tried" in decayed.left_out
@@ -212,11 +213,29 @@ def test_a_decaying_residual_is_never_sent_whole_by_choice():
     assert pinned_allgather.bucket_step(pinned_weight, 0, "allgather", 4, 0).strategy.name == "allgather"
     assert plain.family(10, 1) == "dense" and decayed.family(10, 1) == "allgather"
     assert decayed.bucket_step(weight, 10, "allgather", 1, 0).strategy.name == "allgather"
-    start, (start_weight, _) = planner(warmup_steps=5, warmup_density=1.0, residual_decay=0.9, codec=fp16)
+    start, (start_weight, _) = planner(warmup_steps=5, warmup_density=1.0, codec=fp16, **demo)
     assert start.bucket_step(start_weight, 0, start.family(0, 4), 4, 0).strategy.name == "dense_fp16"
     assert start.bucket_step(start_weight, 10, start.family(10, 4), 4, 0).strategy.name == "allgather"
-    pinned, _ = planner(exchange="dense", residual_decay=0.9)
+    pinned, _ = planner(exchange="dense", **demo)
     assert pinned.family(10, 4) == "dense" and pinned.left_out is None
+
+
+def test_a_residual_decay_added_to_error_feedback_takes_the_dense_fallback():
+    """The 0.1% recipe: ``residual_decay=0.99`` over LocalAdamW is no momentum (a dense step sends
+    all of it, as Top-K at density 1 would), so its dense start takes the fallback where dense
+    moves fewer bytes, as in every measurement of that recipe (from 2026-12-04 16:00 to the fix
+    it went as pairs). By hand, P = 2, 16-bit values: pairs cost 6 bytes a sent entry, the fp16
+    ring 2 (P-1)/P x 2 = 2 bytes an element, so dense wins above density 1/3; the start decays
+    from 1 to 0.001 over 100 steps as 0.001^(s/100), above 1/3 for s <= 100 ln 3 / ln 1000 = 15.9:
+    steps 0-15 dense, 16 on as pairs. auto offers dense too."""
+    fp16 = Codec(fp16_values=True)
+    recipe, (weight, _) = planner(density=0.001, exchange="allgather", warmup_steps=100, warmup_density=1.0,
+                                  residual_decay=0.99, updates=True, codec=fp16)
+    names = [recipe.bucket_step(weight, s, recipe.family(s, 2), 2, 0).strategy.name for s in range(101)]
+    assert [s for s, n in enumerate(names) if n != "allgather"] == list(range(16)), names
+    auto_recipe, _ = planner(density=0.001, residual_decay=0.99, updates=True, codec=fp16)
+    assert "dense" in auto_recipe.families and auto_recipe.left_out is not None  # (the sparse allreduce's note)
+    assert "dense not tried" not in auto_recipe.left_out
 
 
 def test_auto_over_updates_leaves_both_sparse_allreduces_out():
