@@ -109,10 +109,11 @@ else
     WRAP=$(mktemp -d)
     cat > "$WRAP/g++" <<'WRAPPER'
 #!/bin/sh
-# Horovod 0.28.1 asks for C++14; PyTorch headers need C++17.
+# Horovod 0.28.1 asks for C++14; PyTorch headers need C++17. Only -std=c++14: nvcc hands its
+# -std=c++11 to this host compiler too (a CUDA build), and the two must agree.
 for a in "$@"; do
   case "$a" in
-    -std=c++11|-std=c++14) set -- "$@" -std=c++17 ;;
+    -std=c++14) set -- "$@" -std=c++17 ;;
     *) set -- "$@" "$a" ;;
   esac
   shift
@@ -126,6 +127,11 @@ WRAPPER
       log "CUDA torch and NCCL found: building with HOROVOD_GPU_OPERATIONS=NCCL"
       export HOROVOD_GPU_OPERATIONS=NCCL
     fi
+    # What newer tools need of Horovod 0.28.1 (each failed its build on the H200's Ubuntu 24.04,
+    # 2026-12-04, benchmarks/gpu_check.sh): CMake 4 refuses gloo's old cmake_minimum_required;
+    # g++ 13 no longer pulls <string>, <stdexcept>, <cstdint>... in through other headers
+    CMAKE_POLICY_VERSION_MINIMUM=3.5 \
+    CXXFLAGS="-include cstdint -include string -include stdexcept -include memory -include functional -include limits -include cstring ${CXXFLAGS:-}" \
     CXX=$WRAP/g++ CC=/usr/bin/gcc MAKEFLAGS="-j$(nproc)" \
       "${PIP[@]}" wheel --no-build-isolation --no-deps --no-binary horovod \
       "horovod==$HOROVOD_VERSION" -w "$HVD_CACHE" > "$HVD_CACHE/build.log" 2>&1 \
