@@ -413,15 +413,22 @@ def main(argv=None):
                     help="validation every N steps (default: the example's 100); finer for steps-to-target")
     ap.add_argument("--reuse", type=Path, nargs="+", default=[], metavar="JSON",
                     help="earlier PREFIX.json files: a run with the same config, ARGS, steps, seed and ranks is taken "
-                         "from them instead of being run again (its command and date are kept)")
+                         "from them instead of being run again; each run keeps where it was made ('made': date, "
+                         "git revision, command; for runs of files written before 2026-12-05, that file's)")
     args = ap.parse_args(argv)
     extra = [] if args.eval_every is None else ["--eval-every", str(args.eval_every)]
     earlier = {}
     for path in args.reuse:
-        for r in json.loads(path.read_text())["runs"]:
+        saved = json.loads(path.read_text())
+        file_meta = saved.get("meta", {})
+        made = {"date": file_meta.get("date"), "git": file_meta.get("machine", {}).get("git"),
+                "command": file_meta.get("command"), "file": path.name}
+        for r in saved["runs"]:
             # the rank count is part of the key: a 2-rank run must not stand in for a 4-rank one
-            earlier[(r["config"], r.get("args_used"), r["steps"], r["seed"], r.get("ranks"))] = r
+            earlier[(r["config"], r.get("args_used"), r["steps"], r["seed"], r.get("ranks"))] = dict(
+                r, made={"file": path.name, **(r.get("made") or made)})
     command = shlex.join(["python", "benchmarks/convergence_gpt.py", *(sys.argv[1:] if argv is None else argv)])
+    here = {"date": None, "git": machine_info().get("git"), "command": command}
     runs, started = [], time.perf_counter()
     partial = Path(f"{args.out_prefix}.partial.json")
     plan = [(c, s) for c in args.configs for s in args.seeds]
@@ -433,7 +440,8 @@ def main(argv=None):
             ddp = name in DDP_CONFIGS
             r = run_example(args.np, ["--steps", str(args.steps), *CONFIGS[name][1], *extra], seed, None,
                             args.timeout, DDP_EXAMPLE if ddp else EXAMPLE, "torchrun" if ddp else "mpirun")
-            r.update(config=name, seed=seed, args_used=used)
+            r.update(config=name, seed=seed, args_used=used, made=dict(
+                here, date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")))
         else:
             r = dict(r, reused=True)
         runs.append(r)
@@ -486,8 +494,10 @@ def main(argv=None):
             lines.append(f"| {CONFIGS[name][0]} | {cells[0]} | {cells[1]} |")
     reused = sum(bool(r.get("reused")) for r in runs)
     if reused:
-        lines += ["", f"{reused} of the {len(runs)} runs were taken from `--reuse` files (same ARGS, steps, seed and ranks; "
-                  "each keeps its own date and git revision in the JSON)."]
+        origins = sorted({f"{r['made'].get('file') or '?'} (git {r['made'].get('git') or '?'}, {r['made'].get('date') or '?'})"
+                          for r in runs if r.get("reused")})
+        lines += ["", f"{reused} of the {len(runs)} runs were taken from `--reuse` files (same ARGS, steps, seed and ranks), "
+                  f"made at: {'; '.join(origins)}. Each run's `made` in the JSON says where it came from."]
     lines += ["", f"Plot: `{prefix.name}.png` (validation loss, mean over seeds, shaded min–max).", ""]
     write_report(prefix, {"meta": meta, "runs": runs, "summary": rows}, "\n".join(lines), json_default=str)
     partial.unlink(missing_ok=True)  # the report holds every run now
