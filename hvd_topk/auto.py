@@ -104,8 +104,9 @@ class Trial:
         left_out: what the trial was not offered, and why (``UPDATES_NOTE``), added to ``reason``.
 
     Steps that would mislead are not timed, on any rank: the step after one a rank sat out
-    inside ``hvd.join()`` (it holds the wait), or after one whose inner step did not run (a
-    ``GradScaler`` skipped it after an overflow, common in the first steps). Each rank marks
+    inside ``hvd.join()`` (it holds the wait), or, in the Horovod optimizer, after one whose
+    inner step did not run (a ``GradScaler`` skipped it after an overflow, common in the first
+    steps; the DDP hook cannot see the optimizer and times those). Each rank marks
     what it could not time (``skip``), and the decision drops the union of the marks, so a
     rank that joined and does not know it drops that step too. A candidate with no timed step
     on any rank runs again (``RETRIES`` times) rather than being ruled out.
@@ -120,7 +121,6 @@ class Trial:
         self.agree = agree
         self.samples = {}          # trial position -> seconds, this rank's timed steps
         self.untimed = set()       # trial positions this rank could not time (after a ``skip``)
-        self.retried = {}          # family -> times it was run again
         self.times = None          # {family: [seconds]}, the samples the decision used
         self.position = 0          # steps run since the trial started
         self.last_end = None       # perf_counter at the previous synchronize's end
@@ -196,10 +196,11 @@ class Trial:
         agreed = self.agree(torch.tensor(mine + timed, dtype=torch.float64)).tolist()
         total, ranks = agreed[:len(families)], agreed[len(families):]
         medians = {f: t / r if r > 0 else float("inf") for f, t, r in zip(families, total, ranks)}
-        again = [f for f in families if medians[f] == float("inf") and self.retried.get(f, 0) < self.RETRIES]
+        # the retries counted from the candidates, which the record carries: a rank that took the
+        # trial over (``resume``) decides at the same step as the others
+        again = [f for f in families
+                 if medians[f] == float("inf") and self.candidates.count(f) - 1 < self.RETRIES]
         if again:
-            for f in again:
-                self.retried[f] = self.retried.get(f, 0) + 1
             self.candidates.extend(again)
             return False
         self.medians = medians

@@ -316,6 +316,8 @@ class TopKEngine:
         self._progress()
         for position, m in enumerate(bucket.members):
             if position not in bucket.folded:  # no gradient this step: contributes zeros
+                if m.param.grad is not None and m.param.grad.layout != torch.strided:
+                    self.sparse.densify(m.param)  # (zero_grad(set_to_none=False) left a sparse zero)
                 grad = m.param.grad
                 if grad is not None and self.transform is not None:
                     # a gradient whose last hook never fired (a step after fewer than

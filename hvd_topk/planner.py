@@ -116,6 +116,10 @@ class ExchangePlanner:
         """Measure again from here (a restored checkpoint: every rank restarts alike)."""
         self.trial, self.trial_world = None, None
 
+    def timing(self):
+        """Whether auto's trial is timing steps now."""
+        return self.trial is not None and self.trial.choice is None
+
     def skip_step(self):
         """A step not to time the next one from: some rank sat it out inside ``hvd.join()`` (it
         is not counted either), or its inner step did not run (``Trial.skip``)."""
@@ -249,7 +253,7 @@ class ExchangePlanner:
         out = {"exchange": self.options.exchange}
         if self.options.exchange == "auto":
             out["exchange_reason"] = self.trial.reason() if self.trial is not None else (
-                ("one rank: the residual decays, so pairs, as on more ranks" if self.keeps_residual else
+                ("one rank: the residual is DeMo's momentum, so pairs, as on more ranks" if self.keeps_residual else
                  "one rank: nothing to exchange") if world <= 1 else "density warm-up: fewest bytes")
             if self.trial is not None:
                 out["exchange_candidates"] = self.trial.families

@@ -414,3 +414,27 @@ class _clock:
     def __exit__(self, *exc):
         from hvd_topk import auto
         auto.time = self.saved
+
+
+def test_a_trial_taken_over_decides_with_the_others_after_retries():
+    """Every step untimed (the scaler skipped them all): families run again, twice at most, then
+    the trial decides. A rank that took the trial over halfway (an elastic replacement: the
+    record) must decide at the same step; it counted no retries of its own and went on
+    appending candidates, so the ranks ran different families (the job died in the param-group
+    check). The retries are read from the candidates now, which the record carries."""
+    from hvd_topk import auto
+
+    def run(trial, start, steps):
+        out = []
+        for step in range(start, start + steps):
+            family = trial.family()
+            trial.skip()
+            out.append((family, trial.step_done(step)))
+        return out
+
+    old = auto.Trial(["allgather", "dense"], 1, agree=lambda values: values.clone())
+    first = run(old, 0, 8)
+    assert not any(decided for _, decided in first) and old.candidates.count("dense") == 3, old.candidates
+    new = auto.Trial.resume(old.record(), 1, agree=lambda values: values.clone())
+    assert run(new, 8, 4) == run(old, 8, 4)
+    assert new.choice == old.choice == "allgather" and new.decided_at == old.decided_at == 11

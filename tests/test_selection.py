@@ -4,8 +4,10 @@ checks of density and method. (The codec built on them: test_codec.py.)"""
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -369,6 +371,32 @@ def test_a_broken_cached_library_is_rebuilt(tmp_path):
     out = _native_cli(tmp_path)
     assert out.returncode == 0, out.stderr
     assert built.stat().st_size > 0 and str(built) in out.stdout
+
+
+def test_a_cached_file_of_another_library_is_rebuilt_and_loaded_in_the_same_process(tmp_path):
+    """A file at the cache path that loads but is not the kernel (another library): removed,
+    built again, and the new one loaded by this very process (dlopen would hand back the one
+    it already loaded under that path: the rebuilt kernel went unused until the next start)."""
+    assert _native_cli(tmp_path).returncode == 0
+    (built,) = tmp_path.glob("libhvdtk-*.so")
+    other = sorted(Path(sys.base_prefix).glob("lib/libpython3*.so*")) or sorted(Path("/lib/x86_64-linux-gnu").glob("libz.so*"))
+    if not other:
+        pytest.skip("no other shared library at hand to put in the kernel's place")
+    shutil.copyfile(other[0], built)
+    code = ("from hvd_topk import native\n"
+            "lib = native.library()\n"
+            "print('LOADED' if lib is not None else 'NONE', native.unavailable_reason())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HVD_TOPK_NATIVE_DIR": str(tmp_path)})
+    assert out.returncode == 0 and out.stdout.startswith("LOADED"), (out.stdout, out.stderr[-2000:])
+    assert list(tmp_path.glob("tmp*.so")) == [], list(tmp_path.iterdir())
+
+
+def test_native_cli_with_the_kernel_turned_off_is_no_failure(tmp_path):
+    """``HVD_TOPK_NATIVE=0`` (the kernel off on purpose): the set-up's build step succeeds (it
+    exited 1, and install.sh stopped)."""
+    out = _native_cli(tmp_path, HVD_TOPK_NATIVE="0")
+    assert out.returncode == 0 and "not used" in out.stdout, (out.stdout, out.stderr)
 
 
 def _umask():

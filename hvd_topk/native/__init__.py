@@ -63,9 +63,7 @@ def build(verbose=False):
             raise RuntimeError(f"building {SOURCE.name} failed:\n{result.stderr[-4000:]}")
         # mkstemp made it 0600: readable by every user of a shared HVD_TOPK_NATIVE_DIR, as a
         # compiler's own output would be
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o755 & ~umask)
+        os.chmod(tmp, 0o755 & ~_umask())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -73,15 +71,38 @@ def build(verbose=False):
     return path
 
 
+def _umask():
+    """The process's umask, read without changing it (os.umask sets it to read it, which races
+    with other threads creating files); that way where /proc is missing."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _load():
     """The built library, loaded and declared; a cached file that does not load (truncated,
-    replaced, another ABI) is removed and built again, once."""
+    replaced, another ABI) is removed and built again, once. The rebuilt one is loaded under a
+    name of its own: dlopen hands back a library it already loaded by its path."""
     path = build()
     try:
         return _declare(ctypes.CDLL(str(path)))
     except (OSError, AttributeError, RuntimeError):
         path.unlink(missing_ok=True)
-        return _declare(ctypes.CDLL(str(build())))
+    fresh = build()
+    fd, alias = tempfile.mkstemp(suffix=".so", dir=fresh.parent)
+    os.close(fd)
+    try:
+        shutil.copyfile(fresh, alias)
+        return _declare(ctypes.CDLL(alias))
+    finally:
+        os.unlink(alias)  # (the mapping stays)
 
 
 def _declare(lib):

@@ -321,6 +321,31 @@ def check_auto_trial_after_skipped_steps():
     assert_same_on_all_ranks(choice.numpy(), "auto's choice")
 
 
+def check_auto_trial_after_skipped_steps_fused():
+    """The same with a fused inner optimizer (``Adam(fused=True)``): GradScaler steps it even after
+    an overflow and it skips inside its kernel, so the optimizer's step() ran; the scaler's
+    found_inf says the step was skipped, and the next step is not timed either (it was)."""
+    rank = hvd.rank()
+    scaler = torch.amp.GradScaler(DEVICE.type, init_scale=SCALES[0])
+    torch.manual_seed(0)
+    model = Net().to(DEVICE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Adam behind error feedback: warned, the point here is the trial
+        opt = hvd_topk.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3, fused=True),
+                                            named_parameters=model.named_parameters(), min_numel=500,
+                                            exchange="auto", exchange_trial_steps=1, grad_scaler=scaler)
+    for step in range(6):
+        x, y = batch(step, rank)
+        if step < 2 and rank == 0:
+            x = x.clone()
+            x[0, 0] = float("inf")
+        opt.zero_grad()
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert 1 in opt._hvd_topk.planner.trial.untimed, opt._hvd_topk.planner.trial.untimed
+
+
 CHECKS = [
     ("residuals follow loss-scale changes", check_residuals_follow_scale_changes),
     ("residuals follow loss-scale changes, momentum correction",
@@ -340,6 +365,7 @@ CHECKS = [
      lambda: check_skipped_step_then_model_zero_grad("horovod")),
     ("a checkpoint without its loss scale, loaded with a scaler: told", check_checkpoint_without_its_loss_scale_warns),
     ("auto's trial does not time the step after a skipped one", check_auto_trial_after_skipped_steps),
+    ("auto's trial does not time the step after a skipped one, fused Adam", check_auto_trial_after_skipped_steps_fused),
 ]
 
 

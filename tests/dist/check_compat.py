@@ -626,6 +626,35 @@ def check_embedding_untouched_on_one_rank(inner):
         assert_same_on_all_ranks(model.emb.weight.detach().numpy(), f"{inner}: step {step} embedding")
 
 
+def check_sparse_zero_gradient_left_by_zero_grad():
+    """``zero_grad(set_to_none=False)`` leaves an embedding's gradient a sparse zero; on a step
+    this rank does not use the embedding its hook does not fire, and the exchange takes that
+    gradient as it is: densified now (it failed with "reshape is not implemented for sparse
+    tensors"). The ranks' mean against numpy, every rank alike."""
+    rank, size = hvd.rank(), hvd.size()
+    torch.manual_seed(0)
+    model = EmbeddingNet()
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                        named_parameters=model.named_parameters(), compression=hvd_topk.TopK(density=1.0),
+                                        sparse_as_dense=True, min_numel=MIN_NUMEL, exchange="allgather")
+    for step in range(3):
+        ids, y = embedding_batch(step, rank)
+        use = step != 1
+        shadow = copy.deepcopy(model)
+        h = shadow.emb(ids).mean(dim=1) if use else torch.zeros(ids.shape[0], 8)
+        F.cross_entropy(shadow.head(h), y).backward()
+        mine = shadow.emb.weight.grad.to_dense() if shadow.emb.weight.grad is not None else torch.zeros(200, 8)
+        opt.zero_grad(set_to_none=False)
+        h = model.emb(ids).mean(dim=1) if use else torch.zeros(ids.shape[0], 8)
+        F.cross_entropy(model.head(h), y).backward()
+        opt.synchronize()
+        np.testing.assert_allclose(model.emb.weight.grad.to_dense().numpy(), np.mean(gather(mine.numpy()), axis=0),
+                                   rtol=1e-6, atol=1e-7, err_msg=f"step {step}")
+        with opt.skip_synchronize():
+            opt.step()
+        assert_same_on_all_ranks(model.emb.weight.detach().numpy(), f"step {step} embedding")
+
+
 CHECKS = [
     ("Horovod's _parameter_names", check_parameter_names_attribute),
     ("options refused", check_options_refused),
@@ -648,6 +677,8 @@ CHECKS = [
      lambda: check_embedding_untouched_on_one_rank("sgd")),
     ("an embedding one rank does not touch: handed back sparse (SparseAdam, from the first step)",
      lambda: check_embedding_untouched_on_one_rank("sparseadam")),
+    ("a sparse zero gradient left by zero_grad(set_to_none=False), the embedding unused",
+     check_sparse_zero_gradient_left_by_zero_grad),
     ("bf16 dense path", check_bf16_dense_path),
     ("bf16 top-k path", lambda: check_bf16_topk_path("allgather")),
     ("bf16 top-k path, sparse allreduce", lambda: check_bf16_topk_path("sparse_allreduce")),

@@ -681,7 +681,8 @@ def check_plain_adam_warns():
 
     for cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax, MyAdamW):
         got = recipe_warnings(cls)
-        assert len(got) == 1 and f"torch.optim.{cls.__name__}" in got[0] and "fp16_values=True" in got[0], got
+        name = f"torch.optim.{cls.__name__}" if cls is not MyAdamW else "MyAdamW (a torch.optim.AdamW)"
+        assert len(got) == 1 and f"in front of {name} trains" in got[0] and "fp16_values=True" in got[0], got
         assert 'exchange="allgather"' in got[0], got
     for make, kwargs in [(hvd_topk.LocalAdamW, {}), (lambda ps: torch.optim.SGD(ps, lr=0.1), {}),
                          (torch.optim.AdamW, {"error_feedback": False})]:
