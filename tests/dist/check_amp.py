@@ -288,16 +288,11 @@ def check_checkpoint_without_its_loss_scale_warns():
         assert said == warned, (pass_scaler, [str(w.message)[:80] for w in caught])
 
 
-def check_auto_trial_after_skipped_steps():
-    """``exchange="auto"`` under a GradScaler whose first two steps overflow (inf on rank 0):
-    the step after a skipped one lacks the inner step, so it is not timed, on any rank; a
-    family left with no timed step runs again instead of being ruled out (or, before the fix,
-    judged by a step without the inner step's time: dense came out 10x faster than it is)."""
+def train_overflowing_first(model, opt, scaler, steps):
+    """PyTorch's GradScaler loop whose first two steps overflow (inf on rank 0), until auto has
+    decided or ``steps`` have run; the ranks' parameters checked equal after each step."""
     rank = hvd.rank()
-    scaler = torch.amp.GradScaler(DEVICE.type, init_scale=SCALES[0])
-    model, opt = build(min_numel=500, exchange="auto", exchange_trial_steps=1, grad_scaler=scaler)
-    engine = opt._hvd_topk
-    for step in range(30):
+    for step in range(steps):
         x, y = batch(step, rank)
         if step < 2 and rank == 0:
             x = x.clone()
@@ -308,9 +303,20 @@ def check_auto_trial_after_skipped_steps():
         scaler.update()
         for name, p in model.named_parameters():
             assert_same_on_all_ranks(p.detach().cpu().numpy(), f"auto under overflows, step {step}: {name}")
-        if engine.planner.trial is not None and engine.planner.trial.choice is not None:
-            break
-    trial = engine.planner.trial
+        trial = opt._hvd_topk.planner.trial
+        if trial is not None and trial.choice is not None:
+            return
+
+
+def check_auto_trial_after_skipped_steps():
+    """``exchange="auto"`` under a GradScaler whose first two steps overflow (inf on rank 0):
+    the step after a skipped one lacks the inner step, so it is not timed, on any rank; a
+    family left with no timed step runs again instead of being ruled out (or, before the fix,
+    judged by a step without the inner step's time: dense came out 10x faster than it is)."""
+    scaler = torch.amp.GradScaler(DEVICE.type, init_scale=SCALES[0])
+    model, opt = build(min_numel=500, exchange="auto", exchange_trial_steps=1, grad_scaler=scaler)
+    train_overflowing_first(model, opt, scaler, 30)
+    trial = opt._hvd_topk.planner.trial
     assert trial.choice is not None, "auto never decided"
     assert 1 in trial.untimed, trial.untimed  # position 1 followed the first skipped step
     first = trial.families[0]
@@ -325,7 +331,6 @@ def check_auto_trial_after_skipped_steps_fused():
     """The same with a fused inner optimizer (``Adam(fused=True)``): GradScaler steps it even after
     an overflow and it skips inside its kernel, so the optimizer's step() ran; the scaler's
     found_inf says the step was skipped, and the next step is not timed either (it was)."""
-    rank = hvd.rank()
     scaler = torch.amp.GradScaler(DEVICE.type, init_scale=SCALES[0])
     torch.manual_seed(0)
     model = Net().to(DEVICE)
@@ -334,15 +339,7 @@ def check_auto_trial_after_skipped_steps_fused():
         opt = hvd_topk.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3, fused=True),
                                             named_parameters=model.named_parameters(), min_numel=500,
                                             exchange="auto", exchange_trial_steps=1, grad_scaler=scaler)
-    for step in range(6):
-        x, y = batch(step, rank)
-        if step < 2 and rank == 0:
-            x = x.clone()
-            x[0, 0] = float("inf")
-        opt.zero_grad()
-        scaler.scale(F.cross_entropy(model(x), y)).backward()
-        scaler.step(opt)
-        scaler.update()
+    train_overflowing_first(model, opt, scaler, 6)
     assert 1 in opt._hvd_topk.planner.trial.untimed, opt._hvd_topk.planner.trial.untimed
 
 
