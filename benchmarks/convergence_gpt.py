@@ -484,7 +484,7 @@ def main(argv=None):
         lines.append(f"| {r['label']} | `{r['args']}` | {r['mean']:.4f} ± {r['std']:.4f} | "
                      f"{r['min']:.4f}–{r['max']:.4f} | {vs} | {100 * r['bytes_ratio']:.2f}% |")
     if targets:
-        half = args.steps // 2
+        half = targets["half_step"]
         lines += ["", f"Steps to target: the first validation step (every {args.eval_every or 100}) at which a run's "
                   f"loss is at or below dense's mean loss at step {half} ({targets['target_half']:.4f}) and at step "
                   f"{args.steps} ({targets['target_full']:.4f}); mean over seeds, and how many seeds got there.", "",
@@ -522,10 +522,10 @@ def steps_to_target(runs, configs, steps):
     def dense_at(step):
         values = [h["val_loss"] for r in dense for h in r["history"] if h["step"] == step]
         return statistics.mean(values) if len(values) == len(dense) else None
-    out = {"target_half": dense_at(steps // 2), "target_full": dense_at(steps)}
-    if out["target_half"] is None:  # no evaluation at steps/2: the nearest one before it
-        half = max(h["step"] for h in dense[0]["history"] if h["step"] <= steps // 2)
-        out["target_half"] = dense_at(half)
+    out = {"target_half": dense_at(steps // 2), "target_full": dense_at(steps), "half_step": steps // 2}
+    if out["target_half"] is None:  # no evaluation at steps/2: the nearest one before it, named as such
+        out["half_step"] = max(h["step"] for h in dense[0]["history"] if h["step"] <= steps // 2)
+        out["target_half"] = dense_at(out["half_step"])
     for name in configs:
         out[name] = {key: [next((h["step"] for h in r["history"] if h["val_loss"] <= out[f"target_{key}"]), None)
                            for r in runs if r["config"] == name] for key in ("half", "full")}
