@@ -525,7 +525,6 @@ class TopKEngine:
         self.passes = dict.fromkeys(self.passes, 0)
         self.synchronized, self.should_synchronize = False, True
         self.ctx = None
-        self.sparse.forget()
         self.active.forget()  # a reset Horovod forgot it too
 
     # ---- state -----------------------------------------------------------------------------

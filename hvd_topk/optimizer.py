@@ -23,7 +23,6 @@ from hvd_topk.loss_scale import check_grad_scaler
 from hvd_topk.optim import momentum_decay_of, residual_decay_of
 from hvd_topk.options import Options
 from hvd_topk.selection import check_integer
-from hvd_topk.sparse_grads import SparseGradients
 
 ENGINE = "_hvd_topk"  # the one attribute hvd_topk adds to the user's optimizer
 LOCAL = "_hvd_topk_local"  # hvd_topk.LocalSteps' one attribute (local_steps.py), checked here too
@@ -172,7 +171,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                         updates=hasattr(optimizer, "transform_local_gradient"),
                         momentum_decay=momentum_decay_of(optimizer, residual_decay))
     if isinstance(optimizer, torch.optim.SparseAdam):  # it takes sparse gradients only, from the first step
-        engine.sparse = SparseGradients(names, options.sparse_as_dense, always=engine.params)
+        engine.sparse.always(engine.params)
     wrapped = share_as_subclass(optimizer, _DistributedOptimizer)
     setattr(wrapped, ENGINE, engine)
     # An inner optimizer that works on each rank's own gradient before the exchange (LocalAdamW)

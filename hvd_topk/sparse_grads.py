@@ -21,15 +21,17 @@ class SparseGradients:
     rank that did not touch an embedding this step has no gradient of it (its hook never
     fires), and the exchange writes the average into a dense ``p.grad``; handed over dense on
     that rank alone, SparseAdam (and SGD's sparse momentum) raised there and the job died.
-    ``always``: parameters handed back sparse from the first step (a SparseAdam's, which takes
-    nothing else), before this rank has seen one of their sparse gradients.
     """
 
-    def __init__(self, names, sparse_as_dense, always=()):
+    def __init__(self, names, sparse_as_dense):
         self.names = names
         self.warned = sparse_as_dense  # passing the option is saying it: no warning then
-        self.densified = []  # this step's
-        self.sparse = {id(p): p for p in always}  # every parameter handed back sparse
+        self.sparse = {}  # id(p) -> p, every parameter handed back sparse
+
+    def always(self, params):
+        """Hand ``params``' gradients back sparse from the first step (a SparseAdam's, which
+        takes nothing else), before this rank has seen one of their sparse gradients."""
+        self.sparse.update((id(p), p) for p in params)
 
     def densify(self, p):
         """Replace ``p.grad`` (sparse) by its dense form, to be exchanged like any gradient."""
@@ -40,14 +42,8 @@ class SparseGradients:
                           "densified, compressed by Top-K with error feedback, and handed back sparse. "
                           "Pass sparse_as_dense=True to hvd_topk.DistributedOptimizer to say so and "
                           "silence this warning.", stacklevel=3)
-        if all(q is not p for q in self.densified):  # (``in`` would compare tensors by value)
-            self.densified.append(p)
         self.sparse[id(p)] = p
         p.grad = p.grad.to_dense()
-
-    def forget(self):
-        """Drop this step's list (the step is abandoned: its gradients are not handed back)."""
-        self.densified = []
 
     def restore(self):
         """After the exchange: the gradients of every parameter in ``sparse`` back to sparse, as
@@ -55,4 +51,3 @@ class SparseGradients:
         for p in self.sparse.values():
             if p.grad is not None and p.grad.layout == torch.strided:
                 p.grad = p.grad.to_sparse()
-        self.forget()
