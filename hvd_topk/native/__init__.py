@@ -106,30 +106,21 @@ def _load():
 
 
 def _declare(lib):
-    p, i64, i32, u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint64
-    fn = lib.hvdtk_select_f32
-    fn.argtypes = [p, p, i64, i64, i64, p, i32, p, i32, i32, u64, p]
-    fn.restype = i64
-    fn = lib.hvdtk_select_segments_f32
-    fn.argtypes = [p, i64, p, p, p, i32, p, i32, i32, u64, p, p]
-    fn.restype = i64
-    f64 = ctypes.c_double
-    for name in ("hvdtk_scatter_segments_f32", "hvdtk_scatter_segments_f16_f32"):
+    p, i64, i32, u64, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint64, ctypes.c_double
+    scatter = [p, p, i64, p, i32, p, i64, i64, i64, f64, f64]
+    signatures = {  # every entry point returns int64
+        "hvdtk_select_f32": [p, p, i64, i64, i64, p, i32, p, i32, i32, u64, p],
+        "hvdtk_select_segments_f32": [p, i64, p, p, p, i32, p, i32, i32, u64, p, p],
+        "hvdtk_scatter_segments_f32": scatter,
+        "hvdtk_scatter_segments_f16_f32": scatter,
+        "hvdtk_take_f32": [p, i64, p, i32, i64, p, i32],
+        "hvdtk_fold_f32": [p, p, i64],
+        "hvdtk_compact_pack_f32": [p, p, i32, i64, p, i64, i32, p, p, i64, p, i64, p, p],
+        "hvdtk_compact_unpack_f32": [p, i64, i64, i64, i64, i64, i64, i64, i64, p, i64, i32, p, p, i32, i64],
+    }
+    for name, argtypes in signatures.items():
         fn = getattr(lib, name)
-        fn.argtypes = [p, p, i64, p, i32, p, i64, i64, i64, f64, f64]
-        fn.restype = i64
-    fn = lib.hvdtk_take_f32
-    fn.argtypes = [p, i64, p, i32, i64, p, i32]
-    fn.restype = i64
-    fn = lib.hvdtk_fold_f32
-    fn.argtypes = [p, p, i64]
-    fn.restype = i64
-    fn = lib.hvdtk_compact_pack_f32
-    fn.argtypes = [p, p, i32, i64, p, i64, i32, p, p, i64, p, i64, p, p]
-    fn.restype = i64
-    fn = lib.hvdtk_compact_unpack_f32
-    fn.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, i64, p, i64, i32, p, p, i32, i64]
-    fn.restype = i64
+        fn.argtypes, fn.restype = argtypes, i64
     lib.hvdtk_abi_version.restype = i32
     if lib.hvdtk_abi_version() != ABI_VERSION:
         raise RuntimeError("stale native library: ABI version mismatch")
