@@ -6,15 +6,19 @@
 # as a remote host) and is stopped when the check ends.
 set -euo pipefail
 d=/tmp/hvd-ssh-check
+keys=/root/.ssh/authorized_keys
 rm -rf "$d"; mkdir -p "$d" /root/.ssh
+# The check logs in with a key of its own; keys already there (a worker's mounted shared key)
+# are put back as they were when it ends.
+if [ -e "$keys" ]; then cp -p "$keys" "$d/authorized_keys.saved"; fi
 cleanup() {
   [ -f "$d/sshd.pid" ] && kill "$(cat "$d/sshd.pid")" 2>/dev/null
-  rm -f /root/.ssh/authorized_keys
+  if [ -e "$d/authorized_keys.saved" ]; then cp -p "$d/authorized_keys.saved" "$keys"; else rm -f "$keys"; fi
 }
 trap cleanup EXIT
 
 ssh-keygen -q -t ed25519 -N '' -f "$d/id_ed25519"
-cp "$d/id_ed25519.pub" /root/.ssh/authorized_keys
+cp "$d/id_ed25519.pub" "$keys"
 ssh-keygen -A >/dev/null
 /usr/sbin/sshd -t
 /usr/sbin/sshd -o ListenAddress=127.0.0.2 -o PidFile="$d/sshd.pid"
