@@ -128,6 +128,62 @@ def warmup_steps(method, warmup):
     return warmup + (AUTO_TRIAL_STEPS if method.startswith("topk-auto") else 0)
 
 
+def trial_finished(m):
+    """Refuse to time ``m`` (a benchmark's method record) while ``exchange="auto"``'s trial is
+    still running: its timed steps must run the strategy it chose (the trial can retry a family,
+    ``hvd_topk.auto.Trial.RETRIES``, and outlast ``AUTO_TRIAL_STEPS``)."""
+    stats = getattr(m["opt"], "compression_stats", None)
+    reason = (stats() if stats is not None else {}).get("exchange_reason") or ""
+    if reason.startswith("trial in progress"):
+        raise SystemExit(f"{m['method']}: exchange='auto' is still in its trial after the warm-up "
+                         f"({reason}); pass a larger --warmup")
+
+
+def time_methods(methods, build, one_step, finish, steps, interleave=False, rounds=1):
+    """Build, warm up and time every method; returns ``finish(m)`` of each, in ``methods``' order.
+
+    ``build(method)`` makes a record (a dict: ``"warmup"``, its untimed steps; ``"opt"``;
+    ``"times"``, an empty list); ``one_step(m, i)`` runs step ``i`` of ``m`` and returns its
+    seconds; ``finish(m)`` makes the method's row once ``m["times"]`` holds every timed step.
+    The machine drifts (one method after another, the first one's steps ran up to 40% slower in
+    a run of 2026-12-04), so the order must not favour a method:
+
+    - ``interleave``: every method built at once, each warmed up alone (``exchange="auto"``'s
+      trial timed without the others' steps in it), then timed step i runs each method once,
+      starting at a different one;
+    - ``rounds`` > 1 (for models too large to hold several copies, as GPT-2-small): that many
+      passes over the methods, each pass starting at a different method; in each pass a method is
+      built afresh, warmed up and timed for ``steps`` steps; its times are pooled over the passes
+      and its row is made after its last pass (only one method's model is alive at a time);
+    - neither: one method after another (the runs published before 2026-12-05 ran so).
+    """
+    if interleave:
+        built = [build(method) for method in methods]
+        for m in built:
+            for step in range(m["warmup"]):
+                one_step(m, step)
+            trial_finished(m)
+        for i in range(steps):
+            for m in built[i % len(built):] + built[:i % len(built)]:
+                m["times"].append(one_step(m, m["warmup"] + i))
+        return [finish(m) for m in built]
+    times, rows = {method: [] for method in methods}, {}
+    for r in range(rounds):
+        for method in list(methods[r % len(methods):]) + list(methods[:r % len(methods)]):
+            m = build(method)
+            for step in range(m["warmup"] + steps):
+                if step == m["warmup"]:
+                    trial_finished(m)
+                dt = one_step(m, step)
+                if step >= m["warmup"]:
+                    times[method].append(dt)
+            if r == rounds - 1:
+                m["times"] = times[method]
+                rows[method] = finish(m)
+            del m
+    return [rows[method] for method in methods]
+
+
 def method_list(methods, densities):
     out = []
     for m in methods:
@@ -207,6 +263,34 @@ def common_arguments(ap, densities, pool, output_name):
     ap.add_argument("--out", help=argparse.SUPPRESS)
 
 
+def order_arguments(ap):
+    """``--interleave`` and ``--rounds``: how the methods' timed steps are ordered (``time_methods``)."""
+    ap.add_argument("--interleave", action="store_true",
+                    help="build every method at once and interleave their timed steps (after each one's "
+                         "warm-up alone), so that the machine's drift falls on every method alike")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="passes over the methods, each starting at a different one, each method built afresh "
+                         "and timed for --steps steps in every pass (times pooled): drift falls on all alike "
+                         "with one model alive at a time")
+
+
+def hosts_phrase(settings):
+    per_host = settings.get("ranks_per_host") or 1
+    return "one emulated host per rank" if per_host == 1 else f"{per_host} ranks per emulated host"
+
+
+def order_line(settings):
+    """How a report's methods were ordered, for its header."""
+    if settings.get("interleave"):
+        return ("the methods built at once, each warmed up alone, their timed steps interleaved (step i runs each "
+                "once, the order rotating)")
+    rounds = settings.get("rounds") or 1
+    if rounds > 1:
+        return (f"{rounds} passes over the methods, each starting at a different one, each method built afresh and "
+                f"warmed up in every pass; times pooled over the passes")
+    return "one method after another (their times drift with the machine between them)"
+
+
 def driver(args, argv, *, worker_args, script, benchmark, render, model=None):
     """Set up P emulated hosts per ``--ranks``, run ``script --worker`` under one mpirun per rate,
     save ``results/<benchmark>/<output-name>.{json,md}`` (after every configuration, marked
@@ -256,7 +340,9 @@ def driver(args, argv, *, worker_args, script, benchmark, render, model=None):
 def _save_report(args, argv, script, benchmark, render, info, started, runs, partial, model=None):
     params, tensors = model or (RESNET50_PARAMS, len(resnet50_shapes()))
     report = {"benchmark": benchmark, "partial": partial,
-              "command": shlex.join([*[f"{k}={os.environ[k]}" for k in sorted(os.environ) if k.startswith("HOROVOD_")],
+              # the environment the driver reads: Horovod's tuning, and PYTHONPATH (an older checkout measured)
+              "command": shlex.join([*[f"{k}={os.environ[k]}" for k in sorted(os.environ)
+                                       if k.startswith("HOROVOD_") or k == "PYTHONPATH"],
                                      ".venv/bin/python", str(script.relative_to(REPO)), *argv]),
               "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": info, "params": params, "tensors": tensors,
@@ -332,6 +418,33 @@ def run_heading(run, shape=""):
 def versus(ref, row, base):
     """``base``'s median / ``row``'s as ``1.23x`` (``-`` for the ``none`` row or without ``base``)."""
     return f"{ref[base] / row['median_ms']:.2f}x" if base in ref and row["method"] != "none" else "-"
+
+
+def overhead(ref, row):
+    """The exchange's overhead: ``row``'s median minus ``none``'s (``-`` without ``none``); a
+    step faster than ``none``'s is flagged (noise: the overhead cannot be negative)."""
+    if "none" not in ref or row["method"] == "none":
+        return "-"
+    ov = row["median_ms"] - ref["none"]
+    return f"{ov:+.0f} ms" + (" (below none: noise)" if ov < 0 else "")
+
+
+def overhead_versus(ref, row, base):
+    """``base``'s overhead / ``row``'s (``12.5x``): the ratio that matters once compute is
+    taken out; ``n/a`` where either overhead is not above ``none``'s step."""
+    if "none" not in ref or base not in ref or row["method"] in ("none", base):
+        return "-"
+    mine, theirs = row["median_ms"] - ref["none"], ref[base] - ref["none"]
+    return f"{theirs / mine:.1f}x" if mine > 0 and theirs > 0 else "n/a"
+
+
+def launch_line(report):
+    """The launch settings that change timings, from the first run's mpirun command."""
+    cmd = report["runs"][0].get("mpirun", "") if report["runs"] else ""
+    yields = "mpi_yield_when_idle 1" in cmd
+    return ("- MPI: " + ("`--mca mpi_yield_when_idle 1` (the emulated hosts share this machine's cores: a rank "
+                         "waiting in a collective yields its core instead of spinning)" if yields
+                         else "`mpi_yield_when_idle` not set"))
 
 
 def agree(flag):

@@ -102,7 +102,9 @@ def make(method, model, density, hvd, hvd_topk, torch):
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
-    named = list(model.named_parameters())
+    # names per method: methods must not share Horovod's tensor names (with --interleave its response
+    # cache would be invalidated at every switch between fp32 and fp16 tensors of one name)
+    named = [(f"{method}.{n}", p) for n, p in model.named_parameters()]
     if method in ("none", "dense", "fp16"):
         inner = torch.optim.AdamW(groups, lr=3e-4, betas=(0.9, 0.95))
         if method == "none":
@@ -139,43 +141,50 @@ def worker(args):
     g = torch.Generator().manual_seed(7 + rank)
     tokens = [torch.randint(0, GPT2_SMALL["vocab"], (args.batch, args.context + 1), generator=g)
               for _ in range(args.pool)]
-    rows = []
-    for method in args.gpt_methods:
+
+    def build(method):
+        """``method``'s GPT-2-small (the same initial weights for every method) and optimizer."""
         gc.collect()
         torch.manual_seed(0)
         model = build_gpt2_small(torch, **GPT2_SMALL)
-        n_params, n_tensors = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
         opt = make(method, model, args.density, hvd, hvd_topk, torch)
         if method != "none":
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        params = list(model.parameters())
-        times, t_method = [], time.time()
-        for step in range(args.warmup + args.steps):
-            batch = tokens[step % len(tokens)]
-            hvd.allreduce(torch.zeros(1), name="bench.barrier", op=hvd.Sum)
-            t0 = time.perf_counter()
-            common.zero_grad(opt, params)
-            logits = model(batch[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-            loss.backward()
-            opt.step()
-            dt = time.perf_counter() - t0
-            if step >= args.warmup:
-                times.append(dt)
-            say(f"  [{method}] step {step + 1}/{args.warmup + args.steps} {dt * 1e3:.0f} ms (rank 0), loss {loss.item():.3f}")
-        agree = None if method == "none" else len(set(common.rank_sums(hvd, torch, params))) == 1
-        timing = common.slowest_rank_ms(hvd, torch, times)
+        return {"method": method, "model": model, "opt": opt, "params": list(model.parameters()),
+                "times": [], "warmup": args.warmup, "started": time.time()}
+
+    def one_step(m, step):
+        """One training step of ``m`` (ranks aligned first); returns its seconds on this rank."""
+        batch = tokens[step % len(tokens)]
+        hvd.allreduce(torch.zeros(1), name="bench.barrier", op=hvd.Sum)
+        t0 = time.perf_counter()
+        common.zero_grad(m["opt"], m["params"])
+        logits = m["model"](batch[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        loss.backward()
+        m["opt"].step()
+        dt = time.perf_counter() - t0
+        say(f"  [{m['method']}] step {step + 1}/{args.warmup + args.steps} {dt * 1e3:.0f} ms (rank 0), "
+            f"loss {loss.item():.3f}")
+        return dt
+
+    def finish(m):
+        method = m["method"]
+        agree = None if method == "none" else len(set(common.rank_sums(hvd, torch, m["params"]))) == 1
+        timing = common.slowest_rank_ms(hvd, torch, m["times"])
         if method == "localsteps":  # one exchange in SYNC_EVERY steps: the mean of whole cycles
             timing["median_ms"] = statistics.mean(timing["step_ms_slowest_rank"])
             timing["median_is"] = "the mean of whole cycles"
         row = {"method": method, "label": LABELS[method], "P": size, **timing,
-               "params_identical_across_ranks": agree, "wall_s": time.time() - t_method,
-               "parameters": n_params, "tensors": n_tensors}
+               "params_identical_across_ranks": agree, "wall_s": time.time() - m["started"],
+               "parameters": sum(p.numel() for p in m["params"]), "tensors": len(m["params"])}
         if method in TOPK_METHODS:
-            row["compression_stats"] = opt.compression_stats()
-        rows.append(row)
+            row["compression_stats"] = m["opt"].compression_stats()
         say(f"{LABELS[method]:>34}: median {row['median_ms']:8.1f} ms/step")
-        del opt, model
+        return row
+
+    rows = common.time_methods(args.gpt_methods, build, one_step, finish, args.steps,
+                               interleave=args.interleave, rounds=args.rounds)
     if rank == 0 and args.out:
         Path(args.out).write_text(json.dumps({"hosts": names, "rows": rows, "hvd_topk": {
             "version": hvd_topk.__version__, "file": hvd_topk.__file__}}, indent=1))
@@ -184,7 +193,8 @@ def worker(args):
 def worker_args(args):
     return ["--gpt-methods", *args.gpt_methods, "--density", str(args.density), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--pool", str(args.pool), "--threads", str(args.threads),
-            "--batch", str(args.batch), "--context", str(args.context)]
+            "--batch", str(args.batch), "--context", str(args.context), "--rounds", str(args.rounds),
+            *(["--interleave"] if args.interleave else [])]
 
 
 def to_target(report, args):
@@ -223,10 +233,11 @@ def markdown(report):
              f"{report['tensors']} tensors), {s['batch']} x {s['context']} tokens per rank", "",
              f"- command: `{report['command']}`",
              f"- date: {report['date_utc']}; machine: {common.summary(m)}; load average at end {report.get('loadavg_at_end')}",
-             "- one emulated host per rank (network namespace, tbf-shaped veth, burst 1 ms of the rate), mpirun over "
+             f"- {common.hosts_phrase(s)} (network namespace, tbf-shaped veth, burst 1 ms of the rate), mpirun over "
              "ssh, MPI over TCP only; step = zero_grad(set_to_none=True) + forward + backward + opt.step(); "
-             f"{s['warmup']} warm-up + {s['steps']} timed steps, median of the slowest rank; {s['threads']} torch "
-             f"thread(s) per rank; Top-K at {s['density'] * 100:g}% with the allgather, steady state (no dense start)",
+             f"{s['warmup']} warm-up + {s['steps']} timed steps, median of the slowest rank; {common.order_line(s)}; "
+             f"{s['threads']} torch thread(s) per rank; Top-K at {s['density'] * 100:g}% with the allgather, steady "
+             "state (no dense start)", common.launch_line(report),
              "- CPU only: compute is far slower than on a GPU, so the exchange is a smaller share of the step "
              "than it would be there"]
     if report.get("rendered_command"):
@@ -235,12 +246,13 @@ def markdown(report):
     for run in report["runs"]:
         ref = {r["method"]: r["median_ms"] for r in run["rows"]}
         lines += [common.run_heading(run), "", "| method | median ms/step | min-max ms | exchange overhead vs none "
-                  "| vs dense | vs fp16 | ranks agree | bytes vs dense fp32 |", "|---|---:|---:|---:|---:|---:|---|---:|"]
+                  "| vs dense | vs fp16 | overhead: dense's / this | overhead: fp16's / this | ranks agree "
+                  "| bytes vs dense fp32 |", "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
         for r in run["rows"]:
-            ov = f"{r['median_ms'] - ref['none']:+.0f} ms" if "none" in ref and r["method"] != "none" else "-"
             ratio = r.get("compression_stats", {}).get("bytes_ratio")
-            lines.append(f"| {r['label']} | {r['median_ms']:.0f} | {r['min_ms']:.0f}-{r['max_ms']:.0f} | {ov} | "
-                         f"{common.versus(ref, r, 'dense')} | {common.versus(ref, r, 'fp16')} | "
+            lines.append(f"| {r['label']} | {r['median_ms']:.0f} | {r['min_ms']:.0f}-{r['max_ms']:.0f} | "
+                         f"{common.overhead(ref, r)} | {common.versus(ref, r, 'dense')} | {common.versus(ref, r, 'fp16')} | "
+                         f"{common.overhead_versus(ref, r, 'dense')} | {common.overhead_versus(ref, r, 'fp16')} | "
                          f"{common.agree(r['params_identical_across_ranks'])} | "
                          f"{'-' if ratio is None else f'{100 * ratio:.2f}%'} |")
         lines.append("")
@@ -316,7 +328,15 @@ def main(argv=None):
                     help="only redo the report of an earlier run (its measured part) with these --convergence files")
     ap.add_argument("--render-to", type=Path, metavar="PREFIX",
                     help="with --render: write PREFIX.{json,md} instead of overwriting the earlier run's files")
+    common.order_arguments(ap)
     args = ap.parse_args(argv)
+    unused = [flag for flag, given in (("--methods", args.methods != ap.get_default("methods")),
+                                       ("--densities", args.densities != ap.get_default("densities")),
+                                       ("--topk-method", args.topk_method is not None),
+                                       ("--fp16-values", args.fp16_values)) if given]
+    if unused:
+        ap.error(f"{', '.join(unused)}: not used here; the methods are --gpt-methods (recipe16 has 16-bit "
+                 "values) at --density")
     if "localsteps" in args.gpt_methods and args.steps % SYNC_EVERY:
         ap.error(f"localsteps exchanges every {SYNC_EVERY} steps: --steps must be a multiple of {SYNC_EVERY}")
     if args.worker:

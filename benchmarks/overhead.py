@@ -319,9 +319,7 @@ def driver(args, argv):
               "command": shlex.join([*([f"PYTHONPATH={pythonpath}"] if pythonpath else []),
                                      *[f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("HOROVOD_")],
                                      ".venv/bin/python", "benchmarks/overhead.py", *argv]),
-              "mpirun": f"mpirun -np {args.np} --oversubscribe --bind-to none "
-                        + "".join(f"--mca {n} {v} " for n, v in args.mca)
-                        + "-x OMP_NUM_THREADS=1 python benchmarks/overhead.py --worker ...",
+              "mpirun": shlex.join(map(str, cmd)),  # as run (launch.py adds its own --mca settings)
               "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": info, "settings": {**{k: v for k, v in vars(args).items() if k not in ("worker", "out")},
                                             "trial_iterations": trial_steps(args)},

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """A MODEL, not a measurement: predicted step time and scaling efficiency of data-parallel
 training with Horovod dense allreduce (fp32, fp16) and hvd_topk's exchanges (allgather, sparse
-allreduce, and auto = the fastest of all four, as its measured trial picks; 1% and 0.1%, error
+allreduce, and auto = the fastest of what its measured trial tries; 1% and 0.1%, error
 feedback), for P = 1, 2, 4, ..., 256 workers at 1/10/25/100 Gbit/s, for ResNet-50 and a
 BERT-base-sized model.
 
@@ -26,8 +26,10 @@ depend on P):
   emulated hosts by benchmarks/exchange.py) t_cpu per element is instead calibrated per
   strategy from the measurement at P=2 and the fastest link there: the measured step minus the
   backward-only step minus the modelled wire time, divided by n.
-- auto (``exchange="auto"``) = the fastest of the four predictions (its trial measures them;
-  with hosts of several ranks, also of the two hierarchical ones).
+- auto (``exchange="auto"``) = the fastest of the families its trial measures
+  (``hvd_topk.auto.families``): dense fp32 and the two sparse exchanges (dense fp16 too with
+  ``value_bytes`` 2, the library's rule since 2026-11-27: fp16 only where the values already
+  travel in 16 bits; with hosts of several ranks, also the two hierarchical ones).
 - ``--ranks-per-host L`` (default 1: every rank its own host): P = N hosts x L ranks. A ring's
   slowest edge is then a host's network link (B = the link rate, shared by the host's L ranks);
   inside one host (P <= L) every collective runs at ``--host-gbps`` (NVLink class). The
@@ -75,8 +77,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _common import write_report  # noqa: E402
+from _common import emulated_hosts, write_report  # noqa: E402
 from hvd_topk.exchange import AllgatherPairs, DenseAllreduce, SparseAllreduce, cheapest  # noqa: E402  (the optimizer's own)
+from hvd_topk import auto  # noqa: E402  (the families auto's trial tries)
 
 GBIT = 1e9 / 8  # bytes per second in 1 Gbit/s
 RESNET50_MEASURED = 25_557_032  # the elements benchmarks/exchange.py exchanges (ResNet-50's 161 tensors)
@@ -188,9 +191,12 @@ def step(method, P, n, compute_s, gbps, costs):
     "dense fp16", or "<allgather|sparse_allreduce|auto> <density>" ("1%", "0.1%")."""
     if method.startswith("auto "):
         density = method.split()[1]
-        names = ["dense fp32", "dense fp16", f"allgather {density}", f"sparse_allreduce {density}"]
-        if costs.ranks_per_host > 1 and P > costs.ranks_per_host:
-            names += [f"hier allgather {density}", f"hier sparse_allreduce {density}"]
+        # what the library's trial tries (hvd_topk.auto.families): dense fp16 only where the values
+        # already travel in 16 bits, the hierarchical families where hosts hold several ranks
+        hier = costs.ranks_per_host > 1 and P > costs.ranks_per_host
+        names = [{"dense": "dense fp32", "dense_fp16": "dense fp16"}.get(f) or
+                 (f"hier {f[len(auto.HIER):]} {density}" if f.startswith(auto.HIER) else f"{f} {density}")
+                 for f in auto.families(hier, False, fp16=costs.value_bytes == 2)]
         options = [step(m, P, n, compute_s, gbps, costs) for m in names]
         return dict(min(options, key=lambda r: r["step_s"]))
     if method.startswith("hier "):
@@ -237,7 +243,7 @@ def calibrate_local(path, n_measured, costs):
             rows = {r["method"].partition("@")[0]: r for r in run["rows"]}
             if method not in rows or "none" not in rows:
                 continue
-            gbps = float(str(run["rate"]).lower().replace("gbit", ""))
+            gbps = emulated_hosts.rate_bits(run["rate"]) / 1e9
             density = float(rows[method]["method"].partition("@")[2])
             wire, _ = sparse_times(2, n_measured, density, gbps, dataclasses.replace(costs, local_s_per_elem=None),
                                    SPARSE[name])

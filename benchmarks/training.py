@@ -19,8 +19,9 @@ optimizer with a named exchange, built as benchmarks/exchange.py builds them
 ``--densities`` (default 1%).
 
 Full run (about 3 min; ``--interleave`` builds every method at once and interleaves their
-timed steps, as benchmarks/ddp_hooks.py does: one method after another, the first one's steps
-ran up to 40% slower in a run of 2026-12-04, which the others' overheads then read against):
+timed steps, as benchmarks/ddp_hooks.py does, and ``--rounds R`` makes R passes over the methods,
+each starting at a different one: one method after another, the first one's steps ran up to 40%
+slower in a run of 2026-12-04, which the others' overheads then read against):
     .venv/bin/python benchmarks/training.py
     .venv/bin/python benchmarks/training.py --ranks 2 --interleave --steps 10 --warmup 4
 Smoke run:
@@ -125,8 +126,11 @@ def worker(args):
         model = build_resnet50(torch)
         name = method.partition("@")[0]
         inner = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        opt, comp = common.make_optimizer(method, inner, list(model.named_parameters()), args.topk_method,
-                                          hvd, hvd_topk)
+        # names per method: interleaved methods must not share Horovod's tensor names (its response
+        # cache would be invalidated at every switch between fp32 and fp16 tensors of one name)
+        named = [(f"{method}.{n}", p) for n, p in model.named_parameters()]
+        opt, comp = common.make_optimizer(method, inner, named, args.topk_method,
+                                          hvd, hvd_topk, fp16_values=args.fp16_values)
         if name != "none":
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         return {"method": method, "name": name, "model": model, "opt": opt or inner, "comp": comp,
@@ -165,29 +169,8 @@ def worker(args):
             f"{'' if agree in (None, True) else '   WARNING: parameters differ across ranks'}")
         return row
 
-    methods = common.method_list(args.methods, args.densities)
-    rows = []
-    if not args.interleave:
-        for method in methods:
-            m = build(method)
-            for step in range(m["warmup"] + args.steps):
-                dt = one_step(m, step)
-                if step >= m["warmup"]:
-                    m["times"].append(dt)
-            rows.append(finish(m))
-            del m
-    else:
-        # Every method built at once; each takes its warm-up alone (exchange="auto"'s trial too,
-        # timed without the other methods' steps in it), then the timed steps rotate: step i runs
-        # each method once, starting at a different one, so the machine's drift falls on all alike.
-        built = [build(method) for method in methods]
-        for m in built:
-            for step in range(m["warmup"]):
-                one_step(m, step)
-        for i in range(args.steps):
-            for m in built[i % len(built):] + built[:i % len(built)]:
-                m["times"].append(one_step(m, m["warmup"] + i))
-        rows = [finish(m) for m in built]
+    rows = common.time_methods(common.method_list(args.methods, args.densities), build, one_step, finish,
+                               args.steps, interleave=args.interleave, rounds=args.rounds)
     if rank == 0 and args.out:
         Path(args.out).write_text(json.dumps({"hosts": names, "rows": rows,
                                               "hvd_topk": {"version": hvd_topk.__version__, "file": hvd_topk.__file__,
@@ -201,9 +184,11 @@ def worker_args(args):
            "--image-size", str(args.image_size)]
     if args.topk_method:
         out += ["--topk-method", args.topk_method]
+    if args.fp16_values:
+        out += ["--fp16-values"]
     if args.interleave:
         out += ["--interleave"]
-    return out
+    return out + ["--rounds", str(args.rounds)]
 
 
 def markdown(report):
@@ -213,27 +198,26 @@ def markdown(report):
              f"- command: `{report['command']}`",
              f"- date: {report['date_utc']}; machine: {common.summary(m)}; load average at end "
              f"{report.get('loadavg_at_end')}",
-             f"- one emulated host per rank (network namespace, tbf-shaped veth), mpirun over ssh, MPI "
+             f"- {common.hosts_phrase(s)} (network namespace, tbf-shaped veth), mpirun over ssh, MPI "
              f"over TCP only; step = zero_grad(set_to_none=True) + forward + backward + opt.step() (SGD momentum 0.9); "
              f"{s['warmup']} warm-up + {s['steps']} timed steps, median of the slowest rank; "
-             + ("the methods built at once, each warmed up alone, their timed steps interleaved (step i "
-                "runs each once, the order rotating); " if s.get("interleave") else
-                "one method after another (their times drift with the machine between them); ")
-             + f"{s['threads']} torch thread(s) per rank; selection `{s.get('topk_method') or 'TopK default'}`",
-             common.hvd_topk_line(report),
+             f"{common.order_line(s)}; {s['threads']} torch thread(s) per rank; selection "
+             f"`{s.get('topk_method') or 'TopK default'}`{', 16-bit values' if s.get('fp16_values') else ''}",
+             common.hvd_topk_line(report), common.launch_line(report),
              "- `none` = the same step without any exchange (plain torch optimizer)", ""]
     for run in report["runs"]:
         ref = {r["method"]: r["median_ms"] for r in run["rows"]}
         lines += [common.run_heading(run), "",
-                  "| method | median ms/step | min-max ms | vs dense | vs fp16 | exchange overhead vs none | ranks agree |",
-                  "|---|---:|---:|---:|---:|---:|---|"]
+                  "| method | median ms/step | min-max ms | vs dense | vs fp16 | exchange overhead vs none "
+                  "| overhead: dense's / this | overhead: fp16's / this | ranks agree |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in run["rows"]:
-            ov = f"{r['median_ms'] - ref['none']:+.0f} ms" if "none" in ref and r["method"] != "none" else "-"
             chose = (r.get("compression_stats") or {}).get("exchange_family") if "auto" in r["method"] else None
             label = r["label"] + (f" (chose {chose})" if chose else "")
             lines.append(f"| {label} | {r['median_ms']:.1f} | {r['min_ms']:.0f}-{r['max_ms']:.0f} | "
-                         f"{common.versus(ref, r, 'dense')} | {common.versus(ref, r, 'fp16')} | {ov} | "
-                         f"{common.agree(r['params_identical_across_ranks'])} |")
+                         f"{common.versus(ref, r, 'dense')} | {common.versus(ref, r, 'fp16')} | "
+                         f"{common.overhead(ref, r)} | {common.overhead_versus(ref, r, 'dense')} | "
+                         f"{common.overhead_versus(ref, r, 'fp16')} | {common.agree(r['params_identical_across_ranks'])} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -244,9 +228,7 @@ def main(argv=None):
     common.common_arguments(ap, densities=[0.01], pool=2, output_name="training")
     ap.add_argument("--batch", type=int, default=8, help="per rank")
     ap.add_argument("--image-size", type=int, default=32)
-    ap.add_argument("--interleave", action="store_true",
-                    help="build every method at once and interleave their timed steps (after each one's "
-                         "warm-up alone), so that the machine's drift falls on every method alike")
+    common.order_arguments(ap)
     args = ap.parse_args(argv)
     if args.worker:
         worker(args)

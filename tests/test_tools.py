@@ -299,3 +299,79 @@ def test_benchmarks_wait_out_autos_longest_trial():
                   for c in (False, True) for f in (False, True))
     assert longest == 6  # dense, dense fp16, allgather, sparse allreduce, two hierarchical
     assert _common.AUTO_TRIAL_STEPS >= longest * (auto.TRIAL_STEPS + 1)
+
+
+def _bench_common():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import _common
+    finally:
+        sys.path.pop(0)
+    return _common
+
+
+def _fake_methods(log, alive):
+    """``time_methods``' three callbacks over fake methods: each step's "seconds" is its call's
+    position in ``log``, so the rows show which calls each method's times came from."""
+    def build(method):
+        alive.append(method)
+        log.append(("build", method, len(alive)))
+        return {"method": method, "opt": object(), "warmup": 1, "times": []}
+
+    def one_step(m, step):
+        log.append((m["method"], step))
+        return float(len(log))
+
+    def finish(m):
+        alive.remove(m["method"])
+        return {"method": m["method"], "times": list(m["times"])}
+    return build, one_step, finish
+
+
+def test_time_methods_rounds_rotate_the_order_and_pool_times():
+    """Three passes over a, b, c start at a, then b, then c; each pass builds the method afresh,
+    warms it up (step 0, untimed) and times 2 steps; the times of all passes are pooled, and each
+    row is made once (hand-written expectation)."""
+    common = _bench_common()
+    log, alive = [], []
+    build, one_step, finish = _fake_methods(log, alive)
+    rows = common.time_methods(["a", "b", "c"], build, one_step, finish, 2, rounds=3)
+    builds = [e[1] for e in log if e[0] == "build"]
+    assert builds == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert [r["method"] for r in rows] == ["a", "b", "c"]
+    positions = {m: [i + 1 for i, e in enumerate(log) if e[0] == m and e[1] >= 1] for m in "abc"}
+    for r in rows:
+        assert r["times"] == [float(p) for p in positions[r["method"]]]
+        assert len(r["times"]) == 6
+
+
+def test_time_methods_interleave_rotates_each_step():
+    common = _bench_common()
+    log, alive = [], []
+    build, one_step, finish = _fake_methods(log, alive)
+    common.time_methods(["a", "b", "c"], build, one_step, finish, 3, interleave=True)
+    timed = [e[0] for e in log if e[0] != "build" and e[1] >= 1]
+    assert timed == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert [e[0] for e in log if e[0] != "build" and e[1] == 0] == ["a", "b", "c"]  # warm-ups alone, first
+
+
+def test_time_methods_refuses_to_time_autos_trial():
+    common = _bench_common()
+
+    class Opt:
+        def compression_stats(self):
+            return {"exchange_reason": "trial in progress (5 of 16 steps)"}
+    build = lambda method: {"method": method, "opt": Opt(), "warmup": 1, "times": []}  # noqa: E731
+    with pytest.raises(SystemExit, match="still in its trial"):
+        common.time_methods(["topk-auto@0.01"], build, lambda m, i: 0.1, lambda m: m, 2)
+
+
+def test_overhead_ratio_by_hand():
+    """The README's training table: dense 1159.1 ms, none 255.1, hvd_topk 294.7 a step give an
+    overhead ratio of (1159.1 - 255.1) / (294.7 - 255.1) = 22.8; a step below none's is n/a."""
+    common = _bench_common()
+    ref = {"none": 255.1, "dense": 1159.1, "topk-ef": 294.7, "fp16": 250.0}
+    assert common.overhead_versus(ref, {"method": "topk-ef", "median_ms": 294.7}, "dense") == "22.8x"
+    assert common.overhead_versus(ref, {"method": "topk-ef", "median_ms": 294.7}, "fp16") == "n/a"
+    assert common.overhead(ref, {"method": "fp16", "median_ms": 250.0}) == "-5 ms (below none: noise)"
+    assert common.overhead(ref, {"method": "none", "median_ms": 255.1}) == "-"
