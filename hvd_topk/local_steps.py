@@ -38,6 +38,7 @@ from hvd_topk.engine import (STEP_KEY, TRIAL_KEY, check_parameters_unchanged, ch
                              parameter_layout)
 from hvd_topk.optimizer import ENGINE, LOCAL, DistributedOptimizer, _name_parameters, share_as_subclass
 from hvd_topk.selection import check_flag, check_integer, check_number
+from hvd_topk.stats import DENSE_FP32_BYTES
 
 STATE_KEY = checkpoint.LOCAL_STEPS_KEY  # its section of state_dict(): this rank's outer optimizer
 PHASE_KEY = "hvd_topk_local_step"   # param group 0: steps since the last synchronisation
@@ -201,14 +202,20 @@ class _LocalSteps(torch.optim.Optimizer):
         check_still_trainable(zip(local.params, local.names), "hvd_topk.LocalSteps",
                               "its shared copy would still move by the residual of its earlier changes, "
                               "and every synchronisation resets it to that copy")
-        self._adopt_shared()
+        adopted = self._adopt_shared()
         if self.local_step == 0:
             # A period starts from the shared weights. Taken from the model (identical on every
             # rank here: just reset to the anchors, or broadcast by the user before training,
-            # or restored by hvd.elastic), so a broadcast after construction needs nothing more.
+            # or restored by hvd.elastic), so a broadcast after construction needs nothing more;
+            # but where the root's shared weights were just broadcast, from them: a rank without
+            # optimizer state took one step of its own inside hvd.broadcast_optimizer_state (zero
+            # gradients, but AdamW's weight decay moves the broadcast model).
             with torch.no_grad():
                 for a, p in zip(local.anchors, local.params):
-                    a.copy_(p)
+                    if adopted:
+                        p.copy_(a)
+                    else:
+                        a.copy_(p)
         loss = self._local_step(closure)
         local.steps += 1
         phase = self.local_step + 1
@@ -347,10 +354,11 @@ class _LocalSteps(torch.optim.Optimizer):
 
     def _adopt_shared(self):
         """Copy shared state set on param group 0 (by ``hvd.broadcast_optimizer_state`` or
-        ``load_state_dict``) into the anchors and the outer momentum, and take it off the group."""
+        ``load_state_dict``) into the anchors and the outer momentum, and take it off the group.
+        Returns whether there was any."""
         shared = self.param_groups[0].pop(SHARED_KEY, None)
         if shared is None:
-            return
+            return False
         local = getattr(self, LOCAL)
         self._check_shared_shapes(shared)
         # (None in the list: the root has no momentum for it, a fresh or restarted outer SGD; a
@@ -364,6 +372,7 @@ class _LocalSteps(torch.optim.Optimizer):
                     local.outer.state[a]["momentum_buffer"] = momentum.to(a.device, a.dtype, copy=True)
                 elif momenta is not None and a in local.outer.state:
                     local.outer.state[a].pop("momentum_buffer", None)
+        return True
 
     def _check_shared(self):
         """Before a synchronisation: every rank at the same synchronisation count with the same
@@ -378,16 +387,20 @@ class _LocalSteps(torch.optim.Optimizer):
             return
         active = hvd.allreduce(torch.ones(1), name=f"{engine.prefix}.local_steps_active", op=hvd.Sum,
                                process_set=engine.process_set)
-        if int(active.item()) < engine.world:
-            return
+        if int(active.item()) < engine.process_set.size():  # (engine.world: as of the outer's last step;
+            return                                         # an elastic job may have changed size since)
         with torch.no_grad():  # summed in float64 where they lie (no float64 copy), read once
             checksum = float(torch.stack([a.sum(dtype=torch.float64) for a in local.anchors]).sum()) \
                 if local.anchors else 0.0
         outer = local.outer.param_groups[0]
         settings = agreement.digest((local.sync_every, outer["lr"], outer["momentum"], outer["nesterov"])) % 2 ** 50
-        mine = torch.tensor([[self.param_groups[0][SYNCS_KEY], self.local_step, checksum, settings]],
+        stateful = self._has_state()
+        mine = torch.tensor([[self.param_groups[0][SYNCS_KEY], self.local_step, checksum, settings, sum(stateful)]],
                             dtype=torch.float64)  # (a 50-bit digest is exact in float64)
         rows = hvd.allgather(mine, name=f"{engine.prefix}.local_steps_agree", process_set=engine.process_set)
+        if not bool((rows[:, 4] == rows[0, 4]).all()):
+            self._fill_state(stateful, engine)
+        rows = rows[:, :4]
         if not bool(rows[:, 2].isfinite().all()):  # (NaN != NaN: the comparison below would blame the ranks)
             raise RuntimeError(
                 "hvd_topk.LocalSteps: the shared weights are not finite (inf or NaN) on ranks "
@@ -408,6 +421,43 @@ class _LocalSteps(torch.optim.Optimizer):
                 "the shared weights, except for an inner optimizer without state, such as SGD without "
                 "momentum, for which Horovod broadcasts nothing), and broadcast the model with it.")
 
+    def _has_state(self):
+        """For each trained parameter, whether the user's optimizer holds state for it here."""
+        local = getattr(self, LOCAL)
+        return [bool(self.state.get(p)) for p in local.params]
+
+    def _fill_state(self, stateful, engine):
+        """Give the user's optimizer state for every parameter some rank has state for.
+
+        Gradients stay on their rank, so a parameter this rank never used (a head, a branch)
+        has no state here while others have: ``hvd.broadcast_optimizer_state`` (after
+        ``hvd.join()``, from a rank-0 checkpoint, ``hvd.elastic``'s ``sync()``) would then pair
+        different tensors on different ranks and hang. The state is made as Horovod makes a fresh
+        optimizer's: one step with zero gradients, for those parameters only, whose values are
+        then put back (AdamW's weight decay would move them)."""
+        local = getattr(self, LOCAL)
+        flags = hvd.allgather(torch.tensor([stateful], dtype=torch.uint8), name=f"{engine.prefix}.local_steps_state",
+                              process_set=engine.process_set)
+        missing = [p for p, anywhere, here in zip(local.params, flags.any(0).tolist(), stateful) if anywhere and not here]
+        if not missing:
+            return
+        grads = [(p, p.grad) for g in self.param_groups for p in g["params"]]
+        values = [p.detach().clone() for p in missing]
+        scaling = {k: self.__dict__.pop(k) for k in ("found_inf", "grad_scale") if k in self.__dict__}  # (_local_step)
+        try:
+            for p, _ in grads:
+                p.grad = None
+            for p in missing:
+                p.grad = torch.zeros_like(p)
+            super(self.__class__, self).step()
+        finally:
+            with torch.no_grad():
+                for p, v in zip(missing, values):
+                    p.copy_(v)
+            for p, g in grads:
+                p.grad = g
+            self.__dict__.update(scaling)
+
     def compression_stats(self, reset=False):
         """The outer optimizer's statistics, with bytes compared to a dense allreduce at every
         step: ``steps`` (this rank's, since construction or the last reset), ``syncs``,
@@ -415,8 +465,10 @@ class _LocalSteps(torch.optim.Optimizer):
         local = getattr(self, LOCAL)
         out = local.outer.compression_stats(reset=reset)
         syncs, steps = out["steps"], local.steps
-        per_sync = out["bytes_dense"] / syncs if syncs else 0.0
-        out.update(syncs=syncs, steps=steps, bytes_dense=per_sync * steps)
+        # a dense allreduce of every trained parameter in fp32 a step (as the outer optimizer
+        # counts it), also before the first synchronisation
+        per_step = DENSE_FP32_BYTES * sum(a.numel() for a in local.anchors)
+        out.update(syncs=syncs, steps=steps, bytes_dense=per_step * steps)
         out["bytes_ratio"] = out["bytes_sent"] / out["bytes_dense"] if out["bytes_dense"] else 0.0
         if reset:
             local.steps = 0

@@ -289,6 +289,67 @@ def check_broadcast_mid_period():
         assert_same_on_all_ranks(p.detach().numpy(), f"after the synchronisations: {n}")
 
 
+def check_broadcast_at_synchronisation_weight_decay():
+    """A checkpoint loaded on rank 0 alone at a synchronisation (H=3, after 6 steps), then
+    broadcast, with AdamW's weight decay: the other ranks' fresh AdamW takes one step inside
+    hvd.broadcast_optimizer_state, and its decay moves their broadcast model. The period must
+    start from the root's shared weights: every rank holds rank 0's bits at once, and after the
+    next synchronisation. (The anchors were once taken from the decayed model: the next
+    synchronisation raised that the ranks hold different shared weights.)"""
+    model, opt = build(adamw(), sync_every=3)
+    train(model, opt, 6)
+    assert opt.local_step == 0, opt.local_step
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    model, opt = fresh_then_broadcast(adamw(), saved)
+    train(model, opt, 1, start=6)  # the period's first step, from the shared weights
+    train(model, opt, 2, start=7)  # a synchronisation
+    assert opt.local_step == 0, opt.local_step
+    for n, p in model.named_parameters():
+        assert_same_on_all_ranks(p.detach().numpy(), f"after the synchronisation: {n}")
+
+
+def check_parameter_unused_on_one_rank():
+    """head2 unused on the last rank: its AdamW has no state for it (gradients stay local), so
+    hvd.broadcast_optimizer_state would pair different tensors and hang. At the synchronisation
+    every rank gets state for every parameter some rank has state for, without moving it: after
+    it the unused weight on the last rank equals the others' (the anchors), every rank holds
+    state for all 6 parameters, and the broadcast completes with every rank then equal to rank
+    0's optimizer state."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = hvd_topk.LocalSteps(torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1),
+                              named_parameters=model.named_parameters(), sync_every=2,
+                              compression=hvd_topk.TopK(density=0.05), min_numel=MIN_NUMEL, exchange="allgather")
+    use_head2 = hvd.rank() != hvd.size() - 1
+    for step in range(2):
+        x, y = batch(step, hvd.rank())
+        opt.zero_grad()
+        F.cross_entropy(model(x, use_head2), y).backward()
+        opt.step()
+    assert opt.local_step == 0
+    for n, p in model.named_parameters():
+        assert_same_on_all_ranks(p.detach().numpy(), f"after the synchronisation: {n}")
+    counts = gather(np.array([len(opt.state_dict()["state"])]))
+    assert all(int(c[0]) == 6 for c in counts), f"parameters with optimizer state per rank: {counts}"
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    for p in model.parameters():
+        assert_same_on_all_ranks(opt.state[p]["exp_avg_sq"].numpy(), "exp_avg_sq after the broadcast")
+
+
+def check_statistics_before_the_first_synchronisation():
+    """One step of H=2: nothing sent yet, against one dense fp32 allreduce of the model
+    (hand-computed: its element count x 4 bytes); after the synchronisation, two."""
+    model, opt = build(sgd(), sync_every=2)
+    dense = sum(p.numel() for p in model.parameters()) * 4
+    train(model, opt, 1)
+    stats = opt.compression_stats()
+    assert (stats["steps"], stats["syncs"], stats["bytes_sent"]) == (1, 0, 0), stats
+    assert stats["bytes_dense"] == dense and stats["bytes_ratio"] == 0.0, stats
+    train(model, opt, 1, start=1)
+    stats = opt.compression_stats()
+    assert stats["bytes_dense"] == 2 * dense and 0 < stats["bytes_ratio"] < 0.5, stats
+
+
 def check_stateless_broadcast_refused():
     """The same with SGD without momentum, whose state Horovod does not broadcast (nor its
     phase): at the first synchronisation the ranks see that they disagree and every rank raises
@@ -619,6 +680,10 @@ CHECKS = [
     ("hvd.join with uneven batches", check_join),
     ("a checkpoint on rank 0 alone, broadcast mid-period", check_broadcast_mid_period),
     ("the same with a stateless inner optimizer: the ranks' disagreement is an error", check_stateless_broadcast_refused),
+    ("a checkpoint on rank 0 alone, broadcast at a synchronisation, AdamW's weight decay",
+     check_broadcast_at_synchronisation_weight_decay),
+    ("a parameter unused on one rank: state everywhere, the broadcast completes", check_parameter_unused_on_one_rank),
+    ("statistics before the first synchronisation", check_statistics_before_the_first_synchronisation),
     ("hvd.join, broadcasts from the last rank, a second epoch", check_join_then_next_epoch),
     ("checkpoints across LocalSteps and DistributedOptimizer", check_checkpoints_across_optimizers),
     ("a plain checkpoint restarts the outer optimizer", check_plain_checkpoint_restarts_outer),
