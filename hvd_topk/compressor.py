@@ -42,9 +42,9 @@ from horovod.torch.compression import Compressor  # noqa: E402  (hvd_topk._horov
 
 ADASUM_ERROR = (
     "hvd_topk.TopK does not support op=hvd.Adasum: Adasum combines dense parameter deltas, "
-    "which Top-K would truncate. Build hvd.DistributedOptimizer(..., compression=hvd_topk.TopK) "
-    "with op=hvd.Average (the default) or op=hvd.Sum. (This is raised at the first backward "
-    "pass because Horovod does not show a compressor the op when the optimizer is built.)")
+    "which Top-K would truncate: use op=hvd.Average (the default) or op=hvd.Sum. (Under "
+    "hvd.DistributedOptimizer(..., compression=hvd_topk.TopK) this is raised at the first backward "
+    "pass: Horovod does not show a compressor the op when the optimizer is built.)")
 OP_ERROR = (
     "hvd_topk.TopK only averages or sums (op=hvd.Average, the default, or op=hvd.Sum) and refuses "
     "op={op}: that reduction of Top-K pairs is not that reduction of the tensors. Compress with "
@@ -61,7 +61,7 @@ COMPILED_AUTOGRAD_ERROR = (
     "build hvd.DistributedOptimizer again (its hook has already counted this backward pass).")
 
 
-_OP_NAMES = {hvd.Adasum: "hvd.Adasum", hvd.Min: "hvd.Min", hvd.Max: "hvd.Max", hvd.Product: "hvd.Product"}
+OP_NAMES = {hvd.Adasum: "hvd.Adasum", hvd.Min: "hvd.Min", hvd.Max: "hvd.Max", hvd.Product: "hvd.Product"}
 
 
 def _check_reduction(call, op):
@@ -70,7 +70,7 @@ def _check_reduction(call, op):
     if call in ("reducescatter", "grouped_reducescatter"):
         raise ValueError(REDUCESCATTER_ERROR.format(call=call))
     if op is not None and op not in (hvd.Average, hvd.Sum):
-        raise ValueError(ADASUM_ERROR if op == hvd.Adasum else OP_ERROR.format(op=_OP_NAMES.get(op, f"op={op!r}")))
+        raise ValueError(ADASUM_ERROR if op == hvd.Adasum else OP_ERROR.format(op=OP_NAMES.get(op, f"op={op!r}")))
 
 
 class _OnDefaultInstance:

@@ -47,7 +47,7 @@ from hvd_topk.loss_scale import ResidualScale, check_grad_scaler, is_loss_scale
 from hvd_topk.optim import momentum_decay_of, residual_decay_of
 from hvd_topk.schedule import DensitySchedule
 from hvd_topk.stats import DENSE_FP32_BYTES
-from hvd_topk.selection import (DEFAULT_METHOD, check_density, check_flag, check_integer, check_number,
+from hvd_topk.selection import (NAMED_PARAMETERS_ERROR, DEFAULT_METHOD, check_density, check_flag, check_integer, check_number,
                                 check_residual_decay, warn_ignored)
 
 EXCHANGES = ("auto", "allgather", "sparse_allreduce", "dense", "dense_fp16")
@@ -139,6 +139,7 @@ class TopKState:
             raise TypeError("optimizer must define transform_local_gradient(param, grad, ranks) "
                             f"(hvd_topk.LocalAdamW, hvd_topk.DeMo), got {type(optimizer).__name__}")
         self.optimizer = optimizer
+        self._warned_not_stepped = False
         # LocalAdamW's finite= (the hook checks a bucket at once); an optimizer of the user's own
         # may define transform_local_gradient(param, grad, ranks) only
         self._pass_finite = optimizer is not None and "finite" in inspect.signature(
@@ -165,8 +166,10 @@ class TopKState:
         # (dist.new_group gives the ranks outside the group a sentinel: the first hook says so)
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup) and \
                 process_group is not dist.GroupMember.NON_GROUP_MEMBER:
+            number = isinstance(process_group, (int, float)) and not isinstance(process_group, bool)
             raise TypeError("process_group must be None (the default group) or a torch.distributed process "
-                            f"group (dist.new_group(...), model.process_group), got {process_group!r}")
+                            f"group (dist.new_group(...), model.process_group), got {process_group!r}"
+                            + (" (the density is a keyword argument: TopKState(density=...))" if number else ""))
         self.process_group = process_group
         self.world_size = self.rank = None       # read at the first hook (the group exists by then)
         self.device = None                      # the gradients' device, read at the first hook
@@ -383,6 +386,19 @@ class TopKState:
                                  f"(shape {tuple(p.shape)}) of a DDP bucket: pass the DDP model's own "
                                  "model.named_parameters(), all of them")
 
+    def _not_stepped(self):
+        """A new step's first bucket while ``optimizer=`` still holds the last step's updates
+        (LocalAdamW, DeMo: neither its ``step()`` nor its ``zero_grad()`` ran since): another
+        optimizer was stepped, which takes the updates in ``p.grad`` for gradients, or the step
+        was skipped and the gradients zeroed through the model. Said once; then forgotten."""
+        if not self._warned_not_stepped:
+            self._warned_not_stepped = True
+            warnings.warn(f"hvd_topk.ddp: TopKState(optimizer=...)'s {type(self.optimizer).__name__} was not stepped "
+                          "after the last exchange: p.grad holds its updates, which only its own step() applies "
+                          "(another optimizer's step() takes them for gradients). Step that optimizer; to skip a "
+                          "step, call its zero_grad()", stacklevel=2)
+        self.optimizer._step_done(stepped=False)
+
     def _check_optimizer_owns(self, params):
         """``optimizer=`` transforms every gradient of the model: one it does not hold (a second
         optimizer's parameter) would otherwise fail deep in it, naming nothing."""
@@ -519,6 +535,8 @@ def topk_hook(state, bucket):
         state._check_group_unchanged()
     if bucket.index() == 0:  # before this step folds anything: residuals into its loss scale
         state.residual_scale.follow([state])
+        if state.optimizer is not None and getattr(state.optimizer, "_transformed", None):
+            state._not_stepped()
     buffer = bucket.buffer()
     world = state.world_size
     params = bucket.parameters()
@@ -583,8 +601,7 @@ def _names(named_parameters):
         pairs = None
     if pairs is None or not all(isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
                and isinstance(pair[1], torch.Tensor) for pair in pairs):
-        raise TypeError("named_parameters must be model.named_parameters(): (name, parameter) pairs "
-                        "(model.parameters() has no names)")
+        raise TypeError(NAMED_PARAMETERS_ERROR)
     return {p: n for n, p in pairs}
 
 

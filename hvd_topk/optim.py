@@ -138,6 +138,7 @@ class _ExchangedUpdates(_CheckedGroups):
     says that hvd_topk's exchange has written this step's ``p.grad``."""
 
     _exchanged = False
+    _stepped = False  # step() ran, and no gradient has been transformed since (a second step())
     # Whether step() moves the same for the ranks' summed updates as for their average (DeMo's
     # normalises what was exchanged). Where it does not, op=hvd.Sum is refused: it would step P
     # times as far, where AdamW under hvd.DistributedOptimizer(op=hvd.Sum) steps as with Average.
@@ -149,14 +150,16 @@ class _ExchangedUpdates(_CheckedGroups):
         without that parameter) holds the ranks' average, applied as the others are."""
         self._exchanged = True
 
-    def _step_done(self):
+    def _step_done(self, stepped=False):
+        """``stepped``: this step applied exchanged updates (a second ``step()`` would apply them again)."""
         self._transformed.clear()
         self._exchanged = False
+        self._stepped = stepped
 
     def zero_grad(self, set_to_none=True):
         """As torch's; also forgets which gradients were transformed (a step skipped by a
         ``GradScaler`` leaves them marked otherwise)."""
-        self._step_done()
+        self._step_done(stepped=self._stepped)
         super().zero_grad(set_to_none=set_to_none)
 
 
@@ -356,8 +359,8 @@ class LocalAdamW(_ExchangedUpdates):
             grad.mul_(group["lr"])
         self._transformed.add(p)
 
-    def _step_done(self):
-        super()._step_done()
+    def _step_done(self, stepped=False):
+        super()._step_done(stepped)
         self._sketches.clear()  # (a step some rank sat out in hvd.join() absorbs none)
 
     def _entry_signs_of(self, p):
@@ -414,13 +417,15 @@ class LocalAdamW(_ExchangedUpdates):
         """``p -= lr * (the exchanged update + weight_decay * p)``, decoupled as in AdamW
         (``p -= the exchanged update + lr * weight_decay * p`` with ``lr_in_residual``)."""
         loss = _evaluate(closure)
+        applied = False
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None or not _check_transformed(self, p):
                     continue
+                applied = True
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.add_(p.grad, alpha=-1.0 if group.get("lr_in_residual", False) else -group["lr"])
-        self._step_done()
+        self._step_done(stepped=applied)
         return loss
 
 
@@ -486,11 +491,13 @@ class DeMo(_ExchangedUpdates):
     def step(self, closure=None):
         """``p *= 1 - lr * weight_decay``, then ``p -= lr * normalise(exchanged average)``."""
         loss = _evaluate(closure)
+        applied = False
         for group in self.param_groups:
             lr = group["lr"]
             for p in group["params"]:
                 if p.grad is None or not _check_transformed(self, p):
                     continue
+                applied = True
                 p.mul_(1 - lr * group["weight_decay"])
                 if group["normalise"] == "sign":
                     p.add_(p.grad.sign(), alpha=-lr)
@@ -498,7 +505,7 @@ class DeMo(_ExchangedUpdates):
                     rms = _rms(p.grad)
                     if rms > 0.0:
                         p.add_(p.grad, alpha=-lr / rms)
-        self._step_done()
+        self._step_done(stepped=applied)
         return loss
 
 
@@ -608,6 +615,10 @@ def _check_transformed(optimizer, p):
         return True
     if optimizer.state[p] or p.grad.any():
         name = type(optimizer).__name__
+        if optimizer._stepped:
+            raise RuntimeError(f"{name}.step() was called again without a new backward(): p.grad still holds the "
+                               "update the last step applied (each exchanged update is applied once); run "
+                               "backward() before each step()")
         raise RuntimeError(f"{name} got a gradient that was not turned into an update before the exchange: "
                            "use it only as the inner optimizer of hvd_topk.DistributedOptimizer, or with DDP "
                            "pass it to the hook, hvd_topk.ddp.TopKState(optimizer=...) (not alone, not with "

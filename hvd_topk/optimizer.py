@@ -15,14 +15,14 @@ from hvd_topk._horovod import (OPTIMIZER_MODULE, elastic_mode, hvd, instance_nam
                               unshared_for_elastic)
 from hvd_topk._torch import AMP_SCALING_ATTRIBUTE, keep_objects, keep_step_unhooked, unscaled_already
 from hvd_topk.auto import TRIAL_STEPS
-from hvd_topk.compressor import TopK
+from hvd_topk.compressor import OP_NAMES, TopK
 from hvd_topk import checkpoint
 from hvd_topk.checkpoint import STATE_KEY
 from hvd_topk.engine import STEPPED_THE_INNER, TopKEngine
 from hvd_topk.loss_scale import check_grad_scaler
 from hvd_topk.optim import momentum_decay_of, residual_decay_of
 from hvd_topk.options import Options
-from hvd_topk.selection import check_integer
+from hvd_topk.selection import NAMED_PARAMETERS_ERROR, check_integer
 
 ENGINE = "_hvd_topk"  # the one attribute hvd_topk adds to the user's optimizer
 LOCAL = "_hvd_topk_local"  # hvd_topk.LocalSteps' one attribute (local_steps.py), checked here too
@@ -400,7 +400,7 @@ def _check_horovod_arguments(op, gradient_predivide_factor, passes):
         raise ValueError("op=hvd.Adasum is not supported by hvd_topk: Adasum combines dense "
                          "deltas; use op=hvd.Average or op=hvd.Sum")
     if op not in (hvd.Average, hvd.Sum):
-        raise ValueError(f"op must be hvd.Average or hvd.Sum, got {op!r}")
+        raise ValueError(f"op must be hvd.Average or hvd.Sum, got {OP_NAMES.get(op, repr(op))}")
     f = gradient_predivide_factor
     if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < float("inf"):
         raise ValueError(f"gradient_predivide_factor must be a finite number > 0, got {f!r}")
@@ -424,7 +424,10 @@ def _check_no_duplicates(param_groups, named_parameters):
 def _name_parameters(param_groups, named_parameters):
     """Horovod's naming rules and errors, with unique names for unnamed parameters."""
     if named_parameters is not None:
-        named_parameters = list(named_parameters)
+        try:
+            named_parameters = list(named_parameters)
+        except TypeError:
+            raise TypeError(NAMED_PARAMETERS_ERROR + f", got {type(named_parameters).__name__}") from None
         if not named_parameters and any(g["params"] for g in param_groups):
             raise ValueError("named_parameters is empty (a model.named_parameters() generator that was "
                              "already used up? pass list(model.named_parameters()) to reuse it)")

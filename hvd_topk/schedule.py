@@ -5,6 +5,9 @@ import warnings
 from hvd_topk.selection import check_density, check_integer
 
 
+DEFAULT_START = 0.25  # warmup_density's default (DGC's first epoch)
+
+
 class DensitySchedule:
     """``density(step)``: ``start * (target / start) ** (step / warmup_steps)`` while warming up.
 
@@ -14,11 +17,15 @@ class DensitySchedule:
     the target density from the first step.
     """
 
-    def __init__(self, target, warmup_steps=0, start=0.25):
+    def __init__(self, target, warmup_steps=0, start=DEFAULT_START):
         self.target = check_density(target)
         self.warmup_steps = check_integer(warmup_steps, "warmup_steps", 0)
         start = check_density(start, "warmup_density")
-        if self.warmup_steps and start <= self.target:
+        if not self.warmup_steps and start != DEFAULT_START:
+            warnings.warn(f"warmup_density={start!r} has no effect without warmup_steps: the density is "
+                          f"{self.target!r} from the first step (a dense start is warmup_steps=N, "
+                          "warmup_density=1.0)", stacklevel=3)
+        elif self.warmup_steps and start <= self.target:
             warnings.warn(f"warmup_density={start!r} is not above the density {self.target!r}: the warm-up over "
                           f"{self.warmup_steps} steps does nothing (a dense start is warmup_density=1.0)",
                           stacklevel=3)

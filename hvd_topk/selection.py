@@ -107,6 +107,11 @@ def check_method(method):
     return method
 
 
+# both transports' named_parameters= (DistributedOptimizer, LocalSteps, TopKState)
+NAMED_PARAMETERS_ERROR = ("named_parameters must be model.named_parameters(): (name, parameter) pairs "
+                          "(model.parameters() has no names)")
+
+
 def check_flag(value, name):
     """``value`` if it is ``True`` or ``False`` (not merely truthy: ``"no"`` is truthy)."""
     if not isinstance(value, bool):

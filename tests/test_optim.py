@@ -412,6 +412,24 @@ def test_local_adamw_alone_is_refused():
         opt.step()
 
 
+@pytest.mark.parametrize("make", [lambda ps: LocalAdamW(ps, lr=0.1), lambda ps: DeMo(ps, lr=0.1)])
+def test_second_step_without_backward_is_named(make):
+    """One update, transformed as the exchange would (one rank), applied by step(); a second
+    step() on the same p.grad would apply it again: refused, saying so (it once said to use the
+    optimizer inside DistributedOptimizer or the DDP hook, which the user had done). After a new
+    transform the step goes through."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = make([p])
+    p.grad = torch.full((3,), 0.5)
+    opt.transform_local_gradient(p, p.grad, 1)
+    opt.step()
+    with pytest.raises(RuntimeError, match=r"step\(\) was called again without a new backward\(\)"):
+        opt.step()
+    p.grad = torch.full((3,), 0.5)
+    opt.transform_local_gradient(p, p.grad, 1)
+    opt.step()
+
+
 def test_demo_on_one_rank_matches_numpy():
     """hvd_topk.DeMo by itself (one rank, everything sent): p * (1 - lr wd) - lr * sign(lr g),
     or with "rms" lr * g / rms(g), in float64 numpy."""

@@ -85,5 +85,18 @@ def test_a_warmup_that_does_nothing_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         schedule = DensitySchedule(0.01, 4, 0.16)
-        DensitySchedule(0.01, 0, 0.001)  # no warm-up: warmup_density is not used
+        DensitySchedule(0.01, 0)  # no warm-up, warmup_density left at its default: nothing to say
     assert [schedule.density(s) for s in range(5)] == pytest.approx([0.16, 0.08, 0.04, 0.02, 0.01])
+
+
+def test_warmup_density_without_warmup_steps_warns():
+    """The recipe's dense start is two options; warmup_density=1.0 alone used to be accepted in
+    silence and the run started at 1% (the density from step 0, hand-checked below)."""
+    import hvd_topk.ddp
+    from hvd_topk.schedule import DensitySchedule
+
+    with pytest.warns(UserWarning, match=r"warmup_density=1.0 has no effect without warmup_steps"):
+        schedule = DensitySchedule(0.01, 0, 1.0)
+    assert schedule.density(0) == 0.01
+    with pytest.warns(UserWarning, match=r"warmup_density=1.0 has no effect without warmup_steps"):
+        hvd_topk.ddp.TopKState(density=0.01, warmup_density=1.0)

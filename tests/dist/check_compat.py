@@ -44,6 +44,12 @@ def check_options_refused():
                 what="LocalAdamW with op=hvd.Sum"):
         hvd_topk.DistributedOptimizer(hvd_topk.LocalAdamW(model.parameters(), lr=0.01), op=hvd.Sum)
     hvd_topk.DistributedOptimizer(hvd_topk.DeMo(model.parameters(), lr=0.01), op=hvd.Sum)
+    # named by name, not by Horovod's enum number; the model itself given for its named parameters
+    with raises(ValueError, match=re.escape("op must be hvd.Average or hvd.Sum, got hvd.Min"), what="op=hvd.Min"):
+        hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Min)
+    with raises(TypeError, match=re.escape("named_parameters must be model.named_parameters()"),
+                what="named_parameters=model"):
+        hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model)
 
 
 # ---- item 11: checkpoint names -----------------------------------------------------------------

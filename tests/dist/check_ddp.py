@@ -393,6 +393,41 @@ def check_local_adamw_channels_last():
                                    err_msg=f"{name}: LocalAdamW's first moment is not this rank's gradient")
 
 
+def check_local_adamw_misstepped():
+    """The recipe stepped wrongly. (a) step() twice after one backward: the second raises that it
+    came without a new backward (it once said to pass the optimizer to the hook, which the user
+    had done). (b) another optimizer stepped in its place (it takes LocalAdamW's updates in
+    p.grad for gradients): the next backward warns once, naming TopKState(optimizer=...); the
+    LocalAdamW's parameters then moved only by the other optimizer (hand-checked: plain SGD at
+    lr 1 moves each parameter by exactly p.grad, the exchanged update)."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = Net().to(DEVICE)
+    ddp = DDP(model)
+    inner = hvd_topk.LocalAdamW(model.parameters(), lr=0.01, betas=(0.0, 0.95))
+    hvd_topk.ddp.register(ddp, hvd_topk.ddp.TopKState(density=0.05, optimizer=inner, min_numel=MIN_NUMEL,
+                                                      exchange="allgather"))
+    x, y = batch(0, rank)
+    inner.zero_grad()
+    F.cross_entropy(ddp(x), y).backward()
+    inner.step()
+    with raises(RuntimeError, "called again without a new backward", what="a second step()"):
+        inner.step()
+    other = torch.optim.SGD(model.parameters(), lr=1.0)
+    for step in (1, 2):
+        x, y = batch(step, rank)
+        other.zero_grad()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            F.cross_entropy(ddp(x), y).backward()
+        said = [str(w.message) for w in caught if "was not stepped after the last exchange" in str(w.message)]
+        assert len(said) == (1 if step == 2 else 0), (step, said)
+        before = {n: host(p).copy() for n, p in model.named_parameters()}
+        other.step()
+        for n, p in model.named_parameters():
+            np.testing.assert_array_equal(host(p), (before[n] - host(p.grad)), err_msg=n)
+
+
 def check_residuals_channels_last():
     """A checkpoint holds each residual in its parameter's element order, whatever the memory
     format: after one step (exact top-5%) a channels_last weight's saved residual is, entry for
@@ -717,6 +752,9 @@ def check_bad_input():
                                  ({"process_group": "world"}, TypeError, "process_group must be None")]:
         with raises(error, match=match, what=str(kwargs)):
             P(**kwargs)
+    with raises(TypeError, match=re.escape("the density is a keyword argument: TopKState(density=...)"),
+                what="TopKState(0.01)"):
+        P(0.01)
     # a process group that is not DDP's
     solo = dist.new_group([0])
     model = Net().to(DEVICE)
@@ -905,6 +943,7 @@ CHECKS = [
     ("LocalAdamW recipe, variance_sketch (exact sizes), several buckets",
      lambda: check_local_adamw(steps=5, variance_sketch=4096, bucket_cap_mb=0.005)),
     ("LocalAdamW recipe, channels_last convolutions", check_local_adamw_channels_last),
+    ("LocalAdamW stepped twice, or another optimizer stepped: said", check_local_adamw_misstepped),
     ("checkpoint of channels_last weights: residuals in element order", check_residuals_channels_last),
     ("DeMo through optimizer=", check_demo),
     ("checkpoint resume, several buckets", check_resume),
