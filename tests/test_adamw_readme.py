@@ -61,3 +61,27 @@ def test_readme_adamw_lines_run_under_mpirun(tmp_path):
     got = re.search(r"loss [0-9.]+; bytes sent vs dense fp32: ([0-9.]+)%", proc.stdout)
     assert got, proc.stdout
     assert 0.5 / STEPS < float(got.group(1)) / 100 < 1.0, got.group(0)
+
+
+QUICKSTART_CHECK = """
+gen = torch.Generator().manual_seed(7 + hvd.rank())
+for _ in range(3):
+    opt.zero_grad()
+    model(torch.randn(8, 1000, generator=gen)).square().mean().backward()
+    opt.step()
+digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+digests = hvd.allgather_object(digest)
+if hvd.rank() == 0:
+    print(f"parameter hashes {' '.join(digests)}", flush=True)
+"""
+
+
+def test_readme_quickstart_runs_under_mpirun(tmp_path):
+    """The Quickstart runs as written, with three training steps appended (each rank its own
+    batches): the ranks end with the same parameters, bit for bit (every rank's hash, gathered)."""
+    script = tmp_path / "train.py"
+    script.write_text("import hashlib\n" + readme_python_block("Quickstart") + QUICKSTART_CHECK)
+    proc = run_mpi(2, str(script), timeout=240)
+    check = re.search(r"parameter hashes (\w+) (\w+)", proc.stdout)
+    assert check, proc.stdout
+    assert check.group(1) == check.group(2), "the ranks' parameters differ"
