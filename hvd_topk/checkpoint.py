@@ -66,6 +66,7 @@ def check_inner(param_groups, names, state_dict):
     if sizes != saved_sizes:
         raise CheckpointMismatch(f"the checkpoint's parameter groups hold {saved_sizes} parameters, this "
                                  f"optimizer's {sizes}. " + MISMATCH_HINT)
+    _check_order(param_groups, names, state_dict.get(STATE_KEY))
     saved_ids = itertools.chain.from_iterable(g["params"] for g in saved_groups)
     params = itertools.chain.from_iterable(g["params"] for g in param_groups)
     for saved_id, p in zip(saved_ids, params):
@@ -75,6 +76,34 @@ def check_inner(param_groups, names, state_dict):
                 raise CheckpointMismatch(
                     f"parameter {names.get(p, '(unnamed)')!r}: the checkpoint's optimizer state "
                     f"{key!r} has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}. " + MISMATCH_HINT)
+
+
+def parameter_order(param_groups, names):
+    """The parameters' names in the order of the optimizer's param groups: the order torch's
+    ``load_state_dict`` matches the inner optimizer's state by (position, not name)."""
+    return [names.get(p) for g in param_groups for p in g["params"]]
+
+
+def _check_order(param_groups, names, section):
+    """Same-shaped parameters defined in another order (q, k and v projections swapped) pass
+    torch's checks, and its load would give each the other's optimizer state (moments) while the
+    residuals, matched by name, go where they belong: refused. Only where both orders are known
+    and name the same parameters (a checkpoint without the record, or saved with other names,
+    is matched by position as torch does)."""
+    saved = section.get("parameter_order") if isinstance(section, dict) else None
+    if not isinstance(saved, list):
+        return
+    here = parameter_order(param_groups, names)
+    saved_plain, here_plain = [plain_name(n) if isinstance(n, str) else n for n in saved], \
+        [plain_name(n) if isinstance(n, str) else n for n in here]
+    if saved_plain == here_plain or sorted(map(str, saved_plain)) != sorted(map(str, here_plain)):
+        return
+    moved = [(i, n, here_plain.index(n)) for i, n in enumerate(saved_plain) if here_plain[i] != n][:3]
+    raise CheckpointMismatch(
+        "the checkpoint's parameters are the same but in another order ("
+        + "; ".join(f"{n!r} saved at position {i}, here at {j}" for i, n, j in moved)
+        + "): torch matches the inner optimizer's state by position, so each would get another's moments. "
+        "Build the optimizer with the parameters in the order they were saved in. Nothing was loaded.")
 
 
 def is_count(value, none_ok=False):
@@ -178,7 +207,8 @@ def save(engine):
     the rank/world size they belong to. With the hierarchical exchange: per bucket, this rank's
     shard residual, or its full buffer after flat steps."""
     out = {"format": STATE_FORMAT, "step": engine.step, "rank": engine.rank, "size": engine.world,
-           "residuals": {}, "momenta": {}, "residual_scale": engine.residual_scale.scale}
+           "residuals": {}, "momenta": {}, "residual_scale": engine.residual_scale.scale,
+           "parameter_order": parameter_order(engine.param_groups, engine.names)}
     buckets = residual_buckets(engine)
     if engine.hier is not None:
         out["shards"] = {str(b.index): b.shard.clone() for b in buckets
@@ -234,9 +264,12 @@ def _load_residuals(engine, state, nonfinite):
         for b in momentum_buckets(engine):
             b.clear()
         if engine.options.error_feedback:
+            advice = ("Save and load one state per rank to resume exactly." if state["size"] == engine.world else
+                      "The job's size changed, so no rank's residuals fit (each holds that rank's unsent work); "
+                      "with DeMo the momentum, which lives in them, starts afresh too.")
             warnings.warn(f"hvd_topk: this state was saved by rank {state['rank']} of {state['size']} "
                           f"and is loaded on rank {engine.rank} of {engine.world}: error-feedback "
-                          "residuals start from zero. Save and load one state per rank to resume exactly.")
+                          f"residuals start from zero. {advice}")
         return
     with_momentum = momentum_buckets(engine)
     residuals, dropped = match_names(state.get("residuals", {}), [m.name for b in buckets for m in b.members])

@@ -180,6 +180,7 @@ class TopKState:
         self.pending = {}                       # name -> residual loaded before its bucket was seen
         self.model_params = set()               # ids of the parameters of the model it serves
         self.seen_whole_model = False           # a step's last bucket has been seen
+        self.steps_here = 0                     # steps this object has served (a loaded one: since the load)
         self.checked = False
         self.family = None                      # this step's exchange family (see _begin_step)
         self.trial = None                       # exchange="auto": hvd_topk.auto.Trial, once started
@@ -423,9 +424,11 @@ class TopKState:
             return
         density = self.schedule.density(step)
         # (not before this state has seen a whole step: the trial proposes families from every
-        # bucket's layout, and a state loaded from a checkpoint has seen none of them yet)
+        # bucket's layout, and a state loaded from a checkpoint has seen none of them yet; nor
+        # before DDP rebuilt its buckets, after its first step: counted from this process's
+        # first step, not the checkpoint's, or a resumed job would propose from bucket 0 alone)
         if self.world_size <= 1 or density != self.schedule.target or step < TRIAL_FROM_STEP or \
-                not self.seen_whole_model:
+                self.steps_here < TRIAL_FROM_STEP or not self.seen_whole_model:
             self.family = None  # the fewest bytes, bucket by bucket
             return
         if self.trial is None:
@@ -556,6 +559,7 @@ def topk_hook(state, bucket):
         if state.pending:
             state._drop_pending()
         state.iteration += 1
+        state.steps_here += 1
         state._stats["steps"] += 1
         state.retired = []
         for index in [i for i in state.layouts if i > bucket.index()]:

@@ -18,7 +18,7 @@ from hvd_topk.auto import TRIAL_STEPS
 from hvd_topk.compressor import OP_NAMES, TopK
 from hvd_topk import checkpoint
 from hvd_topk.checkpoint import STATE_KEY
-from hvd_topk.engine import STEPPED_THE_INNER, TopKEngine
+from hvd_topk.engine import STEP_KEY, STEPPED_THE_INNER, TopKEngine
 from hvd_topk.loss_scale import check_grad_scaler
 from hvd_topk.optim import momentum_decay_of, residual_decay_of
 from hvd_topk.options import Options
@@ -341,6 +341,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         ours = state_dict.pop(STATE_KEY, None)
         nonfinite = checkpoint.check(engine, ours)
         step = engine.step  # kept where the checkpoint is a plain torch optimizer's
+        carried = (state_dict.get("param_groups") or [{}])[0].get(STEP_KEY) if ours is None else None
+        if checkpoint.is_count(carried) and carried:
+            # ours, gone through a plain torch optimizer (an export, a conversion): its step in
+            # the param groups, its residuals lost
+            warnings.warn(f"hvd_topk: this checkpoint has no 'hvd_topk' section but its param groups hold "
+                          f"hvd_topk's step counter ({carried}): it was saved through a plain torch optimizer. "
+                          f"The run goes on from step {carried} (the density warm-up too); the error-feedback "
+                          "residuals start from zero.", stacklevel=2)
+            step = carried
         # into the objects the user's optimizer shares (an LR scheduler built on it goes on working)
         keep_objects(self, super(self.__class__, self).load_state_dict, state_dict)
         engine.load_state_dict(ours, self.param_groups, nonfinite, step_before=step)

@@ -229,12 +229,81 @@ def check_plain_torch_state_loads():
     trains_on(model, opt, "after the plain load")
 
 
+def check_through_a_plain_optimizer():
+    """Saved at step 3, loaded into a plain SGD (an export), saved again and loaded into a new
+    wrapper: the param groups carry hvd_topk's step, so the run goes on from step 3 (the density
+    warm-up too: 1.0 -> 0.05 over 10 steps, hand-computed 0.05 ** 0.3 at step 3), with a warning
+    that the residuals start from zero; before, it went back to step 0 in silence."""
+    torch.manual_seed(0)
+    model = Net()
+    make = lambda: hvd_topk.DistributedOptimizer(  # noqa: E731
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), named_parameters=model.named_parameters(),
+        compression=hvd_topk.TopK(density=0.05), min_numel=300, exchange="allgather", warmup_steps=10,
+        warmup_density=1.0)
+    opt = make()
+    train(model, opt, 3)
+    plain = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    plain.load_state_dict({k: v for k, v in copy.deepcopy(opt.state_dict()).items() if k != "hvd_topk"})
+    again = make()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again.load_state_dict(plain.state_dict())
+    said = [str(w.message) for w in caught if "saved through a plain torch optimizer" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]
+    stats = again.compression_stats()
+    assert stats["step"] == 3 and abs(stats["current_density"] - 0.05 ** 0.3) < 1e-12, stats
+    residuals = again.state_dict()["hvd_topk"]["residuals"]
+    assert all(float(r.abs().sum()) == 0 for r in residuals.values())
+    trains_on(model, again, "after the round trip")
+
+
+class Twins(torch.nn.Module):
+    """Two same-shaped layers (as attention's q and k), defined in the order given."""
+
+    def __init__(self, first="a", second="b"):
+        super().__init__()
+        for name in (first, second):
+            setattr(self, name, torch.nn.Linear(64, 64))
+        self.head = torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def build_twins(order):
+    torch.manual_seed(0)
+    model = Twins(*order)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                                compression=hvd_topk.TopK(density=0.05), min_numel=300,
+                                                exchange="allgather")
+
+
+def check_reordered_twins_refused():
+    """The same parameters defined in another order (a before b, then b before a): every shape
+    fits torch's positional check, and its load would give a's momentum to b and b's to a while
+    the residuals, matched by name, went where they belong. Refused, naming the order; nothing
+    applied. The same order loads (the saved momentum of a.weight is then a.weight's, by hand)."""
+    model, opt = build_twins("ab")
+    train(model, opt, 3)
+    saved = copy.deepcopy(opt.state_dict())
+    model2, opt2 = build_twins("ba")
+    assert [n for n, _ in model2.named_parameters()][:2] == ["b.weight", "b.bias"]
+    refused(opt2, saved, "same but in another order.*'a.weight' saved at position 0, here at 2",
+            "reordered twins")
+    model3, opt3 = build_twins("ab")
+    opt3.load_state_dict(copy.deepcopy(saved))
+    assert torch.equal(opt3.state[model3.a.weight]["momentum_buffer"], opt.state[model.a.weight]["momentum_buffer"])
+
+
 CHECKS = [
     ("resized layer refused, named, nothing applied", check_resized_layer),
+    ("same-shaped parameters in another order refused", check_reordered_twins_refused),
     ("residual of another shape refused", check_residual_shape),
     ("truncated or foreign section refused", check_truncated_and_foreign_sections),
     ("non-finite residual wiped with a warning", check_nonfinite_residual_wiped),
     ("plain torch optimizer state loads", check_plain_torch_state_loads),
+    ("our checkpoint through a plain optimizer keeps its step", check_through_a_plain_optimizer),
     ("a checkpoint loaded into the inner optimizer, then wrapped: told", check_loaded_then_wrapped_is_told),
     ("state_dict() between backward() and step() refused", check_state_dict_mid_step_refused),
 ]

@@ -558,14 +558,16 @@ def check_grad_scaler(steps=len(SCALES), density=0.05):
         hvd_topk.ddp.TopKState(grad_scaler=object())
 
 
-def check_auto_trial_after_resume():
-    """exchange="auto" loaded from a checkpoint into a fresh DDP that keeps its first buckets
-    (find_unused_parameters=True), the first bucket holding no sparse tensor (min_numel 1000
-    leaves only fc1.weight sparse): the trial proposes what the run that never stopped proposed.
-    (It was proposed at the first resumed step, from the one bucket seen by then, and left
-    dense alone: compression off for the rest of the run.)"""
+def check_auto_trial_after_resume(find_unused=True):
+    """exchange="auto" loaded from a checkpoint into a fresh DDP, the first bucket holding no
+    sparse tensor (min_numel 1000 leaves only fc1.weight sparse): the trial proposes what the
+    run that never stopped proposed. With find_unused_parameters=True DDP keeps its first
+    buckets (the trial was once proposed at the first resumed step, from the one bucket seen by
+    then, and left dense alone: compression off for the rest of the run); without, it rebuilds
+    them after this process's first step (the trial once started at the resumed run's second
+    step, while the layouts of the buckets after 0 had just been dropped)."""
     options = dict(bucket_cap_mb=0.005, exchange="auto", exchange_trial_steps=1, min_numel=1000,
-                   ddp_kwargs={"find_unused_parameters": True})
+                   ddp_kwargs={"find_unused_parameters": find_unused})
     model, ddp, state = build(**options)
     train(ddp, torch.optim.SGD(model.parameters(), lr=0.1), 8)
     want = state.trial.candidates
@@ -579,7 +581,7 @@ def check_auto_trial_after_resume():
     model_c.load_state_dict(saved["model"])
     opt_c.load_state_dict(saved["opt"])
     state_c.load_state_dict(saved["topk"])
-    train(ddp_c, opt_c, 8, start=3)
+    train(ddp_c, opt_c, 10, start=3)  # (the trial starts at this process's third step and runs 6)
     assert state_c.trial is not None and state_c.trial.candidates == want, (state_c.trial.candidates, want)
     assert state_c.trial.choice in want and state_c.stats()["bytes_ratio"] < 1, state_c.stats()
 
@@ -905,6 +907,8 @@ CHECKS = [
                                                                      warmup_density=1.0)),
     ("auto: measured trial, agreement, choice", check_auto_trial),
     ("auto resumed into a DDP that keeps its first buckets: the whole model's proposal", check_auto_trial_after_resume),
+    ("auto resumed into a DDP that rebuilds its buckets: the whole model's proposal",
+     lambda: check_auto_trial_after_resume(find_unused=False)),
     ("auto with optimizer=LocalAdamW: no sparse allreduce", check_auto_updates),
     ("dense_fp16 exchange", lambda: check_reference("dense_fp16", steps=3)),
     ("allgather, 16-bit values, several buckets", lambda: check_reference(bucket_cap_mb=0.005, fp16_values=True)),
