@@ -154,7 +154,8 @@ def time_methods(methods, build, one_step, finish, steps, interleave=False, roun
     - ``rounds`` > 1 (for models too large to hold several copies, as GPT-2-small): that many
       passes over the methods, each pass starting at a different method; in each pass a method is
       built afresh, warmed up and timed for ``steps`` steps; its times are pooled over the passes
-      and its row is made after its last pass (only one method's model is alive at a time);
+      and its row is made after its last pass (only one method's model is alive at a time; what
+      the row reads from the model and optimizer, statistics and agreement, is that pass's);
     - neither: one method after another (the runs published before 2026-12-05 ran so).
     """
     if interleave:
@@ -277,6 +278,13 @@ def order_arguments(ap):
 def hosts_phrase(settings):
     per_host = settings.get("ranks_per_host") or 1
     return "one emulated host per rank" if per_host == 1 else f"{per_host} ranks per emulated host"
+
+
+def check_order_arguments(ap, args):
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.interleave and args.rounds > 1:
+        ap.error("--interleave and --rounds > 1 are two ways to order the methods: choose one")
 
 
 def order_line(settings):

@@ -330,6 +330,7 @@ def main(argv=None):
                     help="with --render: write PREFIX.{json,md} instead of overwriting the earlier run's files")
     common.order_arguments(ap)
     args = ap.parse_args(argv)
+    common.check_order_arguments(ap, args)
     unused = [flag for flag, given in (("--methods", args.methods != ap.get_default("methods")),
                                        ("--densities", args.densities != ap.get_default("densities")),
                                        ("--topk-method", args.topk_method is not None),

@@ -230,6 +230,7 @@ def main(argv=None):
     ap.add_argument("--image-size", type=int, default=32)
     common.order_arguments(ap)
     args = ap.parse_args(argv)
+    common.check_order_arguments(ap, args)
     if args.worker:
         worker(args)
     else:

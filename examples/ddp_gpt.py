@@ -114,7 +114,9 @@ def make_hook(args, ddp, inner, named_parameters):
     """(state, hook, bytes sent per step or None when the state counts them)."""
     if args.hook == "topk":
         state = hvd_topk.ddp.TopKState(density=args.density, optimizer=inner if args.adam == "local" else None,
-                                       warmup_steps=args.warmup_steps, warmup_density=args.warmup_density,
+                                       warmup_steps=args.warmup_steps,
+                                       # (no warm-up, no start density: the library would warn it does nothing)
+                                       **({"warmup_density": args.warmup_density} if args.warmup_steps else {}),
                                        exchange=args.exchange, fp16_values=args.fp16_values,
                                        compact=args.compact,
                                        named_parameters=named_parameters)

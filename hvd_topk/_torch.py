@@ -38,6 +38,12 @@ Checked against torch 2.13 (``CHECKED_VERSION``). Each private detail relied on:
    (before wrapping) went on changing the old groups' learning rate after a load, silently, and
    the user's optimizer wrapped again got its old state. The loaded values are copied back into
    the old objects. If torch starts loading in place, this does nothing.
+7. ``backward_running``: whether autograd is running a backward pass now, read from
+   ``torch._C._current_graph_task_id()`` (-1 outside one, torch 2.13). DDP under
+   ``torch.distributed.algorithms.Join`` runs a joined rank's communication hook outside any
+   backward, on zero buckets: the DDP hook's check that ``TopKState(optimizer=...)`` was stepped
+   must not count those. If the function goes, the answer is True (the check as before: a
+   joined rank may then warn once in vain).
 """
 
 import sys
@@ -107,3 +113,9 @@ def keep_step_unhooked(cls):
     again (see the module docstring)."""
     if "step" in vars(cls):
         cls.step.hooked = True
+
+
+def backward_running():
+    """True inside a backward pass (see the module docstring, 7)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return True if current is None else current() != -1

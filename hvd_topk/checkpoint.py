@@ -66,7 +66,7 @@ def check_inner(param_groups, names, state_dict):
     if sizes != saved_sizes:
         raise CheckpointMismatch(f"the checkpoint's parameter groups hold {saved_sizes} parameters, this "
                                  f"optimizer's {sizes}. " + MISMATCH_HINT)
-    _check_order(param_groups, names, state_dict.get(STATE_KEY))
+    _check_order(param_groups, names, state_dict)
     saved_ids = itertools.chain.from_iterable(g["params"] for g in saved_groups)
     params = itertools.chain.from_iterable(g["params"] for g in param_groups)
     for saved_id, p in zip(saved_ids, params):
@@ -84,12 +84,13 @@ def parameter_order(param_groups, names):
     return [names.get(p) for g in param_groups for p in g["params"]]
 
 
-def _check_order(param_groups, names, section):
+def _check_order(param_groups, names, state_dict):
     """Same-shaped parameters defined in another order (q, k and v projections swapped) pass
     torch's checks, and its load would give each the other's optimizer state (moments) while the
-    residuals, matched by name, go where they belong: refused. Only where both orders are known
-    and name the same parameters (a checkpoint without the record, or saved with other names,
-    is matched by position as torch does)."""
+    residuals, matched by name, go where they belong: refused where a moved parameter has saved
+    state. Only where both orders are known and name the same parameters (a checkpoint without
+    the record, or saved with other names, is matched by position as torch does)."""
+    section = state_dict.get(STATE_KEY)
     saved = section.get("parameter_order") if isinstance(section, dict) else None
     if not isinstance(saved, list):
         return
@@ -98,7 +99,12 @@ def _check_order(param_groups, names, section):
         [plain_name(n) if isinstance(n, str) else n for n in here]
     if saved_plain == here_plain or sorted(map(str, saved_plain)) != sorted(map(str, here_plain)):
         return
-    moved = [(i, n, here_plain.index(n)) for i, n in enumerate(saved_plain) if here_plain[i] != n][:3]
+    saved_ids = list(itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
+    states = state_dict.get("state", {})
+    moved = [(i, n, here_plain.index(n)) for i, n in enumerate(saved_plain)
+             if here_plain[i] != n and i < len(saved_ids) and states.get(saved_ids[i])][:3]
+    if not moved:  # no per-parameter state would go astray (SGD without momentum, say)
+        return
     raise CheckpointMismatch(
         "the checkpoint's parameters are the same but in another order ("
         + "; ".join(f"{n!r} saved at position {i}, here at {j}" for i, n, j in moved)

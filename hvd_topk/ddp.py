@@ -43,6 +43,7 @@ import torch.distributed as dist
 from hvd_topk import agreement, auto, checkpoint
 from hvd_topk import ddp_exchange as exchange
 from hvd_topk.codec import Codec
+from hvd_topk._torch import backward_running
 from hvd_topk.loss_scale import ResidualScale, check_grad_scaler, is_loss_scale
 from hvd_topk.optim import momentum_decay_of, residual_decay_of
 from hvd_topk.schedule import DensitySchedule
@@ -538,7 +539,8 @@ def topk_hook(state, bucket):
         state._check_group_unchanged()
     if bucket.index() == 0:  # before this step folds anything: residuals into its loss scale
         state.residual_scale.follow([state])
-        if state.optimizer is not None and getattr(state.optimizer, "_transformed", None):
+        # (not under torch's Join, whose joined rank runs the hook on zero buckets outside backward)
+        if state.optimizer is not None and getattr(state.optimizer, "_transformed", None) and backward_running():
             state._not_stepped()
     buffer = bucket.buffer()
     world = state.world_size

@@ -286,8 +286,12 @@ class _LocalSteps(torch.optim.Optimizer):
         one file per rank for a bitwise resume)."""
         local = getattr(self, LOCAL)
         state = super(self.__class__, self).state_dict()
+        # At a period's start the model is the shared weights (right after a synchronisation the
+        # two are equal): the model, also when it was loaded or set after construction, before
+        # any step took the anchors from it (a rank-0 fine-tuning load, then the broadcasts).
+        start = self.local_step == 0
         state["param_groups"][0][SHARED_KEY] = {
-            "anchors": [a.detach().clone() for a in local.anchors],
+            "anchors": [(p if start else a).detach().clone() for p, a in zip(local.params, local.anchors)],
             "outer_momentum": [_momentum_buffer(local.outer, a) for a in local.anchors]}
         state[STATE_KEY] = {"outer": local.outer.state_dict()}
         return state
@@ -338,6 +342,8 @@ class _LocalSteps(torch.optim.Optimizer):
         outer = getattr(self, LOCAL).outer
         fresh = super(type(outer), outer).state_dict()  # the outer SGD's own: no hvd_topk section,
         fresh["state"] = {}                             # so the engine's residuals start from zero
+        # and no step counter, which would read as a checkpoint of ours gone through a plain optimizer
+        fresh["param_groups"] = [{k: v for k, v in g.items() if k != STEP_KEY} for g in fresh["param_groups"]]
         outer.load_state_dict(fresh)
 
     def _check_shared_shapes(self, shared):
@@ -395,7 +401,8 @@ class _LocalSteps(torch.optim.Optimizer):
         outer = local.outer.param_groups[0]
         settings = agreement.digest((local.sync_every, outer["lr"], outer["momentum"], outer["nesterov"])) % 2 ** 50
         stateful = self._has_state()
-        mine = torch.tensor([[self.param_groups[0][SYNCS_KEY], self.local_step, checksum, settings, sum(stateful)]],
+        which = agreement.digest(tuple(stateful)) % 2 ** 50  # which parameters have optimizer state here
+        mine = torch.tensor([[self.param_groups[0][SYNCS_KEY], self.local_step, checksum, settings, which]],
                             dtype=torch.float64)  # (a 50-bit digest is exact in float64)
         rows = hvd.allgather(mine, name=f"{engine.prefix}.local_steps_agree", process_set=engine.process_set)
         if not bool((rows[:, 4] == rows[0, 4]).all()):
@@ -433,8 +440,9 @@ class _LocalSteps(torch.optim.Optimizer):
         has no state here while others have: ``hvd.broadcast_optimizer_state`` (after
         ``hvd.join()``, from a rank-0 checkpoint, ``hvd.elastic``'s ``sync()``) would then pair
         different tensors on different ranks and hang. The state is made as Horovod makes a fresh
-        optimizer's: one step with zero gradients, for those parameters only, whose values are
-        then put back (AdamW's weight decay would move them)."""
+        optimizer's: one step with zero gradients, for those parameters only and without weight
+        decay (which would fill SGD's momentum or Adam's moments with it), their values then put
+        back."""
         local = getattr(self, LOCAL)
         flags = hvd.allgather(torch.tensor([stateful], dtype=torch.uint8), name=f"{engine.prefix}.local_steps_state",
                               process_set=engine.process_set)
@@ -444,13 +452,18 @@ class _LocalSteps(torch.optim.Optimizer):
         grads = [(p, p.grad) for g in self.param_groups for p in g["params"]]
         values = [p.detach().clone() for p in missing]
         scaling = {k: self.__dict__.pop(k) for k in ("found_inf", "grad_scale") if k in self.__dict__}  # (_local_step)
+        decays = [(g, g["weight_decay"]) for g in self.param_groups if "weight_decay" in g]
         try:
             for p, _ in grads:
                 p.grad = None
             for p in missing:
                 p.grad = torch.zeros_like(p)
+            for g, _ in decays:
+                g["weight_decay"] = 0.0
             super(self.__class__, self).step()
         finally:
+            for g, decay in decays:
+                g["weight_decay"] = decay
             with torch.no_grad():
                 for p, v in zip(missing, values):
                     p.copy_(v)

@@ -270,10 +270,10 @@ class Twins(torch.nn.Module):
         return self.head(torch.relu(self.b(torch.relu(self.a(x)))))
 
 
-def build_twins(order):
+def build_twins(order, momentum=0.9):
     torch.manual_seed(0)
     model = Twins(*order)
-    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
     return model, hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
                                                 compression=hvd_topk.TopK(density=0.05), min_numel=300,
                                                 exchange="allgather")
@@ -283,7 +283,8 @@ def check_reordered_twins_refused():
     """The same parameters defined in another order (a before b, then b before a): every shape
     fits torch's positional check, and its load would give a's momentum to b and b's to a while
     the residuals, matched by name, went where they belong. Refused, naming the order; nothing
-    applied. The same order loads (the saved momentum of a.weight is then a.weight's, by hand)."""
+    applied. The same order loads (the saved momentum of a.weight is then a.weight's, by hand),
+    and so does the other order without per-parameter state."""
     model, opt = build_twins("ab")
     train(model, opt, 3)
     saved = copy.deepcopy(opt.state_dict())
@@ -294,6 +295,11 @@ def check_reordered_twins_refused():
     model3, opt3 = build_twins("ab")
     opt3.load_state_dict(copy.deepcopy(saved))
     assert torch.equal(opt3.state[model3.a.weight]["momentum_buffer"], opt.state[model.a.weight]["momentum_buffer"])
+    # without per-parameter state (SGD without momentum) nothing goes astray: it loads
+    model4, opt4 = build_twins("ab", momentum=0.0)
+    train(model4, opt4, 3)
+    _, opt5 = build_twins("ba", momentum=0.0)
+    opt5.load_state_dict(copy.deepcopy(opt4.state_dict()))
 
 
 CHECKS = [

@@ -702,6 +702,26 @@ def check_nonfinite_local_adamw():
         assert_same_on_all_ranks(host(p), f"after the skipped step: {name}")
 
 
+def check_join_local_adamw_no_false_warning():
+    """Join with ``optimizer=LocalAdamW``, rank r running 2 + 2r steps: a joined rank's hook runs
+    on zero buckets outside any backward and marks its updates as made; no rank was told its
+    optimizer was not stepped (the joined one once was, and it must not step)."""
+    from torch.distributed.algorithms.join import Join
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = Net().to(DEVICE)
+    ddp = DDP(model)
+    inner = hvd_topk.LocalAdamW(model.parameters(), lr=0.01, betas=(0.0, 0.95))
+    hvd_topk.ddp.register(ddp, hvd_topk.ddp.TopKState(density=0.05, optimizer=inner, min_numel=MIN_NUMEL,
+                                                      exchange="allgather"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Join([ddp]):
+            train(ddp, inner, 2 + 2 * rank)
+    said = [str(w.message) for w in caught if "was not stepped after the last exchange" in str(w.message)]
+    assert not said, said
+
+
 def check_join():
     """Uneven inputs under DDP's ``Join``: rank r runs 3 + r steps; a joined rank's DDP runs the
     hook on zero buckets (its residual still sends). The truth: the same job with even inputs,
@@ -957,6 +977,7 @@ CHECKS = [
     ("non-finite gradient", check_nonfinite),
     ("non-finite gradient, LocalAdamW's moments stay finite", check_nonfinite_local_adamw),
     ("Join: uneven inputs", check_join),
+    ("Join with LocalAdamW: no false warning of a not-stepped optimizer", check_join_local_adamw_no_false_warning),
     ("bad input", check_bad_input),
     ("a rank alone in its group (world size 1)", check_alone),
 ]

@@ -336,6 +336,51 @@ def check_parameter_unused_on_one_rank():
         assert_same_on_all_ranks(opt.state[p]["exp_avg_sq"].numpy(), "exp_avg_sq after the broadcast")
 
 
+def check_model_loaded_after_construction_broadcast():
+    """Built, then a model-only checkpoint loaded on rank 0 (fine-tuning: every weight 7.0),
+    then Horovod's usual broadcasts: the run starts from the loaded weights. A step with zero
+    gradients (AdamW without weight decay leaves the model where it is) keeps 7.0 exactly on
+    every rank. (The shared weights exported at a period's start were once the copy taken at
+    construction, which the first step then wrote back into the model: the random init.)"""
+    torch.manual_seed(hvd.rank())
+    model = Net()
+    opt = hvd_topk.LocalSteps(torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.0),
+                              named_parameters=model.named_parameters(), sync_every=4,
+                              compression=hvd_topk.TopK(density=0.05), min_numel=MIN_NUMEL, exchange="allgather")
+    if hvd.rank() == 0:
+        model.load_state_dict({k: torch.full_like(v, 7.0) for k, v in model.state_dict().items()})
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for n, p in model.named_parameters():
+        assert bool((p == 7.0).all()), f"{n}: not the loaded weights after the first step (mean {float(p.mean())})"
+
+
+def check_heads_used_on_different_ranks():
+    """head a trained on even ranks, head b on odd ones: as many parameters with optimizer state
+    on every rank, but not the same ones. At the synchronisation every rank gets state for all,
+    and the broadcast then gives every rank rank 0's state parameter by parameter (a comparison
+    of the counts alone once missed it, and the broadcast paired a's moments with b)."""
+    torch.manual_seed(0)
+    trunk, a, b = torch.nn.Linear(40, 32), torch.nn.Linear(32, 10), torch.nn.Linear(32, 10)
+    params = [*trunk.parameters(), *a.parameters(), *b.parameters()]
+    names = [(f"{m}.{n}", p) for m, mod in (("trunk", trunk), ("a", a), ("b", b)) for n, p in mod.named_parameters()]
+    opt = hvd_topk.LocalSteps(torch.optim.AdamW(params, lr=0.01), named_parameters=names, sync_every=2,
+                              compression=hvd_topk.TopK(density=0.05), min_numel=MIN_NUMEL, exchange="allgather")
+    head = a if hvd.rank() % 2 == 0 else b
+    for step in range(2):
+        x, y = batch(step, hvd.rank())
+        opt.zero_grad()
+        F.cross_entropy(head(torch.relu(trunk(x))), y).backward()
+        opt.step()
+    assert all(opt.state.get(p) for p in params), "a parameter without optimizer state after the synchronisation"
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    for name, p in names:
+        assert_same_on_all_ranks(opt.state[p]["exp_avg"].numpy(), f"{name}: exp_avg after the broadcast")
+
+
 def check_statistics_before_the_first_synchronisation():
     """One step of H=2: nothing sent yet, against one dense fp32 allreduce of the model
     (hand-computed: its element count x 4 bytes); after the synchronisation, two."""
@@ -502,7 +547,10 @@ def check_plain_checkpoint_restarts_outer():
     runs = []
     for model_x, opt_x in ((model, opt), make(seed=5)):
         model_x.load_state_dict(weights)
-        opt_x.load_state_dict(copy.deepcopy(plain))
+        with warnings.catch_warnings(record=True) as caught:  # nothing to warn of
+            warnings.simplefilter("always")
+            opt_x.load_state_dict(copy.deepcopy(plain))
+        assert not [str(w.message) for w in caught if "hvd_topk" in str(w.message)], [str(w.message) for w in caught]
         assert opt_x.local_step == 0 and opt_x.param_groups[0]["hvd_topk_local_syncs"] == 0
         train(model_x, opt_x, 5, start=4)
         runs.append([p.detach().clone() for p in model_x.parameters()])
@@ -684,6 +732,9 @@ CHECKS = [
      check_broadcast_at_synchronisation_weight_decay),
     ("a parameter unused on one rank: state everywhere, the broadcast completes", check_parameter_unused_on_one_rank),
     ("statistics before the first synchronisation", check_statistics_before_the_first_synchronisation),
+    ("a model loaded after construction on rank 0, broadcast: kept", check_model_loaded_after_construction_broadcast),
+    ("heads used on different ranks: state everywhere, broadcast parameter by parameter",
+     check_heads_used_on_different_ranks),
     ("hvd.join, broadcasts from the last rank, a second epoch", check_join_then_next_epoch),
     ("checkpoints across LocalSteps and DistributedOptimizer", check_checkpoints_across_optimizers),
     ("a plain checkpoint restarts the outer optimizer", check_plain_checkpoint_restarts_outer),
