@@ -38,6 +38,33 @@ from _common import fmt_s, machine_info, run_example, write_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "pytorch_gpt.py"
+
+
+def code_fingerprint():
+    """SHA-256 (16 hex digits) of the code a run's numbers depend on: the ``hvd_topk`` that the
+    examples import (``PYTHONPATH`` first, as they find it) and this checkout's examples. A git
+    commit does not say it: a tree with uncommitted changes, or runs importing another checkout."""
+    import hashlib
+    import importlib.util
+    spec = importlib.util.find_spec("hvd_topk")
+    package = Path(spec.origin).parent if spec and spec.origin else ROOT / "hvd_topk"
+    digest = hashlib.sha256()
+    for base, pattern in ((package, "**/*.py"), (package / "native", "*.cpp"), (ROOT / "examples", "*.py")):
+        for path in sorted(base.glob(pattern)):
+            if "__pycache__" not in path.parts:
+                digest.update(str(path.relative_to(base)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def reusable(run, code):
+    """Whether an earlier run stands for one made now: made by the same code (``code_fingerprint``);
+    a run recorded before the fingerprint existed only for dense AdamW (Horovod's optimizer, no
+    hvd_topk: its runs reproduced bit for bit across hvd_topk's changes, 2026-12-05), since the
+    compressed ones changed with the library (ba1194f moved the 1% recipe's losses)."""
+    made = run.get("made") or {}
+    if made.get("code"):
+        return made["code"] == code
+    return run["config"].startswith("dense")
 EF = ["--optimizer", "topk-ef", "--exchange", "allgather"]  # the exchange pinned: auto may go dense
 GV = [*EF, "--adam", "local"]  # LocalAdamW's defaults since 2026-11-25: lr in the residual, global variance
 OLD = ["--no-lr-in-residual", "--no-global-variance"]  # LocalAdamW as it was before (the rows measured then)
@@ -412,9 +439,11 @@ def main(argv=None):
     ap.add_argument("--eval-every", type=int, default=None,
                     help="validation every N steps (default: the example's 100); finer for steps-to-target")
     ap.add_argument("--reuse", type=Path, nargs="+", default=[], metavar="JSON",
-                    help="earlier PREFIX.json files: a run with the same config, ARGS, steps, seed and ranks is taken "
-                         "from them instead of being run again; each run keeps where it was made ('made': date, "
-                         "git revision, command; for runs of files written before 2026-12-05, that file's)")
+                    help="earlier PREFIX.json files: a run with the same config, ARGS, steps, seed and ranks, made by "
+                         "the same code (a fingerprint of hvd_topk and the examples; runs recorded before it "
+                         "existed: dense AdamW only), is taken from them instead of being run again; each run keeps "
+                         "where it was made ('made': date, git revision, command, code; for runs of files written "
+                         "before 2026-12-05, that file's)")
     args = ap.parse_args(argv)
     extra = [] if args.eval_every is None else ["--eval-every", str(args.eval_every)]
     earlier = {}
@@ -428,7 +457,12 @@ def main(argv=None):
             earlier[(r["config"], r.get("args_used"), r["steps"], r["seed"], r.get("ranks"))] = dict(
                 r, made={"file": path.name, **(r.get("made") or made)})
     command = shlex.join(["python", "benchmarks/convergence_gpt.py", *(sys.argv[1:] if argv is None else argv)])
-    here = {"date": None, "git": machine_info().get("git"), "command": command}
+    code = code_fingerprint()
+    here = {"date": None, "git": machine_info().get("git"), "command": command, "code": code}
+    stale = sorted({f"{k[0]} seed {k[3]}" for k, r in earlier.items() if not reusable(r, code)})
+    if stale:
+        print(f"not reused (made by other code, or before runs recorded theirs): {', '.join(stale)}", flush=True)
+    earlier = {k: r for k, r in earlier.items() if reusable(r, code)}
     runs, started = [], time.perf_counter()
     partial = Path(f"{args.out_prefix}.partial.json")
     plan = [(c, s) for c in args.configs for s in args.seeds]
@@ -469,7 +503,7 @@ def main(argv=None):
     lines = ["# Convergence on the transformer workload (examples/pytorch_gpt.py, AdamW)", "",
              f"Date (UTC): {meta['date']}  ",
              f"Machine: {info['cpu']}, {info['cores']} cores; torch {info.get('torch')}, horovod {info.get('horovod')}; "
-             f"hvd_topk git {info.get('git')}  ",
+             f"hvd_topk git {info.get('git')}, code {code} (hvd_topk and the examples, `code_fingerprint`)  ",
              f"Command: `{command}`  ",
              f"Each run: `mpirun -np {args.np} python examples/pytorch_gpt.py --quiet --json OUT --steps {args.steps} "
              f"--seed SEED ARGS`"

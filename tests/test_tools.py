@@ -375,3 +375,35 @@ def test_overhead_ratio_by_hand():
     assert common.overhead_versus(ref, {"method": "topk-ef", "median_ms": 294.7}, "fp16") == "n/a"
     assert common.overhead(ref, {"method": "fp16", "median_ms": 250.0}) == "-5 ms (below none: noise)"
     assert common.overhead(ref, {"method": "none", "median_ms": 255.1}) == "-"
+
+
+def test_convergence_gpt_reuses_only_runs_of_the_same_code(tmp_path, monkeypatch):
+    """--reuse takes an earlier run only when the code that made it is the code now (a
+    fingerprint of hvd_topk and the examples); a run recorded before fingerprints existed only
+    for dense AdamW (hvd_topk's changes moved the compressed runs, ba1194f). The fingerprint
+    changes with one byte of hvd_topk and is stable otherwise (hand-made trees)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import convergence_gpt as cg
+    finally:
+        sys.path.pop(0)
+    assert cg.reusable({"config": "gv-1%", "made": {"code": "abc"}}, "abc")
+    assert not cg.reusable({"config": "gv-1%", "made": {"code": "abc"}}, "abd")
+    assert not cg.reusable({"config": "dense-lr1e-2", "made": {"code": "abc"}}, "abd")
+    assert cg.reusable({"config": "dense-lr1e-2", "made": {"git": "1b01c4a"}}, "abd")
+    assert not cg.reusable({"config": "gv-1%-lr1e-2-fp16v", "made": {"git": "1b01c4a"}}, "abd")
+    for tree in ("a", "b"):
+        (tmp_path / tree / "hvd_topk" / "native").mkdir(parents=True)
+        (tmp_path / tree / "examples").mkdir()
+        (tmp_path / tree / "hvd_topk" / "__init__.py").write_text("x = 1\n")
+        (tmp_path / tree / "hvd_topk" / "native" / "topk.cpp").write_text("int f();\n")
+        (tmp_path / tree / "examples" / "pytorch_gpt.py").write_text("print(1)\n")
+    prints = []
+    for tree, change in (("a", None), ("b", None), ("b", "x = 2\n")):
+        if change:
+            (tmp_path / tree / "hvd_topk" / "__init__.py").write_text(change)
+        monkeypatch.setattr(cg, "ROOT", tmp_path / tree)
+        monkeypatch.setattr("importlib.util.find_spec", lambda name, tree=tree: type(
+            "Spec", (), {"origin": str(tmp_path / tree / "hvd_topk" / "__init__.py")})())
+        prints.append(cg.code_fingerprint())
+    assert prints[0] == prints[1] != prints[2]
