@@ -493,6 +493,8 @@ def main(argv=None):
                      "mean": statistics.mean(losses), "std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
                      "min": min(losses), "max": max(losses), "bytes_ratio": ratio})
     target = target_config(args.configs)
+    for row in rows:
+        row["paired"] = paired_gap(runs, row["config"], target)
     dense = next((r["mean"] for r in rows if r["config"] == target), None)
     targets = steps_to_target(runs, args.configs, args.steps)
     info = machine_info()
@@ -511,12 +513,16 @@ def main(argv=None):
                 if any(c in DDP_CONFIGS for c in args.configs) else "")
              + f" (the example's defaults otherwise); seeds {', '.join(map(str, args.seeds))}; "
              f"total wall time {fmt_s(meta['total_wall_s'])}.", "",
-             "| configuration | ARGS | final validation loss, mean ± std | min–max | vs dense | bytes vs dense fp32 |",
-             "|---|---|---|---|---:|---:|"]
+             "| configuration | ARGS | final validation loss, mean ± std (sample) | min–max | vs dense | "
+             "vs dense, seed by seed: mean [95% interval] | bytes vs dense fp32 |",
+             "|---|---|---|---|---:|---:|---:|"]
     for r in rows:
         vs = f"{100 * (r['mean'] / dense - 1):+.1f}%" if dense and r["config"] != target else ""
+        paired = r.get("paired")
+        cell = (f"{100 * paired['mean']:+.1f}% [{100 * paired['low']:+.1f}, {100 * paired['high']:+.1f}] "
+                f"(n={paired['n']})" if paired else "")
         lines.append(f"| {r['label']} | `{r['args']}` | {r['mean']:.4f} ± {r['std']:.4f} | "
-                     f"{r['min']:.4f}–{r['max']:.4f} | {vs} | {100 * r['bytes_ratio']:.2f}% |")
+                     f"{r['min']:.4f}–{r['max']:.4f} | {vs} | {cell} | {100 * r['bytes_ratio']:.2f}% |")
     if targets:
         half = targets["half_step"]
         lines += ["", f"Steps to target: the first validation step (every {args.eval_every or 100}) at which a run's "
@@ -538,6 +544,26 @@ def main(argv=None):
     plot(runs, args.configs, f"{prefix}.png", meta)
     print("\n".join(lines))
     return 0
+
+
+# Student's t at 97.5% for 1..10 degrees of freedom (a two-sided 95% interval over a few seeds)
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def paired_gap(runs, config, target):
+    """``config``'s loss against ``target``'s (dense AdamW) seed by seed, ``loss / dense - 1``:
+    mean, 95% t-interval and the per-seed values (None for the target or without seeds in
+    common). Paired, since a seed's two runs share their data and initial weights: the seeds'
+    own spread (about 1% here) cancels, which the unpaired means hide."""
+    if target is None or config == target:
+        return None
+    dense = {r["seed"]: r["final_val_loss"] for r in runs if r["config"] == target}
+    gaps = [r["final_val_loss"] / dense[r["seed"]] - 1 for r in runs if r["config"] == config and r["seed"] in dense]
+    if not gaps:
+        return None
+    mean = statistics.mean(gaps)
+    half = T975.get(len(gaps) - 1, 1.96) * statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else float("nan")
+    return {"mean": mean, "low": mean - half, "high": mean + half, "n": len(gaps), "per_seed": gaps}
 
 
 def target_config(configs):

@@ -407,3 +407,20 @@ def test_convergence_gpt_reuses_only_runs_of_the_same_code(tmp_path, monkeypatch
             "Spec", (), {"origin": str(tmp_path / tree / "hvd_topk" / "__init__.py")})())
         prints.append(cg.code_fingerprint())
     assert prints[0] == prints[1] != prints[2]
+
+
+def test_convergence_gpt_paired_gap_by_hand():
+    """Seed by seed against dense: losses 1.02/1.00, 0.99/1.00, 1.03/1.00 are +2%, -1%, +3%:
+    mean +1.333%, sample sd 2.0817%, 95% half-width 4.303 x 2.0817% / sqrt(3) = 5.172%."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import convergence_gpt as cg
+    finally:
+        sys.path.pop(0)
+    runs = [{"config": c, "seed": s, "final_val_loss": v} for c, s, v in (
+        ("dense-lr1e-2", 1, 1.0), ("dense-lr1e-2", 2, 1.0), ("dense-lr1e-2", 3, 1.0),
+        ("x", 1, 1.02), ("x", 2, 0.99), ("x", 3, 1.03), ("x", 4, 5.0))]  # seed 4: no dense run to pair with
+    gap = cg.paired_gap(runs, "x", "dense-lr1e-2")
+    assert gap["n"] == 3 and gap["mean"] == pytest.approx(0.013333, abs=1e-6)
+    assert gap["high"] - gap["mean"] == pytest.approx(0.05172, abs=1e-5)
+    assert cg.paired_gap(runs, "dense-lr1e-2", "dense-lr1e-2") is None
