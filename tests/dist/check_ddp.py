@@ -393,6 +393,17 @@ def check_local_adamw_channels_last():
                                    err_msg=f"{name}: LocalAdamW's first moment is not this rank's gradient")
 
 
+def local_adamw_recipe():
+    """Net under DDP with the hook and ``optimizer=LocalAdamW`` (5%, the allgather)."""
+    torch.manual_seed(0)
+    model = Net().to(DEVICE)
+    ddp = DDP(model)
+    inner = hvd_topk.LocalAdamW(model.parameters(), lr=0.01, betas=(0.0, 0.95))
+    hvd_topk.ddp.register(ddp, hvd_topk.ddp.TopKState(density=0.05, optimizer=inner, min_numel=MIN_NUMEL,
+                                                      exchange="allgather"))
+    return model, ddp, inner
+
+
 def check_local_adamw_misstepped():
     """The recipe stepped wrongly. (a) step() twice after one backward: the second raises that it
     came without a new backward (it once said to pass the optimizer to the hook, which the user
@@ -401,12 +412,7 @@ def check_local_adamw_misstepped():
     LocalAdamW's parameters then moved only by the other optimizer (hand-checked: plain SGD at
     lr 1 moves each parameter by exactly p.grad, the exchanged update)."""
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = Net().to(DEVICE)
-    ddp = DDP(model)
-    inner = hvd_topk.LocalAdamW(model.parameters(), lr=0.01, betas=(0.0, 0.95))
-    hvd_topk.ddp.register(ddp, hvd_topk.ddp.TopKState(density=0.05, optimizer=inner, min_numel=MIN_NUMEL,
-                                                      exchange="allgather"))
+    model, ddp, inner = local_adamw_recipe()
     x, y = batch(0, rank)
     inner.zero_grad()
     F.cross_entropy(ddp(x), y).backward()
@@ -708,12 +714,7 @@ def check_join_local_adamw_no_false_warning():
     optimizer was not stepped (the joined one once was, and it must not step)."""
     from torch.distributed.algorithms.join import Join
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = Net().to(DEVICE)
-    ddp = DDP(model)
-    inner = hvd_topk.LocalAdamW(model.parameters(), lr=0.01, betas=(0.0, 0.95))
-    hvd_topk.ddp.register(ddp, hvd_topk.ddp.TopKState(density=0.05, optimizer=inner, min_numel=MIN_NUMEL,
-                                                      exchange="allgather"))
+    model, ddp, inner = local_adamw_recipe()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with Join([ddp]):
