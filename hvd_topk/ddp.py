@@ -46,7 +46,7 @@ from hvd_topk.codec import Codec
 from hvd_topk._torch import backward_running
 from hvd_topk.loss_scale import ResidualScale, check_grad_scaler, is_loss_scale
 from hvd_topk.optim import momentum_decay_of, residual_decay_of
-from hvd_topk.schedule import DensitySchedule
+from hvd_topk.schedule import DEFAULT_START, DensitySchedule
 from hvd_topk.stats import DENSE_FP32_BYTES
 from hvd_topk.selection import (NAMED_PARAMETERS_ERROR, DEFAULT_METHOD, check_density, check_flag, check_integer, check_number,
                                 check_residual_decay, warn_ignored)
@@ -129,7 +129,7 @@ class TopKState:
     """
 
     def __init__(self, process_group=None, density=0.01, *, error_feedback=True, warmup_steps=0,
-                 warmup_density=0.25, optimizer=None, exchange="auto", exchange_trial_steps=auto.TRIAL_STEPS, fp16_values=False,
+                 warmup_density=DEFAULT_START, optimizer=None, exchange="auto", exchange_trial_steps=auto.TRIAL_STEPS, fp16_values=False,
                  compact=False, min_numel=1024, residual_decay=1.0, method=DEFAULT_METHOD, named_parameters=None,
                  grad_scaler=None):
         # tune

@@ -22,6 +22,7 @@ from hvd_topk.engine import STEP_KEY, STEPPED_THE_INNER, TopKEngine
 from hvd_topk.loss_scale import check_grad_scaler
 from hvd_topk.optim import momentum_decay_of, residual_decay_of
 from hvd_topk.options import Options
+from hvd_topk.schedule import DEFAULT_START
 from hvd_topk.selection import NAMED_PARAMETERS_ERROR, check_integer
 
 ENGINE = "_hvd_topk"  # the one attribute hvd_topk adds to the user's optimizer
@@ -52,7 +53,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                          backward_passes_per_step=1, op=hvd.Average,
                          gradient_predivide_factor=1.0, num_groups=0, groups=None, sparse_as_dense=False,
                          process_set=hvd.global_process_set, *, error_feedback=True,
-                         momentum_correction=0.0, warmup_steps=0, warmup_density=0.25,
+                         momentum_correction=0.0, warmup_steps=0, warmup_density=DEFAULT_START,
                          min_numel=1024, fusion_bytes=64 * 1024 * 1024, dense_fallback=True,
                          selection_scope="tensor", grad_scaler=None, exchange="auto",
                          exchange_trial_steps=TRIAL_STEPS, exchange_recheck_steps=0, hierarchical="auto",

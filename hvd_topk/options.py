@@ -5,6 +5,7 @@ import dataclasses
 import numbers
 
 from hvd_topk import auto, exchange
+from hvd_topk.schedule import DEFAULT_START
 from hvd_topk.selection import (DENSE_EXCHANGES, check_density, check_flag, check_integer, check_number,
                                 check_residual_decay, warn_ignored)
 
@@ -67,7 +68,7 @@ class Options:
     error_feedback: bool = True
     momentum_correction: float = 0.0
     warmup_steps: int = 0
-    warmup_density: float = 0.25
+    warmup_density: float = DEFAULT_START
     min_numel: int = 1024
     fusion_bytes: int = 64 * 1024 * 1024
     dense_fallback: bool = True
