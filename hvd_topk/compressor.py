@@ -163,6 +163,20 @@ class _Round:
 FIXED_OPTIONS = ("density", "method", "fp16_values", "compact")  # TopK's, read-only once built
 
 
+def unexpected_options_error(caller, names, takes=None):
+    """The TypeError for keywords ``caller`` does not take: where one is TopK's own (``density``,
+    ...), it says that it belongs to the compression, as ``compression=hvd_topk.TopK(density=...)``."""
+    names = sorted(names)
+    message = f"{caller}() got unexpected keyword argument(s) {', '.join(names)}"
+    ours = [n for n in names if n in FIXED_OPTIONS]
+    if ours:
+        message += (f"; {', '.join(ours)} {'is an option' if len(ours) == 1 else 'are options'} of the compression: "
+                    f"pass compression=hvd_topk.TopK({', '.join(f'{n}=...' for n in ours)})")
+    if takes:
+        message += f"; besides its own it takes {', '.join(sorted(takes))}"
+    return TypeError(message)
+
+
 class _Exchanged(NamedTuple):
     """``compress``'s context for a gradient Horovod's optimizer had already exchanged this step."""
     tensor: torch.Tensor

@@ -15,7 +15,7 @@ from hvd_topk._horovod import (OPTIMIZER_MODULE, elastic_mode, hvd, instance_nam
                               unshared_for_elastic)
 from hvd_topk._torch import AMP_SCALING_ATTRIBUTE, keep_objects, keep_step_unhooked, unscaled_already
 from hvd_topk.auto import TRIAL_STEPS
-from hvd_topk.compressor import OP_NAMES, TopK
+from hvd_topk.compressor import OP_NAMES, TopK, unexpected_options_error
 from hvd_topk import checkpoint
 from hvd_topk.checkpoint import STATE_KEY
 from hvd_topk.engine import STEP_KEY, STEPPED_THE_INNER, TopKEngine
@@ -57,7 +57,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                          min_numel=1024, fusion_bytes=64 * 1024 * 1024, dense_fallback=True,
                          selection_scope="tensor", grad_scaler=None, exchange="auto",
                          exchange_trial_steps=TRIAL_STEPS, exchange_recheck_steps=0, hierarchical="auto",
-                         residual_decay=1.0):
+                         residual_decay=1.0, **unexpected):
     """Wrap ``optimizer`` so that gradients are exchanged as Top-K pairs with error feedback.
 
     Same signature and behaviour as ``hvd.DistributedOptimizer``: the result is an instance of
@@ -120,10 +120,15 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
             would be added back at a stale scale, so ``scaler.step(opt)`` raises a RuntimeError
             naming this option.
 
+    Any other keyword is a TypeError; TopK's own (``density``, ``method``, ``fp16_values``,
+    ``compact``) are named as options of ``compression=hvd_topk.TopK(...)``.
+
     Its collectives are named ``hvd_topk.opt.<set>.<n>.…``, ``n`` counting the optimizers built
     over ``process_set`` before it in this process: ranks may build optimizers over sets that
     others do not use, as long as the ranks of one set build theirs over it in the same order.
     """
+    if unexpected:  # (Python's own TypeError would not say where density & co. go)
+        raise unexpected_options_error("DistributedOptimizer", unexpected)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if hasattr(optimizer, ENGINE):

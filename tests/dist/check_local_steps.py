@@ -646,6 +646,9 @@ def check_bad_input():
         hvd_topk.LocalSteps(torch.optim.AdamW(model.parameters()), sync_every=4, op=hvd.Sum)
     with raises(TypeError, match="unexpected keyword argument.s. warmup_step;", what="a misspelt warmup_steps"):
         hvd_topk.LocalSteps(torch.optim.AdamW(model.parameters()), sync_every=4, warmup_step=25)
+    with raises(TypeError, match=r"density is an option of the compression: pass compression=hvd_topk\.TopK\(density=",
+                what="density as LocalSteps' own"):
+        hvd_topk.LocalSteps(torch.optim.AdamW(model.parameters()), sync_every=4, density=0.04)
     # FrozenVarianceAdamW is a plain optimizer of gradients: each rank may run it alone
     hvd_topk.LocalSteps(hvd_topk.FrozenVarianceAdamW(model.parameters(), freeze_step=5), sync_every=4)
     with raises(ValueError, match="nesterov=True needs outer_momentum", what="nesterov without momentum"):

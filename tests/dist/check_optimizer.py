@@ -540,6 +540,10 @@ def check_bad_input():
         ({"backward_passes_per_step": 0}, ValueError, "0"),
         ({"fusion_bytes": 0}, ValueError, "0"),
         ({"densty": 0.1}, TypeError, "densty"),
+        ({"density": 0.1}, TypeError, "density is an option of the compression: pass "
+                                      "compression=hvd_topk.TopK(density=...)"),
+        ({"fp16_values": True, "method": "exact"}, TypeError, "fp16_values, method are options of the compression: "
+                                                              "pass compression=hvd_topk.TopK(fp16_values=..., method=...)"),
         ({"compression": hvd.Compression.fp16}, TypeError, "compression"),
         ({"named_parameters": [("a", p) for p in model.parameters()]}, ValueError, "duplicates"),
         ({"named_parameters": list(model.named_parameters())[:2]}, ValueError, "not named"),
