@@ -699,6 +699,21 @@ def check_bad_input():
         with raises(RuntimeError, match=rf"built with different settings \(sync_every, outer_lr, outer_momentum or "
                                         rf"nesterov; ranks \[{last}\] differ from rank 0\)", what=f"{what} on rank {last}"):
             train(model, opt, 3)
+    # The wrapped optimizer's own settings differing on the last rank (here AdamW's weight decay; a
+    # tensor lr, whose repr names its device, compared by value): named at the first synchronisation,
+    # where before each rank stepped its own way and nothing was said
+    odd = hvd.rank() == last
+    model, opt = build(lambda params: torch.optim.AdamW(params, lr=torch.tensor(0.01), weight_decay=0.2 if odd else 0.1),
+                       sync_every=2)
+    train(model, opt, 1)
+    with raises(RuntimeError, match=rf"the optimizer it wraps has other settings on ranks \[{last}\] than on rank 0",
+                what=f"AdamW's weight decay on rank {last}"):
+        train(model, opt, 1, start=1)
+    model, opt = build(lambda params: torch.optim.AdamW(params, lr=torch.tensor(0.01)), sync_every=2)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(4):  # an LR scheduler stepped alike on every rank: the same settings
+        train(model, opt, 1, start=step)
+        scheduler.step()
     # A model gone non-finite is said to be so, not blamed on the ranks disagreeing (NaN != NaN).
     model, opt = build(sgd(), sync_every=2)
     train(model, opt, 1)
