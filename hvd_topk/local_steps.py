@@ -96,7 +96,8 @@ class LocalStepsState:
     it was built: they have no anchor), ``param_ids`` and ``layout`` (every parameter of the
     optimizer's groups, and the trained ones' shapes, dtypes and devices, when it was built: the
     anchors were made for them). Statistics: ``steps`` taken on this rank (for
-    ``compression_stats``)."""
+    ``compression_stats``). ``inside`` (in ``step()``) and ``steps_elsewhere`` (the user's
+    optimizer stepped outside it since) tell ``warn_stepped_elsewhere`` what happened."""
 
     def __init__(self, params, names, anchors, outer, sync_every, frozen, param_ids):
         self.params, self.names, self.anchors, self.outer = params, names, anchors, outer
@@ -104,6 +105,28 @@ class LocalStepsState:
         self.frozen = frozen
         self.param_ids, self.layout = param_ids, parameter_layout(params)
         self.steps = 0
+        self.inside, self.steps_elsewhere = False, 0
+
+
+STEPPED_ELSEWHERE = (
+    "hvd_topk.LocalSteps: the optimizer passed to it was stepped {n} times without a step() of the optimizer "
+    "LocalSteps returned, which is the one that synchronises: these steps stay on this rank, whose model goes its "
+    "own way. Step the returned optimizer (opt = hvd_topk.LocalSteps(inner, ...); ...; opt.step()).")
+ELSEWHERE_ALLOWED = 2  # hvd.broadcast_optimizer_state steps a fresh optimizer once (twice: called twice)
+
+
+def warn_stepped_elsewhere(local):
+    """A step post-hook on the user's optimizer (its hooks are the returned one's: shared): the
+    steps it takes outside ``LocalSteps``' own ``step()``. Horovod's broadcast of a fresh
+    optimizer's state takes one such step (``hvd.broadcast_optimizer_state``), so a warning, once,
+    from the third in a row: the returned optimizer never stepped, nothing is synchronised."""
+    def hook(optimizer, args, kwargs):
+        if local.inside:
+            return
+        local.steps_elsewhere += 1
+        if local.steps_elsewhere == ELSEWHERE_ALLOWED + 1:
+            warnings.warn(STEPPED_ELSEWHERE.format(n=local.steps_elsewhere), stacklevel=3)
+    return hook
 
 
 def LocalSteps(optimizer, named_parameters=None, *, sync_every, compression=TopK, outer_lr=1.0,
@@ -177,6 +200,7 @@ def LocalSteps(optimizer, named_parameters=None, *, sync_every, compression=TopK
     wrapped.param_groups[0].setdefault(PHASE_KEY, 0)
     wrapped.param_groups[0].setdefault(SYNCS_KEY, 0)
     wrapped.param_groups[0].setdefault(OUTER_TRIAL_KEY, None)
+    wrapped.register_step_post_hook(warn_stepped_elsewhere(getattr(wrapped, LOCAL)))
     return wrapped
 
 
@@ -224,14 +248,18 @@ class _LocalSteps(torch.optim.Optimizer):
                         p.copy_(a)
                     else:
                         a.copy_(p)
-        loss = self._local_step(closure)
-        local.steps += 1
-        phase = self.local_step + 1
-        if phase >= local.sync_every:  # (more: a checkpoint of a longer period, load_state_dict)
-            self._synchronise_model()
-            self.param_groups[0][SYNCS_KEY] = getattr(local.outer, ENGINE).step
-            phase = 0
-        self.param_groups[0][PHASE_KEY] = phase
+        local.inside, local.steps_elsewhere = True, 0  # (the state fill at a synchronisation steps too)
+        try:
+            loss = self._local_step(closure)
+            local.steps += 1
+            phase = self.local_step + 1
+            if phase >= local.sync_every:  # (more: a checkpoint of a longer period, load_state_dict)
+                self._synchronise_model()
+                self.param_groups[0][SYNCS_KEY] = getattr(local.outer, ENGINE).step
+                phase = 0
+            self.param_groups[0][PHASE_KEY] = phase
+        finally:
+            local.inside = False
         return loss
 
     def _local_step(self, closure):

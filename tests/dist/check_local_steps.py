@@ -714,6 +714,25 @@ def check_bad_input():
     for step in range(4):  # an LR scheduler stepped alike on every rank: the same settings
         train(model, opt, 1, start=step)
         scheduler.step()
+    # The optimizer passed to LocalSteps stepped instead of the returned one: nothing synchronises,
+    # a warning says so (before, silence and ranks that went apart); a fresh optimizer's broadcast
+    # (one step of the inner class, taken by Horovod) and training through the returned one do not warn
+    for wrong in (False, True):
+        torch.manual_seed(0)
+        model = Net()
+        inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+        opt = hvd_topk.LocalSteps(inner, named_parameters=model.named_parameters(), sync_every=2,
+                                  compression=hvd_topk.TopK(density=0.05), min_numel=MIN_NUMEL, exchange="allgather")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hvd.broadcast_optimizer_state(opt, root_rank=0)
+            train(model, inner if wrong else opt, 5)
+        stepped = [str(w.message) for w in caught if "without a step() of the optimizer LocalSteps returned" in str(w.message)]
+        assert stepped == (["hvd_topk.LocalSteps: the optimizer passed to it was stepped 3 times without a step() of the "
+                            "optimizer LocalSteps returned, which is the one that synchronises: these steps stay on this "
+                            "rank, whose model goes its own way. Step the returned optimizer (opt = "
+                            "hvd_topk.LocalSteps(inner, ...); ...; opt.step())."] if wrong else []), (wrong, stepped)
+        assert opt.compression_stats()["syncs"] == (0 if wrong else 2), opt.compression_stats()["syncs"]
     # A model gone non-finite is said to be so, not blamed on the ranks disagreeing (NaN != NaN).
     model, opt = build(sgd(), sync_every=2)
     train(model, opt, 1)
