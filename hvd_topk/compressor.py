@@ -25,6 +25,7 @@ import functools
 import heapq
 import threading
 import time
+import warnings
 import types
 from typing import NamedTuple
 
@@ -59,6 +60,13 @@ COMPILED_AUTOGRAD_ERROR = (
     "under it (Horovod itself then fails with mismatched tensors and shuts down). Set "
     "torch._dynamo.config.compiled_autograd = False (torch.compile of the model can stay) and "
     "build hvd.DistributedOptimizer again (its hook has already counted this backward pass).")
+
+
+MORE_THAN_DENSE = (
+    "{self} sends {sent} bytes of pairs for a tensor of {dense} bytes: at this density each entry's index "
+    "costs more than leaving it out saves, and this drop-in path has no dense fallback. Pass Horovod's "
+    "compression=hvd.Compression.none (or fp16), a lower density, or use hvd_topk.DistributedOptimizer, "
+    "which sends such tensors dense. (Warned once per TopK.)")
 
 
 OP_NAMES = {hvd.Adasum: "hvd.Adasum", hvd.Min: "hvd.Min", hvd.Max: "hvd.Max", hvd.Product: "hvd.Product"}
@@ -226,7 +234,9 @@ class TopK(Compressor, metaclass=_FixedOptions):
     when it is built.
 
     Args (read-only attributes afterwards: build another ``TopK`` for other settings):
-        density: fraction of entries to send, in (0, 1].
+        density: fraction of entries to send, in (0, 1]. A pair costs two entries' bytes (an
+            index beside the value): from about 0.5 on this drop-in sends more than the tensor
+            itself and warns once.
         method: ``"sampled"`` (default: threshold from a sample, one pass, exactly k entries,
             >= 95% of the true top-k) or ``"exact"`` (the same set as ``torch.topk``); see
             ``hvd_topk.selection``.
@@ -258,6 +268,7 @@ class TopK(Compressor, metaclass=_FixedOptions):
         self._probe_checked = set()
         self._rounds = {}  # (process set id, ranks) -> _Round (and the names this instance uses there)
         self._lock = threading.Lock()
+        self._warned_bytes = False
 
     # Fixed once built: the codec and the per-shape plans are made from them, and
     # hvd_topk.DistributedOptimizer copies them when it is built; a change would apply to some
@@ -311,6 +322,11 @@ class TopK(Compressor, metaclass=_FixedOptions):
         self._codec.encode(tensor.reshape(-1), plan, message)
         if self.compact:  # a buffer per tensor: several are in flight at once
             message = plan.compact().pack(message, out=False)
+        # (by the density, not this tensor: k >= 1 makes a pair cost more than a tensor of one or two entries)
+        if not self._warned_bytes and message.numel() * self.density > plan.count * tensor.element_size():
+            self._warned_bytes = True
+            warnings.warn(MORE_THAN_DENSE.format(self=self, sent=message.numel(), dense=numel * tensor.element_size()),
+                          stacklevel=2)
         t1 = time.perf_counter()
         process_set = caller.process_set
         with self._lock:
