@@ -89,7 +89,9 @@ class DenseAllreduce:
 
 class DenseAllreduceFp16(DenseAllreduce):
     """``DenseAllreduce`` in float16, as Horovod's ``Compression.fp16`` does: half the bytes,
-    values rounded to float16 (and summed in it); what the rounding loses is not kept."""
+    values rounded to float16 (and summed in it); what the rounding loses is not kept: a bucket
+    sent this way restarts its residual from zero (docs/api.md says so; the pairs' float16
+    values, by contrast, feed their rounding back)."""
 
     name = "dense_fp16"
 
