@@ -512,12 +512,20 @@ class TopKState:
         self.checked = True
 
 
+def _check_state(state):
+    if not isinstance(state, TopKState):
+        what = "the class TopKState itself" if state is TopKState else f"a {type(state).__name__}"
+        raise TypeError(f"hvd_topk.ddp's hook needs a hvd_topk.ddp.TopKState as its state, got {what}: build one, "
+                        "state = TopKState(density=0.01, ...), and pass it")
+
+
 def register(model, state, hook=None):
     """``model.register_comm_hook(state, hook or topk_hook)``, after checking that ``state``
     reduces over the process group ``model`` (a ``DistributedDataParallel``) uses."""
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"hvd_topk.ddp.register takes the DistributedDataParallel model, got a "
                         f"{type(model).__name__}: wrap it first, DistributedDataParallel(model)")
+    _check_state(state)
     mine = state.process_group if state.process_group is not None else dist.group.WORLD
     theirs = getattr(model, "process_group", None)
     if theirs is not None and mine is not theirs and dist.get_process_group_ranks(mine) != \
@@ -533,6 +541,8 @@ def topk_hook(state, bucket):
     """DDP communication hook: Top-K with error feedback for one bucket (``TopKState``).
 
     Returns a future of the bucket's averaged result, which DDP writes into ``p.grad``."""
+    if not isinstance(state, TopKState):  # (DDP takes any object as the hook's state)
+        _check_state(state)
     if not state.checked:
         state._first_hook(bucket)
     elif bucket.index() == 0:

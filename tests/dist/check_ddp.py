@@ -787,6 +787,17 @@ def check_bad_input():
     with raises(TypeError, match=r"takes the DistributedDataParallel model, got a Net: wrap it first",
                 what="register on the plain model"):
         hvd_topk.ddp.register(Net(), P())
+    # no state, or the class where an instance belongs: said so (before: AttributeErrors, at the first backward)
+    with raises(TypeError, match="hook needs a hvd_topk.ddp.TopKState as its state, got a NoneType: build one",
+                what="register(ddp, None)"):
+        hvd_topk.ddp.register(DDP(Net().to(DEVICE)), None)
+    with raises(TypeError, match="got the class TopKState itself", what="register(ddp, TopKState)"):
+        hvd_topk.ddp.register(DDP(Net().to(DEVICE)), P)
+    classed = DDP(Net().to(DEVICE))
+    classed.register_comm_hook(P, hvd_topk.ddp.topk_hook)
+    x, y = batch(0, dist.get_rank())
+    with raises((TypeError, RuntimeError), match="got the class TopKState itself", what="the class as the hook's state"):
+        F.cross_entropy(classed(x), y).backward()
     # one state shared by two DDP models: refused at the second model's first bucket
     shared = P(min_numel=MIN_NUMEL)
     first, second = DDP(Net().to(DEVICE)), DDP(Net().to(DEVICE))
