@@ -65,6 +65,28 @@ def reusable(run, code):
     if made.get("code"):
         return made["code"] == code
     return run["config"].startswith("dense")
+
+
+def earlier_runs(paths, code):
+    """The runs of ``--reuse`` files that ``reusable`` allows, by (config, ARGS, steps, seed,
+    ranks), and the names of those it does not. A reusable run is never shadowed by a stale one
+    of the same key in a later file (a file holding the old runs of what another re-ran)."""
+    earlier = {}
+    for path in paths:
+        saved = json.loads(Path(path).read_text())
+        file_meta = saved.get("meta", {})
+        made = {"date": file_meta.get("date"), "git": file_meta.get("machine", {}).get("git"),
+                "command": file_meta.get("command"), "file": Path(path).name}
+        for r in saved["runs"]:
+            # the rank count is part of the key: a 2-rank run must not stand in for a 4-rank one
+            key = (r["config"], r.get("args_used"), r["steps"], r["seed"], r.get("ranks"))
+            run = dict(r, made={"file": Path(path).name, **(r.get("made") or made)})
+            if key not in earlier or reusable(run, code) or not reusable(earlier[key], code):
+                earlier[key] = run
+    stale = sorted({f"{k[0]} seed {k[3]}" for k, r in earlier.items() if not reusable(r, code)})
+    return {k: r for k, r in earlier.items() if reusable(r, code)}, stale
+
+
 EF = ["--optimizer", "topk-ef", "--exchange", "allgather"]  # the exchange pinned: auto may go dense
 GV = [*EF, "--adam", "local"]  # LocalAdamW's defaults since 2026-11-25: lr in the residual, global variance
 OLD = ["--no-lr-in-residual", "--no-global-variance"]  # LocalAdamW as it was before (the rows measured then)
@@ -446,23 +468,12 @@ def main(argv=None):
                          "before 2026-12-05, that file's)")
     args = ap.parse_args(argv)
     extra = [] if args.eval_every is None else ["--eval-every", str(args.eval_every)]
-    earlier = {}
-    for path in args.reuse:
-        saved = json.loads(path.read_text())
-        file_meta = saved.get("meta", {})
-        made = {"date": file_meta.get("date"), "git": file_meta.get("machine", {}).get("git"),
-                "command": file_meta.get("command"), "file": path.name}
-        for r in saved["runs"]:
-            # the rank count is part of the key: a 2-rank run must not stand in for a 4-rank one
-            earlier[(r["config"], r.get("args_used"), r["steps"], r["seed"], r.get("ranks"))] = dict(
-                r, made={"file": path.name, **(r.get("made") or made)})
     command = shlex.join(["python", "benchmarks/convergence_gpt.py", *(sys.argv[1:] if argv is None else argv)])
     code = code_fingerprint()
     here = {"date": None, "git": machine_info().get("git"), "command": command, "code": code}
-    stale = sorted({f"{k[0]} seed {k[3]}" for k, r in earlier.items() if not reusable(r, code)})
+    earlier, stale = earlier_runs(args.reuse, code)
     if stale:
         print(f"not reused (made by other code, or before runs recorded theirs): {', '.join(stale)}", flush=True)
-    earlier = {k: r for k, r in earlier.items() if reusable(r, code)}
     runs, started = [], time.perf_counter()
     partial = Path(f"{args.out_prefix}.partial.json")
     plan = [(c, s) for c in args.configs for s in args.seeds]

@@ -3,6 +3,7 @@ process (no root, no MPI job, no namespaces made): mpirun command lines, emulate
 names/addresses/host lists, the choice of leftovers to clean up by name prefix, machine info keys
 and the reference models' shapes."""
 
+import json
 import os
 import subprocess
 import sys
@@ -407,6 +408,28 @@ def test_convergence_gpt_reuses_only_runs_of_the_same_code(tmp_path, monkeypatch
             "Spec", (), {"origin": str(tmp_path / tree / "hvd_topk" / "__init__.py")})())
         prints.append(cg.code_fingerprint())
     assert prints[0] == prints[1] != prints[2]
+
+
+def test_convergence_gpt_reuse_prefers_the_run_of_the_same_code(tmp_path):
+    """A run re-made by today's code (file a) is not shadowed by the stale run of the same key
+    in a later --reuse file (b, which holds what was re-run): before, the later file's run
+    replaced it, was then refused as stale, and the run was made a third time. A key with only
+    a stale run is named as not reused; dense AdamW of an older file is reused."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import convergence_gpt as cg
+    finally:
+        sys.path.pop(0)
+    def run(config, seed, made=None):
+        return {"config": config, "args_used": "A", "steps": 3000, "seed": seed, "ranks": 2,
+                "final_val_loss": 1.0 + seed / 100, **({"made": made} if made else {})}
+    (tmp_path / "a.json").write_text(json.dumps({"meta": {}, "runs": [run("gv-0.1%", 42, {"code": "now"})]}))
+    (tmp_path / "b.json").write_text(json.dumps({"meta": {"date": "2026-11-28"}, "runs": [
+        run("gv-0.1%", 42), run("gv-0.1%", 43), run("dense-lr1e-2", 42)]}))
+    earlier, stale = cg.earlier_runs([tmp_path / "a.json", tmp_path / "b.json"], "now")
+    assert sorted((k[0], k[3]) for k in earlier) == [("dense-lr1e-2", 42), ("gv-0.1%", 42)]
+    assert earlier[("gv-0.1%", "A", 3000, 42, 2)]["made"] == {"file": "a.json", "code": "now"}
+    assert stale == ["gv-0.1% seed 43"]
 
 
 def test_convergence_gpt_paired_gap_by_hand():
