@@ -25,8 +25,8 @@ import functools
 import heapq
 import threading
 import time
-import warnings
 import types
+import warnings
 from typing import NamedTuple
 
 import torch

@@ -541,8 +541,7 @@ def topk_hook(state, bucket):
     """DDP communication hook: Top-K with error feedback for one bucket (``TopKState``).
 
     Returns a future of the bucket's averaged result, which DDP writes into ``p.grad``."""
-    if not isinstance(state, TopKState):  # (DDP takes any object as the hook's state)
-        _check_state(state)
+    _check_state(state)  # (DDP takes any object as the hook's state)
     if not state.checked:
         state._first_hook(bucket)
     elif bucket.index() == 0:
