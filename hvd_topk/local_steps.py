@@ -74,9 +74,14 @@ def _groups_of_anchors(groups, param_groups, params, anchors):
 def _inner_options(param_groups):
     """The user's optimizer's settings, group by group, as every rank must hold them (not the
     parameters, nor LocalSteps' own entries of group 0, compared on their own). A tensor option
-    (``lr=torch.tensor(...)``) by its values: its repr names its device, which differs by rank."""
-    return [sorted((k, v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in g.items()
-                   if k != "params" and not k.startswith("hvd_topk_")) for g in param_groups]
+    (``lr=torch.tensor(...)``, ``betas`` of tensors) by its values: its repr names its device,
+    which differs by rank."""
+    def plain(v):
+        if isinstance(v, torch.Tensor):
+            return v.tolist()
+        return type(v)(plain(x) for x in v) if isinstance(v, (tuple, list)) else v
+    return [sorted((k, plain(v)) for k, v in g.items() if k != "params" and not k.startswith("hvd_topk_"))
+            for g in param_groups]
 
 
 def _momentum_buffer(outer, anchor):
@@ -442,15 +447,15 @@ class _LocalSteps(torch.optim.Optimizer):
         mine = torch.tensor([[self.param_groups[0][SYNCS_KEY], self.local_step, checksum, settings, which, inner]],
                             dtype=torch.float64)  # (a 50-bit digest is exact in float64)
         rows = hvd.allgather(mine, name=f"{engine.prefix}.local_steps_agree", process_set=engine.process_set)
-        if not bool((rows[:, 4] == rows[0, 4]).all()):
-            self._fill_state(stateful, engine)
-        if not bool((rows[:, 5] == rows[0, 5]).all()):
+        if not bool((rows[:, 5] == rows[0, 5]).all()):  # (every rank sees the same rows: all raise)
             raise RuntimeError(
                 f"hvd_topk.LocalSteps: the optimizer it wraps has other settings on ranks "
                 f"{[r for r, h in enumerate(rows[:, 5].tolist()) if h != rows[0, 5]]} than on rank 0 (a param "
                 "group's lr, betas, weight_decay, ... or the number of groups): each rank would take its local "
                 "steps differently and the average of their changes would be no rank's. Build it the same on "
                 "every rank (and step any LR scheduler on every rank alike)")
+        if not bool((rows[:, 4] == rows[0, 4]).all()):
+            self._fill_state(stateful, engine)
         rows = rows[:, :4]
         if not bool(rows[:, 2].isfinite().all()):  # (NaN != NaN: the comparison below would blame the ranks)
             raise RuntimeError(
