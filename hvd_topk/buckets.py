@@ -234,11 +234,12 @@ class Bucket:
 
     # ---- results ---------------------------------------------------------------------------
     def write_grads(self, flat):
-        """Each member's part of the exchanged ``flat`` result into its ``p.grad``."""
+        """Each member's part of the exchanged ``flat`` result (in the bucket's dtype, or a
+        float16 wire's) into its ``p.grad``."""
         grads, parts = [], []
         for m, summed in zip(self.members, self.views(flat)):
             if m.param.grad is None:
-                m.param.grad = summed.clone()
+                m.param.grad = summed.to(m.param.dtype, copy=True)
             else:
                 grads.append(m.param.grad)
                 parts.append(summed)
@@ -282,12 +283,13 @@ class Bucket:
         u.mul_(factor).add_(self.acc)
         self.acc.copy_(u)
 
-    def sent_whole(self, residual):
-        """After a dense exchange of the whole buffer: with error feedback (``residual``) the
-        residual starts again from zero. DGC's momentum stays: its masking stops momentum where
+    def sent_whole(self, restart_residual):
+        """After a dense exchange of the whole buffer: with error feedback the residual starts
+        again from zero (``restart_residual``; not where it holds a float16 wire's rounding,
+        ``inflight.DenseExchange``). DGC's momentum stays: its masking stops momentum where
         Top-K chose entries, which a bucket sent whole did not do (it trains as momentum SGD);
         only entries holding inf/nan (an overflow, skipped by a GradScaler) restart from zero."""
-        if residual and self.acc is not None:
+        if restart_residual and self.acc is not None:
             self.acc.zero_()
         if self.momentum is not None:
             self.momentum.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)

@@ -379,8 +379,12 @@ def exchange_sparse(state, layout, index, step, buffer, idle=()):
                                  held_slots(parts, held))
     _fold(state, layout, buffer)
     if not strategy.sparse:
-        # the whole accumulator goes (a dense start): nothing stays behind
+        # the whole accumulator goes (a dense start): nothing stays behind but, with error
+        # feedback, what a float16 wire could not carry (as the pairs keep their rounding)
         wire = layout.acc if strategy is DENSE else layout.acc.to(torch.float16)
+        rounded = state.error_feedback and wire is not layout.acc
+        if rounded:  # an entry float16 overflowed went out as inf: its residual restarts from zero
+            layout.acc.sub_(wire).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         state._count(strategy, bytes_sent=wire.numel() * wire.element_size(), elements_selected=layout.numel)
         fut = _allreduce(wire, group)
 
@@ -388,7 +392,8 @@ def exchange_sparse(state, layout, index, step, buffer, idle=()):
             total = f.value()[0] if isinstance(f.value(), list) else f.value()
             copy_all(dests, [total[int(a):int(b)].to(buffer.dtype).div_(world)
                              for a, b in zip(layout.bounds, layout.bounds[1:])])
-            layout.acc.zero_()
+            if not rounded:
+                layout.acc.zero_()
             put_back()  # after the collective has read acc
     return after(fut, dense_done, layout.acc.device)
 

@@ -89,9 +89,9 @@ class DenseAllreduce:
 
 class DenseAllreduceFp16(DenseAllreduce):
     """``DenseAllreduce`` in float16, as Horovod's ``Compression.fp16`` does: half the bytes,
-    values rounded to float16 (and summed in it); what the rounding loses is not kept: a bucket
-    sent this way restarts its residual from zero (docs/api.md says so; the pairs' float16
-    values, by contrast, feed their rounding back)."""
+    values rounded to float16 (and summed in it). With error feedback the cast's rounding stays
+    in the residual, as the pairs' float16 values keep theirs (``inflight.DenseExchange``, which
+    then hands ``start`` the float16 copy itself); the sum's own rounding is not kept."""
 
     name = "dense_fp16"
 

@@ -84,7 +84,12 @@ def count_resets(stats, wiped):
 
 
 class DenseExchange:
-    """Horovod's ring allreduce of the whole buffer (fp32, or the fp16 wire of ``dense_fp16``)."""
+    """Horovod's ring allreduce of the whole buffer (fp32, or the fp16 wire of ``dense_fp16``).
+
+    With error feedback a sparse bucket's residual then starts again from zero, except for what
+    the float16 wire could not carry: ``rounded`` keeps ``acc - float16(acc)`` there (computed
+    before the collective, which then works on the float16 copy alone), so a dense start or
+    fallback loses no more than the pairs do (their fp16 rounding stays in the residual too)."""
 
     stage = "allreduce"
 
@@ -94,7 +99,16 @@ class DenseExchange:
         ctx.stats.add(tensors_dense=len(bucket.members), elements_selected=bucket.numel,
                       bytes_sent=bucket.numel * wire_dtype.itemsize)
         wire = bucket.scratch("wire", bucket.numel, wire_dtype) if wire_dtype != bucket.dtype else None
-        self.handle = strategy.start(bucket.acc, name, ctx.process_set, ctx.op, ctx.predivide, wire=wire)
+        self.residual = bucket.sparse and ctx.error_feedback
+        self.rounded = self.residual and wire_dtype == torch.float16 and wire is not None
+        if self.rounded:
+            wire.copy_(bucket.acc)
+            # what float16 could not carry stays behind (an entry it overflowed went out as inf;
+            # its residual, inf - inf, restarts from zero as every entry's did before)
+            bucket.acc.sub_(wire).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+            self.handle = strategy.start(wire, name, ctx.process_set, ctx.op, ctx.predivide)
+        else:
+            self.handle = strategy.start(bucket.acc, name, ctx.process_set, ctx.op, ctx.predivide, wire=wire)
 
     def advance(self, wait=False):
         return False
@@ -102,7 +116,7 @@ class DenseExchange:
     def decode_into(self, bucket):
         t0 = time.perf_counter()
         bucket.write_grads(self.strategy.finish(self.handle))
-        bucket.sent_whole(residual=bucket.sparse and self.ctx.error_feedback)
+        bucket.sent_whole(restart_residual=self.residual and not self.rounded)
         self.ctx.stats.add(time_exchange_s=time.perf_counter() - t0)
 
 

@@ -111,7 +111,9 @@ def check_reference(exchange="allgather", bucket_cap_mb=25, steps=4, density=0.0
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     shadow = copy.deepcopy(model)
     ref = ErrorFeedbackReference(size, error_feedback=error_feedback, decay=residual_decay,
-                                 value_dtype=np.float16 if state_kwargs.get("fp16_values") else None,
+                                 # float16 on the wire: its rounding stays in the residual
+                                 value_dtype=np.float16 if state_kwargs.get("fp16_values") or exchange == "dense_fp16"
+                                 else None,
                                  compact=state_kwargs.get("compact", False))
     for step in range(steps):
         skips = [r for r in range(size) if r == unused_on_rank or step in unused_at_steps

@@ -159,22 +159,23 @@ def train(model, opt, steps, batch, start=0):
         opt.step()
 
 
-def raw_gradients(shadow, model, x, y):
-    """Plain cross-entropy gradients at ``model``'s current parameters, computed on ``shadow``
-    (a deep copy with no optimizer attached): what the numpy references are fed."""
+def raw_gradients(shadow, model, x, y, scale=1.0):
+    """Plain cross-entropy gradients (of the loss times ``scale``) at ``model``'s current
+    parameters, computed on ``shadow`` (a deep copy with no optimizer attached): what the numpy
+    references are fed."""
     import torch.nn.functional as F
     shadow.load_state_dict(model.state_dict())
     shadow.zero_grad()
-    F.cross_entropy(shadow(x), y).backward()
+    (F.cross_entropy(shadow(x), y) * scale).backward()
     return {n: p.grad.cpu().numpy().copy() for n, p in shadow.named_parameters()}
 
 
-def raw_then_synchronize(shadow, model, opt, x, y):
+def raw_then_synchronize(shadow, model, opt, x, y, scale=1.0):
     """One step's plain gradients (``raw_gradients``), then the same batch through ``model``
     and ``opt`` up to ``synchronize()``: the raw gradients, for a reference to compare with."""
     import torch.nn.functional as F
-    raw = raw_gradients(shadow, model, x, y)
+    raw = raw_gradients(shadow, model, x, y, scale)
     opt.zero_grad()
-    F.cross_entropy(model(x), y).backward()
+    (F.cross_entropy(model(x), y) * scale).backward()
     opt.synchronize()
     return raw
