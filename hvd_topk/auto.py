@@ -76,8 +76,7 @@ def families(hierarchical_available, hierarchical_only, compact=False, fp16=Fals
     With compact pairs (``hvd_topk.compact``: the allgather's alone) dense and the flat
     allgather. Dense fp16 only with ``fp16``: where the values already travel in 16 bits
     (``TopK(fp16_values=True)`` or ``compact=True``, whose dense fallback is fp16 too). For
-    fp32 values it would be a silent change of precision: an entry above 65504 arrives as inf,
-    and the rounding of the start's dense steps is not fed back. With ``updates`` (``auto``
+    fp32 values it would be a silent change of precision: an entry above 65504 arrives as inf. With ``updates`` (``auto``
     over an inner optimizer that exchanges each rank's update: LocalAdamW, DeMo) no sparse
     allreduce, flat or hierarchical (``UPDATES_NOTE``). With ``momentum`` (a decayed residual) no
     dense family (``MOMENTUM_NOTE``)."""

@@ -383,8 +383,9 @@ def exchange_sparse(state, layout, index, step, buffer, idle=()):
         # feedback, what a float16 wire could not carry (as the pairs keep their rounding)
         wire = layout.acc if strategy is DENSE else layout.acc.to(torch.float16)
         rounded = state.error_feedback and wire is not layout.acc
-        if rounded:  # an entry float16 overflowed went out as inf: its residual restarts from zero
-            layout.acc.sub_(wire).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        if rounded:  # a tensor holding inf/nan, or a value float16 overflowed, restarts from zero
+            layout.acc.sub_(wire)
+            _wipe(state, layout, _nonfinite_segments(layout))
         state._count(strategy, bytes_sent=wire.numel() * wire.element_size(), elements_selected=layout.numel)
         fut = _allreduce(wire, group)
 

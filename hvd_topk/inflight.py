@@ -103,9 +103,12 @@ class DenseExchange:
         self.rounded = self.residual and wire_dtype == torch.float16 and wire is not None
         if self.rounded:
             wire.copy_(bucket.acc)
-            # what float16 could not carry stays behind (an entry it overflowed went out as inf;
-            # its residual, inf - inf, restarts from zero as every entry's did before)
-            bucket.acc.sub_(wire).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+            bucket.acc.sub_(wire)  # what float16 could not carry stays behind
+            # an inf/nan, or a value float16 overflowed, went out as inf/nan (a GradScaler skips
+            # the step): the bucket's residuals restart from zero, counted, as the sparse
+            # allreduce does with one device flag (no host synchronisation)
+            bad = ~torch.isfinite(bucket.acc).all()
+            count_resets(ctx.stats, bucket.wipe(bad, bucket.bounds.tolist()))
             self.handle = strategy.start(wire, name, ctx.process_set, ctx.op, ctx.predivide)
         else:
             self.handle = strategy.start(bucket.acc, name, ctx.process_set, ctx.op, ctx.predivide, wire=wire)

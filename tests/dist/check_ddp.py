@@ -661,18 +661,23 @@ def check_resume_fewer_sparse():
 def check_nonfinite():
     """An inf in one rank's gradient reaches every rank's result (GradScaler would skip the step
     everywhere), that rank's residual is reset, and the next step is finite again. With the
-    sparse allreduce the culprit is not the leader: its flag slot carries the news."""
+    sparse allreduce the culprit is not the leader: its flag slot carries the news. With the
+    dense fp16 exchange (whose residual keeps float16's rounding) an inf, and 1e5, which float16
+    cannot hold, reset the tensor's residual all the same."""
     rank, size = dist.get_rank(), dist.get_world_size()
-    for exchange, culprit in (("allgather", 0), ("sparse_allreduce", size - 1)):
+    for exchange, culprit, value in (("allgather", 0, float("inf")), ("sparse_allreduce", size - 1, float("inf")),
+                                     ("dense_fp16", 0, float("inf")), ("dense_fp16", size - 1, 1e5)):
         model, ddp, state = build(exchange=exchange, density=0.05)
         x, y = batch(0, rank)
         handle = model.fc1.weight.register_hook(
-            lambda g: g.index_fill(1, torch.tensor([3], device=g.device), float("inf")) if rank == culprit else g)
+            lambda g: g.index_fill(1, torch.tensor([3], device=g.device), value) if rank == culprit else g)
         F.cross_entropy(ddp(x), y).backward()
         handle.remove()
         assert not bool(torch.isfinite(model.fc1.weight.grad).all()), f"{exchange}: inf did not reach rank {rank}"
         residual = state.state_dict()["residuals"]["fc1.weight"]
         assert bool(torch.isfinite(residual).all()), f"{exchange}: residual kept inf"
+        if rank == culprit:
+            assert not bool(residual.any()), f"{exchange}, {value}: the culprit's residual was not reset"
         assert state.stats()["nonfinite_resets"] == (1 if rank == culprit else 0), state.stats()
         model.zero_grad(set_to_none=True)
         x, y = batch(1, rank)

@@ -482,8 +482,10 @@ def check_checkpoint_mid_run_on_one_rank_refused(exchange):
         train(model, opt, 1, start=3)
 
 
-def check_nonfinite(exchange="allgather", culprit=0, compact=False):
+def check_nonfinite(exchange="allgather", culprit=0, compact=False, value=float("inf")):
     """An inf in one rank's gradient reaches the average on every rank, never the residual.
+    ``value``: what is put there instead (1e5: finite, but beyond float16's 65504, so a dense
+    fp16 exchange sends it as inf).
     With the sparse allreduce, ``culprit="chooser"`` is the rank that chooses the positions of
     the part holding the inf (it selects the inf itself), ``"other"`` the next rank (it only
     flags it): fc1.weight's entry 7 is entry 1927 of the one sparse bucket (head2, fc2: 960
@@ -499,7 +501,7 @@ def check_nonfinite(exchange="allgather", culprit=0, compact=False):
     def poison(grad):
         if inject["on"] and rank == culprit:
             grad = grad.clone()
-            grad.view(-1)[7] = float("inf")  # almost surely not among the top-k
+            grad.view(-1)[7] = value  # almost surely not among the top-k (an inf)
         return grad
 
     model.fc1.weight.register_hook(poison)
@@ -1378,6 +1380,9 @@ CHECKS = [
     ("the same with the sparse allreduce", lambda: check_checkpoint_mid_run_on_one_rank_refused("sparse_allreduce")),
     ("non-finite gradient", check_nonfinite),
     ("non-finite gradient, compact pairs", lambda: check_nonfinite(compact=True)),
+    # the float16 wire's rounding stays in the residual, but not an inf, nor what float16 overflowed
+    ("non-finite gradient, dense fp16 exchange", lambda: check_nonfinite(exchange="dense_fp16")),
+    ("a gradient beyond float16's range, dense fp16 exchange", lambda: check_nonfinite(exchange="dense_fp16", value=1e5)),
     ("bad input", check_bad_input),
     ("zero_grad with a bucket not launched refused", check_zero_grad_with_a_bucket_not_launched_refused),
     ("stepping the wrapped optimizer: the error names it", check_stepping_the_wrapped_optimizer_is_named),

@@ -79,9 +79,10 @@ class ErrorFeedbackReference:
         return self.sparse_bucket([name], {name: per_rank_grads}, density, average, idle=idle)[name]
 
     def dense(self, name, per_rank_grads, average=True):
-        """One tensor sent whole (the dense bucket of small tensors, or a bucket sent dense):
-        each rank sends its accumulator (with DGC momentum, u = m*u + grad, then acc = decayed
-        residual + u) and keeps nothing of it in the residual; u is kept whole (momentum SGD:
+        """One tensor sent whole in float32 (the dense bucket of small tensors, or a bucket sent
+        dense): each rank sends its accumulator (with DGC momentum, u = m*u + grad, then acc =
+        decayed residual + u) and keeps nothing of it in the residual (a float16 dense wire
+        keeps its rounding: ``sparse`` at density 1 with ``value_dtype=numpy.float16``); u is kept whole (momentum SGD:
         masking zeroes u only where Top-K chose). The sum in rank order, float32."""
         accs, us, _ = self._accumulate([name], {name: per_rank_grads})
         total = np.zeros(accs[0].shape, dtype=np.float32)
