@@ -189,12 +189,13 @@ def check_dense_exchange(exchange, fallback=False, scale=1.0):
         for name, p in model.named_parameters():
             grads = gather(raw[name])
             want = ref.sparse(name, grads, 1.0) if p.numel() >= 500 else ref.dense(name, grads)
-            np.testing.assert_allclose(p.grad.cpu().numpy(), want, err_msg=f"{exchange}: step {step} {name}", **tol)
+            got = p.grad.cpu().numpy()
+            np.testing.assert_allclose(got, want, err_msg=f"{exchange}: step {step} {name}", **tol)
             raw_total[name] = raw_total.get(name, 0) + np.sum(grads, axis=0, dtype=np.float64) / size
-            delivered[name] = delivered.get(name, 0) + p.grad.cpu().numpy().astype(np.float64)
+            delivered[name] = delivered.get(name, 0) + got.astype(np.float64)
             # what the ring's partial sums and its division round: at most sum_r |g_r| and the average
             moved[name] = moved.get(name, 0) + np.sum(np.abs(grads), axis=0, dtype=np.float64) \
-                + np.abs(p.grad.cpu().numpy().astype(np.float64))
+                + np.abs(got.astype(np.float64))
         step_and_check_same(opt, model, f"{exchange}: step {step}")
     residuals = opt.state_dict()["hvd_topk"]["residuals"]
     assert sorted(residuals) == sorted(n for n, p in model.named_parameters() if p.numel() >= 500), sorted(residuals)
@@ -501,7 +502,7 @@ def check_nonfinite(exchange="allgather", culprit=0, compact=False, value=float(
     def poison(grad):
         if inject["on"] and rank == culprit:
             grad = grad.clone()
-            grad.view(-1)[7] = value  # almost surely not among the top-k (an inf)
+            grad.view(-1)[7] = value  # an entry almost surely not among the top-k
         return grad
 
     model.fc1.weight.register_hook(poison)
