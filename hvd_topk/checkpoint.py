@@ -26,6 +26,7 @@ from hvd_topk.loss_scale import is_loss_scale
 STATE_KEY = "hvd_topk"  # the optimizer state_dict's entry holding this section
 LOCAL_STEPS_KEY = "hvd_topk_local_steps"  # hvd_topk.LocalSteps' section (its outer optimizer)
 LOCAL_SHARED_KEY = "hvd_topk_local_shared"  # LocalSteps' param group 0: the shared weights (anchors)
+LOCAL_KEY_PREFIX = "hvd_topk_local_"  # every LocalSteps param-group entry (local_steps.py)
 STATE_FORMAT = 3  # 3: "residual_scale" always present (format 2 has it only from 5809ec8, 2026-12-04)
 COMPILED_MODULE = "_orig_mod"  # the attribute torch.compile's OptimizedModule keeps the model in
 WRAPPER_MODULE = "module"      # the attribute DistributedDataParallel (and DataParallel) keeps it in
@@ -56,12 +57,8 @@ def check_inner(param_groups, names, state_dict):
     if LOCAL_STEPS_KEY in state_dict:
         # Its model is a per-rank replica and param group 0 carries the shared weights (anchors),
         # which this optimizer would keep, stale, in its param groups and write into its own checkpoints.
-        raise CheckpointMismatch(
-            "this checkpoint was written by hvd_topk.LocalSteps: load it into a LocalSteps optimizer. To go on "
-            f"with hvd_topk.DistributedOptimizer instead, copy the shared weights (state_dict['param_groups'][0]"
-            f"[{LOCAL_SHARED_KEY!r}]['anchors'], in the order of the parameters) into the model, then delete "
-            f"that entry and state_dict[{LOCAL_STEPS_KEY!r}], load the rest and hvd.broadcast_optimizer_state(opt, "
-            "root_rank=0) (each rank's inner optimizer ran alone). Nothing was loaded.")
+        raise CheckpointMismatch(local_steps_checkpoint("this checkpoint was written by hvd_topk.LocalSteps")
+                                 + " Nothing was loaded.")
     sizes, saved_sizes = [len(g["params"]) for g in param_groups], [len(g.get("params", ())) for g in saved_groups]
     if sizes != saved_sizes:
         raise CheckpointMismatch(f"the checkpoint's parameter groups hold {saved_sizes} parameters, this "
@@ -76,6 +73,23 @@ def check_inner(param_groups, names, state_dict):
                 raise CheckpointMismatch(
                     f"parameter {names.get(p, '(unnamed)')!r}: the checkpoint's optimizer state "
                     f"{key!r} has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}. " + MISMATCH_HINT)
+
+
+def local_steps_checkpoint(found):
+    """What to do with a ``hvd_topk.LocalSteps`` checkpoint where a ``DistributedOptimizer`` met
+    it (``found`` says where)."""
+    return (f"{found}: load it into a LocalSteps optimizer. To go on "
+            f"with hvd_topk.DistributedOptimizer instead, copy the shared weights (state_dict['param_groups'][0]"
+            f"[{LOCAL_SHARED_KEY!r}]['anchors'], in the order of the parameters) into the model, then delete "
+            f"that entry and state_dict[{LOCAL_STEPS_KEY!r}], load the rest and hvd.broadcast_optimizer_state(opt, "
+            "root_rank=0) (each rank's inner optimizer ran alone).")
+
+
+def holds_local_steps_state(param_groups):
+    """Whether ``hvd_topk.LocalSteps``' param-group entries (its phase, synchronisation count,
+    ``exchange="auto"`` trial, shared weights) are in ``param_groups``: a LocalSteps checkpoint
+    loaded into a plain optimizer, or an optimizer LocalSteps wraps."""
+    return any(key.startswith(LOCAL_KEY_PREFIX) for group in param_groups for key in group)
 
 
 def parameter_order(param_groups, names):
@@ -94,22 +108,34 @@ def _check_order(param_groups, names, state_dict):
     saved = section.get("parameter_order") if isinstance(section, dict) else None
     if not isinstance(saved, list):
         return
-    here = parameter_order(param_groups, names)
+    saved_ids = list(itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
+    states = state_dict.get("state", {})
+    moved = [(i, n, j) for i, n, j in reordered(saved, parameter_order(param_groups, names))
+             if i < len(saved_ids) and states.get(saved_ids[i])]
+    if moved:  # (none where no per-parameter state would go astray: SGD without momentum, say)
+        raise reorder_mismatch(moved, "torch matches the inner optimizer's state by position, so each would get "
+                                      "another's moments")
+
+
+def reordered(saved, here):
+    """``[(position saved, name, position here)]`` of the parameters that moved, where the names
+    ``saved`` and ``here`` (in order; ``torch.compile``'s prefix ignored) are the same parameters
+    in another order; ``[]`` where the order is the same or the names differ (a checkpoint saved
+    with other names is matched by position, as torch does)."""
     saved_plain, here_plain = [plain_name(n) if isinstance(n, str) else n for n in saved], \
         [plain_name(n) if isinstance(n, str) else n for n in here]
     if saved_plain == here_plain or sorted(map(str, saved_plain)) != sorted(map(str, here_plain)):
-        return
-    saved_ids = list(itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
-    states = state_dict.get("state", {})
-    moved = [(i, n, here_plain.index(n)) for i, n in enumerate(saved_plain)
-             if here_plain[i] != n and i < len(saved_ids) and states.get(saved_ids[i])][:3]
-    if not moved:  # no per-parameter state would go astray (SGD without momentum, say)
-        return
-    raise CheckpointMismatch(
+        return []
+    return [(i, n, here_plain.index(n)) for i, n in enumerate(saved_plain) if here_plain[i] != n]
+
+
+def reorder_mismatch(moved, consequence):
+    """The ``CheckpointMismatch`` for parameters saved in another order (``reordered``'s list)."""
+    return CheckpointMismatch(
         "the checkpoint's parameters are the same but in another order ("
-        + "; ".join(f"{n!r} saved at position {i}, here at {j}" for i, n, j in moved)
-        + "): torch matches the inner optimizer's state by position, so each would get another's moments. "
-        "Build the optimizer with the parameters in the order they were saved in. Nothing was loaded.")
+        + "; ".join(f"{n!r} saved at position {i}, here at {j}" for i, n, j in moved[:3])
+        + f"): {consequence}. Build the optimizer with the parameters in the order they were saved in. "
+        "Nothing was loaded.")
 
 
 def is_count(value, none_ok=False):

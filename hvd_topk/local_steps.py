@@ -168,6 +168,16 @@ def LocalSteps(optimizer, named_parameters=None, *, sync_every, compression=TopK
         raise ValueError(f"{type(optimizer).__name__} turns each rank's gradient into an update for the exchange; "
                          "LocalSteps exchanges no gradients, it runs the optimizer on each rank's own: use "
                          "torch.optim.AdamW (or any plain optimizer)")
+    if checkpoint.holds_local_steps_state(optimizer.param_groups):
+        # torch's load_state_dict kept the phase and shared weights in the param groups and dropped
+        # the outer optimizer's section: a run resumed from there would go on half way (its
+        # residuals lost, the replica of one rank taken for the shared weights), without a word
+        raise ValueError(
+            "the optimizer's param groups hold hvd_topk.LocalSteps' entries (hvd_topk_local_...): a LocalSteps "
+            "checkpoint was loaded into it before wrapping (torch's load_state_dict dropped its outer optimizer, "
+            f"state_dict[{STATE_KEY!r}]), or another LocalSteps wraps it. Build LocalSteps over a fresh optimizer "
+            "and load the checkpoint into the optimizer it returns: opt = hvd_topk.LocalSteps(inner, ...); "
+            "opt.load_state_dict(checkpoint)")
     outside = set(options) - OUTER_OPTIONS
     gradient_side = sorted(outside & {name for name, p in inspect.signature(DistributedOptimizer).parameters.items()
                                       if p.kind is not p.VAR_KEYWORD})
@@ -202,9 +212,7 @@ def LocalSteps(optimizer, named_parameters=None, *, sync_every, compression=TopK
                                             param_ids))
     # param-group options from the start: hvd.broadcast_optimizer_state broadcasts each rank's own
     # keys, so a fresh elastic worker must have the same ones as the others
-    wrapped.param_groups[0].setdefault(PHASE_KEY, 0)
-    wrapped.param_groups[0].setdefault(SYNCS_KEY, 0)
-    wrapped.param_groups[0].setdefault(OUTER_TRIAL_KEY, None)
+    wrapped.param_groups[0].update({PHASE_KEY: 0, SYNCS_KEY: 0, OUTER_TRIAL_KEY: None})
     wrapped.register_step_post_hook(warn_stepped_elsewhere(getattr(wrapped, LOCAL)))
     return wrapped
 
@@ -344,10 +352,33 @@ class _LocalSteps(torch.optim.Optimizer):
         larger ``sync_every``, further into its period than this one's length, synchronises at
         the next ``step()``. A ``hvd_topk.DistributedOptimizer``'s loads as a plain one, with a
         warning that its residuals are dropped. (Checkpoints written before the anchors moved to
-        param group 0 hold them in the local-steps section: read from there.)"""
+        param group 0 hold them in the local-steps section: read from there.) The outer SGD's
+        settings (``outer_lr``, ``outer_momentum``, ``nesterov``) come from the checkpoint, as a
+        torch optimizer's param-group options do; ``sync_every`` is this optimizer's.
+
+        Everything is checked before anything is applied: a checkpoint that does not fit (another
+        model, the same parameters in another order, a damaged or newer outer section) raises
+        ``checkpoint.CheckpointMismatch`` and leaves this optimizer as it was."""
         local = getattr(self, LOCAL)
         state_dict = dict(unshared_for_elastic(state_dict))
         ours = state_dict.pop(STATE_KEY, None)
+        if ours is not None and not (isinstance(ours, dict) and isinstance(ours.get("outer"), dict)):
+            raise checkpoint.CheckpointMismatch(
+                f"the checkpoint's {STATE_KEY!r} entry is not the section hvd_topk.LocalSteps saves (a dict with "
+                "the outer optimizer's state under 'outer'). Nothing was loaded.")
+        # the user's optimizer's state (sizes, shapes; the order where a DistributedOptimizer's section
+        # records it), then the outer optimizer's section, then the shared weights
+        names = {**dict(zip(local.params, local.names)), **local.frozen}
+        checkpoint.check_inner(self.param_groups, names, state_dict)
+        outer_loaded = None if ours is None else local.outer._check_loaded(ours["outer"])
+        if ours is not None and "anchors" in ours:
+            groups = [dict(g) for g in state_dict["param_groups"]]
+            groups[0].setdefault(SHARED_KEY, {"anchors": ours["anchors"]})
+            state_dict["param_groups"] = groups
+        shared = state_dict["param_groups"][0].get(SHARED_KEY) if state_dict.get("param_groups") else None
+        if shared is not None:
+            section = ours["outer"].get(checkpoint.STATE_KEY) if ours is not None else None
+            self._check_shared_shapes(shared, section.get("parameter_order") if isinstance(section, dict) else None)
         if state_dict.pop(checkpoint.STATE_KEY, None) is not None:
             # a hvd_topk.DistributedOptimizer's: its residuals hold unsent gradients (or updates),
             # not model changes, so they cannot seed the outer optimizer's
@@ -356,13 +387,6 @@ class _LocalSteps(torch.optim.Optimizer):
                           "the inner optimizer's state is loaded and a new period starts", stacklevel=2)
             state_dict["param_groups"] = [{k: v for k, v in g.items() if k not in (STEP_KEY, TRIAL_KEY)}
                                           for g in state_dict["param_groups"]]
-        if ours is not None and "anchors" in ours:
-            groups = [dict(g) for g in state_dict["param_groups"]]
-            groups[0].setdefault(SHARED_KEY, {"anchors": ours["anchors"]})
-            state_dict["param_groups"] = groups
-        shared = state_dict["param_groups"][0].get(SHARED_KEY) if state_dict.get("param_groups") else None
-        if shared is not None:
-            self._check_shared_shapes(shared)
         keep_objects(self, super(self.__class__, self).load_state_dict, state_dict)
         if ours is None:
             self.param_groups[0].pop(SHARED_KEY, None)
@@ -372,7 +396,7 @@ class _LocalSteps(torch.optim.Optimizer):
             self._restart_outer()
             return
         self._adopt_shared()
-        local.outer.load_state_dict(ours["outer"])
+        local.outer._apply_loaded(*outer_loaded)
         self.param_groups[0][OUTER_TRIAL_KEY] = None  # the outer optimizer measures again, as after any load
 
     def _restart_outer(self):
@@ -387,17 +411,25 @@ class _LocalSteps(torch.optim.Optimizer):
         fresh["param_groups"] = [{k: v for k, v in g.items() if k != STEP_KEY} for g in fresh["param_groups"]]
         outer.load_state_dict(fresh)
 
-    def _check_shared_shapes(self, shared):
-        """ValueError naming the first anchor whose saved shape differs (nothing changed yet)."""
+    def _check_shared_shapes(self, shared, saved_names=None):
+        """``checkpoint.CheckpointMismatch`` naming the first anchor whose saved shape differs, or,
+        given the names they were saved under (the outer optimizer's ``parameter_order``), the
+        parameters saved in another order: anchors are matched by position (nothing changed yet)."""
         local = getattr(self, LOCAL)
         anchors = shared["anchors"]
         if len(anchors) != len(local.anchors):
-            raise ValueError(f"the checkpoint's local-steps anchors do not match this optimizer's parameters "
-                             f"({len(anchors)} saved, {len(local.anchors)} here)")
+            raise checkpoint.CheckpointMismatch(
+                f"the checkpoint's local-steps anchors do not match this optimizer's parameters "
+                f"({len(anchors)} saved, {len(local.anchors)} here). " + checkpoint.MISMATCH_HINT)
         for name, saved, here in zip(local.names, anchors, local.anchors):
             if tuple(saved.shape) != tuple(here.shape):
-                raise ValueError(f"the checkpoint's local-steps anchors do not match this optimizer's parameters: "
-                                 f"{name} was saved with shape {tuple(saved.shape)}, here it is {tuple(here.shape)}")
+                raise checkpoint.CheckpointMismatch(
+                    f"the checkpoint's local-steps anchors do not match this optimizer's parameters: {name} was "
+                    f"saved with shape {tuple(saved.shape)}, here it is {tuple(here.shape)}. " + checkpoint.MISMATCH_HINT)
+        moved = checkpoint.reordered(saved_names, local.names) if isinstance(saved_names, list) else []
+        if moved:
+            raise checkpoint.reorder_mismatch(moved, "the shared weights and the optimizer's state are matched by "
+                                                     "position, so each would get another's")
 
     def _adopt_shared(self):
         """Copy shared state set on param group 0 (by ``hvd.broadcast_optimizer_state`` or

@@ -139,6 +139,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
     if is_horovod_distributed_optimizer(optimizer):
         raise ValueError("optimizer is already a horovod DistributedOptimizer; wrap the plain "
                          "torch optimizer instead")
+    if checkpoint.holds_local_steps_state(optimizer.param_groups):
+        # its model is one rank's replica, its param groups would carry LocalSteps' stale entries
+        # into every checkpoint of this optimizer (what check_inner refuses on load)
+        raise ValueError(checkpoint.local_steps_checkpoint(
+            "the optimizer's param groups hold hvd_topk.LocalSteps' entries (hvd_topk_local_...): a LocalSteps "
+            "checkpoint was loaded into it before wrapping, or LocalSteps wraps it"))
     if num_groups != 0:  # as Horovod 0.28.1 does
         warnings.warn("Parameter `num_groups` has been replaced by `groups`", DeprecationWarning, stacklevel=2)
         if groups is None:
@@ -335,17 +341,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict):
+        self._apply_loaded(*self._check_loaded(state_dict))
+
+    def _check_loaded(self, state_dict):
+        """``load_state_dict``'s first half: everything checked, nothing applied (a checkpoint
+        that does not fit raises ``checkpoint.CheckpointMismatch`` and leaves this optimizer as
+        it was). ``LocalSteps`` checks its outer optimizer's section with it before it loads its
+        own part. Returns what ``_apply_loaded`` takes."""
         engine = getattr(self, ENGINE)
         # Horovod elastic restores the committed state after a failure, typically with buckets
         # still in flight: they died with the old job and are dropped. Elsewhere it is a misuse.
         if engine.pending() and not elastic_mode():
             raise AssertionError("load_state_dict() was called while gradients were being exchanged")
-        # Everything is checked before anything is applied: a checkpoint that does not fit
-        # raises checkpoint.CheckpointMismatch and leaves this optimizer as it was.
         checkpoint.check_inner(self.param_groups, engine.names, state_dict)
         state_dict = dict(unshared_for_elastic(state_dict))
         ours = state_dict.pop(STATE_KEY, None)
-        nonfinite = checkpoint.check(engine, ours)
+        return state_dict, ours, checkpoint.check(engine, ours)
+
+    def _apply_loaded(self, state_dict, ours, nonfinite):
+        engine = getattr(self, ENGINE)
         step = engine.step  # kept where the checkpoint is a plain torch optimizer's
         carried = (state_dict.get("param_groups") or [{}])[0].get(STEP_KEY) if ours is None else None
         if checkpoint.is_count(carried) and carried:

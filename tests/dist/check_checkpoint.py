@@ -302,6 +302,69 @@ def check_reordered_twins_refused():
     opt5.load_state_dict(copy.deepcopy(opt4.state_dict()))
 
 
+def local_steps(model, inner=None):
+    inner = inner or torch.optim.AdamW(model.parameters(), lr=0.01)
+    return hvd_topk.LocalSteps(inner, named_parameters=model.named_parameters(), sync_every=2,
+                               compression=hvd_topk.TopK(density=0.05), min_numel=300, exchange="allgather")
+
+
+def check_local_steps_refusals():
+    """LocalSteps loads all or nothing too. Before 2026-12-05 it loaded the user's optimizer and
+    the shared weights and only then checked the outer optimizer's section (a newer one was
+    refused with "Nothing was loaded" after both had been replaced), matched the shared weights
+    and moments of same-shaped layers by position whatever their names (each layer took the
+    other's at the next synchronisation), and took a resized model's plain checkpoint (failing
+    at the next step). Saved mid-period (3 steps, H = 2), so the shared weights differ from the model."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = local_steps(model)
+    train(model, opt, 3)
+    good = opt.state_dict()
+    newer = copy.deepcopy(good)
+    newer["hvd_topk_local_steps"]["outer"]["hvd_topk"]["format"] = 99
+    refused(opt, newer, "newer than this hvd_topk", "LocalSteps: a newer outer section")
+    truncated = copy.deepcopy(good)
+    del truncated["hvd_topk_local_steps"]["outer"]["hvd_topk"]["step"]
+    refused(opt, truncated, re.escape("lacks ['step']"), "LocalSteps: a truncated outer section")
+    foreign = dict(copy.deepcopy(good), hvd_topk_local_steps="not ours")
+    refused(opt, foreign, "not the section hvd_topk.LocalSteps saves", "LocalSteps: a foreign section")
+    train(model, opt, 1, start=3)  # to the synchronisation: the ranks agree again
+    for name, p in model.named_parameters():
+        assert_same_on_all_ranks(p.detach().numpy(), f"LocalSteps after the refused loads: {name}")
+
+    torch.manual_seed(0)
+    model = Twins("a", "b")
+    opt = local_steps(model)
+    train(model, opt, 3)
+    saved = copy.deepcopy(opt.state_dict())
+    torch.manual_seed(0)
+    model2 = Twins("b", "a")
+    opt2 = local_steps(model2)
+    train(model2, opt2, 1)
+    refused(opt2, saved, "same but in another order.*'a.weight' saved at position 0, here at 2",
+            "LocalSteps: reordered twins")
+
+    torch.manual_seed(0)
+    model = Net(hidden=32)
+    plain = torch.optim.AdamW(model.parameters(), lr=0.01)
+    train(model, plain, 2)
+    model2 = Net(hidden=16)
+    opt2 = local_steps(model2)
+    train(model2, opt2, 1)
+    refused(opt2, copy.deepcopy(plain.state_dict()), r"'fc1\.weight'.*'exp_avg'.*\(32, 64\).*\(16, 64\)",
+            "LocalSteps: a resized model's plain checkpoint")
+
+    # loaded into the user's optimizer, which is then wrapped: torch's load dropped the outer
+    # optimizer and kept LocalSteps' phase and shared weights in the param groups
+    for wrap in (local_steps, lambda m, inner: hvd_topk.DistributedOptimizer(
+            inner, named_parameters=m.named_parameters())):
+        model = Net()
+        inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+        inner.load_state_dict(copy.deepcopy(good))
+        with raises(ValueError, match="param groups hold hvd_topk.LocalSteps' entries", what="wrapped after the load"):
+            wrap(model, inner)
+
+
 CHECKS = [
     ("resized layer refused, named, nothing applied", check_resized_layer),
     ("same-shaped parameters in another order refused", check_reordered_twins_refused),
@@ -312,6 +375,7 @@ CHECKS = [
     ("our checkpoint through a plain optimizer keeps its step", check_through_a_plain_optimizer),
     ("a checkpoint loaded into the inner optimizer, then wrapped: told", check_loaded_then_wrapped_is_told),
     ("state_dict() between backward() and step() refused", check_state_dict_mid_step_refused),
+    ("LocalSteps: checkpoints that do not fit refused, nothing applied", check_local_steps_refusals),
 ]
 
 
