@@ -29,8 +29,10 @@ not the frozen variance alone (docs/adamw.md).
 FrozenVarianceAdamW tuning: freeze while the exchanges are still (nearly) dense: the variance
 must be estimated from them, and freezing it from sparse ones leaves entries never seen with a
 zero variance (a warning says so; without a dense start it diverged). Freeze a little before the
-dense start ends (docs/adamw.md has the measured settings). Before ``freeze_step`` it is exactly
-``torch.optim.AdamW``.
+dense start ends (docs/adamw.md has the measured settings). Before ``freeze_step`` it is
+``torch.optim.AdamW``, except that a parameter's first gradient, if all zeros, is taken for
+``hvd.broadcast_optimizer_state``'s probe: that step makes its state and counts nothing (AdamW
+would count it and apply the weight decay), so its bias correction runs one step behind.
 """
 
 import math
@@ -258,6 +260,8 @@ class LocalAdamW(_ExchangedUpdates):
         self._transformed = set()  # parameters whose gradient became an update this step
         self._sketches = {}        # parameter -> this step's sketch of its gradient (variance_sketch)
         self._entry_signs = {}     # parameter -> its entries' fixed signs for the sketch (int8)
+        self._lr_in_update = {}    # id(param group) -> the lr this step's updates were multiplied by
+        self._lr_warned = False
 
     @staticmethod
     def _check_options(options):
@@ -328,6 +332,13 @@ class LocalAdamW(_ExchangedUpdates):
         group = _group_of(self, p)
         beta1, beta2 = group["betas"]
         state = self.state[p] or self._new_state(p, group)
+        if group.get("global_variance", False) != ("grad_mean" in state):
+            # which moments are kept is decided when the state is made (an in-place edit of the
+            # option was ignored before 2026-12-05, in silence)
+            raise RuntimeError(
+                f"hvd_topk.LocalAdamW: global_variance is {group.get('global_variance', False)} in a param group "
+                "whose state was made with the other value (the option was changed in place): it decides which "
+                "moments are kept. Build the optimizer with the value you want, or load a checkpoint saved with it.")
         state["step"] += 1
         step = int(state["step"])
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
@@ -357,11 +368,29 @@ class LocalAdamW(_ExchangedUpdates):
         torch.div(exp_avg, denom, out=grad).div_(1 - beta1 ** step)
         if group.get("lr_in_residual", False):
             grad.mul_(group["lr"])
+            self._lr_in_update.setdefault(id(group), group["lr"])
         self._transformed.add(p)
 
     def _step_done(self, stepped=False):
         super()._step_done(stepped)
         self._sketches.clear()  # (a step some rank sat out in hvd.join() absorbs none)
+        self._lr_in_update.clear()
+
+    def _check_lr_unchanged(self, group):
+        """Warn (once) where ``group``'s learning rate changed after this step's updates were
+        multiplied by it (``lr_in_residual``: in ``backward()``, as each gradient arrives): the
+        step then runs at the old rate, which a loop that sets the rate between ``backward()``
+        and ``step()`` does not expect. (A tensor ``lr`` is not compared: that would wait for
+        the device.)"""
+        used = self._lr_in_update.get(id(group))
+        if used is None or self._lr_warned or torch.is_tensor(used) or used == group["lr"]:
+            return
+        self._lr_warned = True
+        warnings.warn(
+            f"hvd_topk.LocalAdamW: a param group's learning rate changed between backward() and step() (from "
+            f"{used} to {group['lr']}): with lr_in_residual=True each update is multiplied by the rate when its "
+            f"gradient arrives, in backward(), so this step ran at {used}. Set the rate before backward() (torch's "
+            "LR schedulers do: scheduler.step() after optimizer.step()).", stacklevel=3)
 
     def _entry_signs_of(self, p):
         """``p``'s fixed entry signs for the sketch (made at first use, not checkpointed: the
@@ -419,6 +448,7 @@ class LocalAdamW(_ExchangedUpdates):
         loss = _evaluate(closure)
         applied = False
         for group in self.param_groups:
+            self._check_lr_unchanged(group)
             for p in group["params"]:
                 if p.grad is None or not _check_transformed(self, p):
                     continue
@@ -562,7 +592,9 @@ def _calibrate(state, estimate, beta2):
     estimate, as it raises dense AdamW's ``v``; divided by a total that holds the burst, the
     rescaling would take that protection away (measured: the 1% recipe on 8 ranks ended at
     1.1039 so, docs/adamw.md). Keeps this step's total for the next (float32)."""
-    total = estimate.sum().float()
+    # summed in float32 at least (in float16 the total overflowed at 65504, and the rescaling by
+    # measured / inf made the next update inf)
+    total = estimate.sum(dtype=torch.promote_types(estimate.dtype, torch.float32)).float()
     previous, count = state.get("estimate_sum"), _sketch_count(state)
     if previous is not None and count:
         measured = state["sketch_sq"].float() / (1 - beta2 ** count)
@@ -592,10 +624,10 @@ def _group_of(optimizer, p):
     ``hvd_topk.DistributedOptimizer``'s wrapper shares the optimizer's ``__dict__`` but gets its
     own ``param_groups`` when a checkpoint is loaded.)"""
     groups = optimizer.param_groups
-    key, table = optimizer.__dict__.get("_group_table", (None, None))
-    if key != (id(groups), len(groups)):
+    cached, count, table = optimizer.__dict__.get("_group_table", (None, 0, None))
+    if cached is not groups or count != len(groups):  # (the list itself, not its id: ids are reused)
         table = {q: g for g in groups for q in g["params"]}
-        optimizer.__dict__["_group_table"] = ((id(groups), len(groups)), table)
+        optimizer.__dict__["_group_table"] = (groups, len(groups), table)
     return table[p]
 
 

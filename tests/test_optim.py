@@ -395,6 +395,69 @@ def test_local_adamw_variance_sketch_refused(kwargs, match):
         LocalAdamW([torch.nn.Parameter(torch.zeros(2))], **kwargs)
 
 
+def test_local_adamw_lr_changed_after_backward_warns():
+    """lr_in_residual multiplies each update by the rate when its gradient arrives (backward()):
+    a loop that changes the rate before step() is told once (before 2026-12-05 the step ran at
+    the old rate in silence). The update applied is the one at the old rate, by hand: p = -lr
+    x sign(g) while the gradient stays the same (beta1 0, eps 0, no weight decay)."""
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    opt = LocalAdamW([p], lr=0.5, weight_decay=0.0, eps=0.0)
+    for step, (lr_backward, lr_step, told) in enumerate([(0.5, 0.5, False), (0.5, 0.25, True), (0.25, 0.125, False)]):
+        opt.param_groups[0]["lr"] = lr_backward
+        p.grad = torch.tensor([2.0, -3.0, 4.0], dtype=torch.float64)
+        opt.transform_local_gradient(p, p.grad)  # what the engine does in backward()
+        opt.param_groups[0]["lr"] = lr_step
+        before = p.detach().clone()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        said = [str(w.message) for w in caught if "changed between backward() and step()" in str(w.message)]
+        assert said == ([f"hvd_topk.LocalAdamW: a param group's learning rate changed between backward() and step() "
+                         f"(from 0.5 to 0.25): with lr_in_residual=True each update is multiplied by the rate when its "
+                         f"gradient arrives, in backward(), so this step ran at 0.5. Set the rate before backward() "
+                         f"(torch's LR schedulers do: scheduler.step() after optimizer.step())."] if told else []), said
+        # the same gradient every step: m_hat / sqrt(v_hat) = sign(g), applied at backward()'s rate
+        np.testing.assert_allclose((p - before).detach().numpy(), -lr_backward * np.sign([2.0, -3.0, 4.0]))
+
+
+@pytest.mark.parametrize("built_with", [True, False])
+def test_local_adamw_global_variance_changed_in_place_refused(built_with):
+    """global_variance decides which moments the state keeps: changed in place after the state
+    was made, it is refused at the next update (before 2026-12-05 it was ignored in silence)."""
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = LocalAdamW([p], lr=0.1, global_variance=built_with, variance_sketch=0)
+    opt.transform_local_gradient(p, torch.ones(4), ranks=2)
+    opt._step_done()
+    opt.param_groups[0]["global_variance"] = not built_with
+    with pytest.raises(RuntimeError, match=f"global_variance is {not built_with} in a param group whose state was "
+                                           "made with the other value"):
+        opt.transform_local_gradient(p, torch.ones(4), ranks=2)
+
+
+def test_local_adamw_variance_sketch_float16_total_finite():
+    """variance_sketch with float16 parameters: the estimate's total (about 100,000 x 4 here) is
+    beyond float16's 65504; summed in float16 it was inf, and the next update, rescaled by
+    measured / inf, was inf. Against a float32 run on the same (float16-representable) values:
+    the same total to float32's rounding, finite updates."""
+    gen = torch.Generator().manual_seed(0)
+    gs = [(torch.randn(100_000, generator=gen) * 2).half() for _ in range(3)]
+    totals, updates = {}, {}
+    for dtype in (torch.float16, torch.float32):
+        p = torch.nn.Parameter(torch.zeros(100_000, dtype=dtype))
+        opt = LocalAdamW([p], lr=1e-3, betas=(0.0, 0.95), variance_sketch=256)
+        for g in gs:
+            x = g.to(dtype, copy=True)  # (transformed in place)
+            opt.transform_local_gradient(p, x, ranks=8)
+            layout = opt.sketch_layout(8)
+            opt.absorb_sketches(layout, opt.sketch_rows(layout))
+            opt._step_done()
+        totals[dtype], updates[dtype] = float(opt.state[p]["estimate_sum"]), x.float()
+    assert np.isfinite(totals[torch.float16]) and totals[torch.float16] > 65504, totals
+    np.testing.assert_allclose(totals[torch.float16], totals[torch.float32], rtol=1e-3)
+    assert bool(torch.isfinite(updates[torch.float16]).all())
+    np.testing.assert_allclose(updates[torch.float16].numpy(), updates[torch.float32].numpy(), rtol=2e-2, atol=1e-6)
+
+
 def test_local_adamw_alone_is_refused():
     """Stepping on a raw gradient (no hvd_topk.DistributedOptimizer in between) would be SGD at
     Adam's learning rate: refused. Horovod's broadcast_optimizer_state initialises state with a
