@@ -217,7 +217,8 @@ class TopKState:
         if self.names is None:
             raise ValueError("TopKState.state_dict() needs parameter names: build the state with "
                              "named_parameters=model.named_parameters()")
-        residuals = dict(self.pending)
+        # (copies: a loss-scale change rescales the pending ones in place before they are placed)
+        residuals = {name: t.detach().clone() for name, t in self.pending.items()}
         for layout in self.layouts.values():
             for p, residual in layout.residuals_by_element():
                 residuals[self.names[p]] = residual.detach().clone(memory_format=torch.contiguous_format).view(-1)
@@ -415,6 +416,21 @@ class TopKState:
                                  f"{type(self.optimizer).__name__} every parameter of the DDP model (one param group "
                                  "each, with their own lr or weight_decay, where they need other settings)")
 
+    def _check_optimizer_serves_model(self):
+        """Once a whole step was seen: ``optimizer=`` applies an exchanged update to each of its
+        parameters, and one outside the DDP model's buckets (a learnable temperature kept apart,
+        a parameter DDP ignores) would have its own raw gradient applied as one, at no learning
+        rate (before 2026-12-05, in silence)."""
+        if self.optimizer is None:
+            return
+        for i, p in enumerate(q for g in self.optimizer.param_groups for q in g["params"]):
+            if p.requires_grad and id(p) not in self.model_params:
+                raise ValueError(
+                    f"hvd_topk.ddp: TopKState(optimizer=...)'s {type(self.optimizer).__name__} holds parameter #{i} "
+                    f"(shape {tuple(p.shape)}), which is not in the DDP model's buckets: its step() would apply that "
+                    "parameter's own gradient as if it were the exchanged update. Give it only the DDP model's "
+                    "parameters (another optimizer for the others)")
+
     def _begin_step(self, step):
         """At a step's first bucket: this step's exchange family. Under ``"auto"`` the measured
         trial counts the step before (its time is first bucket to first bucket) and may decide
@@ -566,6 +582,8 @@ def topk_hook(state, bucket):
     if bucket.index() == 0:
         state._begin_step(step)
     if bucket.is_last():
+        if not state.seen_whole_model:
+            state._check_optimizer_serves_model()
         state.seen_whole_model = True
         if state.pending:
             state._drop_pending()

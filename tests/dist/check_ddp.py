@@ -560,6 +560,12 @@ def check_grad_scaler(steps=len(SCALES), density=0.05):
     for name, r in loaded["residuals"].items():
         np.testing.assert_allclose(host(r), ref.residual[rank][name].reshape(-1), rtol=1e-5, atol=1e-7,
                                    err_msg=f"residual {name} loaded without a scaler")
+    # that state_dict() was taken before the first step, the residuals still waiting to be placed: a
+    # loss-scale change (what the scaler's next step does to them) must not reach into it
+    plain.rescale(4.0)
+    for name, r in loaded["residuals"].items():
+        np.testing.assert_allclose(host(r), ref.residual[rank][name].reshape(-1), rtol=1e-5, atol=1e-7,
+                                   err_msg=f"the kept state_dict's residual {name} after a rescale")
     with raises(ValueError, "does not support loss scaling", what="LocalAdamW with a GradScaler"):
         hvd_topk.ddp.TopKState(optimizer=hvd_topk.LocalAdamW(model.parameters()), grad_scaler=scaler)
     with raises(TypeError, "grad_scaler must be a torch.amp.GradScaler", what="another object"):
@@ -845,6 +851,17 @@ def check_bad_input():
                              optimizer=hvd_topk.LocalAdamW(model.fc1.parameters())), hvd_topk.ddp.topk_hook)
     with raises(ValueError, match=r"parameter '(fc2|head2)\.\w+' .* is not in that optimizer", what="optimizer of part"):
         F.cross_entropy(ddp(x), y).backward()
+    # the reverse: an optimizer= that holds a parameter outside the DDP model (a learnable temperature
+    # kept apart) had its raw gradient applied as an exchanged update, in silence
+    model = Net().to(DEVICE)
+    temperature = torch.nn.Parameter(torch.ones(()))
+    ddp = DDP(model)
+    ddp.register_comm_hook(P(min_numel=MIN_NUMEL, named_parameters=model.named_parameters(),
+                             optimizer=hvd_topk.LocalAdamW([*model.parameters(), temperature])),
+                           hvd_topk.ddp.topk_hook)
+    with raises(ValueError, match=r"holds parameter #6 \(shape \(\)\), which is not in the DDP model's buckets",
+                what="an optimizer parameter outside the model"):
+        (F.cross_entropy(ddp(x), y) * temperature).backward()
     # named_parameters= of another model, or of part of this one: refused at the first bucket, where
     # training ran and state_dict() failed later with a bare KeyError
     for label, named in (("another model's", lambda m: Net().named_parameters()),
