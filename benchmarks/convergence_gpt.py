@@ -64,7 +64,17 @@ def reusable(run, code):
     made = run.get("made") or {}
     if made.get("code"):
         return made["code"] == code
-    return run["config"].startswith("dense")
+    return horovod_adamw(run)
+
+
+def horovod_adamw(run):
+    """Whether ``run`` trained with Horovod's optimizer over torch's AdamW (no hvd_topk in it:
+    ``dense-fv`` is Horovod's optimizer over hvd_topk's FrozenVarianceAdamW, which changed)."""
+    args = run.get("args_used")
+    args = args.split() if args else list(CONFIGS.get(run["config"], ("", ["--adam", "?"]))[1])
+    value = lambda flag, default: args[args.index(flag) + 1] if flag in args[:-1] else default
+    return (run["config"].startswith("dense") and value("--optimizer", "horovod") == "horovod"
+            and value("--adam", "adamw") == "adamw")
 
 
 def earlier_runs(paths, code):

@@ -393,6 +393,12 @@ def test_convergence_gpt_reuses_only_runs_of_the_same_code(tmp_path, monkeypatch
     assert not cg.reusable({"config": "dense-lr1e-2", "made": {"code": "abc"}}, "abd")
     assert cg.reusable({"config": "dense-lr1e-2", "made": {"git": "1b01c4a"}}, "abd")
     assert not cg.reusable({"config": "gv-1%-lr1e-2-fp16v", "made": {"git": "1b01c4a"}}, "abd")
+    # "dense" in the name is not enough: Horovod's optimizer over hvd_topk's FrozenVarianceAdamW changed
+    assert not cg.reusable({"config": "dense-fv", "made": {"git": "1b01c4a"}}, "abd")
+    assert not cg.reusable({"config": "dense-lr1e-2", "args_used": "--compression none --adam frozen-variance",
+                            "made": {"git": "1b01c4a"}}, "abd")
+    assert cg.reusable({"config": "dense-lr1e-2", "args_used": "--compression none --lr 1e-2",
+                        "made": {"git": "1b01c4a"}}, "abd")
     for tree in ("a", "b"):
         (tmp_path / tree / "hvd_topk" / "native").mkdir(parents=True)
         (tmp_path / tree / "examples").mkdir()
