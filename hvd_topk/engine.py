@@ -491,6 +491,11 @@ class TopKEngine:
     def pending(self):
         return any(b.inflight is not None for b in self.buckets)
 
+    def accumulating(self):
+        """Whether a backward pass of this step has run and fewer than ``backward_passes_per_step``
+        of them for some parameter (its gradient still accumulates in ``p.grad``)."""
+        return any(self.passes.values())
+
     def taken_in(self):
         """Whether a gradient of this step is already in a bucket (folded into its residual or
         staged, after the inner optimizer's transform) and the exchange has not finished."""

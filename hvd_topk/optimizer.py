@@ -229,6 +229,24 @@ def share_as_subclass(optimizer, methods):
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods copied into the dynamic subclass of the user's optimizer (as Horovod does)."""
 
+    # Horovod's optimizer keeps its arguments as attributes, and code written for it reads them
+    backward_passes_per_step = property(lambda self: getattr(self, ENGINE).passes_per_step)
+    op = property(lambda self: getattr(self, ENGINE).op)
+    gradient_predivide_factor = property(lambda self: getattr(self, ENGINE).predivide)
+    process_set = property(lambda self: getattr(self, ENGINE).process_set)
+    sparse_as_dense = property(lambda self: getattr(self, ENGINE).options.sparse_as_dense)
+
+    def set_backward_passes_per_step(self, passes):
+        """As Horovod's: how many ``backward()`` calls make one step from now on (gradient
+        accumulation). Between steps only, and alike on every rank (as in Horovod, the ranks are
+        not compared here: a rank that accumulates otherwise waits at the next exchange)."""
+        engine = getattr(self, ENGINE)
+        check_integer(passes, "backward_passes_per_step", 1)
+        if engine.accumulating() or engine.taken_in() or engine.pending():
+            raise RuntimeError("set_backward_passes_per_step() was called between backward() and step(): "
+                               "call it between steps")
+        engine.passes_per_step = passes
+
     @property
     def _parameter_names(self):
         """As Horovod's attribute: ``{parameter: name}``, the name each parameter's gradient is
@@ -308,7 +326,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         engine = getattr(self, ENGINE)
         # taken_in: a bucket not yet launched holds this step's folded gradients too (Horovod has a
         # handle per tensor from its first hook, and refuses as soon as any exists)
-        if engine.pending() or engine.taken_in():
+        if engine.pending() or engine.taken_in() or engine.accumulating():
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
                                  "optimizer.step() or optimizer.synchronize(). This is prohibited "
                                  "as it can cause a race condition." + STEPPED_THE_INNER)

@@ -592,6 +592,51 @@ def check_parameter_names_attribute():
     assert all(other == names for other in every), every
 
 
+def check_set_backward_passes_per_step():
+    """Horovod's ``set_backward_passes_per_step()`` and its arguments as attributes (code written
+    for hvd.DistributedOptimizer calls and reads them; before 2026-12-05 an AttributeError).
+    Against Horovod's own optimizer on a copy of the model (density 1 and the dense path: the
+    same average): one step of one pass, then the count set to 2 and a step of two half-batches;
+    the weights agree. ``zero_grad()`` between the two passes is refused as Horovod refuses it
+    (before, the next step failed with a misleading "more than backward_passes_per_step")."""
+    rank = hvd.rank()
+    torch.manual_seed(0)
+    ours_model = Net()
+    theirs_model = copy.deepcopy(ours_model)
+    ours = hvd_topk.DistributedOptimizer(torch.optim.SGD(ours_model.parameters(), lr=0.1, momentum=0.9),
+                                         named_parameters=ours_model.named_parameters(),
+                                         compression=hvd_topk.TopK(density=1.0), min_numel=10 ** 9)
+    theirs = hvd.DistributedOptimizer(torch.optim.SGD(theirs_model.parameters(), lr=0.1, momentum=0.9),
+                                      named_parameters=theirs_model.named_parameters())
+    assert (ours.backward_passes_per_step, ours.op, ours.gradient_predivide_factor, ours.sparse_as_dense) == \
+        (theirs.backward_passes_per_step, theirs.op, theirs.gradient_predivide_factor, theirs.sparse_as_dense) == \
+        (1, hvd.Average, 1.0, False)
+    assert ours.process_set is theirs.process_set
+    for step, passes in enumerate((1, 2)):
+        for model, opt in ((ours_model, ours), (theirs_model, theirs)):
+            opt.set_backward_passes_per_step(passes)
+            opt.zero_grad()
+            for part in range(passes):
+                x, y = batch(step, rank, part=part)
+                (F.cross_entropy(model(x), y) / passes).backward()
+            opt.step()
+        assert ours.backward_passes_per_step == theirs.backward_passes_per_step == passes
+        for (name, a), b in zip(ours_model.named_parameters(), theirs_model.parameters()):
+            np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-6, atol=1e-7,
+                                       err_msg=f"step {step} ({passes} passes): {name}")
+    x, y = batch(2, rank)
+    F.cross_entropy(ours_model(x), y).backward()  # one pass of two
+    with raises(AssertionError, match="zero_grad\\(\\) was called after loss.backward\\(\\) but before",
+                what="zero_grad between accumulation passes"):
+        ours.zero_grad()
+    with raises(RuntimeError, match="between backward\\(\\) and step\\(\\): call it between steps",
+                what="set_backward_passes_per_step between passes"):
+        ours.set_backward_passes_per_step(1)
+    with raises(ValueError, match="backward_passes_per_step", what="0 passes"):
+        fresh = hvd_topk.DistributedOptimizer(torch.optim.SGD(Net().parameters(), lr=0.1))
+        fresh.set_backward_passes_per_step(0)
+
+
 def check_embedding_untouched_on_one_rank(inner):
     """An embedding the last rank does not touch in a step (its gradient None there, its hook
     silent): the exchanged gradient is still handed back sparse on every rank, with the ranks'
@@ -662,6 +707,7 @@ def check_sparse_zero_gradient_left_by_zero_grad():
 
 
 CHECKS = [
+    ("set_backward_passes_per_step and Horovod's attributes", check_set_backward_passes_per_step),
     ("Horovod's _parameter_names", check_parameter_names_attribute),
     ("options refused", check_options_refused),
     ("checkpoint names: compiled to plain", lambda: check_names_across_compile(save_compiled=True)),
