@@ -38,6 +38,11 @@ PER_ELEMENT_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq
                      "grad_avg", "acc_delta", "ax", "prev", "step_size", "grad_mean",
                      "grad_lag1", "grad_prev")
 REQUIRED = ("format", "step", "rank", "size")
+LOCAL_STEPS_CONVERSION = (
+    "To go on with hvd_topk.DistributedOptimizer instead, copy the shared weights (state_dict['param_groups'][0]"
+    f"[{LOCAL_SHARED_KEY!r}]['anchors'], in the order of the parameters) into the model, then delete "
+    f"state_dict[{LOCAL_STEPS_KEY!r}] and every param-group entry whose name starts with {LOCAL_KEY_PREFIX!r}, "
+    "load the rest and hvd.broadcast_optimizer_state(opt, root_rank=0) (each rank's inner optimizer ran alone).")
 MISMATCH_HINT = ("Was the checkpoint saved from another model (a layer resized, parameters "
                  "reordered)? Load a checkpoint saved with this model, or leave the optimizer's "
                  "state out of what you load to start it fresh. Nothing was loaded.")
@@ -57,8 +62,8 @@ def check_inner(param_groups, names, state_dict):
     if LOCAL_STEPS_KEY in state_dict:
         # Its model is a per-rank replica and param group 0 carries the shared weights (anchors),
         # which this optimizer would keep, stale, in its param groups and write into its own checkpoints.
-        raise CheckpointMismatch(local_steps_checkpoint("this checkpoint was written by hvd_topk.LocalSteps")
-                                 + " Nothing was loaded.")
+        raise CheckpointMismatch("this checkpoint was written by hvd_topk.LocalSteps: load it into a LocalSteps "
+                                 "optimizer. " + LOCAL_STEPS_CONVERSION + " Nothing was loaded.")
     sizes, saved_sizes = [len(g["params"]) for g in param_groups], [len(g.get("params", ())) for g in saved_groups]
     if sizes != saved_sizes:
         raise CheckpointMismatch(f"the checkpoint's parameter groups hold {saved_sizes} parameters, this "
@@ -75,21 +80,17 @@ def check_inner(param_groups, names, state_dict):
                     f"{key!r} has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}. " + MISMATCH_HINT)
 
 
-def local_steps_checkpoint(found):
-    """What to do with a ``hvd_topk.LocalSteps`` checkpoint where a ``DistributedOptimizer`` met
-    it (``found`` says where)."""
-    return (f"{found}: load it into a LocalSteps optimizer. To go on "
-            f"with hvd_topk.DistributedOptimizer instead, copy the shared weights (state_dict['param_groups'][0]"
-            f"[{LOCAL_SHARED_KEY!r}]['anchors'], in the order of the parameters) into the model, then delete "
-            f"that entry and state_dict[{LOCAL_STEPS_KEY!r}], load the rest and hvd.broadcast_optimizer_state(opt, "
-            "root_rank=0) (each rank's inner optimizer ran alone).")
-
-
-def holds_local_steps_state(param_groups):
-    """Whether ``hvd_topk.LocalSteps``' param-group entries (its phase, synchronisation count,
-    ``exchange="auto"`` trial, shared weights) are in ``param_groups``: a LocalSteps checkpoint
-    loaded into a plain optimizer, or an optimizer LocalSteps wraps."""
-    return any(key.startswith(LOCAL_KEY_PREFIX) for group in param_groups for key in group)
+def drop_local_steps_state(param_groups):
+    """Remove ``hvd_topk.LocalSteps``' param-group entries (its phase, synchronisation count,
+    ``exchange="auto"`` trial, shared weights) from ``param_groups``, where a LocalSteps
+    checkpoint loaded into a plain optimizer, or an earlier LocalSteps over it, left them.
+    Returns whether there were any."""
+    found = False
+    for group in param_groups:
+        for key in [k for k in group if k.startswith(LOCAL_KEY_PREFIX)]:
+            del group[key]
+            found = True
+    return found
 
 
 def parameter_order(param_groups, names):

@@ -168,16 +168,17 @@ def LocalSteps(optimizer, named_parameters=None, *, sync_every, compression=TopK
         raise ValueError(f"{type(optimizer).__name__} turns each rank's gradient into an update for the exchange; "
                          "LocalSteps exchanges no gradients, it runs the optimizer on each rank's own: use "
                          "torch.optim.AdamW (or any plain optimizer)")
-    if checkpoint.holds_local_steps_state(optimizer.param_groups):
+    if checkpoint.drop_local_steps_state(optimizer.param_groups):
         # torch's load_state_dict kept the phase and shared weights in the param groups and dropped
-        # the outer optimizer's section: a run resumed from there would go on half way (its
-        # residuals lost, the replica of one rank taken for the shared weights), without a word
-        raise ValueError(
-            "the optimizer's param groups hold hvd_topk.LocalSteps' entries (hvd_topk_local_...): a LocalSteps "
-            "checkpoint was loaded into it before wrapping (torch's load_state_dict dropped its outer optimizer, "
-            f"state_dict[{STATE_KEY!r}]), or another LocalSteps wraps it. Build LocalSteps over a fresh optimizer "
-            "and load the checkpoint into the optimizer it returns: opt = hvd_topk.LocalSteps(inner, ...); "
-            "opt.load_state_dict(checkpoint)")
+        # the outer optimizer's section: kept, the run went on half way (the outer residuals
+        # lost, its phase the checkpoint's), in silence until 2026-12-05
+        warnings.warn(
+            "hvd_topk.LocalSteps: the optimizer's param groups held LocalSteps' entries (a LocalSteps checkpoint "
+            f"loaded into it before wrapping, which drops its outer optimizer, state_dict[{STATE_KEY!r}]; or an "
+            "earlier LocalSteps over it): dropped, and a new period starts from the model as it is (at a "
+            "synchronisation every rank's is the same; mid-period they differ, and the first synchronisation "
+            "says so). To resume a checkpoint, load it into the optimizer LocalSteps returns: "
+            "opt = hvd_topk.LocalSteps(inner, ...); opt.load_state_dict(checkpoint)", stacklevel=2)
     outside = set(options) - OUTER_OPTIONS
     gradient_side = sorted(outside & {name for name, p in inspect.signature(DistributedOptimizer).parameters.items()
                                       if p.kind is not p.VAR_KEYWORD})

@@ -36,6 +36,8 @@ would count it and apply the weight decay), so its bias correction runs one step
 """
 
 import math
+import os
+import sys
 import warnings
 
 import torch
@@ -324,6 +326,10 @@ class LocalAdamW(_ExchangedUpdates):
         later step would be NaN. That costs one read of the gradient (on a GPU, a wait for it);
         ``finite=True`` says the caller has checked already (the DDP hook checks a bucket at
         once)."""
+        if self._exchanged:
+            # the last step's exchanged result was never applied (a step skipped by zeroing the
+            # model's gradients): what this optimizer noted of that step is over
+            self._step_done(stepped=False)
         if finite is None:
             finite = bool(torch.isfinite(grad).all())
         if not finite:
@@ -390,7 +396,7 @@ class LocalAdamW(_ExchangedUpdates):
             f"hvd_topk.LocalAdamW: a param group's learning rate changed between backward() and step() (from "
             f"{used} to {group['lr']}): with lr_in_residual=True each update is multiplied by the rate when its "
             f"gradient arrives, in backward(), so this step ran at {used}. Set the rate before backward() (torch's "
-            "LR schedulers do: scheduler.step() after optimizer.step()).", stacklevel=3)
+            "LR schedulers do: scheduler.step() after optimizer.step()).", stacklevel=_outside_level())
 
     def _entry_signs_of(self, p):
         """``p``'s fixed entry signs for the sketch (made at first use, not checkpointed: the
@@ -616,6 +622,19 @@ def _sketch_buckets(group, ranks):
 def _sketch_count(state):
     """How many averaged sketches a parameter's state has absorbed (``variance_sketch``)."""
     return int(state["sketches"]) if "sketches" in state else 0
+
+
+_INTERNAL = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(torch.__file__))
+
+
+def _outside_level():
+    """``warnings.warn``'s ``stacklevel`` for a warning raised by this function's caller that
+    names the first frame outside hvd_topk and torch: the user's own call (``opt.step()``),
+    however many wrappers lie between."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _group_of(optimizer, p):

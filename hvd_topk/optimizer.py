@@ -139,12 +139,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
     if is_horovod_distributed_optimizer(optimizer):
         raise ValueError("optimizer is already a horovod DistributedOptimizer; wrap the plain "
                          "torch optimizer instead")
-    if checkpoint.holds_local_steps_state(optimizer.param_groups):
-        # its model is one rank's replica, its param groups would carry LocalSteps' stale entries
-        # into every checkpoint of this optimizer (what check_inner refuses on load)
-        raise ValueError(checkpoint.local_steps_checkpoint(
-            "the optimizer's param groups hold hvd_topk.LocalSteps' entries (hvd_topk_local_...): a LocalSteps "
-            "checkpoint was loaded into it before wrapping, or LocalSteps wraps it"))
+    if checkpoint.drop_local_steps_state(optimizer.param_groups):
+        # kept, they would go into every checkpoint of this optimizer (which then reads as a
+        # LocalSteps one, refused on load)
+        warnings.warn("hvd_topk.DistributedOptimizer: the optimizer's param groups held hvd_topk.LocalSteps' entries "
+                      "(a LocalSteps checkpoint loaded into it before wrapping, or an earlier LocalSteps over it): "
+                      "dropped. The model is taken as it is, one rank's replica if LocalSteps was mid-period: "
+                      "hvd.broadcast_parameters(model.state_dict(), root_rank=0) brings the ranks together. "
+                      "A LocalSteps checkpoint loads into LocalSteps. " + checkpoint.LOCAL_STEPS_CONVERSION, stacklevel=2)
     if num_groups != 0:  # as Horovod 0.28.1 does
         warnings.warn("Parameter `num_groups` has been replaced by `groups`", DeprecationWarning, stacklevel=2)
         if groups is None:
@@ -226,15 +228,27 @@ def share_as_subclass(optimizer, methods):
     return wrapped
 
 
+class _EngineSetting:
+    """One of the engine's settings read under Horovod's attribute name. Not a property: a
+    non-data descriptor, so an attribute of the same name that the user's optimizer sets on
+    itself (``self.op = ...`` in its ``__init__`` or its ``step()``) stays its own."""
+
+    def __init__(self, read):
+        self.read = read
+
+    def __get__(self, optimizer, owner=None):
+        return self if optimizer is None else self.read(getattr(optimizer, ENGINE))
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods copied into the dynamic subclass of the user's optimizer (as Horovod does)."""
 
     # Horovod's optimizer keeps its arguments as attributes, and code written for it reads them
-    backward_passes_per_step = property(lambda self: getattr(self, ENGINE).passes_per_step)
-    op = property(lambda self: getattr(self, ENGINE).op)
-    gradient_predivide_factor = property(lambda self: getattr(self, ENGINE).predivide)
-    process_set = property(lambda self: getattr(self, ENGINE).process_set)
-    sparse_as_dense = property(lambda self: getattr(self, ENGINE).options.sparse_as_dense)
+    backward_passes_per_step = _EngineSetting(lambda engine: engine.passes_per_step)
+    op = _EngineSetting(lambda engine: engine.op)
+    gradient_predivide_factor = _EngineSetting(lambda engine: engine.predivide)
+    process_set = _EngineSetting(lambda engine: engine.process_set)
+    sparse_as_dense = _EngineSetting(lambda engine: engine.options.sparse_as_dense)
 
     def set_backward_passes_per_step(self, passes):
         """As Horovod's: how many ``backward()`` calls make one step from now on (gradient

@@ -420,6 +420,26 @@ def test_local_adamw_lr_changed_after_backward_warns():
         np.testing.assert_allclose((p - before).detach().numpy(), -lr_backward * np.sign([2.0, -3.0, 4.0]))
 
 
+def test_local_adamw_lr_after_a_skipped_step_does_not_warn():
+    """A step skipped by zeroing the model's gradients (the exchange done, neither step() nor the
+    optimizer's zero_grad() run), then the scheduler's next rate: the next step runs at that
+    rate and nothing is said (a review found a false warning, 2026-12-05)."""
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    opt = LocalAdamW([p], lr=0.5, weight_decay=0.0, eps=0.0)
+    g = torch.tensor([2.0, -3.0, 4.0], dtype=torch.float64)
+    opt.transform_local_gradient(p, g.clone())
+    opt.exchanged()  # what the engine says once p.grad holds the exchanged result; then skipped
+    opt.param_groups[0]["lr"] = 0.25  # scheduler.step()
+    p.grad = g.clone()
+    opt.transform_local_gradient(p, p.grad)
+    before = p.detach().clone()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    assert not [str(w.message) for w in caught if "changed between" in str(w.message)]
+    np.testing.assert_allclose((p - before).detach().numpy(), -0.25 * np.sign(g.numpy()))
+
+
 @pytest.mark.parametrize("built_with", [True, False])
 def test_local_adamw_global_variance_changed_in_place_refused(built_with):
     """global_variance decides which moments the state keeps: changed in place after the state

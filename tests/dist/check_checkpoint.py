@@ -355,14 +355,23 @@ def check_local_steps_refusals():
             "LocalSteps: a resized model's plain checkpoint")
 
     # loaded into the user's optimizer, which is then wrapped: torch's load dropped the outer
-    # optimizer and kept LocalSteps' phase and shared weights in the param groups
-    for wrap in (local_steps, lambda m, inner: hvd_topk.DistributedOptimizer(
-            inner, named_parameters=m.named_parameters())):
+    # optimizer and kept LocalSteps' phase and shared weights in the param groups, and the run went
+    # on half way in silence (LocalSteps), or carried them into every later checkpoint
+    # (DistributedOptimizer): now said, and dropped (a new period; plain param groups)
+    for wrap, said in ((local_steps, "hvd_topk.LocalSteps: the optimizer's param groups held LocalSteps' entries"),
+                       (lambda m, inner: hvd_topk.DistributedOptimizer(inner, named_parameters=m.named_parameters()),
+                        "hvd_topk.DistributedOptimizer: the optimizer's param groups held hvd_topk.LocalSteps' entries")):
         model = Net()
         inner = torch.optim.AdamW(model.parameters(), lr=0.01)
         inner.load_state_dict(copy.deepcopy(good))
-        with raises(ValueError, match="param groups hold hvd_topk.LocalSteps' entries", what="wrapped after the load"):
-            wrap(model, inner)
+        assert good["param_groups"][0]["hvd_topk_local_step"] == 1  # mid-period
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt = wrap(model, inner)
+        assert [str(w.message).startswith(said) for w in caught].count(True) == 1, [str(w.message) for w in caught]
+        local = {k: v for k, v in opt.param_groups[0].items() if k.startswith("hvd_topk_local_")}
+        assert local == ({"hvd_topk_local_step": 0, "hvd_topk_local_syncs": 0, "hvd_topk_local_trial": None}
+                         if wrap is local_steps else {}), local
 
 
 CHECKS = [

@@ -632,6 +632,15 @@ def check_set_backward_passes_per_step():
     with raises(RuntimeError, match="between backward\\(\\) and step\\(\\): call it between steps",
                 what="set_backward_passes_per_step between passes"):
         ours.set_backward_passes_per_step(1)
+    # an attribute of the same name that the user's optimizer sets on itself stays its own
+    class SignSGD(torch.optim.SGD):
+        def __init__(self, params, lr):
+            super().__init__(params, lr=lr)
+            self.op = "sign"
+    own = hvd_topk.DistributedOptimizer(SignSGD(Net().parameters(), lr=0.1))
+    assert own.op == "sign" and own.backward_passes_per_step == 1, own.op
+    own.process_set = "its own"  # assignable, as on Horovod's optimizer
+    assert own.process_set == "its own"
     with raises(ValueError, match="backward_passes_per_step", what="0 passes"):
         fresh = hvd_topk.DistributedOptimizer(torch.optim.SGD(Net().parameters(), lr=0.1))
         fresh.set_backward_passes_per_step(0)
