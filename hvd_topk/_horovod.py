@@ -36,11 +36,14 @@ Checked against Horovod 0.28.1 (``CHECKED_VERSION``). Each private detail relied
    maybe over other ranks (checked: add ``[0]``, remove it, add ``[1]``: both get id 1), so
    instances are numbered per set id *and* ranks.
 9. ``caller_context``, from the same frames: Horovod's optimizer's ``self._synchronized``, True
-   from the end of its ``synchronize()`` until ``step()`` returns. A gradient it compresses
-   then was already exchanged this step: ``step()`` without ``skip_synchronize()`` after
+   from the end of its ``synchronize()`` until ``step()`` returns, and whether the compressing
+   call came from that optimizer's own ``synchronize()`` (``_in_synchronize``). Both together:
+   the gradient was already exchanged this step: ``step()`` without ``skip_synchronize()`` after
    ``synchronize()`` runs ``synchronize()`` again (Horovod only warns: a second dense average
    changes nothing), and so does a second ``synchronize()``; the drop-in passes such a
-   gradient through instead of sending the average through Top-K again.
+   gradient through instead of sending the average through Top-K again. The flag alone is not
+   enough: it outlives a step ``GradScaler`` skipped (``opt.step()`` never called), and the next
+   step's backward hooks compress fresh gradients while it is still set.
 """
 
 import collections
@@ -149,7 +152,8 @@ def caller_context(max_depth=6):
             break
         call, local = frame.f_code.co_name, frame.f_locals
         owner = local.get("self")
-        if isinstance(getattr(owner, "_parameter_names", None), dict):  # Horovod's optimizer
+        # Horovod's optimizer (not a user's object that happens to keep a _parameter_names dict)
+        if isinstance(getattr(owner, "_parameter_names", None), dict) and is_horovod_distributed_optimizer(owner):
             param = local.get("p")
             if name is None and param is not None and param in owner._parameter_names:
                 name = str(owner._parameter_names[param])
@@ -157,7 +161,10 @@ def caller_context(max_depth=6):
                 process_set = owner.process_set
             if reduction is None and hasattr(owner, "op"):
                 reduction = ("optimizer", owner.op)
-                exchanged = getattr(owner, "_synchronized", False) is True
+                # only a synchronize() after the step's own exchange sends it again: the flag
+                # alone outlives a step that GradScaler skipped (opt.step() not called), and the
+                # next step's backward hooks would have passed every gradient through unexchanged
+                exchanged = getattr(owner, "_synchronized", False) is True and _in_synchronize(frame, owner)
         if name is None and call in _ALLREDUCES and isinstance(local.get("name"), str):
             name = local["name"]
         if call in _COMPRESSING_CALLS:
@@ -168,6 +175,19 @@ def caller_context(max_depth=6):
         frame = frame.f_back
     return CallerContext(name, hvd.global_process_set if process_set is None else process_set,
                          *(reduction or (None, None)), exchanged)
+
+
+def _in_synchronize(frame, owner, depth=3):
+    """(9) Whether ``frame`` (in Horovod's optimizer ``owner``) was called from ``owner``'s own
+    ``synchronize()``, within ``depth`` frames: Horovod 0.28.1 sends a gradient again there
+    (``missing_p``) when ``step()`` runs without ``skip_synchronize()`` after ``synchronize()``."""
+    for _ in range(depth):
+        frame = frame.f_back
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "synchronize" and frame.f_locals.get("self") is owner:
+            return True
+    return False
 
 
 def count_name_fallback():

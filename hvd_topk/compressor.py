@@ -69,6 +69,10 @@ MORE_THAN_DENSE = (
     "which sends such tensors dense. (Warned once per TopK.)")
 
 
+# Held around encoding: a TopK's plans (one per tensor size) share a value scratch, and the native
+# kernel releases the GIL, so tensors compressed from two threads at once could mix their values
+# (a review saw it in one result of 300 with fp16_values)
+_ENCODING = threading.Lock()
 OP_NAMES = {hvd.Adasum: "hvd.Adasum", hvd.Min: "hvd.Min", hvd.Max: "hvd.Max", hvd.Product: "hvd.Product"}
 
 
@@ -312,14 +316,16 @@ class TopK(Compressor, metaclass=_FixedOptions):
             # synchronize()) sends every gradient again: p.grad already holds the exchanged
             # result (clipped, maybe, since). It passes through, and Horovod's allreduce gets a
             # one-element placeholder; Top-K of the average would drop most of it.
-            return tensor.new_zeros(1), _Exchanged(tensor)
+            # (float32 whatever the gradient's dtype: Horovod does not reduce bfloat16)
+            return torch.zeros(1, device=tensor.device), _Exchanged(tensor)
         if compiled_autograd_active():
             raise RuntimeError(COMPILED_AUTOGRAD_ERROR)
         t0 = time.perf_counter()
         numel = tensor.numel()
         plan = self._plan(numel, tensor.dtype)
         message = torch.empty(plan.layout.nbytes, dtype=torch.uint8, device=tensor.device)
-        self._codec.encode(tensor.reshape(-1), plan, message)
+        with _ENCODING:  # a plan's value scratch is shared, and the native kernel lets go of the GIL
+            self._codec.encode(tensor.reshape(-1), plan, message)
         if self.compact:  # a buffer per tensor: several are in flight at once
             message = plan.compact().pack(message, out=False)
         # (by the density, not this tensor: k >= 1 makes a pair cost more than a tensor of one or two entries)

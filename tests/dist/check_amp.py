@@ -233,6 +233,43 @@ def check_horovod_scaler(drop_in):
     assert worst < 1e-6, f"unscaled gradients differ from the true-unit reference by {worst:g}"
 
 
+def check_drop_in_skipped_step_then_exchanged():
+    """The drop-in TopK under Horovod's optimizer and its GradScaler pattern, rank 0's second
+    step overflowing: the scaler skips ``opt.step()``, so Horovod's "synchronized" flag stays set
+    into the next step. That step is still exchanged: each unscaled p.grad is the ranks' mean of
+    their top-k (numpy) and the weights agree. Before 2026-12-05 the compressor took the stale
+    flag for "already exchanged" and passed every gradient of the next step through: each rank
+    stepped on its own gradient, in silence."""
+    rank = hvd.rank()
+    torch.manual_seed(0)
+    model = Net().to(DEVICE)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(),
+                                   compression=hvd_topk.TopK(density=0.05, method="exact"))
+    scaler = torch.amp.GradScaler(DEVICE.type, init_scale=1024.0)
+    shadow = copy.deepcopy(model)
+    for step in range(4):
+        x, y = batch(step, rank)
+        if step == 1 and rank == 0:
+            x = x.clone()
+            x[0, 0] = float("inf")
+        raw = raw_gradients(shadow, model, x, y)  # true units
+        opt.zero_grad()
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        if step != 1:
+            for name, p in model.named_parameters():
+                np.testing.assert_allclose(p.grad.cpu().numpy(), sparse_allreduce(gather(raw[name]), 0.05),
+                                           rtol=1e-5, atol=1e-6, err_msg=f"step {step}: {name}")
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+        for name, p in model.named_parameters():
+            assert_same_on_all_ranks(p.detach().cpu().numpy(), f"drop-in, step {step}: parameter {name}")
+    assert scaler.get_scale() == 512.0, scaler.get_scale()  # the one skipped step halved it
+
+
 def check_skipped_step_then_model_zero_grad(pattern):
     """A step the scaler skipped (inf on rank 0), gradients then zeroed with
     ``model.zero_grad()`` (the optimizer never hears of it): the next step is still exchanged.
@@ -356,6 +393,7 @@ CHECKS = [
     ("PyTorch's plain GradScaler loop equals Horovod's pattern; unscale_ first refused", check_plain_pytorch_loop),
     ("drop-in: GradScaler pattern", lambda: check_horovod_scaler(drop_in=True)),
     ("horovod dense: GradScaler pattern", lambda: check_horovod_scaler(drop_in=False)),
+    ("drop-in: a step the scaler skipped, then the next is exchanged", check_drop_in_skipped_step_then_exchanged),
     ("a skipped step, then model.zero_grad(): the next step is exchanged (PyTorch's loop)",
      lambda: check_skipped_step_then_model_zero_grad("plain")),
     ("a skipped step, then model.zero_grad(): the next step is exchanged (Horovod's pattern)",

@@ -176,6 +176,22 @@ def check_step_after_synchronize():
     for model in runs[1:]:
         for (name, a), b in zip(runs[0].named_parameters(), model.parameters()):
             assert torch.equal(a, b), f"{name} differs from Horovod's full pattern (max {float((a - b).abs().max())})"
+    # bfloat16 parameters: the pass-through's one-element placeholder was a bfloat16 tensor, which
+    # Horovod cannot allreduce ("Tensor type torch.BFloat16Tensor is not supported"); p.grad keeps
+    # the exchanged result, as above
+    torch.manual_seed(0)
+    model = Net().to(DEVICE).to(torch.bfloat16)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                   named_parameters=model.named_parameters(), compression=hvd_topk.TopK(density=0.05))
+    x, y = torch.randn(16, 20).to(DEVICE, torch.bfloat16), torch.randint(0, 10, (16,)).to(DEVICE)
+    torch.nn.functional.cross_entropy(model(x).float(), y).backward()
+    opt.synchronize()
+    exchanged = {n: p.grad.clone() for n, p in model.named_parameters()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Horovod's skip_synchronize warning, checked above
+        opt.synchronize()  # the second pass (what step() without skip_synchronize() runs)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, exchanged[n]), f"bfloat16, a second synchronize(): {n} changed"
 
 
 def check_grads_set_by_hand():
