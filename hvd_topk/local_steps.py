@@ -168,17 +168,6 @@ def LocalSteps(optimizer, named_parameters=None, *, sync_every, compression=TopK
         raise ValueError(f"{type(optimizer).__name__} turns each rank's gradient into an update for the exchange; "
                          "LocalSteps exchanges no gradients, it runs the optimizer on each rank's own: use "
                          "torch.optim.AdamW (or any plain optimizer)")
-    if checkpoint.drop_local_steps_state(optimizer.param_groups):
-        # torch's load_state_dict kept the phase and shared weights in the param groups and dropped
-        # the outer optimizer's section: kept, the run went on half way (the outer residuals
-        # lost, its phase the checkpoint's), in silence until 2026-12-05
-        warnings.warn(
-            "hvd_topk.LocalSteps: the optimizer's param groups held LocalSteps' entries (a LocalSteps checkpoint "
-            f"loaded into it before wrapping, which drops its outer optimizer, state_dict[{STATE_KEY!r}]; or an "
-            "earlier LocalSteps over it): dropped, and a new period starts from the model as it is (at a "
-            "synchronisation every rank's is the same; mid-period they differ, and the first synchronisation "
-            "says so). To resume a checkpoint, load it into the optimizer LocalSteps returns: "
-            "opt = hvd_topk.LocalSteps(inner, ...); opt.load_state_dict(checkpoint)", stacklevel=2)
     outside = set(options) - OUTER_OPTIONS
     gradient_side = sorted(outside & {name for name, p in inspect.signature(DistributedOptimizer).parameters.items()
                                       if p.kind is not p.VAR_KEYWORD})
@@ -197,6 +186,17 @@ def LocalSteps(optimizer, named_parameters=None, *, sync_every, compression=TopK
         raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
     if nesterov and not outer_momentum:
         raise ValueError("nesterov=True needs outer_momentum > 0")
+    if checkpoint.drop_local_steps_state(optimizer.param_groups):
+        # torch's load_state_dict kept the phase and shared weights in the param groups and dropped
+        # the outer optimizer's section: kept, the run went on half way (the outer residuals
+        # lost, its phase the checkpoint's), in silence until 2026-12-05
+        warnings.warn(
+            "hvd_topk.LocalSteps: the optimizer's param groups held LocalSteps' entries (a LocalSteps checkpoint "
+            f"loaded into it before wrapping, which drops its outer optimizer, state_dict[{STATE_KEY!r}]; or an "
+            "earlier LocalSteps over it): dropped, and a new period starts from the model as it is (at a "
+            "synchronisation every rank's is the same; mid-period they differ, and the first synchronisation "
+            "says so). To resume a checkpoint, load it into the optimizer LocalSteps returns: "
+            "opt = hvd_topk.LocalSteps(inner, ...); opt.load_state_dict(checkpoint)", stacklevel=2)
     names = _name_parameters(optimizer.param_groups, named_parameters)
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     # requires_grad so that the outer optimizer exchanges them; they never enter autograd
