@@ -496,6 +496,11 @@ class TopKEngine:
         of them for some parameter (its gradient still accumulates in ``p.grad``)."""
         return any(self.passes.values())
 
+    def mid_step(self):
+        """Whether this step's gradients are on their way (accumulating, taken into a bucket, or
+        being exchanged): between ``backward()`` and ``step()`` / ``synchronize()``."""
+        return self.pending() or self.taken_in() or self.accumulating()
+
     def taken_in(self):
         """Whether a gradient of this step is already in a bucket (folded into its residual or
         staged, after the inner optimizer's transform) and the exchange has not finished."""

@@ -256,7 +256,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         not compared here: a rank that accumulates otherwise waits at the next exchange)."""
         engine = getattr(self, ENGINE)
         check_integer(passes, "backward_passes_per_step", 1)
-        if engine.accumulating() or engine.taken_in() or engine.pending():
+        if engine.mid_step():
             raise RuntimeError("set_backward_passes_per_step() was called between backward() and step(): "
                                "call it between steps")
         engine.passes_per_step = passes
@@ -340,7 +340,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         engine = getattr(self, ENGINE)
         # taken_in: a bucket not yet launched holds this step's folded gradients too (Horovod has a
         # handle per tensor from its first hook, and refuses as soon as any exists)
-        if engine.pending() or engine.taken_in() or engine.accumulating():
+        if engine.mid_step():
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
                                  "optimizer.step() or optimizer.synchronize(). This is prohibited "
                                  "as it can cause a race condition." + STEPPED_THE_INNER)
