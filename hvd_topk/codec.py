@@ -64,6 +64,8 @@ class Plan:
         self.layout = Layout(self.count, value_dtype, index_dtype)
         self.starts = [0, *itertools.accumulate(self.sizes)]  # segment s: [starts[s], starts[s+1])
         self.slots = [0, *itertools.accumulate(self.ks)]      # its pairs: message slots [slots[s], ...)
+        # segments before s that select (k > 0 and not empty): each makes one pass or more
+        self.selecting = [0, *itertools.accumulate(min(k, n) > 0 for k, n in zip(self.ks, self.sizes))]
         # tensor scope: member i's segments (one, or its pieces where part edges cut it)
         self.member_segments = _member_segments(sizes, self.starts) if scope == "tensor" else None
         self.bounds = torch.tensor(self.starts, dtype=torch.int64)
@@ -167,6 +169,7 @@ class SegmentEncoder:
                        for start, end, a, b in zip(plan.starts, plan.starts[1:], plan.slots, plan.slots[1:])]
         self._exact, self._zero_sent = int(method == "exact"), int(zero_sent)
         self._flags = (ctypes.c_int64 * 3)()
+        self.seed = 0  # this step's (``selection.sample_seed``): set by ``Codec.segment_encoder``
 
     def __call__(self, s, grad=None):
         x_at, n, k, start, idx_at, isz, val_at = self._calls[s]
@@ -174,7 +177,9 @@ class SegmentEncoder:
         if grad is not None:
             fold = _segment_grad_pointer(s, grad, n, self._dtype)
         flags = self._flags
-        self._fn(x_at, fold, n, k, start, idx_at, isz, val_at, self._exact, self._zero_sent, 0, flags)
+        # segment s samples with seed + s, as selection.select_segments has it
+        self._fn(x_at, fold, n, k, start, idx_at, isz, val_at, self._exact, self._zero_sent,
+                 (self.seed + s) % 2 ** 64, flags)
         return bool(flags[0]), max(0, flags[1] - 1), flags[2]
 
 
@@ -255,8 +260,8 @@ class Codec:
         ``plan.layout.nbytes``). ``zero_sent``: zero the sent entries of ``x`` (error feedback).
         Inf/nan always count as the largest magnitudes, so they are sent and reach the average;
         the segments holding them are reported (numbered in the whole plan), and what they hold
-        afterwards is for the caller to wipe. ``seed`` (``selection.sample_seed``): the torch-ops
-        path's sample. ``segments``: a ``range`` of the plan's segments, the only ones selected
+        afterwards is for the caller to wipe. ``seed`` (``selection.sample_seed``): the sample's
+        positions (None: fresh ones, not repeatable). ``segments``: a ``range`` of the plan's segments, the only ones selected
         (their slots of the message; the others are left as they are)."""
         values, indices = plan.layout.views(message)
         whole = segments is None or len(segments) == len(plan.sizes)
@@ -266,13 +271,13 @@ class Codec:
             out = values if values.dtype == x.dtype else plan.value_scratch(x.dtype)
             result = selection.select_segments(x, plan.bounds[lo:hi + 1], plan.ks_tensor[lo:hi], indices[a:b],
                                                out[a:b], self.method, zero_sent=zero_sent,
-                                               nonfinite=plan.nonfinite[lo:hi])
+                                               nonfinite=plan.nonfinite[lo:hi], seed=seed)
             if out is not values:
                 values[a:b].copy_(out[a:b])
                 if zero_sent:
                     self.feed_back(x, indices[a:b], out[a:b], values[a:b])
             bad = (plan.nonfinite[lo:hi].nonzero().view(-1) + lo).tolist() if result.nonfinite else []
-            encoded = Encoded(bad, result.passes - (hi - lo), result.filled)
+            encoded = Encoded(bad, result.passes - (plan.selecting[hi] - plan.selecting[lo]), result.filled)
         elif lo == hi:
             encoded = Encoded([], 0, 0)
         else:
@@ -293,15 +298,17 @@ class Codec:
         plan.layout.zero_padding(message)
         return encoded
 
-    def segment_encoder(self, x, plan, message, zero_sent=False):
+    def segment_encoder(self, x, plan, message, seed, zero_sent=False):
         """A ``SegmentEncoder`` of ``plan``'s segments of ``x`` into ``message`` (CPU fp32,
-        native), kept on the plan while the buffer and the message stay the same."""
+        native), kept on the plan while the buffer and the message stay the same; it samples
+        with ``seed`` (``selection.sample_seed``, this step's)."""
         key = (x.data_ptr(), message.data_ptr(), x.dtype, zero_sent, self.method)
         encoder = plan.encoders.get(key)
         if encoder is None:
             if len(plan.encoders) > 4:  # buffers replaced (a new message size): drop stale ones
                 plan.encoders.clear()
             encoder = plan.encoders[key] = SegmentEncoder(x, plan, message, self.method, zero_sent)
+        encoder.seed = seed
         return encoder
 
     @staticmethod

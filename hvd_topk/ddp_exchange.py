@@ -299,17 +299,17 @@ def unused_here(params):
     return {i for i, p in enumerate(params) if p.grad is None}
 
 
-def _fold(state, layout, buffer, plan=None, message=None):
+def _fold(state, layout, buffer, plan=None, message=None, seed=None):
     """``acc = decay * residual + grad`` over the sparse parameters (a staging copy without
     error feedback). With ``plan`` and ``message`` (the allgather's send buffer) on the CPU
     native path, each gradient is folded in and its top-k selected into the message in the same
     pass over memory (``hvd_topk.codec.SegmentEncoder``, as the Horovod optimizer's hooks do);
-    returns the ``Encoded`` report then, None otherwise."""
+    returns the ``Encoded`` report then (sampling with ``seed``), None otherwise."""
     grads = layout.segments(buffer, layout.sparse)
     if state.error_feedback and state.residual_decay != 1.0:
         layout.acc.mul_(state.residual_decay)
     if plan is not None and state.error_feedback and native_ok(layout.acc) and buffer.dtype == layout.acc.dtype:
-        encoder = state.codec.segment_encoder(layout.acc, plan, message, zero_sent=True)
+        encoder = state.codec.segment_encoder(layout.acc, plan, message, seed, zero_sent=True)
         bad, repasses, filled = [], 0, 0
         for s, grad in enumerate(grads):
             nonfinite, extra, fill = encoder(s, grad)
@@ -403,7 +403,7 @@ def _allgather(state, layout, plan, dests, buffer, seed, put_back):
     """Every rank's fixed-size message of pairs, gathered; decoded in rank order."""
     world, group = state.world_size, state.process_group
     message = layout.message("send", plan.layout.nbytes)
-    encoded = _fold(state, layout, buffer, plan, message)
+    encoded = _fold(state, layout, buffer, plan, message, seed)
     if encoded is None:
         encoded = state.codec.encode(layout.acc, plan, message, zero_sent=state.error_feedback, seed=seed)
     _wipe(state, layout, encoded.nonfinite)

@@ -42,7 +42,7 @@ from hvd_topk.codec import Codec
 from hvd_topk.loss_scale import ResidualScale
 from hvd_topk.planner import ExchangePlanner
 from hvd_topk.schedule import DensitySchedule
-from hvd_topk.selection import native_ok
+from hvd_topk.selection import native_ok, sample_seed
 from hvd_topk.sparse_grads import SparseGradients
 from hvd_topk.stats import DENSE_FP32_BYTES, CompressionStats
 
@@ -306,6 +306,7 @@ class TopKEngine:
             if current.selects and current.plan.scope == "tensor" and native_ok(bucket.buffer()) \
                     and not current.hierarchical:
                 current.encode = self.codec.segment_encoder(bucket.acc, current.plan, current.message,
+                                                            sample_seed(self.step, bucket.index),
                                                             zero_sent=self.options.error_feedback)
         if bucket.sparse and self.options.error_feedback:
             shard = self.planner.shard(bucket) if self.hier is not None else None

@@ -155,13 +155,14 @@ class NativeResult:
 
 
 def select_native(x, k, out_indices, out_values, method=DEFAULT_METHOD, offset=0, zero_sent=False,
-                  seed=0, fold=None):
+                  seed=None, fold=None):
     """Native top-k of ``x`` (flat, CPU fp32) into preallocated outputs, in one call.
 
     ``out_indices`` (int32 or int64, k entries) gets ascending positions plus ``offset``;
     ``out_values`` (x's dtype) their values. ``zero_sent``: zero ``x`` at the selected
     positions afterwards. ``fold`` (a contiguous tensor like ``x``, or None): first
     ``x += fold`` (error feedback's fold), in the same pass over memory that selects.
+    ``seed``: the sample's positions (``sample_seed``; None: fresh ones, ``fresh_seed``).
     Returns a ``NativeResult``. The caller checks ``native_ok`` first.
     """
     check_method(method)
@@ -172,7 +173,7 @@ def select_native(x, k, out_indices, out_values, method=DEFAULT_METHOD, offset=0
     fn = native_select_function(x.dtype)
     fn(x.data_ptr(), None if fold is None else fold.data_ptr(), x.numel(), k, offset,
        out_indices.data_ptr(), out_indices.element_size(), out_values.data_ptr(),
-       int(method == "exact"), int(zero_sent), seed, result.flags)
+       int(method == "exact"), int(zero_sent), fresh_seed() if seed is None else seed, result.flags)
     return result
 
 
@@ -224,7 +225,7 @@ _SEGMENT_FUNCS = {torch.float32: "hvdtk_select_segments_f32"}
 
 
 def select_segments(x, bounds, ks, out_indices, out_values, method=DEFAULT_METHOD, zero_sent=False,
-                    nonfinite=None, seed=0):
+                    nonfinite=None, seed=None):
     """Native top-k of every segment of ``x`` (flat, CPU fp32) in one call.
 
     Segment ``s`` is ``x[bounds[s]:bounds[s+1]]``; its ``ks[s]`` largest-|value| entries are
@@ -233,13 +234,15 @@ def select_segments(x, bounds, ks, out_indices, out_values, method=DEFAULT_METHO
     tensors (built once per bucket and density). ``zero_sent`` zeroes the sent entries of ``x``;
     ``nonfinite`` (uint8, one per segment) is set where a segment held inf/nan. Returns a
     ``NativeResult`` (``nonfinite``: any segment had inf/nan; passes and fill-ups summed).
+    ``seed`` as in ``select_native`` (segment s samples with ``seed + s``).
     """
     check_method(method)
     result = NativeResult()
     fn = getattr(native.library(), _SEGMENT_FUNCS[x.dtype])
     fn(x.data_ptr(), ks.numel(), bounds.data_ptr(), ks.data_ptr(), out_indices.data_ptr(),
        out_indices.element_size(), out_values.data_ptr(), int(method == "exact"), int(zero_sent),
-       seed, result.flags, nonfinite.data_ptr() if nonfinite is not None else None)
+       fresh_seed() if seed is None else seed, result.flags,
+       nonfinite.data_ptr() if nonfinite is not None else None)
     return result
 
 
@@ -265,11 +268,21 @@ def _generator(device, seed=None):
 
 
 def sample_seed(step, bucket_index):
-    """The sampled torch-ops selection's seed for one bucket at one step: fresh positions every
-    step, yet the same ones in a run resumed from a checkpoint (its step counter is saved), so
-    that resume stays bitwise where the sample decides (a segment short of candidates, or over
-    its candidate capacity). The native kernel's result never depends on its sample."""
+    """The sampled selection's seed for one bucket at one step (both the native kernel and the
+    torch ops): fresh positions every step, yet the same ones in a run resumed from a checkpoint
+    (its step counter is saved), so that resume stays bitwise where the sample decides (a
+    segment short of candidates takes the lowest positions not collected; on the torch ops
+    also a segment over its candidate capacity)."""
     return step * 65_537 + bucket_index
+
+
+_fresh_seeds = itertools.count(1)
+
+
+def fresh_seed():
+    """A new seed on every call, for a caller with no step counter (the drop-in ``TopK``,
+    which keeps no state between steps): fresh sample positions each time."""
+    return next(_fresh_seeds) * 0x9E3779B97F4A7C15 % 2 ** 64
 
 
 def _positions(n, device, seed=None):

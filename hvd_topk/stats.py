@@ -20,7 +20,7 @@ class CompressionStats:
         "bytes_host",         # of those, handed to collectives inside a host (the hierarchical exchange)
         "nonfinite_resets",   # residuals reset because they held inf/nan
         "selection_repasses", # extra passes the native kernel made (threshold estimated too high)
-        "selection_filled",   # entries 'sampled' took from outside the top-k (<= 5% of k each)
+        "selection_filled",   # entries 'sampled' filled a shortfall with (<= 5% of k each, zeros aside)
     )
     _TIMERS = (
         "time_selection_s",    # selecting (and packing) what to send

@@ -88,7 +88,6 @@ struct Scratch {  // reused across calls (one per thread): no allocation in stea
   std::vector<int64_t> starts;  // sample positions
   Grow<int64_t> cand;           // candidates' positions, ascending
   Grow<float> cand_f;           // and their values
-  uint64_t calls = 0;  // varies the sample positions from call to call
   template <typename T> Grow<T>& values() {
     static_assert(std::is_same<T, float>::value, "the kernel selects float32 only");
     return cand_f;
@@ -168,9 +167,11 @@ float sample_threshold(const T* x, const T* g, int64_t n, double want, uint64_t 
   std::vector<uint32_t>& s = scratch.sample;
   s.clear();
   s.reserve(kSample);
-  Rng rng{seed ^ (uint64_t)n * 0x2545F4914F6CDD1Dull ^ (++scratch.calls * 0xD1B54A32D192ED03ull)};
-  // Fresh positions on every call (a fixed set could keep missing a structured gradient's large
-  // values, step after step). Tensors up to kSingles entries sit in cache: sample single entries
+  Rng rng{seed ^ (uint64_t)n * 0x2545F4914F6CDD1Dull};
+  // The positions follow from the seed alone, which the caller varies from step to step (a fixed
+  // set could keep missing a structured gradient's large values, step after step) and derives
+  // from the step counter, so that a run resumed from a checkpoint selects as the run that never
+  // stopped (a shortfall's fill-up depends on the sample). Tensors up to kSingles entries sit in cache: sample single entries
   // (independent); larger ones in runs of kRun to keep the number of cache misses small.
   int64_t step = n <= kSingles ? 1 : kRun;
   int64_t runs = std::min(n <= kSingles ? kSample / 4 : kSample,
@@ -454,7 +455,7 @@ int64_t select_impl(T* x, const T* g, int64_t n, int64_t k, int64_t offset, I* i
   int64_t enough = exact ? k : k - k / 20;
   while (scratch.cand.size < enough && !strict) {  // strict: the rest are zeros (ties)
     want *= 4.0;  // too few: lower the threshold and pass again (rare)
-    float t2 = want >= (double)n ? -INFINITY : sample_threshold(x, (const T*)nullptr, n, want, seed + 1);
+    float t2 = want >= (double)n ? -INFINITY : sample_threshold(x, (const T*)nullptr, n, want, seed ^ 0xA0761D6478BD642Full);
     if (!(t2 < t)) t2 = -INFINITY;
     t = t2;
     strict = nonzeros_only(t);
