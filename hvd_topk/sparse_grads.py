@@ -27,6 +27,9 @@ class SparseGradients:
         self.names = names
         self.warned = sparse_as_dense  # passing the option is saying it: no warning then
         self.sparse = {}  # id(p) -> p, every parameter handed back sparse
+        # id(p) -> the sparse dimensions its gradient arrived with (nn.Embedding's: 1, rows
+        # with their whole vectors, as Horovod hands them back); 1 until one has arrived
+        self.sparse_dims = {}
 
     def always(self, params):
         """Hand ``params``' gradients back sparse from the first step (a SparseAdam's, which
@@ -43,11 +46,12 @@ class SparseGradients:
                           "Pass sparse_as_dense=True to hvd_topk.DistributedOptimizer to say so and "
                           "silence this warning.", stacklevel=3)
         self.sparse[id(p)] = p
+        self.sparse_dims[id(p)] = p.grad.sparse_dim()
         p.grad = p.grad.to_dense()
 
     def restore(self):
         """After the exchange: the gradients of every parameter in ``sparse`` back to sparse, as
         Horovod hands them over (those this rank did not touch too: the exchange wrote them)."""
-        for p in self.sparse.values():
+        for key, p in self.sparse.items():
             if p.grad is not None and p.grad.layout == torch.strided:
-                p.grad = p.grad.to_sparse()
+                p.grad = p.grad.to_sparse(min(self.sparse_dims.get(key, 1), p.grad.dim()))

@@ -315,6 +315,8 @@ def check_sparse_as_dense(density=0.05, second=False, as_dense=True):
         opt.synchronize()
         for emb in filter(None, (model.emb, model.emb2)):
             assert emb.weight.grad.is_sparse, "the inner optimizer should get a sparse gradient back"
+            # row-wise, as nn.Embedding made it (and Horovod hands it back): whole rows
+            assert (emb.weight.grad.sparse_dim(), emb.weight.grad.dense_dim()) == (1, 1)
         for name, p in model.named_parameters():
             grads = gather(raw[name])
             want = (ref.sparse(name, grads, density) if p.numel() >= MIN_NUMEL
@@ -677,6 +679,7 @@ def check_embedding_untouched_on_one_rank(inner):
         F.cross_entropy(model.head(h), y).backward()
         opt.synchronize()
         assert model.emb.weight.grad.is_sparse, f"rank {rank} step {step}: handed back dense"
+        assert model.emb.weight.grad.sparse_dim() == 1, f"rank {rank} step {step}: not row-wise"
         np.testing.assert_allclose(model.emb.weight.grad.to_dense().numpy(), np.mean(gather(mine.numpy()), axis=0),
                                    rtol=1e-6, atol=1e-7, err_msg=f"{inner}: step {step}")
         with opt.skip_synchronize():
