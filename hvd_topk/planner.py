@@ -72,7 +72,11 @@ class ExchangePlanner:
             return "allgather" if self.keeps_residual else "dense"
         density = self.schedule.density(step)
         if density != self.schedule.target:  # density warm-up: no trial yet; the fewest bytes
-            return min(self.families, key=lambda f: self.modelled_bytes(f, density, world))
+            # among the flat families: the model counts a hierarchical family's bytes across
+            # hosts only (not its two stages inside a host), so against a flat one it always
+            # looks cheapest, measured or not; the trial times the hierarchical ones
+            flat = [f for f in self.families if not self.hierarchical(f)] or self.families
+            return min(flat, key=lambda f: self.modelled_bytes(f, density, world))
         recheck = self.options.exchange_recheck_steps
         if (self.trial is None or self.trial_world != world
                 or (recheck and self.trial.decided_at is not None
@@ -163,13 +167,15 @@ class ExchangePlanner:
         if not chosen.sparse or not self.options.dense_fallback \
                 or auto.keeps_momentum(self.momentum_decay, codec_plan.density):
             return chosen
-        if self.runs_hierarchically(bucket, family):
-            # the sparse part runs across hosts, on one shard
-            dense = self.wire_bytes(exchange.DenseAllreduce, world, bucket, codec_plan)
-            return chosen if self._sparse_bytes(chosen, bucket, codec_plan, world, family) < dense \
-                else exchange.DenseAllreduce
         # with 16-bit values or compact pairs on the wire the dense fallback is 16-bit too
         dense = exchange.DenseAllreduceFp16 if self.codec.dense_fp16 else exchange.DenseAllreduce
+        if self.runs_hierarchically(bucket, family):
+            # the sparse part runs across hosts, on one shard; a shard selected whole (a dense
+            # start) would cross as pairs, more than its values alone: the bucket goes dense
+            if codec_plan.density >= 1:
+                return dense
+            return chosen if self._sparse_bytes(chosen, bucket, codec_plan, world, family) \
+                < self.wire_bytes(dense, world, bucket, codec_plan) else dense
         return min((dense, chosen), key=lambda s: self.wire_bytes(s, world, bucket, codec_plan))
 
     def wire_bytes(self, strategy, world, bucket, codec_plan):

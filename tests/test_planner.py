@@ -131,7 +131,7 @@ def test_hierarchical_plans_cover_this_ranks_shard_at_L_times_the_density():
     assert plan.bucket_step(sparse, 0, "hier_allgather", 4, 1).hierarchical
 
 
-def _host_planners(shapes, local_size, cross_size, **options):
+def _host_planners(shapes, local_size, cross_size, codec=None, **options):
     """One planner per local rank of a host (``Topology`` ``local_rank`` 0..L-1) over
     parameters of ``shapes``, and each one's buckets."""
     out = []
@@ -141,7 +141,7 @@ def _host_planners(shapes, local_size, cross_size, **options):
         buckets = make_buckets(params, {p: f"p{i}" for i, p in enumerate(params)}, opts.min_numel, opts.fusion_bytes)
         schedule = DensitySchedule(0.01, opts.warmup_steps, opts.warmup_density)
         topo = Topology(None, None, local_rank, local_size, 0, cross_size, (local_size,) * (local_size * cross_size))
-        out.append((ExchangePlanner(opts, buckets, Codec(), schedule, topo, process_set=None, name="t"), buckets))
+        out.append((ExchangePlanner(opts, buckets, codec or Codec(), schedule, topo, process_set=None, name="t"), buckets))
     return out
 
 
@@ -163,6 +163,38 @@ def test_a_hosts_ranks_take_the_same_dense_fallback_decision():
     assert plan.codec_plan(buckets[0], 0.2915, "hier_allgather", 8).count == 1159
     assert plan.strategy("hier_allgather", buckets[0], plan.codec_plan(buckets[0], 0.2915, "hier_allgather", 8), 8) \
         is exchange.DenseAllreduce
+
+
+def test_hosts_with_16_bit_values_fall_back_to_the_16_bit_dense_allreduce():
+    """The layout above with 16-bit values (6-byte pairs): at shard density 0.583 the host's
+    pairs cross as 3 x 6 x 1160 = 20,880 bytes, more than the 16-bit dense ring's
+    2 x 7/8 x 3977 x 2 = 13,919.75, so the bucket goes dense in 16 bits, as it does flat (it
+    stayed sparse, weighed against the float32 ring's 27,839)."""
+    for plan, buckets in _host_planners([(41, 97)], local_size=2, cross_size=4, codec=Codec(fp16_values=True),
+                                        exchange="allgather"):
+        codec_plan = plan.codec_plan(buckets[0], 0.2915, "hier_allgather", 8)
+        assert plan.strategy("hier_allgather", buckets[0], codec_plan, 8) is exchange.DenseAllreduceFp16
+
+
+def test_hosts_during_a_dense_start_send_dense_and_warm_up_flat():
+    """2 hosts x 2 ranks. A dense start (density 1) goes dense, in 16 bits with 16-bit values,
+    pinned to a hierarchical family too (its shards crossed as pairs of every entry). During a
+    warm-up ``auto`` takes the flat family of fewest bytes (the numbers of the flat test above:
+    the sparse allreduce's 22,506 bytes at 25%), not a hierarchical one, which the model counts
+    across hosts only (hier_sparse_allreduce: 15,004)."""
+    topo = Topology(local=None, cross=None, local_rank=0, local_size=2, cross_rank=0, cross_size=2,
+                    local_sizes=(2, 2, 2, 2))
+    for codec, dense in [(Codec(), exchange.DenseAllreduce), (Codec(fp16_values=True), exchange.DenseAllreduceFp16)]:
+        plan, (sparse, _) = planner(hier=topo, codec=codec, exchange="allgather", warmup_steps=10, warmup_density=1.0)
+        assert plan.family(0, 4) == "hier_allgather"
+        step = plan.bucket_step(sparse, 0, "hier_allgather", 4, 0)
+        assert step.strategy is dense and not step.hierarchical
+        assert plan.bucket_step(sparse, 10, "hier_allgather", 4, 0).hierarchical  # after the start
+    plan, _ = planner(hier=topo, exchange="auto", warmup_steps=10, warmup_density=0.25)
+    assert "hier_sparse_allreduce" in plan.families
+    assert plan.modelled_bytes("hier_sparse_allreduce", 0.25, 4) < plan.modelled_bytes("sparse_allreduce", 0.25, 4)
+    assert plan.family(0, 4) == "sparse_allreduce"
+    assert plan.trial is None
 
 
 def test_a_bucket_smaller_than_a_host_is_exchanged_flat():
