@@ -63,6 +63,11 @@ def init(*args, **kwargs):
     Where hosts have different numbers of ranks it adds no sets (``hierarchical=True`` then
     says why it cannot run; "auto" stays flat). Call it once, instead of ``hvd.init()``: Horovod
     reads ``HOROVOD_DYNAMIC_PROCESS_SETS`` only when it starts.
+
+    Horovod refuses a second process set of the same ranks. A set passed in ``process_sets=``
+    whose ranks are a host's (or a local rank's across hosts) is used as that set; one wanted
+    later is ``Topology.local`` / ``Topology.cross`` (``hvd.add_process_set`` of the same ranks
+    raises).
     """
     global _topology
     if hvd.is_initialized():
@@ -72,6 +77,8 @@ def init(*args, **kwargs):
             "hvd.init(), once" + (" (it was called before)" if _topology is not None else ""))
     os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
     hvd.init(*args, **kwargs)
+    given = kwargs.get("process_sets", args[1] if len(args) > 1 else None)
+    given = [] if given is None or isinstance(given, str) else list(given)
     # Horovod's cross rank is a rank among those with the same local rank, which names the
     # host only where every host has the same number of ranks
     places = hvd.allgather_object((hvd.cross_rank(), hvd.local_rank(), hvd.local_size()),
@@ -86,17 +93,22 @@ def init(*args, **kwargs):
     mine = places[hvd.rank()]
     local_sets, cross_sets = {}, {}
     for c in hosts:  # every rank adds every set, in this order
-        local_sets[c] = _add([r for r, (cr, _, _) in enumerate(places) if cr == c])
+        local_sets[c] = _add([r for r, (cr, _, _) in enumerate(places) if cr == c], given)
     for lr in locals_:
-        cross_sets[lr] = _add([r for r, (_, l, _) in enumerate(places) if l == lr])
+        cross_sets[lr] = _add([r for r, (_, l, _) in enumerate(places) if l == lr], given)
     local, cross = local_sets[mine[0]], cross_sets[mine[1]]
     _topology = Topology(local, cross, local.rank(), local.size(), cross.rank(), cross.size(), local_sizes)
     return _topology
 
 
-def _add(ranks):
+def _add(ranks, given):
+    """The process set of ``ranks``: the global one, one of the user's ``given`` sets (passed to
+    ``init``: Horovod refuses a duplicate), or a new one."""
     if len(ranks) == hvd.size():
         return hvd.global_process_set
+    for process_set in given:
+        if process_set.ranks is not None and sorted(process_set.ranks) == ranks:
+            return process_set
     return hvd.add_process_set(ranks)
 
 

@@ -34,6 +34,11 @@ from reference import ErrorFeedbackReference
 HOSTS = tuple(int(n) for n in os.environ.get("HVD_TOPK_HOSTS", "2,1").split(","))
 MIN_NUMEL = 500
 DENSITY = 0.05
+# Process sets a user passes to hvd_topk.init(process_sets=...) (Horovod's own example keeps
+# such sets): on 3 hosts x 2 ranks (by slot) the first host's ranks and local rank 0's across
+# hosts, two of the sets the hierarchy needs. Horovod refuses a duplicate set: init raised
+# on every rank before 2026-12-05; now it uses the user's.
+USER_SETS = [hvd.ProcessSet([0, 1]), hvd.ProcessSet([0, 2, 4])] if HOSTS == (2, 2, 2) else []
 
 
 def check_topology():
@@ -97,6 +102,20 @@ def check_uneven_auto_exchange_trains():
         step_and_check_same(opt, model, f"uneven hosts, auto, step {step}")
 
 
+def check_users_process_sets_serve_the_hierarchy():
+    """The sets passed to init are the topology's own where their ranks match, and still the
+    user's: an allreduce over local rank 0's set sums ranks 0 + 2 + 4."""
+    rank = hvd.rank()
+    places = gather(np.array([hvd.cross_rank(), hvd.local_rank()]))
+    assert [tuple(p) for p in places] == [(r // 2, r % 2) for r in range(6)], places  # by slot
+    topo = hvd_topk.hierarchy._topology
+    assert (topo.local is USER_SETS[0]) == (rank in (0, 1)), rank
+    assert (topo.cross is USER_SETS[1]) == (rank in (0, 2, 4)), rank
+    if rank in (0, 2, 4):
+        total = hvd.allreduce(torch.tensor([float(rank)]), op=hvd.Sum, process_set=USER_SETS[1], name="user.set")
+        assert total.item() == 6.0, total
+
+
 def check_dense_fallback_agreed_by_a_host(steps=2):
     """The bucket of 3977 elements at density 0.4168 (the module docstring): every rank sends it
     dense, so every step's result is the exact average of the ranks' gradients."""
@@ -132,10 +151,11 @@ UNEVEN = [
 ]
 EVEN = [
     ("topology as launched", check_topology),
+    ("the user's process sets serve the hierarchy", check_users_process_sets_serve_the_hierarchy),
     ("dense fallback agreed by a host", check_dense_fallback_agreed_by_a_host),
 ]
 CHECKS = UNEVEN if len(set(HOSTS)) > 1 else EVEN
 
 
 if __name__ == "__main__":
-    run(CHECKS, init=hvd_topk.init)
+    run(CHECKS, init=lambda: hvd_topk.init(process_sets=USER_SETS))
