@@ -15,9 +15,11 @@ cause, so that a failed load leaves the optimizer exactly as it was (torch's own
 step). Docs: docs/compatibility.md#checkpoints.
 """
 
+import collections
 import itertools
 import numbers
 import warnings
+import weakref
 
 import torch
 
@@ -235,6 +237,29 @@ def hierarchy_key(engine):
                                    [b.numel for b in engine.buckets]]
 
 
+# The fingerprints of the last few states each engine saved (``own_state``).
+_SAVED = weakref.WeakKeyDictionary()
+
+
+def _fingerprint(state):
+    """A state's step and residuals (each tensor's sum and sum of magnitudes, in float64), not
+    its place (an elastic commit's size is the one before the job changed): another rank's
+    state differs in its residuals (where all are zero, loading them is starting from zero).
+    Nothing is added to the state, so the same run saves the same bits."""
+    sums = tuple((kind, name, float(t.double().sum()), float(t.double().abs().sum()))
+                 for kind in ("residuals", "momenta") for name, t in sorted(state.get(kind, {}).items()))
+    return state["step"], sums
+
+
+def own_state(engine, state):
+    """Whether ``state`` is one of the last few this engine saved. A Horovod elastic worker
+    restores its own last commit, which can carry another size or rank than the job has now
+    (``commit()`` saves, then raises ``HostsUpdatedInterrupt``; survivors may be renumbered):
+    its residuals are still this worker's unsent work, and fit any size."""
+    saved = _SAVED.get(engine)
+    return bool(saved) and isinstance(state.get("residuals"), dict) and _fingerprint(state) in saved
+
+
 def save(engine):
     """This rank's residuals and momentum buffers (per parameter name), the step counter, and
     the rank/world size they belong to. With the hierarchical exchange: per bucket, this rank's
@@ -258,6 +283,7 @@ def save(engine):
         for m in b.members:
             if b.momentum is not None:
                 out["momenta"][m.name] = b.view(b.momentum, m).clone()
+    _SAVED.setdefault(engine, collections.deque(maxlen=4)).append(_fingerprint(out))
     return out
 
 
@@ -288,7 +314,9 @@ def load(engine, state, nonfinite=()):
 
 def _load_residuals(engine, state, nonfinite):
     """``load``'s work on the buckets, residuals left in the saved loss scale's units."""
-    same_rank = (state["rank"], state["size"]) == (engine.rank, engine.world)
+    # this rank's residuals: saved at this rank and size, or by this very engine (an elastic
+    # worker restoring its own commit after the job resized or renumbered: its own unsent work)
+    same_rank = (state["rank"], state["size"]) == (engine.rank, engine.world) or own_state(engine, state)
     buckets = residual_buckets(engine)
     if engine.hier is not None or state.get("hierarchy") is not None:
         _load_shards(engine, state, same_rank, nonfinite)

@@ -183,6 +183,36 @@ def check_nonfinite_residual_wiped():
     trains_on(model_b, opt_b, "after the wiped load")
 
 
+def check_own_state_from_another_size_keeps_residuals():
+    """An elastic worker restores its own last commit after the job resized (Horovod's commit
+    raises HostsUpdatedInterrupt after saving, so a commit can carry the old size): the state
+    this optimizer saved, marked as saved at another size, brings its residuals back bit for bit
+    and without a warning (they started from zero before 2026-12-05); loaded into another
+    optimizer, whose rank and size it does not match, they start from zero, with the warning."""
+    model, opt = trained()
+    saved = copy.deepcopy(opt.state_dict())
+    saved["hvd_topk"]["size"] = hvd.size() + 1  # as committed before one worker left
+    residuals = saved["hvd_topk"]["residuals"]
+    assert sum(float(t.abs().sum()) for t in residuals.values()) > 0
+    train(model, opt, 1, start=3)  # the residuals move on
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.load_state_dict(saved)
+    assert not [w for w in caught if "start from zero" in str(w.message)], [str(w.message) for w in caught]
+    loaded = opt.state_dict()["hvd_topk"]["residuals"]
+    assert loaded.keys() == residuals.keys()
+    for name, saved_residual in residuals.items():
+        assert torch.equal(loaded[name], saved_residual), name
+    _, other = build(seed=7)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        other.load_state_dict(saved)
+    assert any("error-feedback residuals start from zero" in str(w.message) for w in caught), \
+        [str(w.message) for w in caught]
+    assert all(float(t.abs().sum()) == 0 for t in other.state_dict()["hvd_topk"]["residuals"].values())
+    trains_on(model, opt, "after its own state came back", start=4)
+
+
 def check_loaded_then_wrapped_is_told():
     """A checkpoint loaded into the user's optimizer, which is then wrapped: torch's load leaves
     out the 'hvd_topk' section, so the new wrapper starts at step 0 with zero residuals, and it
@@ -380,6 +410,7 @@ CHECKS = [
     ("residual of another shape refused", check_residual_shape),
     ("truncated or foreign section refused", check_truncated_and_foreign_sections),
     ("non-finite residual wiped with a warning", check_nonfinite_residual_wiped),
+    ("its own state saved at another size keeps its residuals (elastic)", check_own_state_from_another_size_keeps_residuals),
     ("plain torch optimizer state loads", check_plain_torch_state_loads),
     ("our checkpoint through a plain optimizer keeps its step", check_through_a_plain_optimizer),
     ("a checkpoint loaded into the inner optimizer, then wrapped: told", check_loaded_then_wrapped_is_told),
