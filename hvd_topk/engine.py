@@ -141,7 +141,13 @@ class TopKEngine:
         if self.member and not elastic_mode():
             check_ranks_agree(self, compression, inner, grad_scaler is not None)
         # the host / cross-host process sets when the hierarchical exchange may be used
-        self.hier = hierarchy.resolve(options.hierarchical, process_set, elastic_mode()) if self.member else None
+        setting = options.hierarchical
+        if setting == "auto" and (options.momentum_correction or compression.compact or options.exchange == "dense"):
+            # nothing would run hierarchically (a dense exchange; compact pairs, the flat
+            # allgather's alone), or momentum_correction, which it does not support: "auto"
+            # steps aside (the checkpoint keeps the flat format too)
+            setting = False
+        self.hier = hierarchy.resolve(setting, process_set, elastic_mode()) if self.member else None
         if self.hier is not None and options.momentum_correction:
             raise ValueError("momentum_correction is not supported with the hierarchical exchange; pass "
                              "hierarchical=False, or momentum_correction=0.0 with the inner optimizer's momentum")

@@ -116,6 +116,32 @@ def check_users_process_sets_serve_the_hierarchy():
         assert total.item() == 6.0, total
 
 
+def check_auto_steps_aside_where_nothing_runs_hierarchically():
+    """hierarchical="auto" (the default) on 3 hosts x 2 with momentum_correction (which the
+    hierarchical exchange does not support), with compact pairs and with exchange="dense": it
+    steps aside, so the job trains as on one host (momentum_correction raised before
+    2026-12-05); hierarchical=True still refuses momentum_correction."""
+    for options, compression in [(dict(momentum_correction=0.9, exchange="allgather"), hvd_topk.TopK(density=DENSITY)),
+                                 (dict(exchange="allgather"), hvd_topk.TopK(density=DENSITY, compact=True)),
+                                 (dict(exchange="dense"), hvd_topk.TopK(density=DENSITY))]:
+        torch.manual_seed(0)
+        model = Net()
+        opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                            named_parameters=model.named_parameters(), compression=compression,
+                                            min_numel=MIN_NUMEL, **options)
+        for step in range(2):
+            x, y = batch(step, hvd.rank())
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        assert not opt.compression_stats()["hierarchical"], options
+        for name, p in model.named_parameters():
+            weights = gather(p.detach().numpy())
+            assert all(np.array_equal(w, weights[0]) for w in weights), (options, name)
+    with raises(ValueError, match="momentum_correction is not supported with the hierarchical exchange"):
+        _optimizer(Net(), exchange="allgather", hierarchical=True, momentum_correction=0.9)
+
+
 def check_dense_fallback_agreed_by_a_host(steps=2):
     """The bucket of 3977 elements at density 0.4168 (the module docstring): every rank sends it
     dense, so every step's result is the exact average of the ranks' gradients."""
@@ -152,6 +178,7 @@ UNEVEN = [
 EVEN = [
     ("topology as launched", check_topology),
     ("the user's process sets serve the hierarchy", check_users_process_sets_serve_the_hierarchy),
+    ("hierarchical auto steps aside where nothing runs hierarchically", check_auto_steps_aside_where_nothing_runs_hierarchically),
     ("dense fallback agreed by a host", check_dense_fallback_agreed_by_a_host),
 ]
 CHECKS = UNEVEN if len(set(HOSTS)) > 1 else EVEN
