@@ -21,6 +21,7 @@ gradients dense instead (the result is what Horovod's own dense path gives: the 
 counts as zeros).
 """
 
+import difflib
 import functools
 import heapq
 import threading
@@ -175,12 +176,18 @@ class _Round:
 FIXED_OPTIONS = ("density", "method", "fp16_values", "compact")  # TopK's, read-only once built
 
 
-def unexpected_options_error(caller, names, takes=None):
+def unexpected_options_error(caller, names, takes=None, known=()):
     """The TypeError for keywords ``caller`` does not take: where one is TopK's own (``density``,
-    ...), it says that it belongs to the compression, as ``compression=hvd_topk.TopK(density=...)``."""
+    ...), it says that it belongs to the compression, as ``compression=hvd_topk.TopK(density=...)``;
+    a misspelling of one of ``takes``, ``known`` (the caller's keywords) or TopK's is named."""
     names = sorted(names)
     message = f"{caller}() got unexpected keyword argument(s) {', '.join(names)}"
-    ours = [n for n in names if n in FIXED_OPTIONS]
+    spellings = [*(takes or ()), *known, *FIXED_OPTIONS]
+    near = {n: difflib.get_close_matches(n, spellings, n=1) for n in names if n not in FIXED_OPTIONS}
+    near = {n: m[0] for n, m in near.items() if m}
+    if near:
+        message += "; did you mean " + ", ".join(f"{m} (not {n})" for n, m in near.items())
+    ours = sorted({n for n in names if n in FIXED_OPTIONS} | {m for m in near.values() if m in FIXED_OPTIONS})
     if ours:
         message += (f"; {', '.join(ours)} {'is an option' if len(ours) == 1 else 'are options'} of the compression: "
                     f"pass compression=hvd_topk.TopK({', '.join(f'{n}=...' for n in ours)})")

@@ -6,6 +6,7 @@ does), sharing the user's optimizer's state; it adds Horovod's methods and its
 engine (``hvd_topk.engine.TopKEngine``).
 """
 
+import inspect
 import warnings
 from contextlib import contextmanager
 
@@ -128,7 +129,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
     others do not use, as long as the ranks of one set build theirs over it in the same order.
     """
     if unexpected:  # (Python's own TypeError would not say where density & co. go)
-        raise unexpected_options_error("DistributedOptimizer", unexpected)
+        raise unexpected_options_error("DistributedOptimizer", unexpected,
+                                       known=[k for k in inspect.signature(DistributedOptimizer).parameters
+                                              if k != "unexpected"])
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if hasattr(optimizer, ENGINE):
@@ -485,6 +488,11 @@ def _check_no_duplicates(param_groups, named_parameters):
 def _name_parameters(param_groups, named_parameters):
     """Horovod's naming rules and errors, with unique names for unnamed parameters."""
     if named_parameters is not None:
+        if callable(getattr(named_parameters, "compress", None)):  # a compressor, one argument early
+            shown = getattr(named_parameters, "__name__", type(named_parameters).__name__)
+            raise TypeError(f"named_parameters got a compression ({shown}): pass it as compression=... (the "
+                            "third argument, as in hvd.DistributedOptimizer(optimizer, named_parameters, "
+                            "compression)), and model.named_parameters() as named_parameters")
         try:
             named_parameters = list(named_parameters)
         except TypeError:

@@ -50,6 +50,17 @@ def check_options_refused():
     with raises(TypeError, match=re.escape("named_parameters must be model.named_parameters()"),
                 what="named_parameters=model"):
         hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model)
+    # TopK in named_parameters' place (the second argument) used to be named by its metaclass
+    for compression in (hvd_topk.TopK, hvd_topk.TopK(density=0.1), hvd.Compression.fp16):
+        with raises(TypeError, match=r"named_parameters got a compression \((TopK|FP16Compressor)\): pass it as "
+                                     r"compression=\.\.\. \(the third argument", what=f"{compression} second"):
+            hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression)
+    # a misspelt option is named with the one it resembles (TopK's own with where it goes)
+    with raises(TypeError, match=r"warmup_step; did you mean warmup_steps \(not warmup_step\)$", what="warmup_step"):
+        hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), warmup_step=10)
+    with raises(TypeError, match=r"densty; did you mean density \(not densty\); density is an option of the "
+                                 r"compression: pass compression=hvd_topk\.TopK\(density=", what="densty"):
+        hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), densty=0.1)
 
 
 # ---- item 11: checkpoint names -----------------------------------------------------------------
