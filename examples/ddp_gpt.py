@@ -79,6 +79,10 @@ def parse_args(argv=None):
         p.error("--adam local: the synchronized gradient is Adam's update; clipping it would shrink steps")
     if args.powersgd_rank < 1 or args.warmup_steps < 0:
         p.error("--powersgd-rank must be positive, --warmup-steps >= 0")
+    if args.warmup_density != 1.0 and not args.warmup_steps:
+        p.error("--warmup-density sets where the density warm-up starts: it needs --warmup-steps N > 0")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here (torch.cuda.is_available() is False); leave it out for gloo on the CPU")
     if args.powersgd_start < 2:
         p.error("--powersgd-start must be >= 2 (DDP rebuilds its buckets after the first step)")
     topk_only = {"density": 0.01, "exchange": "allgather", "warmup_steps": 100, "warmup_density": 1.0,

@@ -149,8 +149,8 @@ def evaluate(model, val, args, device, autocast):
 
 
 def sketch_size(text):
-    """``--variance-sketch``'s value: ``auto`` (LocalAdamW's default: 256 numbers a tensor from 8
-    ranks on, none below) or a count >= 0 (0: off)."""
+    """``--variance-sketch``'s value: ``auto`` (LocalAdamW's default, ``LocalAdamW.AUTO_SKETCH``:
+    256 numbers a tensor from 6 ranks on, none below) or a count >= 0 (0: off)."""
     if text == "auto":
         return text
     try:

@@ -15,6 +15,7 @@ line is ``test accuracy: X.XXXX``.
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import lightning
@@ -56,7 +57,8 @@ class RegisterHookOnCpu(lightning.Callback):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--devices", type=int, default=2, help="processes (Lightning starts them unless torchrun did)")
+    p.add_argument("--devices", type=int, default=int(os.environ.get("WORLD_SIZE", 2)),
+                   help="processes (Lightning starts them; under torchrun, its world size)")
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=32, help="per process")
@@ -87,8 +89,8 @@ def main(argv=None):
         with torch.no_grad():
             accuracy = (module.net(x_test).argmax(1) == y_test).float().mean().item()
         stats = state.stats()
-        print(f"bytes sent vs dense fp32: {stats['bytes_ratio']:.2%} over {stats['steps']} steps "
-              f"({trainer.world_size} ranks)")
+        ratio = "0 (one rank: nothing is exchanged)" if trainer.world_size == 1 else f"{stats['bytes_ratio']:.2%}"
+        print(f"bytes sent vs dense fp32: {ratio} over {stats['steps']} steps ({trainer.world_size} ranks)")
         if args.json:
             Path(args.json).write_text(json.dumps({"test_accuracy": accuracy, "ranks": trainer.world_size,
                                                    "topk_stats": stats}, indent=1, default=str))

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 r"""A small byte-level GPT trained data-parallel with AdamW, Horovod and hvd_topk.
 
-    horovodrun -np 2 --gloo python examples/pytorch_gpt.py --optimizer topk-ef --density 0.01
     mpirun -np 2 python examples/pytorch_gpt.py --compression none          # dense baseline
+    horovodrun -np 2 --gloo python examples/pytorch_gpt.py --optimizer topk-ef --density 0.01  # plain
+        AdamW behind Top-K: the setup the library warns about (the recipe, below, is what to run)
 
 The corpus is this Python's own standard library (the ``.py`` files under
 ``sysconfig.get_paths()["stdlib"]``, sorted by path, concatenated and cut to ``--corpus-mb``), so it

@@ -140,6 +140,7 @@ def test_elastic_example_accepts_its_documented_failure():
     ("pytorch_gpt", ["--optimizer", "topk-ef", "--compression", "topk", "--sync-every", "4", "--steps", "6",
                      "--eval-every", "4"], "--steps (6) must be a multiple of --sync-every (4)"),
     ("ddp_gpt", ["--hook", "powersgd", "--bucket-cap-mb", "1"], "leave --bucket-cap-mb out"),
+    ("ddp_gpt", ["--warmup-steps", "0", "--warmup-density", "0.5"], "it needs --warmup-steps N > 0"),
     ("lightning_digits", ["--epochs", "0"], "--epochs, --batch-size and --devices must be positive"),
     ("lightning_digits", ["--epochs", "-1"], "--epochs, --batch-size and --devices must be positive"),
     ("lightning_digits", ["--density", "0"], "--density must be in (0, 1]"),
@@ -188,3 +189,13 @@ def test_one_rank_reports_no_bytes_whatever_the_optimizer(tmp_path):
         assert "one rank: nothing is exchanged" in proc.stdout, proc.stdout
         sent[name] = json.loads(out.read_text())["bytes_sent_per_step"]
     assert sent == {"drop-in": 0, "topk-ef": 0}, sent
+
+
+def test_ddp_example_without_cuda_refuses_device_cuda(monkeypatch, capsys):
+    """--device cuda where torch sees no GPU: a usage error, not NCCL's traceback from every rank."""
+    module = _example_module("ddp_gpt")
+    monkeypatch.setattr(module.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as stop:
+        module.parse_args(["--device", "cuda"])
+    assert stop.value.code == 2
+    assert "--device cuda: no CUDA device here" in capsys.readouterr().err

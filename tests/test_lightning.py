@@ -33,3 +33,13 @@ def test_lightning_example_trains_through_the_hook(tmp_path):
     total = 18432 + 131072 + 1280 + dense
     assert result["topk_stats"]["bytes_ratio"] == pytest.approx((8 * pairs + 4 * dense) / (4 * total), rel=1e-9)
     assert result["test_accuracy"] >= 0.9, result  # 0.978 at seed 0 here; dense SGD at 4 epochs 0.94
+
+
+def test_lightning_example_on_one_process_reports_no_bytes():
+    """One process exchanges nothing; the example said 2.34% (the hook counts a lone rank's bytes
+    as a 2-rank job's, to train as one): it reports 0, as the other examples do (cli.bytes_report)."""
+    proc = subprocess.run([sys.executable, str(REPO / "examples" / "lightning_digits.py"), "--devices", "1",
+                           "--epochs", "1"], env=script_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "bytes sent vs dense fp32: 0 (one rank: nothing is exchanged) over 45 steps (1 ranks)" in proc.stdout, \
+        proc.stdout[-2000:]
