@@ -32,6 +32,7 @@ the optimizer's statistics; its last line is ``final validation loss: X.XXXX``.
 """
 
 import argparse
+import os
 import json
 import sys
 import time
@@ -110,6 +111,7 @@ def parse_args(argv=None):
                         "dense every step) as a multiple of --lr")
     p.add_argument("--freeze-step", type=int, default=0, help="with --adam frozen-variance (e.g. = --warmup-steps)")
     add_training_arguments(p)
+    add_checkpoint_arguments(p)
     p.add_argument("--clip", type=float, default=None,
                    help="gradient norm clipping of the synchronized gradient (default 1.0; 0: off; off with "
                         "--adam local, whose synchronized 'gradient' is Adam's update)")
@@ -188,7 +190,87 @@ def parse_args(argv=None):
     if args.compression != "topk" and (args.fp16_values or args.compact or args.density != 0.01):
         p.error("--density, --fp16-values and --compact only apply to --compression topk")
     check_topk_arguments(p, args)  # (a non-default --density without topk was refused above)
+    check_checkpoint_arguments(p, args)
     return args
+
+
+def add_checkpoint_arguments(p):
+    p.add_argument("--checkpoint", metavar="PREFIX",
+                   help="save each rank's state (model, optimizer with hvd_topk's residuals and step, data "
+                        "order, losses so far) to PREFIX-rank<R>.pt every --checkpoint-every steps and at the end")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="steps between checkpoints (0: at the end)")
+    p.add_argument("--resume", action="store_true",
+                   help="go on from --checkpoint's files, with the flags of the run that wrote them: the same "
+                        "bits as a run that never stopped (with the exchange pinned; auto measures again)")
+    p.add_argument("--stop-after", type=int, default=None, metavar="N",
+                   help="end this job after step N of the --steps schedule, checkpointed (a job cut by a time "
+                        "limit; go on with --resume)")
+
+
+def check_checkpoint_arguments(p, args):
+    if (args.resume or args.checkpoint_every or args.stop_after is not None) and not args.checkpoint:
+        p.error("--resume, --checkpoint-every and --stop-after need --checkpoint PREFIX")
+    if args.checkpoint_every < 0:
+        p.error(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    if args.stop_after is not None and not 0 < args.stop_after < args.steps:
+        p.error(f"--stop-after must be in [1, --steps={args.steps}), got {args.stop_after}")
+    if args.checkpoint and not Path(args.checkpoint).parent.is_dir():
+        p.error(f"--checkpoint {args.checkpoint}: the directory {Path(args.checkpoint).parent} does not exist")
+
+
+# flags that may differ between a run and its resumption (the rest must match)
+RESUME_MAY_CHANGE = ("checkpoint", "checkpoint_every", "resume", "stop_after", "json", "quiet")
+
+
+def checkpoint_path(args, rank):
+    return Path(f"{args.checkpoint}-rank{rank}.pt")
+
+
+def save_checkpoint(args, rank, step, model, opt, scaler, gen, history, carried_bytes, topk):
+    """This rank's whole state after ``step`` steps, written atomically (a job killed while
+    writing keeps the previous file)."""
+    path = checkpoint_path(args, rank)
+    state = {"flags": {k: v for k, v in vars(args).items() if k not in RESUME_MAY_CHANGE}, "step": step,
+             "model": model.state_dict(), "optimizer": opt.state_dict(),
+             "scaler": scaler.state_dict() if scaler else None, "data_order": gen.get_state(),
+             "history": history, "bytes": bytes_so_far(args, opt, topk, carried_bytes)}
+    temporary = path.with_name(path.name + ".tmp")
+    torch.save(state, temporary)
+    os.replace(temporary, path)
+
+
+def load_checkpoint(args, rank, model, opt, scaler, gen):
+    """``save_checkpoint``'s state back; returns (its step, history, bytes so far). Exits with a
+    message where the file is missing or was written with other flags."""
+    path = checkpoint_path(args, rank)
+    if not path.exists():
+        sys.exit(f"--resume: {path} does not exist (run with --checkpoint {args.checkpoint} first)")
+    state = torch.load(path, weights_only=False)
+    flags = {k: v for k, v in vars(args).items() if k not in RESUME_MAY_CHANGE}
+    changed = sorted(k for k in flags.keys() | state["flags"].keys() if flags.get(k) != state["flags"].get(k))
+    if changed:
+        sys.exit(f"--resume: {path} was written with other flags: "
+                 + ", ".join(f"--{k.replace('_', '-')} {state['flags'].get(k)} (now {flags.get(k)})" for k in changed))
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    if scaler:
+        scaler.load_state_dict(state["scaler"])
+    gen.set_state(state["data_order"])
+    return state["step"], state["history"], state["bytes"]
+
+
+def bytes_so_far(args, opt, topk, carried):
+    """(bytes sent, dense fp32 bytes, steps) counted by the optimizer or TopK since this job
+    started, plus ``carried`` (the jobs before it, from the checkpoint)."""
+    if args.optimizer == "topk-ef":
+        s = opt.compression_stats()
+        now = (s["bytes_sent"], s["bytes_dense"], s["steps"])
+    elif args.compression == "topk":
+        s = topk.stats()
+        now = (s["bytes_sent"], s["bytes_dense"], 0)
+    else:
+        now = (0, 0, 0)
+    return tuple(a + b for a, b in zip(carried, now))
 
 
 def beta1_and_momentum_correction(args):
@@ -242,17 +324,17 @@ def make_optimizer(args, model, scaler):
     return hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=compression), topk
 
 
-def bytes_per_step(model, args, opt, topk):
-    """(bytes sent, dense fp32 bytes) per step and rank."""
+def bytes_per_step(model, args, opt, topk, carried=(0, 0, 0)):
+    """(bytes sent, dense fp32 bytes) per step and rank, over the whole run (``carried``: the
+    jobs before a resume)."""
     dense = sum(p.numel() * 4 for p in model.parameters())
+    sent, dense_counted, steps = bytes_so_far(args, opt, topk, carried)
     if args.optimizer == "topk-ef":
-        s = opt.compression_stats()
-        return s["bytes_sent"] / max(1, s["steps"]), s["bytes_dense"] / max(1, s["steps"])
+        return sent / max(1, steps), dense_counted / max(1, steps)
     if args.compression == "topk":
-        s = topk.stats()
-        if not s["bytes_dense"]:  # one rank: Horovod exchanges nothing and never calls the compressor
+        if not dense_counted:  # one rank: Horovod exchanges nothing and never calls the compressor
             return 0.0, dense
-        return s["bytes_sent"] / args.steps, s["bytes_dense"] / args.steps
+        return sent / args.steps, dense_counted / args.steps
     return (dense // 2 if args.compression == "fp16" else dense), dense
 
 
@@ -290,8 +372,12 @@ def main(argv=None):
         say(f"note: --eval-every {args.eval_every} is not a multiple of --sync-every {args.sync_every}: "
             "validation between synchronisations is of rank 0's own replica", flush=True)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
-    history, t0 = [], time.perf_counter()
-    for step in range(args.steps):
+    history, t0, first, carried = [], time.perf_counter(), 0, (0, 0, 0)
+    if args.resume:
+        first, history, carried = load_checkpoint(args, rank, model, opt, scaler, gen)
+        say(f"resumed from {args.checkpoint}-rank<R>.pt after step {first}", flush=True)
+    last = args.stop_after or args.steps
+    for step in range(first, last):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args) * group.get("lr_scale", 1.0)
         x, y = batches(train, args.context, args.batch_size, gen)
@@ -317,8 +403,15 @@ def main(argv=None):
             history.append({"step": step + 1, "train_loss": train_loss, "val_loss": val_loss})
             say(f"step {step + 1:5d}/{args.steps}  train loss {train_loss:.4f}  validation loss {val_loss:.4f}  "
                 f"({time.perf_counter() - t0:.0f}s)", flush=True)
+        if args.checkpoint and (step + 1 == last or (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
+            save_checkpoint(args, rank, step + 1, model, opt, scaler, gen, history, carried, topk)
+    if last < args.steps:
+        if rank == 0:  # (--quiet too: the job did not finish)
+            print(f"stopped after step {last} of {args.steps}, checkpointed: go on with the same flags and --resume",
+                  flush=True)
+        return {"stopped_after": last}
 
-    sent, dense = bytes_per_step(model, args, opt, topk)
+    sent, dense = bytes_per_step(model, args, opt, topk, carried)
     sent, bytes_line = bytes_report(sent, dense, size)
     result = {"optimizer": args.optimizer, "compression": args.compression,
               "density": args.density if args.compression == "topk" else None,
@@ -334,7 +427,7 @@ def main(argv=None):
         print(bytes_line)
         if "compression_stats" in result:
             st = result["compression_stats"]
-            print(f"compression_stats: steps {st['steps']}, achieved density {st['density']:.4f}, "
+            print(f"compression_stats{' (this job, since --resume)' if args.resume else ''}: steps {st['steps']}, achieved density {st['density']:.4f}, "
                   f"selection {st['time_selection_s']:.2f}s, exchange wait {st['time_exchange_s']:.2f}s, "
                   f"non-finite resets {st['nonfinite_resets']}, exchange {st['exchange']} -> {st['exchange_family']}")
         if args.json:

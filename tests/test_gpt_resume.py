@@ -1,0 +1,49 @@
+"""examples/pytorch_gpt.py's checkpoints under mpirun -np 2: a run cut with --stop-after and
+continued with --resume ends with the same bits as one that never stopped (every validation
+loss, the bytes over the whole run), for the AdamW recipe and for local steps cut mid-period;
+a resume with other flags is refused, naming them. (The library's own resume checks:
+tests/dist/check_checkpoint.py, check_local_steps.py.)"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mpi import run_mpi
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "pytorch_gpt.py"
+pytestmark = pytest.mark.distributed
+TINY = ("--steps", "12", "--corpus-mb", "1", "--eval-every", "4", "--eval-batches", "2", "--batch-size", "4",
+        "--context", "32", "--width", "32", "--layers", "1", "--heads", "2", "--lr", "1e-2", "--quiet")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name, args, stop", [
+    ("recipe", ("--optimizer", "topk-ef", "--exchange", "allgather", "--density", "0.01", "--adam", "local",
+                "--warmup-steps", "4", "--warmup-density", "1.0", "--fp16-values"), 6),
+    ("local steps, cut mid-period", ("--optimizer", "topk-ef", "--exchange", "allgather", "--density", "0.04",
+                                     "--sync-every", "4", "--fp16-values"), 6),
+])
+def test_stop_and_resume_is_the_uninterrupted_run(tmp_path, name, args, stop):
+    full, resumed = tmp_path / "full.json", tmp_path / "resumed.json"
+    run_mpi(2, EXAMPLE, *TINY, *args, "--json", full, timeout=300)
+    prefix = tmp_path / "ckpt"
+    proc = run_mpi(2, EXAMPLE, *TINY, *args, "--checkpoint", prefix, "--stop-after", str(stop), timeout=300)
+    assert f"stopped after step {stop} of 12" in proc.stdout, proc.stdout[-2000:]
+    assert not resumed.exists()
+    run_mpi(2, EXAMPLE, *TINY, *args, "--checkpoint", prefix, "--resume", "--json", resumed, timeout=300)
+    want, got = json.loads(full.read_text()), json.loads(resumed.read_text())
+    assert got["history"] == want["history"], (want["history"], got["history"])
+    assert got["bytes_sent_per_step"] == want["bytes_sent_per_step"] > 0
+    assert got["bytes_ratio"] == want["bytes_ratio"]
+
+
+@pytest.mark.timeout(300)
+def test_resume_with_other_flags_is_refused(tmp_path):
+    prefix = tmp_path / "ckpt"
+    run_mpi(2, EXAMPLE, *TINY, "--optimizer", "topk-ef", "--exchange", "allgather", "--checkpoint", prefix,
+            "--stop-after", "4", timeout=300)
+    proc = run_mpi(2, EXAMPLE, *TINY, "--optimizer", "topk-ef", "--exchange", "allgather", "--lr", "2e-2",
+                   "--checkpoint", prefix, "--resume", timeout=300, expect_ok=False)
+    assert proc.returncode != 0
+    assert "was written with other flags: --lr 0.01 (now 0.02)" in proc.stdout + proc.stderr, proc.stderr[-2000:]
