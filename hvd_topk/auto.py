@@ -14,10 +14,13 @@ time casting. So, per job:
 2. **Trial** (``Trial``): each remaining family runs ``trial_steps`` real training steps (plus
    one to settle after each switch); the time from one ``synchronize()`` to the next is the
    measure, i.e. the whole step the user runs. The median per family is averaged over the
-   ranks with one allreduce (the transport's: ``agree``), so every rank takes the same,
-   fastest, family.
-3. The choice holds until the world size changes (Horovod elastic) or, with
-   ``recheck_steps``, that many steps have passed; then the trial runs again.
+   ranks (the transport's allreduce, ``agree``: one for the steps some rank could not time,
+   one for the medians, more where a family no rank timed runs again), so every rank takes
+   the same, fastest, family.
+3. The choice holds until the world size changes (Horovod elastic), a checkpoint is loaded
+   (or the root's record adopted after ``broadcast_optimizer_state``) or, with
+   ``recheck_steps``, that many steps have passed since the decision; then the trial runs
+   again.
 
 Every trial step is a correct training step under the family it uses; only the speed differs.
 """
