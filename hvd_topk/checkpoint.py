@@ -242,12 +242,15 @@ _SAVED = weakref.WeakKeyDictionary()
 
 
 def _fingerprint(state):
-    """A state's step and residuals (each tensor's sum and sum of magnitudes, in float64), not
-    its place (an elastic commit's size is the one before the job changed): another rank's
-    state differs in its residuals (where all are zero, loading them is starting from zero).
-    Nothing is added to the state, so the same run saves the same bits."""
+    """A state's step and the tensors it holds (residuals, momenta, hierarchical shards: each
+    one's sum and sum of magnitudes, in float64), not its place (an elastic commit's size is the
+    one before the job changed): another rank's state differs in them (where all are zero,
+    loading them is starting from zero). Nothing is added to the state, so the same run saves
+    the same bits."""
     sums = tuple((kind, name, float(t.double().sum()), float(t.double().abs().sum()))
-                 for kind in ("residuals", "momenta") for name, t in sorted(state.get(kind, {}).items()))
+                 for kind in ("residuals", "momenta", "shards", "flat_buffers")
+                 if isinstance(state.get(kind), dict)
+                 for name, t in sorted(state[kind].items()) if torch.is_tensor(t))
     return state["step"], sums
 
 

@@ -261,8 +261,9 @@ class Codec:
         Inf/nan always count as the largest magnitudes, so they are sent and reach the average;
         the segments holding them are reported (numbered in the whole plan), and what they hold
         afterwards is for the caller to wipe. ``seed`` (``selection.sample_seed``): the sample's
-        positions (None: fresh ones, not repeatable). ``segments``: a ``range`` of the plan's segments, the only ones selected
-        (their slots of the message; the others are left as they are)."""
+        positions (None: fresh ones, not repeatable). ``segments``: a ``range`` of the plan's
+        segments, the only ones selected (their slots of the message; the others are left as
+        they are)."""
         values, indices = plan.layout.views(message)
         whole = segments is None or len(segments) == len(plan.sizes)
         lo, hi = (0, len(plan.sizes)) if segments is None else (segments.start, segments.stop)

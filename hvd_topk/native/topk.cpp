@@ -171,8 +171,9 @@ float sample_threshold(const T* x, const T* g, int64_t n, double want, uint64_t 
   // The positions follow from the seed alone, which the caller varies from step to step (a fixed
   // set could keep missing a structured gradient's large values, step after step) and derives
   // from the step counter, so that a run resumed from a checkpoint selects as the run that never
-  // stopped (a shortfall's fill-up depends on the sample). Tensors up to kSingles entries sit in cache: sample single entries
-  // (independent); larger ones in runs of kRun to keep the number of cache misses small.
+  // stopped (a shortfall's fill-up depends on the sample). Tensors up to kSingles entries sit in
+  // cache: sample single entries (independent); larger ones in runs of kRun to keep the number
+  // of cache misses small.
   int64_t step = n <= kSingles ? 1 : kRun;
   int64_t runs = std::min(n <= kSingles ? kSample / 4 : kSample,
                           std::min(n / 4, std::max(kMinSample, n / kSampleShare))) / step;
@@ -455,7 +456,8 @@ int64_t select_impl(T* x, const T* g, int64_t n, int64_t k, int64_t offset, I* i
   int64_t enough = exact ? k : k - k / 20;
   while (scratch.cand.size < enough && !strict) {  // strict: the rest are zeros (ties)
     want *= 4.0;  // too few: lower the threshold and pass again (rare)
-    float t2 = want >= (double)n ? -INFINITY : sample_threshold(x, (const T*)nullptr, n, want, seed ^ 0xA0761D6478BD642Full);
+    float t2 = want >= (double)n ? -INFINITY
+                                 : sample_threshold(x, (const T*)nullptr, n, want, seed ^ 0xA0761D6478BD642Full);
     if (!(t2 < t)) t2 = -INFINITY;
     t = t2;
     strict = nonzeros_only(t);

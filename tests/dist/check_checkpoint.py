@@ -210,6 +210,16 @@ def check_own_state_from_another_size_keeps_residuals():
     assert any("error-feedback residuals start from zero" in str(w.message) for w in caught), \
         [str(w.message) for w in caught]
     assert all(float(t.abs().sum()) == 0 for t in other.state_dict()["hvd_topk"]["residuals"].values())
+    # rank 0's state of this same step, on the others (which saved theirs at this step too): not theirs
+    theirs = copy.deepcopy(opt.state_dict())
+    root = hvd.broadcast_object(theirs, root_rank=0, name="ckpt.root_state")
+    if hvd.rank() != 0:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.load_state_dict(root)
+        assert any("error-feedback residuals start from zero" in str(w.message) for w in caught), \
+            [str(w.message) for w in caught]
+        assert all(float(t.abs().sum()) == 0 for t in opt.state_dict()["hvd_topk"]["residuals"].values())
     trains_on(model, opt, "after its own state came back", start=4)
 
 
