@@ -7,9 +7,10 @@ gloo over the emulated links; tools/emulated_hosts.py), or with ``--interleave``
 running every method, their timed steps interleaved: step i runs each method once, the order
 rotating with i, so that the machine's drift over minutes (the ``none`` step has moved between
 205 and 415 ms from one job to the next) falls on every method alike. A step =
-``zero_grad(set_to_none=True)``, forward, a real backward into fresh gradients (``loss = sum_p (p * c_p).sum()`` over the model's
-shapes: autograd deposits a fresh ``p.grad`` per parameter, in reverse order, and DDP's buckets
-are reduced as they fill), ``opt.step()`` (SGD); the median over ``--steps`` of the slowest
+``zero_grad(set_to_none=True)``, forward, a backward into fresh gradients of a synthetic loss
+(``loss = sum_p (p * c_p).sum()`` over the model's shapes: autograd deposits a fresh ``p.grad``
+per parameter, in reverse order, and DDP's buckets are reduced as they fill; no model compute
+for the exchanges to overlap with, which flatters compression: say so where it is quoted), ``opt.step()`` (SGD); the median over ``--steps`` of the slowest
 rank's step, after ``--warmup`` steps (DDP rebuilds its buckets after the first; PowerSGD
 starts compressing at step 2, its minimum). ``none`` is the same step without DDP: what the
 others add to it is their exchange overhead. Methods:
@@ -125,8 +126,10 @@ class Method:
                 hvd_topk.ddp.register(self.runner, self.state)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
         # exchange="auto": its measured trial (after DDP's rebuild, up to 4 families x (1 + 3)
-        # steps) runs in the warm-up, so that the timed steps use the family it chose
-        self.warmup = args.warmup + (hvd_topk.ddp.TRIAL_FROM_STEP + 4 * 4 + 1 if method.startswith("topk") else 0)
+        # steps) runs in the warm-up, so that the timed steps use the family it chose; every
+        # method warms up as long (PowerSGD's first compressed steps were its slowest: with 4
+        # warm-up steps against our 23, one of them fell in its timed steps)
+        self.warmup = args.warmup + hvd_topk.ddp.TRIAL_FROM_STEP + 4 * 4 + 1
         self.steps_done, self.times, self.tx = 0, [], 0
 
     def step(self, consts):
@@ -286,7 +289,8 @@ def render(report):
              f"Machine: {common.summary(report['machine'])}  ",
              f"Command: `{report['command']}`  ",
              f"Model shapes: {report['model']} ({report['params']:,} parameters in {report['tensors']} tensors); "
-             f"{report['settings']['warmup']} warm-up + {report['settings']['steps']} timed steps, median of the "
+             f"{report['settings']['warmup']} warm-up steps (each method about 20 more, for auto's trial) + "
+             f"{report['settings']['steps']} timed steps, median of the "
              "slowest rank; one rank per emulated host (tbf-shaped link, burst 1 ms of the rate); "
              "torch.distributed gloo; PowerSGD in one DDP bucket, the others in DDP's 25 MB buckets"
              + ("; every DDP method with `gradient_as_bucket_view=True` (`--bucket-view`; DDP's default is "
@@ -295,6 +299,9 @@ def render(report):
                 "method once, the order rotating with i, a barrier before each)."
                 if report["settings"].get("interleave") else "; one job per method, run in turn."),
              "", "Overhead = step - the `none` step (the same forward, backward and SGD step without DDP). "
+             "The loss is synthetic, `sum_p (p * c_p).sum()` over the shapes: its backward deposits a fresh "
+             "gradient per parameter, in a model's order, but holds no model compute for DDP to overlap its "
+             "exchanges with, which flatters compression. "
              "CPU only: PowerSGD's matrix products are far cheaper on a GPU.", ""]
     for run in report["runs"]:
         rows = {r["method"]: r for r in run["rows"]}
