@@ -719,9 +719,14 @@ def _new_adam_state(state, p):
 
 def _rms(grad):
     """The root mean square over every entry of ``grad`` (a sparse one's absent entries are
-    zeros: ``nn.Embedding(sparse=True)``'s exchanged gradient is handed back sparse)."""
+    zeros: ``nn.Embedding(sparse=True)``'s exchanged gradient is handed back sparse), in float32
+    at least: DeMo's averaged update is lr x gradient, about 1e-6 to 1e-4, whose squares a
+    16-bit float flushes to zero (the step was then skipped)."""
     if grad.is_sparse:
-        return float((grad.coalesce().values().square().sum() / grad.numel()).sqrt())
+        values = grad.coalesce().values()
+        values = values if values.dtype.itemsize >= 4 else values.float()
+        return float((values.square().sum() / grad.numel()).sqrt())
+    grad = grad if grad.dtype.itemsize >= 4 else grad.float()
     return float(grad.square().mean().sqrt())
 
 

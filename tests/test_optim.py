@@ -545,6 +545,26 @@ def test_demo_rms_of_a_sparse_gradient():
     np.testing.assert_allclose(p.detach().numpy(), want, rtol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_demo_rms_moves_16_bit_parameters(dtype):
+    """DeMo's "rms" with 16-bit parameters: the averaged update lr x g (1e-4 here) squared
+    underflowed float16 to a zero root mean square, and the step was skipped. Each entry moves by
+    lr x g / rms(g) (float64 numpy), to the parameter dtype's rounding (bfloat16 has float32's
+    range and was right before)."""
+    g = np.linspace(-1.0, 1.0, 64).reshape(8, 8)
+    g[g == 0] = 0.5
+    p = torch.nn.Parameter(torch.zeros(8, 8, dtype=dtype))
+    opt = DeMo([p], lr=1e-4, weight_decay=0.0, normalise="rms")
+    update = torch.tensor(g, dtype=dtype)
+    opt.transform_local_gradient(p, update)  # the accumulator: lr x g, about 1e-4
+    p.grad = update
+    opt.step()
+    scaled = 1e-4 * g
+    want = -1e-4 * scaled / np.sqrt(np.mean(scaled ** 2))
+    # (float16 holds the smallest moves, 3e-6, as subnormals: 6e-8 apart)
+    np.testing.assert_allclose(p.detach().double().numpy(), want, rtol=4 * torch.finfo(dtype).eps, atol=1e-7)
+
+
 @pytest.mark.parametrize("kwargs,match", [({"beta": 0.0}, "beta must be a number in \\(0, 1\\]"),
                                           ({"beta": 1.5}, "beta must be"), ({"beta": True}, "beta must be"),
                                           ({"beta": "0.9"}, "beta must be"),

@@ -408,9 +408,11 @@ def check_checkpoint_resume():
         assert torch.equal(a, c), f"resume: {name} differs (max {float((a - c).abs().max())})"
     for name, r in opt.state_dict()["hvd_topk"]["residuals"].items():
         assert torch.equal(r, opt_c.state_dict()["hvd_topk"]["residuals"][name]), name
-    # A state saved on another rank restarts the residuals from zero, with a warning.
-    other = copy.deepcopy(opt.state_dict())
-    other["hvd_topk"]["rank"] = (hvd.rank() + 1) % hvd.size()
+    # A state saved on another rank restarts the residuals from zero, with a warning. (The next
+    # rank's real state: this rank's own relabelled would hold this engine's own residuals, which
+    # an elastic worker restoring its commit keeps, check_checkpoint.py.)
+    other = hvd.allgather_object(opt.state_dict(), name="resume.states")[(hvd.rank() + 1) % hvd.size()]
+    assert other["hvd_topk"]["rank"] == (hvd.rank() + 1) % hvd.size()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         opt_c.load_state_dict(other)
