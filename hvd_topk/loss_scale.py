@@ -24,7 +24,7 @@ def check_grad_scaler(grad_scaler, optimizer=None):
         raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
     if optimizer is not None and hasattr(optimizer, "transform_local_gradient"):
         raise ValueError(f"{type(optimizer).__name__} turns each rank's gradient into an update before the "
-                         "exchange and does not support loss scaling (grad_scaler): its moments would mix "
+                         "exchange and does not support loss scaling (grad_scaler): its state would mix "
                          "loss scales and absorb overflowed steps. Use bf16 autocast, which needs no scaler "
                          "(fp16 with a GradScaler leaves only Adam behind Top-K, which trains clearly worse: "
                          "docs/adamw.md).")

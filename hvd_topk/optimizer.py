@@ -414,6 +414,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         ``hvd_topk._torch``): a scaler steps this optimizer. Without ``grad_scaler=`` the
         residuals would silently be added back at a stale scale after its next change."""
         engine = getattr(self, ENGINE)
+        if hasattr(self, "transform_local_gradient"):  # LocalAdamW, DeMo: no scaler at all
+            raise RuntimeError(f"a torch.amp.GradScaler is stepping this hvd_topk.DistributedOptimizer over "
+                               f"{type(self).__name__}, which does not support loss scaling (its state would mix "
+                               "loss scales and absorb overflowed steps): use bf16 autocast, which needs no scaler")
         if engine.residual_scale.scaler is None and engine.options.error_feedback:
             raise RuntimeError(
                 "a torch.amp.GradScaler is stepping this hvd_topk.DistributedOptimizer, which was "

@@ -867,6 +867,19 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-
                                        rtol=1e-5, atol=1e-7, err_msg=f"local adamw: parameter {name}")
     with raises(ValueError, match="does not support loss scaling", what="LocalAdamW with a GradScaler"):
         hvd_topk.DistributedOptimizer(hvd_topk.LocalAdamW(Net().parameters()), grad_scaler=torch.amp.GradScaler("cpu"))
+    # a GradScaler stepping it without the option: told to use bf16 (before: told to pass the
+    # scaler, which is then refused as above)
+    for inner in (hvd_topk.LocalAdamW, hvd_topk.DeMo):
+        model = Net()
+        opt = hvd_topk.DistributedOptimizer(inner(model.parameters(), lr=1e-3), named_parameters=model.named_parameters(),
+                                            min_numel=500, exchange="allgather")
+        scaler = torch.amp.GradScaler("cpu")
+        x, y = batch(0, hvd.rank())
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        with raises(RuntimeError, match=rf"over {inner.__name__}, which does not support loss scaling.*bf16 autocast",
+                    what=f"{inner.__name__} stepped by a GradScaler"):
+            scaler.step(opt)
+        opt.synchronize()  # (finish the exchange the scaler started, so that the next check starts clean)
 
 
 def check_local_adamw_gradient_without_its_last_hook(steps=3):
