@@ -67,9 +67,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (RESNET50_PARAMS, TOPK_METHODS, agree, common_arguments, driver, forward,  # noqa: E402
-                     hvd_topk_line, label, loss_constants, make_optimizer, method_list, rank_sums, resnet50_shapes,
-                     run_heading, slowest_rank_ms, stats_difference, summary, versus, warmup_steps,
-                     zero_grad)
+                     hvd_topk_line, label, launch_line, loss_constants, make_optimizer, method_list,
+                     overhead_versus, rank_sums, resnet50_shapes, run_heading, slowest_rank_ms,
+                     stats_difference, summary, versus, warmup_steps, zero_grad)
 
 GRAD_MODES = {
     "realistic": "realistic: zero_grad(set_to_none=True), forward, backward allocates fresh p.grad, "
@@ -243,7 +243,9 @@ def markdown(report):
              f"timed steps, median of the slowest rank's step time; selection method "
              f"`{s.get('topk_method') or 'TopK default'}`{', fp16 values' if s.get('fp16_values') else ''}; "
              f"{s['threads']} torch thread(s) per rank",
-             hvd_topk_line(report),
+             hvd_topk_line(report), launch_line(report),
+             "- the methods run one after the other in the order of `--methods` (no interleaving: the "
+             "machine's drift over minutes falls on them unevenly)",
              "- time = backward (gradient deposit) + exchange (selection, allgather/allreduce, "
              "decompression); `none` = backward only; wire = eth0 tx bytes per rank and step (counters); "
              "payload = bytes the method hands to the network per rank and step", ""]
@@ -253,14 +255,16 @@ def markdown(report):
         per_host = run.get("ranks_per_host", 1)
         shape = f" ({run['P'] // per_host} hosts x {per_host} ranks; wire = the host's link)" if per_host > 1 else ""
         lines += [run_heading(run, shape), "",
-                  "| method | median ms | min-max ms | vs dense | vs fp16 | wire tx MB/step/rank | wire rx MB/step/rank | payload MB/step/rank | ranks agree |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "| method | median ms | min-max ms | vs dense | vs fp16 | overhead vs dense | overhead vs fp16 | "
+                  "wire tx MB/step/rank | wire rx MB/step/rank | payload MB/step/rank | ranks agree |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in rows:
             pay = r.get("payload_bytes_per_step_rank")
             chose = (r.get("compression_stats") or {}).get("exchange_family")
             shown = f"{r['label']} (chose {chose})" if r["method"].startswith("topk-auto") else r["label"]
             lines.append(f"| {shown} | {r['median_ms']:.1f} | {r['min_ms']:.0f}-{r['max_ms']:.0f} | "
                          f"{versus(ref, r, 'dense')} | {versus(ref, r, 'fp16')} | "
+                         f"{overhead_versus(ref, r, 'dense')} | {overhead_versus(ref, r, 'fp16')} | "
                          f"{r['wire_tx_bytes_per_step_rank'] / 1e6:.2f} | "
                          f"{r.get('wire_rx_bytes_per_step_rank', float('nan')) / 1e6:.2f} | "
                          f"{'' if pay is None else f'{pay / 1e6:.2f}'} | "
