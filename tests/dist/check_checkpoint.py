@@ -183,6 +183,14 @@ def check_nonfinite_residual_wiped():
     trains_on(model_b, opt_b, "after the wiped load")
 
 
+def load_telling(opt, state):
+    """``opt.load_state_dict(state)``; the warnings it gave, as text."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.load_state_dict(state)
+    return [str(w.message) for w in caught]
+
+
 def check_own_state_from_another_size_keeps_residuals():
     """An elastic worker restores its own last commit after the job resized (Horovod's commit
     raises HostsUpdatedInterrupt after saving, so a commit can carry the old size): the state
@@ -195,31 +203,19 @@ def check_own_state_from_another_size_keeps_residuals():
     residuals = saved["hvd_topk"]["residuals"]
     assert sum(float(t.abs().sum()) for t in residuals.values()) > 0
     train(model, opt, 1, start=3)  # the residuals move on
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        opt.load_state_dict(saved)
-    assert not [w for w in caught if "start from zero" in str(w.message)], [str(w.message) for w in caught]
+    said = load_telling(opt, saved)
+    assert not [m for m in said if "start from zero" in m], said
     loaded = opt.state_dict()["hvd_topk"]["residuals"]
     assert loaded.keys() == residuals.keys()
     for name, saved_residual in residuals.items():
         assert torch.equal(loaded[name], saved_residual), name
-    _, other = build(seed=7)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        other.load_state_dict(saved)
-    assert any("error-feedback residuals start from zero" in str(w.message) for w in caught), \
-        [str(w.message) for w in caught]
-    assert all(float(t.abs().sum()) == 0 for t in other.state_dict()["hvd_topk"]["residuals"].values())
-    # rank 0's state of this same step, on the others (which saved theirs at this step too): not theirs
-    theirs = copy.deepcopy(opt.state_dict())
-    root = hvd.broadcast_object(theirs, root_rank=0, name="ckpt.root_state")
-    if hvd.rank() != 0:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            opt.load_state_dict(root)
-        assert any("error-feedback residuals start from zero" in str(w.message) for w in caught), \
-            [str(w.message) for w in caught]
-        assert all(float(t.abs().sum()) == 0 for t in opt.state_dict()["hvd_topk"]["residuals"].values())
+    # into another optimizer; and rank 0's state of this same step on the others (which saved
+    # theirs at this step too): neither is theirs
+    root = hvd.broadcast_object(copy.deepcopy(opt.state_dict()), root_rank=0, name="ckpt.root_state")
+    for into, state in [(build(seed=7)[1], saved)] + ([(opt, root)] if hvd.rank() != 0 else []):
+        said = load_telling(into, state)
+        assert any("error-feedback residuals start from zero" in m for m in said), said
+        assert all(float(t.abs().sum()) == 0 for t in into.state_dict()["hvd_topk"]["residuals"].values())
     trains_on(model, opt, "after its own state came back", start=4)
 
 
