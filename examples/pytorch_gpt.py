@@ -200,8 +200,10 @@ def add_checkpoint_arguments(p):
                         "order, losses so far) to PREFIX-rank<R>.pt every --checkpoint-every steps and at the end")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="steps between checkpoints (0: at the end)")
     p.add_argument("--resume", action="store_true",
-                   help="go on from --checkpoint's files, with the flags of the run that wrote them: the same "
-                        "bits as a run that never stopped (with the exchange pinned; auto measures again)")
+                   help="go on from --checkpoint's files, with the flags, ranks and corpus of the run that wrote "
+                        "them: with --optimizer topk-ef and the exchange pinned, the same bits as a run that never "
+                        "stopped (auto measures again; the drop-in TopK keeps no step count, so where its sample "
+                        "decides a fill-up it may pick other entries)")
     p.add_argument("--stop-after", type=int, default=None, metavar="N",
                    help="end this job after step N of the --steps schedule, checkpointed (a job cut by a time "
                         "limit; go on with --resume)")
@@ -226,11 +228,18 @@ def checkpoint_path(args, rank):
     return Path(f"{args.checkpoint}-rank{rank}.pt")
 
 
-def save_checkpoint(args, rank, step, model, opt, scaler, gen, history, carried_bytes, topk):
+def run_identity(args, digest):
+    """What a resumed run must share with the one that wrote the checkpoint: the flags (but
+    RESUME_MAY_CHANGE), the number of ranks and the corpus."""
+    return {**{k: v for k, v in vars(args).items() if k not in RESUME_MAY_CHANGE},
+            "ranks": hvd.size(), "corpus_sha256": digest}
+
+
+def save_checkpoint(args, digest, rank, step, model, opt, scaler, gen, history, carried_bytes, topk):
     """This rank's whole state after ``step`` steps, written atomically (a job killed while
     writing keeps the previous file)."""
     path = checkpoint_path(args, rank)
-    state = {"flags": {k: v for k, v in vars(args).items() if k not in RESUME_MAY_CHANGE}, "step": step,
+    state = {"flags": run_identity(args, digest), "step": step,
              "model": model.state_dict(), "optimizer": opt.state_dict(),
              "scaler": scaler.state_dict() if scaler else None, "data_order": gen.get_state(),
              "history": history, "bytes": bytes_so_far(args, opt, topk, carried_bytes)}
@@ -239,18 +248,21 @@ def save_checkpoint(args, rank, step, model, opt, scaler, gen, history, carried_
     os.replace(temporary, path)
 
 
-def load_checkpoint(args, rank, model, opt, scaler, gen):
+def load_checkpoint(args, digest, rank, model, opt, scaler, gen):
     """``save_checkpoint``'s state back; returns (its step, history, bytes so far). Exits with a
-    message where the file is missing or was written with other flags."""
+    message where the file is missing, was written by another run (flags, ranks, corpus) or
+    is already past ``--stop-after``."""
     path = checkpoint_path(args, rank)
     if not path.exists():
         sys.exit(f"--resume: {path} does not exist (run with --checkpoint {args.checkpoint} first)")
     state = torch.load(path, weights_only=False)
-    flags = {k: v for k, v in vars(args).items() if k not in RESUME_MAY_CHANGE}
+    flags = run_identity(args, digest)
     changed = sorted(k for k in flags.keys() | state["flags"].keys() if flags.get(k) != state["flags"].get(k))
     if changed:
         sys.exit(f"--resume: {path} was written with other flags: "
                  + ", ".join(f"--{k.replace('_', '-')} {state['flags'].get(k)} (now {flags.get(k)})" for k in changed))
+    if args.stop_after is not None and args.stop_after <= state["step"]:
+        sys.exit(f"--resume: {path} is at step {state['step']}, already at or past --stop-after {args.stop_after}")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     if scaler:
@@ -374,7 +386,7 @@ def main(argv=None):
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
     history, t0, first, carried = [], time.perf_counter(), 0, (0, 0, 0)
     if args.resume:
-        first, history, carried = load_checkpoint(args, rank, model, opt, scaler, gen)
+        first, history, carried = load_checkpoint(args, digest, rank, model, opt, scaler, gen)
         say(f"resumed from {args.checkpoint}-rank<R>.pt after step {first}", flush=True)
     last = args.stop_after or args.steps
     for step in range(first, last):
@@ -404,7 +416,7 @@ def main(argv=None):
             say(f"step {step + 1:5d}/{args.steps}  train loss {train_loss:.4f}  validation loss {val_loss:.4f}  "
                 f"({time.perf_counter() - t0:.0f}s)", flush=True)
         if args.checkpoint and (step + 1 == last or (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
-            save_checkpoint(args, rank, step + 1, model, opt, scaler, gen, history, carried, topk)
+            save_checkpoint(args, digest, rank, step + 1, model, opt, scaler, gen, history, carried, topk)
     if last < args.steps:
         if rank == 0:  # (--quiet too: the job did not finish)
             print(f"stopped after step {last} of {args.steps}, checkpointed: go on with the same flags and --resume",

@@ -247,11 +247,15 @@ def _fingerprint(state):
     one before the job changed): another rank's state differs in them (where all are zero,
     loading them is starting from zero). Nothing is added to the state, so the same run saves
     the same bits."""
-    sums = tuple((kind, name, float(t.double().sum()), float(t.double().abs().sum()))
-                 for kind in ("residuals", "momenta", "shards", "flat_buffers")
-                 if isinstance(state.get(kind), dict)
-                 for name, t in sorted(state[kind].items()) if torch.is_tensor(t))
-    return state["step"], sums
+    def sums(t):  # over the finite entries, and how many are not (nan != nan: a sum holding one
+        finite = torch.isfinite(t)  # would never match itself)
+        t = t.masked_fill(~finite, 0)
+        return (float(torch.sum(t, dtype=torch.float64)), float(torch.linalg.vector_norm(t, 1, dtype=torch.float64)),
+                int((~finite).sum()))
+
+    return state["step"], tuple((kind, name, *sums(t)) for kind in ("residuals", "momenta", "shards", "flat_buffers")
+                                if isinstance(state.get(kind), dict)
+                                for name, t in sorted(state[kind].items()) if torch.is_tensor(t) and t.is_floating_point())
 
 
 def own_state(engine, state):
@@ -277,15 +281,15 @@ def save(engine):
         out["flat_buffers"] = {str(b.index): b.acc.clone() for b in buckets
                                if b.mode == "flat" and b.acc is not None}
         out["hierarchy"] = hierarchy_key(engine)
-        return out
-    for b in buckets:
-        for m in b.members:
-            if b.acc is not None:
-                out["residuals"][m.name] = b.view(b.acc, m).clone()
-    for b in momentum_buckets(engine):
-        for m in b.members:
-            if b.momentum is not None:
-                out["momenta"][m.name] = b.view(b.momentum, m).clone()
+    else:
+        for b in buckets:
+            for m in b.members:
+                if b.acc is not None:
+                    out["residuals"][m.name] = b.view(b.acc, m).clone()
+        for b in momentum_buckets(engine):
+            for m in b.members:
+                if b.momentum is not None:
+                    out["momenta"][m.name] = b.view(b.momentum, m).clone()
     _SAVED.setdefault(engine, collections.deque(maxlen=4)).append(_fingerprint(out))
     return out
 

@@ -272,7 +272,8 @@ class Codec:
             out = values if values.dtype == x.dtype else plan.value_scratch(x.dtype)
             result = selection.select_segments(x, plan.bounds[lo:hi + 1], plan.ks_tensor[lo:hi], indices[a:b],
                                                out[a:b], self.method, zero_sent=zero_sent,
-                                               nonfinite=plan.nonfinite[lo:hi], seed=seed)
+                                               nonfinite=plan.nonfinite[lo:hi],
+                                               seed=None if seed is None else seed + lo)  # segment s: seed + s
             if out is not values:
                 values[a:b].copy_(out[a:b])
                 if zero_sent:

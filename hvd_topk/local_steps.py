@@ -173,7 +173,8 @@ def LocalSteps(optimizer, named_parameters=None, *, sync_every, compression=TopK
                                       if p.kind is not p.VAR_KEYWORD})
     unknown = sorted(outside - set(gradient_side))
     if unknown:
-        raise unexpected_options_error("LocalSteps", unknown, takes=OUTER_OPTIONS)
+        raise unexpected_options_error("LocalSteps", unknown, takes=OUTER_OPTIONS,
+                                       known=[k for k in inspect.signature(LocalSteps).parameters if k != "options"])
     if gradient_side:
         raise TypeError(f"LocalSteps got option(s) {', '.join(gradient_side)} that act on gradients, which it does "
                         f"not exchange; it takes {', '.join(sorted(OUTER_OPTIONS))}")

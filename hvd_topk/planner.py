@@ -74,9 +74,11 @@ class ExchangePlanner:
         if density != self.schedule.target:  # density warm-up: no trial yet; the fewest bytes
             # among the flat families: the model counts a hierarchical family's bytes across
             # hosts only (not its two stages inside a host), so against a flat one it always
-            # looks cheapest, measured or not; the trial times the hierarchical ones
-            flat = [f for f in self.families if not self.hierarchical(f)] or self.families
-            return min(flat, key=lambda f: self.modelled_bytes(f, density, world))
+            # looks cheapest, measured or not; the trial times the hierarchical ones. (With
+            # hierarchical=True there is no flat sparse family: the hierarchical ones compete.)
+            flat = [f for f in self.families if not self.hierarchical(f)]
+            pool = flat if self.options.hierarchical is not True else self.families
+            return min(pool, key=lambda f: self.modelled_bytes(f, density, world))
         recheck = self.options.exchange_recheck_steps
         if (self.trial is None or self.trial_world != world
                 or (recheck and self.trial.decided_at is not None

@@ -35,3 +35,21 @@ def test_dropped_residuals_warn_once_listing_a_few():
 
     with pytest.warns(UserWarning, match=r"7 saved error-feedback residual\(s\).*a0, a1, a2, a3, a4 and 2 more"):
         _warn_dropped([f"a{i}" for i in range(7)])
+
+
+def test_a_state_holding_nan_fingerprints_alike():
+    """An elastic worker tells its own commit by a fingerprint of the state's residuals; a NaN in
+    one made the fingerprint unequal to itself (nan != nan), so a worker's own state, copied as
+    Horovod's commit copies it, was taken for another rank's and every residual restarted."""
+    import copy
+
+    import torch
+
+    from hvd_topk.checkpoint import _fingerprint
+
+    state = {"step": 5, "residuals": {"w": torch.tensor([1.0, float("nan"), -2.0]),
+                                      "v": torch.tensor([float("inf"), 0.5], dtype=torch.float16)}}
+    assert _fingerprint(copy.deepcopy(state)) == _fingerprint(state)
+    other = copy.deepcopy(state)
+    other["residuals"]["w"][0] = 1.5
+    assert _fingerprint(other) != _fingerprint(state)

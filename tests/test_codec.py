@@ -369,4 +369,11 @@ def test_segment_encoder_and_encode_sample_alike_from_one_seed():
     assert encoded.repasses == sum(r[1] for r in reports)  # the empty segment made no pass
     np.testing.assert_array_equal(message_a.numpy(), message_b.numpy())
     np.testing.assert_array_equal(a.numpy(), b.numpy())
+    # the sparse allreduce's route: segment 2 alone (segments=range(2, 3)) samples with seed + 2 too
+    c, message_c = buffer.clone(), torch.zeros(plan.layout.nbytes, dtype=torch.uint8)
+    alone = cod.encode(c, plan, message_c, zero_sent=True, seed=seed, segments=range(2, 3))
+    assert alone.filled == reports[0][2] > 0
+    slots = slice(plan.slots[2], plan.slots[3])
+    np.testing.assert_array_equal(plan.layout.views(message_c)[1][slots].numpy(),
+                                  plan.layout.views(message_a)[1][slots].numpy())
 

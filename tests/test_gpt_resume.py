@@ -47,3 +47,8 @@ def test_resume_with_other_flags_is_refused(tmp_path):
                    "--checkpoint", prefix, "--resume", timeout=300, expect_ok=False)
     assert proc.returncode != 0
     assert "was written with other flags: --lr 0.01 (now 0.02)" in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    # on another number of ranks (the residuals are per rank): refused too
+    proc = run_mpi(1, EXAMPLE, *TINY, "--optimizer", "topk-ef", "--exchange", "allgather", "--checkpoint", prefix,
+                   "--resume", timeout=300, expect_ok=False)
+    assert proc.returncode != 0
+    assert "--ranks 2 (now 1)" in proc.stdout + proc.stderr, proc.stderr[-2000:]

@@ -195,6 +195,11 @@ def test_hosts_during_a_dense_start_send_dense_and_warm_up_flat():
     assert plan.modelled_bytes("hier_sparse_allreduce", 0.25, 4) < plan.modelled_bytes("sparse_allreduce", 0.25, 4)
     assert plan.family(0, 4) == "sparse_allreduce"
     assert plan.trial is None
+    # hierarchical=True offers no flat sparse family: the hierarchical ones compete (dense
+    # alone would send every warm-up step whole)
+    plan, _ = planner(hier=topo, exchange="auto", hierarchical=True, warmup_steps=10, warmup_density=0.25)
+    assert "sparse_allreduce" not in plan.families
+    assert plan.family(0, 4) == "hier_sparse_allreduce"
 
 
 def test_a_bucket_smaller_than_a_host_is_exchanged_flat():
