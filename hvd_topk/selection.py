@@ -57,7 +57,8 @@ def check_density(density, name="density"):
     """Return density as a float in (0, 1]: TypeError for a non-number, ValueError out of range."""
     value = check_number(density, name)
     if not 0.0 < value <= 1.0:  # also rejects nan
-        raise ValueError(f"{name} must be in (0, 1], got {density!r}")
+        hint = " (a fraction of the entries: 1% is 0.01)" if 1.0 < value <= 100.0 else ""
+        raise ValueError(f"{name} must be in (0, 1], got {density!r}{hint}")
     return value
 
 

@@ -425,6 +425,12 @@ def test_density_not_a_number_is_type_error_naming_it(bad):
         selection.check_density(bad)
 
 
+def test_density_given_as_a_percentage_says_what_a_fraction_is():
+    # density=5 meaning 5%: the error says how to write it
+    with pytest.raises(ValueError, match=re.escape("density must be in (0, 1], got 5 (a fraction of the entries: 1% is 0.01)")):
+        selection.check_density(5)
+
+
 def test_density_accepts_numpy_and_int_numbers():
     assert selection.check_density(np.float32(0.25)) == 0.25
     assert selection.check_density(1) == 1.0
