@@ -23,6 +23,7 @@ counts as zeros).
 
 import difflib
 import functools
+import inspect
 import heapq
 import threading
 import time
@@ -174,6 +175,12 @@ class _Round:
 
 
 FIXED_OPTIONS = ("density", "method", "fp16_values", "compact")  # TopK's, read-only once built
+
+
+def keyword_names(function):
+    """The names ``function`` takes as keywords (its ``*args`` and ``**kwargs`` aside)."""
+    return {name for name, p in inspect.signature(function).parameters.items()
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
 
 
 def unexpected_options_error(caller, names, takes=None, known=()):

@@ -24,7 +24,6 @@ Tuning (what the papers and our runs say; docs/adamw.md has the measurements):
 - ``warmup_steps`` of the outer optimizer count synchronisations, not steps.
 """
 
-import inspect
 import warnings
 from contextlib import contextmanager
 
@@ -33,7 +32,7 @@ import torch
 from hvd_topk import agreement, checkpoint
 from hvd_topk._horovod import hvd, is_horovod_distributed_optimizer, unshared_for_elastic
 from hvd_topk._torch import AMP_SCALING_ATTRIBUTE, keep_objects
-from hvd_topk.compressor import TopK, unexpected_options_error
+from hvd_topk.compressor import TopK, keyword_names, unexpected_options_error
 from hvd_topk.engine import (STEP_KEY, TRIAL_KEY, check_parameters_unchanged, check_still_frozen, check_still_trainable,
                              parameter_layout)
 from hvd_topk.optimizer import ENGINE, LOCAL, DistributedOptimizer, _name_parameters, share_as_subclass
@@ -169,12 +168,10 @@ def LocalSteps(optimizer, named_parameters=None, *, sync_every, compression=TopK
                          "LocalSteps exchanges no gradients, it runs the optimizer on each rank's own: use "
                          "torch.optim.AdamW (or any plain optimizer)")
     outside = set(options) - OUTER_OPTIONS
-    gradient_side = sorted(outside & {name for name, p in inspect.signature(DistributedOptimizer).parameters.items()
-                                      if p.kind is not p.VAR_KEYWORD})
+    gradient_side = sorted(outside & keyword_names(DistributedOptimizer))
     unknown = sorted(outside - set(gradient_side))
     if unknown:
-        raise unexpected_options_error("LocalSteps", unknown, takes=OUTER_OPTIONS,
-                                       known=[k for k in inspect.signature(LocalSteps).parameters if k != "options"])
+        raise unexpected_options_error("LocalSteps", unknown, takes=OUTER_OPTIONS, known=keyword_names(LocalSteps))
     if gradient_side:
         raise TypeError(f"LocalSteps got option(s) {', '.join(gradient_side)} that act on gradients, which it does "
                         f"not exchange; it takes {', '.join(sorted(OUTER_OPTIONS))}")

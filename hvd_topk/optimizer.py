@@ -6,7 +6,6 @@ does), sharing the user's optimizer's state; it adds Horovod's methods and its
 engine (``hvd_topk.engine.TopKEngine``).
 """
 
-import inspect
 import warnings
 from contextlib import contextmanager
 
@@ -16,7 +15,7 @@ from hvd_topk._horovod import (OPTIMIZER_MODULE, elastic_mode, hvd, instance_nam
                               unshared_for_elastic)
 from hvd_topk._torch import AMP_SCALING_ATTRIBUTE, keep_objects, keep_step_unhooked, unscaled_already
 from hvd_topk.auto import TRIAL_STEPS
-from hvd_topk.compressor import OP_NAMES, TopK, unexpected_options_error
+from hvd_topk.compressor import OP_NAMES, TopK, keyword_names, unexpected_options_error
 from hvd_topk import checkpoint
 from hvd_topk.checkpoint import STATE_KEY
 from hvd_topk.engine import STEP_KEY, STEPPED_THE_INNER, TopKEngine
@@ -129,9 +128,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
     others do not use, as long as the ranks of one set build theirs over it in the same order.
     """
     if unexpected:  # (Python's own TypeError would not say where density & co. go)
-        raise unexpected_options_error("DistributedOptimizer", unexpected,
-                                       known=[k for k in inspect.signature(DistributedOptimizer).parameters
-                                              if k != "unexpected"])
+        raise unexpected_options_error("DistributedOptimizer", unexpected, known=keyword_names(DistributedOptimizer))
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if hasattr(optimizer, ENGINE):
