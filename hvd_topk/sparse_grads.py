@@ -26,15 +26,16 @@ class SparseGradients:
     def __init__(self, names, sparse_as_dense):
         self.names = names
         self.warned = sparse_as_dense  # passing the option is saying it: no warning then
-        self.sparse = {}  # id(p) -> p, every parameter handed back sparse
-        # id(p) -> the sparse dimensions its gradient arrived with (nn.Embedding's: 1, rows
-        # with their whole vectors, as Horovod hands them back); 1 until one has arrived
-        self.sparse_dims = {}
+        # id(p) -> (p, the sparse dimensions its gradient arrived with: nn.Embedding's 1, rows
+        # with their whole vectors, as Horovod hands them back; 1 until one has arrived), every
+        # parameter handed back sparse
+        self.sparse = {}
 
     def always(self, params):
         """Hand ``params``' gradients back sparse from the first step (a SparseAdam's, which
         takes nothing else), before this rank has seen one of their sparse gradients."""
-        self.sparse.update((id(p), p) for p in params)
+        for p in params:
+            self.sparse.setdefault(id(p), (p, 1))
 
     def densify(self, p):
         """Replace ``p.grad`` (sparse) by its dense form, to be exchanged like any gradient."""
@@ -45,13 +46,12 @@ class SparseGradients:
                           "densified, compressed by Top-K with error feedback, and handed back sparse. "
                           "Pass sparse_as_dense=True to hvd_topk.DistributedOptimizer to say so and "
                           "silence this warning.", stacklevel=3)
-        self.sparse[id(p)] = p
-        self.sparse_dims[id(p)] = p.grad.sparse_dim()
+        self.sparse[id(p)] = (p, p.grad.sparse_dim())
         p.grad = p.grad.to_dense()
 
     def restore(self):
         """After the exchange: the gradients of every parameter in ``sparse`` back to sparse, as
         Horovod hands them over (those this rank did not touch too: the exchange wrote them)."""
-        for key, p in self.sparse.items():
+        for p, sparse_dim in self.sparse.values():
             if p.grad is not None and p.grad.layout == torch.strided:
-                p.grad = p.grad.to_sparse(min(self.sparse_dims.get(key, 1), p.grad.dim()))
+                p.grad = p.grad.to_sparse(min(sparse_dim, p.grad.dim()))
