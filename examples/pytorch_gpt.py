@@ -32,8 +32,8 @@ the optimizer's statistics; its last line is ``final validation loss: X.XXXX``.
 """
 
 import argparse
-import os
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 import horovod.torch as hvd
-from cli import HelpFormatter, bytes_report  # shared by the examples: --help shows the defaults
+from cli import HelpFormatter, bytes_report, output_path  # shared by the examples: --help shows the defaults
 import hvd_topk
 # the model, data and their options, shared with ddp_gpt.py
 from gpt_model import (GPT, add_training_arguments, add_variance_arguments, batches, check_topk_arguments,
@@ -195,7 +195,7 @@ def parse_args(argv=None):
 
 
 def add_checkpoint_arguments(p):
-    p.add_argument("--checkpoint", metavar="PREFIX",
+    p.add_argument("--checkpoint", metavar="PREFIX", type=output_path,
                    help="save each rank's state (model, optimizer with hvd_topk's residuals and step, data "
                         "order, losses so far) to PREFIX-rank<R>.pt every --checkpoint-every steps and at the end")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="steps between checkpoints (0: at the end)")
@@ -216,8 +216,6 @@ def check_checkpoint_arguments(p, args):
         p.error(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
     if args.stop_after is not None and not 0 < args.stop_after < args.steps:
         p.error(f"--stop-after must be in [1, --steps={args.steps}), got {args.stop_after}")
-    if args.checkpoint and not Path(args.checkpoint).parent.is_dir():
-        p.error(f"--checkpoint {args.checkpoint}: the directory {Path(args.checkpoint).parent} does not exist")
 
 
 # flags that may differ between a run and its resumption (the rest must match)
@@ -439,7 +437,8 @@ def main(argv=None):
         print(bytes_line)
         if "compression_stats" in result:
             st = result["compression_stats"]
-            print(f"compression_stats{' (this job, since --resume)' if args.resume else ''}: steps {st['steps']}, achieved density {st['density']:.4f}, "
+            print(f"compression_stats{' (this job, since --resume)' if args.resume else ''}: steps {st['steps']}, "
+                  f"achieved density {st['density']:.4f}, "
                   f"selection {st['time_selection_s']:.2f}s, exchange wait {st['time_exchange_s']:.2f}s, "
                   f"non-finite resets {st['nonfinite_resets']}, exchange {st['exchange']} -> {st['exchange_family']}")
         if args.json:

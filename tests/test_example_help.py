@@ -143,7 +143,7 @@ def test_elastic_example_accepts_its_documented_failure():
     ("ddp_gpt", ["--warmup-steps", "0", "--warmup-density", "0.5"], "it needs --warmup-steps N > 0"),
     ("pytorch_gpt", ["--resume"], "--resume, --checkpoint-every and --stop-after need --checkpoint PREFIX"),
     ("pytorch_gpt", ["--checkpoint", "ck", "--stop-after", "300"], "--stop-after must be in [1, --steps=300)"),
-    ("pytorch_gpt", ["--checkpoint", "no/such/dir/ck"], "the directory no/such/dir does not exist"),
+    ("pytorch_gpt", ["--checkpoint", "no/such/dir/ck"], "no/such/dir/ck: its directory no/such/dir does not exist"),
     ("lightning_digits", ["--epochs", "0"], "--epochs, --batch-size and --devices must be positive"),
     ("lightning_digits", ["--epochs", "-1"], "--epochs, --batch-size and --devices must be positive"),
     ("lightning_digits", ["--density", "0"], "--density must be in (0, 1]"),
