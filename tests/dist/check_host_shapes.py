@@ -28,7 +28,7 @@ import torch
 import horovod.torch as hvd
 import hvd_topk
 from check_optimizer import Net, batch
-from harness import gather, raises, raw_then_synchronize, run, step_and_check_same
+from harness import assert_same_on_all_ranks, gather, raises, raw_then_synchronize, run, step_and_check_same, train
 from reference import ErrorFeedbackReference
 
 HOSTS = tuple(int(n) for n in os.environ.get("HVD_TOPK_HOSTS", "2,1").split(","))
@@ -48,11 +48,11 @@ def check_topology():
     assert hvd.size() == sum(HOSTS)
 
 
-def _optimizer(model, **options):
+def _optimizer(model, compression=None, **options):
     return hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                          named_parameters=model.named_parameters(),
-                                         compression=hvd_topk.TopK(density=DENSITY), min_numel=MIN_NUMEL,
-                                         **options)
+                                         compression=compression or hvd_topk.TopK(density=DENSITY),
+                                         min_numel=MIN_NUMEL, **options)
 
 
 def check_uneven_true_says_why():
@@ -121,23 +121,16 @@ def check_auto_steps_aside_where_nothing_runs_hierarchically():
     hierarchical exchange does not support), with compact pairs and with exchange="dense": it
     steps aside, so the job trains as on one host (momentum_correction raised before
     2026-12-05); hierarchical=True still refuses momentum_correction."""
-    for options, compression in [(dict(momentum_correction=0.9, exchange="allgather"), hvd_topk.TopK(density=DENSITY)),
-                                 (dict(exchange="allgather"), hvd_topk.TopK(density=DENSITY, compact=True)),
-                                 (dict(exchange="dense"), hvd_topk.TopK(density=DENSITY))]:
+    for options in [dict(momentum_correction=0.9, exchange="allgather"),
+                    dict(exchange="allgather", compression=hvd_topk.TopK(density=DENSITY, compact=True)),
+                    dict(exchange="dense")]:
         torch.manual_seed(0)
         model = Net()
-        opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                            named_parameters=model.named_parameters(), compression=compression,
-                                            min_numel=MIN_NUMEL, **options)
-        for step in range(2):
-            x, y = batch(step, hvd.rank())
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
+        opt = _optimizer(model, **options)
+        train(model, opt, 2, batch)
         assert not opt.compression_stats()["hierarchical"], options
         for name, p in model.named_parameters():
-            weights = gather(p.detach().numpy())
-            assert all(np.array_equal(w, weights[0]) for w in weights), (options, name)
+            assert_same_on_all_ranks(p.detach().numpy(), f"{options}: parameter {name}")
     with raises(ValueError, match="momentum_correction is not supported with the hierarchical exchange"):
         _optimizer(Net(), exchange="allgather", hierarchical=True, momentum_correction=0.9)
 
