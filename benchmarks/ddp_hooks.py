@@ -10,8 +10,9 @@ rotating with i, so that the machine's drift over minutes (the ``none`` step has
 ``zero_grad(set_to_none=True)``, forward, a backward into fresh gradients of a synthetic loss
 (``loss = sum_p (p * c_p).sum()`` over the model's shapes: autograd deposits a fresh ``p.grad``
 per parameter, in reverse order, and DDP's buckets are reduced as they fill; no model compute
-for the exchanges to overlap with, which flatters compression: say so where it is quoted), ``opt.step()`` (SGD); the median over ``--steps`` of the slowest
-rank's step, after ``--warmup`` steps (DDP rebuilds its buckets after the first; PowerSGD
+for the exchanges to overlap with, which flatters compression: say so where it is quoted),
+``opt.step()`` (SGD); the median over ``--steps`` of the slowest rank's step, after ``--warmup``
+steps plus ``trial_warmup()`` for hvd_topk's trial, every method alike (DDP rebuilds its buckets after the first; PowerSGD
 starts compressing at step 2, its minimum). ``none`` is the same step without DDP: what the
 others add to it is their exchange overhead. Methods:
 
@@ -84,6 +85,16 @@ PORT = 29511
 
 
 # ---- one rank ----------------------------------------------------------------------------------
+def trial_warmup():
+    """The warm-up steps every method takes beyond ``--warmup``: hvd_topk's ``exchange="auto"``
+    measures its trial there (after DDP's rebuild, up to 4 families x (1 + 3) steps, and one to
+    decide), so that the timed steps use the family it chose. Every method warms up as long:
+    PowerSGD's first compressed steps were its slowest (with 4 warm-up steps against our 23,
+    one of them fell in its timed steps, until 2026-12-05)."""
+    import hvd_topk.ddp
+    return hvd_topk.ddp.TRIAL_FROM_STEP + 4 * 4 + 1
+
+
 class Method:
     """One method's model (its own copy of the shapes), DDP wrapper, hook state and optimizer."""
 
@@ -125,11 +136,7 @@ class Method:
                                                     compact=method == "topk-compact")
                 hvd_topk.ddp.register(self.runner, self.state)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
-        # exchange="auto": its measured trial (after DDP's rebuild, up to 4 families x (1 + 3)
-        # steps) runs in the warm-up, so that the timed steps use the family it chose; every
-        # method warms up as long (PowerSGD's first compressed steps were its slowest: with 4
-        # warm-up steps against our 23, one of them fell in its timed steps)
-        self.warmup = args.warmup + hvd_topk.ddp.TRIAL_FROM_STEP + 4 * 4 + 1
+        self.warmup = args.warmup + trial_warmup()
         self.steps_done, self.times, self.tx = 0, [], 0
 
     def step(self, consts):
@@ -289,7 +296,7 @@ def render(report):
              f"Machine: {common.summary(report['machine'])}  ",
              f"Command: `{report['command']}`  ",
              f"Model shapes: {report['model']} ({report['params']:,} parameters in {report['tensors']} tensors); "
-             f"{report['settings']['warmup']} warm-up steps (each method about 20 more, for auto's trial) + "
+             f"{report['settings']['warmup']} + {trial_warmup()} warm-up steps (the second for auto's trial, every method) + "
              f"{report['settings']['steps']} timed steps, median of the "
              "slowest rank; one rank per emulated host (tbf-shaped link, burst 1 ms of the rate); "
              "torch.distributed gloo; PowerSGD in one DDP bucket, the others in DDP's 25 MB buckets"
