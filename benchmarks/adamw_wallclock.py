@@ -4,7 +4,7 @@ steps each scheme needs on the GPT example (benchmarks/convergence_gpt.py's resu
 
 Part 1, measured: the training step of a real GPT-2-small (124,439,808 parameters in 148
 tensors: 12 pre-norm blocks of width 768, 50,257-token embedding tied to the output head,
-1,024 positions; written out here) on ``--context`` tokens x ``--batch`` sequences per rank of
+1,024 positions; written out in benchmarks/_models.py) on ``--context`` tokens x ``--batch`` sequences per rank of
 synthetic tokens, one rank per emulated host (tools/emulated_hosts.py), one mpirun per (P, rate),
 MPI over TCP. A step = ``zero_grad(set_to_none=True)`` + forward + backward (the exchanges start
 from the gradient hooks) + ``opt.step()``; median of the slowest rank over ``--steps`` after
@@ -50,8 +50,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import _common as common  # noqa: E402
+import _models as models  # noqa: E402  (GPT-2 small itself)
+from _models import GPT2_SMALL  # noqa: E402
 
-GPT2_SMALL = dict(vocab=50257, positions=1024, width=768, layers=12, heads=12)
 METHODS = ("none", "dense", "fp16", "old", "recipe", "recipe16", "compact", "demo", "localsteps")
 LABELS = {"none": "no exchange (AdamW)", "dense": "Horovod dense fp32", "fp16": "Horovod fp16",
           "old": "hvd_topk, LocalAdamW as before", "recipe": "hvd_topk, LocalAdamW recipe",
@@ -62,40 +63,6 @@ LABELS = {"none": "no exchange (AdamW)", "dense": "Horovod dense fp32", "fp16": 
 TOPK_METHODS = ("old", "recipe", "recipe16", "compact", "demo", "localsteps")
 SYNC_EVERY = 4  # "localsteps": as its quality run (docs/adamw.md)
 COMPACT_DENSITY = 0.0025  # "compact" runs at its own density, whatever --density says (docs/adamw.md)
-
-
-def build_gpt2_small(torch, vocab, positions, width, layers, heads):
-    nn = torch.nn
-    F = torch.nn.functional
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-            self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-            self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-        def forward(self, x):
-            b, t, _ = x.shape
-            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, heads, width // heads).permute(2, 0, 3, 1, 4)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, width)
-            x = x + self.proj(a)
-            return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-    class GPT2(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.tok, self.pos = nn.Embedding(vocab, width), nn.Embedding(positions, width)
-            self.blocks = nn.ModuleList(Block() for _ in range(layers))
-            self.ln = nn.LayerNorm(width)
-
-        def forward(self, idx):
-            x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
-            for block in self.blocks:
-                x = block(x)
-            return self.ln(x) @ self.tok.weight.t()  # the head tied to the embedding, as GPT-2
-
-    return GPT2()
 
 
 def make(method, model, density, hvd, hvd_topk, torch):
@@ -146,7 +113,7 @@ def worker(args):
         """``method``'s GPT-2-small (the same initial weights for every method) and optimizer."""
         gc.collect()
         torch.manual_seed(0)
-        model = build_gpt2_small(torch, **GPT2_SMALL)
+        model = models.build("gpt2-small", torch)
         opt = make(method, model, args.density, hvd, hvd_topk, torch)
         if method != "none":
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)

@@ -1,17 +1,22 @@
 #!/usr/bin/env python
 """DDP communication hooks on emulated hosts: no hook, PyTorch's fp16 and PowerSGD hooks, and
-hvd_topk's, on a real model's tensor shapes, one rank per host with a shaped link.
+hvd_topk's, training a real model (or, with ``--loss synthetic``, on its tensor shapes alone),
+one rank per host with a shaped link.
 
 One ``torchrun`` per host and method (``--nnodes P --node_rank i``, static rendezvous at host 0,
 gloo over the emulated links; tools/emulated_hosts.py), or with ``--interleave`` one per host
 running every method, their timed steps interleaved: step i runs each method once, the order
 rotating with i, so that the machine's drift over minutes (the ``none`` step has moved between
 205 and 415 ms from one job to the next) falls on every method alike. A step =
-``zero_grad(set_to_none=True)``, forward, a backward into fresh gradients of a synthetic loss
-(``loss = sum_p (p * c_p).sum()`` over the model's shapes: autograd deposits a fresh ``p.grad``
-per parameter, in reverse order, and DDP's buckets are reduced as they fill; no model compute
-for the exchanges to overlap with, which flatters compression: say so where it is quoted),
-``opt.step()`` (SGD); the median over ``--steps`` of the slowest rank's step, after ``--warmup``
+``zero_grad(set_to_none=True)``, forward, backward, ``opt.step()`` (SGD). With ``--loss real``
+(the default since 2026-12-05) the forward and backward are the model's own (benchmarks/_models.py:
+ResNet-50 on ``--batch`` synthetic ``--image-size`` images a rank, cross-entropy; GPT-2 small on
+``--batch`` sequences of ``--context`` synthetic tokens): DDP reduces its buckets as they fill,
+while the rest of the backward runs, as in training. With ``--loss synthetic`` (every result file
+before 2026-12-05) the loss is ``sum_p (p * c_p).sum()`` over the model's shapes (any of
+tools/shapes.py's, BERT-base too): autograd deposits a fresh ``p.grad`` per parameter, in
+reverse order, but there is no model compute for the exchanges to overlap with, which flatters
+compression (say so where it is quoted). The median over ``--steps`` of the slowest rank's step, after ``--warmup``
 steps plus ``trial_warmup()`` for hvd_topk's trial, every method alike (DDP rebuilds its buckets after the first; PowerSGD
 starts compressing at step 2, its minimum). ``none`` is the same step without DDP: what the
 others add to it is their exchange overhead. Methods:
@@ -58,7 +63,8 @@ machine's 2 cores.
         --methods none fp16 powersgd-r4 topk                               # the same, in one job each
     sudo .venv/bin/python benchmarks/ddp_hooks.py --ranks 2 --rates 1gbit --rounds 3 --interleave \\
         --methods none noop ef-floor fp16 topk                             # against the floor under any hook
-Results: benchmarks/results/exchange/<output-name>.{json,md} (default ddp-hooks-resnet50).
+Results: benchmarks/results/exchange/<output-name>.{json,md} (default ddp-hooks-MODEL-real, or
+ddp-hooks-MODEL with ``--loss synthetic``).
 """
 
 import argparse
@@ -76,6 +82,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import _common as common  # noqa: E402
+import _models as models  # noqa: E402  (the real models, for --loss real)
 
 METHODS = ("none", "noop", "ef-floor", "ddp", "fp16", "powersgd-r1", "powersgd-r2", "powersgd-r4", "topk", "topk-fp16v",
            "topk-compact", "topk-view", "topk-ag", "topk-sar")
@@ -96,7 +103,8 @@ def trial_warmup():
 
 
 class Method:
-    """One method's model (its own copy of the shapes), DDP wrapper, hook state and optimizer."""
+    """One method's model (its own copy: the real model, or a parameter per shape), DDP wrapper,
+    hook state and optimizer; every method starts from the same weights."""
 
     def __init__(self, method, args, shapes, torch):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -115,8 +123,13 @@ class Method:
             def forward(self, cs):
                 return common.forward(list(self.params), cs)
 
-        self.method, self.state = method, None
-        self.model = self.runner = Shapes()
+        self.method, self.state, self.loss = method, None, args.loss
+        if args.loss == "real":
+            torch.manual_seed(0)
+            self.model = models.build(args.model, torch)
+        else:
+            self.model = Shapes()
+        self.runner = self.model
         if method != "none":
             one_bucket = method.startswith("powersgd")
             self.runner = DDP(self.model, bucket_cap_mb=1e5 if one_bucket else 25,
@@ -137,13 +150,16 @@ class Method:
                 hvd_topk.ddp.register(self.runner, self.state)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
         self.warmup = args.warmup + trial_warmup()
+        self.model_name = args.model
         self.steps_done, self.times, self.tx = 0, [], 0
 
-    def step(self, consts):
-        """One training step; its seconds."""
+    def step(self, batch):
+        """One training step on ``batch`` (the real model's inputs, or the synthetic loss's
+        constants); its seconds."""
         t0 = time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
-        self.runner(consts).backward()
+        loss = models.loss(self.model_name, self.runner, batch) if self.loss == "real" else self.runner(batch)
+        loss.backward()
         self.opt.step()
         self.steps_done += 1
         return time.perf_counter() - t0
@@ -183,7 +199,11 @@ def worker(args):
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     shapes = common.model_shapes(args.model)
-    consts = common.loss_constants(shapes, args.pool, seed=rank, torch=torch)
+    if args.loss == "real":
+        consts = models.inputs(args.model, torch, args.pool, seed=7 + rank, batch=args.batch,
+                               image_size=args.image_size, context=args.context)
+    else:
+        consts = common.loss_constants(shapes, args.pool, seed=rank, torch=torch)
     methods = [Method(m, args, shapes, torch) for m in args.method.split(",")]
     for m in methods:
         for _ in range(m.warmup):
@@ -265,6 +285,8 @@ def run_methods(eh, P, method, args, out):
     worker_argv = [str(Path(__file__).resolve()), "--worker", "--method", method, "--model", args.model,
                    "--density", str(args.density), "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--pool", str(args.pool), "--threads", str(args.threads), "--out", str(out),
+                   "--loss", args.loss, "--batch", str(args.batch), "--image-size", str(args.image_size),
+                   "--context", str(args.context),
                    *(["--bucket-view"] if args.bucket_view else [])]
     procs = [subprocess.Popen(eh.host_cmd(i, [*argv, "--node_rank", str(i), *worker_argv]), env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=common.REPO)
@@ -306,10 +328,8 @@ def render(report):
                 "method once, the order rotating with i, a barrier before each)."
                 if report["settings"].get("interleave") else "; one job per method, run in turn."),
              "", "Overhead = step - the `none` step (the same forward, backward and SGD step without DDP). "
-             "The loss is synthetic, `sum_p (p * c_p).sum()` over the shapes: its backward deposits a fresh "
-             "gradient per parameter, in a model's order, but holds no model compute for DDP to overlap its "
-             "exchanges with, which flatters compression. "
-             "CPU only: PowerSGD's matrix products are far cheaper on a GPU.", ""]
+             + loss_sentence(report["settings"], report["model"])
+             + "CPU only: PowerSGD's matrix products are far cheaper on a GPU.", ""]
     for run in report["runs"]:
         rows = {r["method"]: r for r in run["rows"]}
         base = rows.get("none", {}).get("median_ms")
@@ -350,6 +370,20 @@ def render(report):
     return "\n".join(lines) + "\n"
 
 
+def loss_sentence(settings, model):
+    """What the step computed: the model's own loss, or the synthetic one (every report before
+    2026-12-05, whose settings have no ``loss``)."""
+    if settings.get("loss", "synthetic") == "synthetic":
+        return ("The loss is synthetic, `sum_p (p * c_p).sum()` over the shapes: its backward deposits a fresh "
+                "gradient per parameter, in a model's order, but holds no model compute for DDP to overlap its "
+                "exchanges with, which flatters compression. ")
+    data = (f"{settings['batch']} synthetic {settings['image_size']}x{settings['image_size']} images a rank"
+            if model == "resnet50" else f"{settings['batch']} sequence{'s' if settings['batch'] != 1 else ''} of {settings['context']} "
+            "synthetic tokens a rank")
+    return (f"The loss is the model's own: a real forward and backward of {model} (benchmarks/_models.py) on {data}, "
+            "cross-entropy; DDP reduces its buckets while the rest of the backward runs, as in training. ")
+
+
 def agree_cell(method, agree):
     """``ranks agree``: yes / NO, or why it does not apply (no DDP; a hook that exchanges nothing)."""
     if method == "none":
@@ -379,6 +413,14 @@ def main(argv=None):
     ap.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--model", default="resnet50", choices=sorted(common.MODELS))
+    ap.add_argument("--loss", default="real", choices=("real", "synthetic"),
+                    help="real: the model's own forward and backward (resnet50, gpt2-small); synthetic: "
+                         "sum_p (p * c_p).sum() over its shapes, no model compute to overlap (every result "
+                         "before 2026-12-05)")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="--loss real: images (resnet50, default 8) or sequences (gpt2-small, default 1) a rank")
+    ap.add_argument("--image-size", type=int, default=32, help="--loss real, resnet50: pixels a side")
+    ap.add_argument("--context", type=int, default=128, help="--loss real, gpt2-small: tokens a sequence")
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=4)
@@ -402,11 +444,17 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
+    if args.loss == "real" and args.model not in models.NAMES:
+        ap.error(f"--loss real trains {' or '.join(models.NAMES)}; {args.model} only with --loss synthetic")
+    if args.batch is None:
+        args.batch = 8 if args.model == "resnet50" else 1
+    if min(args.batch, args.image_size, args.context) < 1:
+        ap.error("--batch, --image-size and --context must be >= 1")
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.warmup < 3:
         ap.error("--warmup must be >= 3 (DDP rebuilds its buckets after step 1; PowerSGD compresses from step 2)")
-    name = args.output_name or f"ddp-hooks-{args.model}"
+    name = args.output_name or f"ddp-hooks-{args.model}" + ("-real" if args.loss == "real" else "")
     info, started, runs = common.machine_info(), time.time(), []
     shapes = common.model_shapes(args.model)
     report = {}

@@ -1,6 +1,6 @@
 """End-to-end training step time of a ResNet-50 on shaped links: dense vs fp16 vs hvd_topk.
 
-The model is a real ResNet-50 (torchvision's architecture written out here, so torchvision is
+The model is a real ResNet-50 (torchvision's architecture written out in benchmarks/_models.py, so torchvision is
 not needed: 161 parameter tensors, 25,557,032 parameters, the same as benchmarks/exchange.py)
 fed small synthetic images (``--image-size 32`` by default, batch ``--batch`` per rank) so that
 compute stays modest on a 2-core machine while the gradient is full-size. One rank per emulated
@@ -42,61 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import _common as common  # noqa: E402  (the driver, shapes, methods, report pieces)
-
-
-def build_resnet50(torch):
-    nn = torch.nn
-
-    class Bottleneck(nn.Module):
-        def __init__(self, inplanes, planes, stride, downsample):
-            super().__init__()
-            self.conv1 = nn.Conv2d(inplanes, planes, 1, bias=False)
-            self.bn1 = nn.BatchNorm2d(planes)
-            self.conv2 = nn.Conv2d(planes, planes, 3, stride, 1, bias=False)
-            self.bn2 = nn.BatchNorm2d(planes)
-            self.conv3 = nn.Conv2d(planes, planes * 4, 1, bias=False)
-            self.bn3 = nn.BatchNorm2d(planes * 4)
-            self.relu = nn.ReLU(inplace=True)
-            self.downsample = downsample
-
-        def forward(self, x):
-            idt = x if self.downsample is None else self.downsample(x)
-            out = self.relu(self.bn1(self.conv1(x)))
-            out = self.relu(self.bn2(self.conv2(out)))
-            out = self.bn3(self.conv3(out))
-            return self.relu(out + idt)
-
-    class ResNet50(nn.Module):
-        def __init__(self, num_classes=1000):
-            super().__init__()
-            self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
-            self.bn1 = nn.BatchNorm2d(64)
-            self.relu = nn.ReLU(inplace=True)
-            self.maxpool = nn.MaxPool2d(3, 2, 1)
-            inplanes, layers = 64, []
-            for planes, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
-                mods = []
-                for b in range(blocks):
-                    ds = None
-                    if b == 0:
-                        ds = nn.Sequential(nn.Conv2d(inplanes, planes * 4, 1, stride, bias=False),
-                                           nn.BatchNorm2d(planes * 4))
-                    mods.append(Bottleneck(inplanes, planes, stride if b == 0 else 1, ds))
-                    inplanes = planes * 4
-                layers.append(nn.Sequential(*mods))
-            self.layer1, self.layer2, self.layer3, self.layer4 = layers
-            self.avgpool = nn.AdaptiveAvgPool2d(1)
-            self.fc = nn.Linear(2048, num_classes)
-
-        def forward(self, x):
-            x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
-            x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
-            return self.fc(torch.flatten(self.avgpool(x), 1))
-
-    model = ResNet50()
-    shapes = [tuple(p.shape) for p in model.parameters()]
-    assert shapes == [tuple(s) for s in common.resnet50_shapes()], "ResNet-50 shapes differ"
-    return model
+import _models as models  # noqa: E402  (ResNet-50 itself)
 
 
 def worker(args):
@@ -123,7 +69,7 @@ def worker(args):
         """``method``'s model (the same initial weights for every method) and optimizer."""
         gc.collect()
         torch.manual_seed(0)
-        model = build_resnet50(torch)
+        model = models.build("resnet50", torch)
         name = method.partition("@")[0]
         inner = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         # names per method: interleaved methods must not share Horovod's tensor names (its response

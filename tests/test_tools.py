@@ -3,7 +3,9 @@ process (no root, no MPI job, no namespaces made): mpirun command lines, emulate
 names/addresses/host lists, the choice of leftovers to clean up by name prefix, machine info keys
 and the reference models' shapes."""
 
+import importlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -272,6 +274,51 @@ def test_gpt2_small_shapes():
     with pytest.raises(ValueError):
         shapes.model_shapes("gpt")
 
+
+
+def _bench_module(name):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
+
+def test_real_models_have_the_reference_shapes():
+    """benchmarks/_models.py builds the models whose shapes are listed (and counted by hand) above:
+    ResNet-50's 161 tensors in order, GPT-2 small's 148 tensors of 124,439,808 parameters (its own
+    layout: Linear weights out x in); ResNet-50's loss on its synthetic inputs is a finite scalar
+    whose backward reaches every parameter."""
+    import torch
+    models = _bench_module("_models")
+    torch.manual_seed(0)
+    r = models.build("resnet50", torch)
+    assert [tuple(p.shape) for p in r.parameters()] == [tuple(s) for s in shapes.resnet50_shapes()]
+    batch = models.inputs("resnet50", torch, pool=1, seed=0, batch=2, image_size=32)[0]
+    assert batch[0].shape == (2, 3, 32, 32) and batch[1].shape == (2,)
+    loss = models.loss("resnet50", r, batch)
+    loss.backward()
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    assert all(p.grad is not None for p in r.parameters())
+    g = models.build("gpt2-small", torch)
+    assert (len(list(g.parameters())), sum(p.numel() for p in g.parameters())) == (148, 124_439_808)
+    assert sorted(p.numel() for p in g.parameters()) == sorted(math.prod(s) for s in shapes.gpt2_small_shapes())
+    tokens = models.inputs("gpt2-small", torch, pool=2, seed=0, batch=1, context=8)
+    assert len(tokens) == 2 and tokens[0].shape == (1, 9)
+    with pytest.raises(ValueError, match="no real model for 'bert-base'"):
+        models.build("bert-base", torch)
+
+
+def test_ddp_hooks_trains_a_real_model_unless_told_otherwise(capsys):
+    """benchmarks/ddp_hooks.py: the model's own loss by default, refused for a model it cannot
+    build (BERT-base: shapes only), and reports saved before the option say their loss was synthetic."""
+    ddp_hooks = _bench_module("ddp_hooks")
+    with pytest.raises(SystemExit) as exit_:
+        ddp_hooks.main(["--model", "bert-base"])
+    assert exit_.value.code == 2 and "bert-base only with --loss synthetic" in capsys.readouterr().err
+    assert "synthetic" in ddp_hooks.loss_sentence({}, "resnet50")
+    real = ddp_hooks.loss_sentence({"loss": "real", "batch": 8, "image_size": 32, "context": 128}, "resnet50")
+    assert "8 synthetic 32x32 images a rank" in real and "real forward and backward of resnet50" in real
 
 # ---- every benchmark's command line ------------------------------------------------------------
 BENCHMARKS = sorted(p.name for p in (REPO / "benchmarks").glob("*.py") if not p.name.startswith("_"))
