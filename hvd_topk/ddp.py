@@ -49,7 +49,7 @@ from hvd_topk.optim import momentum_decay_of, residual_decay_of
 from hvd_topk.schedule import DEFAULT_START, DensitySchedule
 from hvd_topk.stats import DENSE_FP32_BYTES
 from hvd_topk.selection import (NAMED_PARAMETERS_ERROR, DEFAULT_METHOD, check_density, check_flag, check_integer, check_number,
-                                check_residual_decay, warn_ignored)
+                                check_residual_decay, warn_ignored, NATIVE_IN_USE, native_in_use)
 
 EXCHANGES = ("auto", "allgather", "sparse_allreduce", "dense", "dense_fp16")
 TRIAL_FROM_STEP = 2  # DDP rebuilds its buckets after its first step: measure from the third
@@ -92,10 +92,14 @@ class TopKState:
             one for quality experiments on one host. A sparse family still sends a bucket
             dense where a ring allreduce moves fewer bytes.
         fp16_values (False): send values as float16 (6 bytes a pair instead of 8); the dense
-            fallback then runs in float16 too. float16 holds magnitudes up to 65504: a larger
-            value arrives in ``p.grad`` as inf, so keep gradients (and, with error feedback,
-            residuals) well below that; the recommended AdamW scheme sends ``lr x`` normalised
-            updates, far below it. What float16 rounds off a sent value stays in its residual.
+            fallback then runs in float16 too. float16 holds magnitudes up to 65504, and where
+            the ranks' values are summed in float16 before the division by P (the dense fp16
+            fallback, the sparse allreduce, and 16-bit parameters) up to 65504 / P: a larger
+            value arrives in ``p.grad`` as inf (the allgather sums in float32: 65504 there;
+            PyTorch's ``fp16_compress_hook`` divides first), so keep gradients (and, with error
+            feedback, residuals) well below that; a ``GradScaler``'s scale settles lower to fit.
+            The recommended AdamW scheme sends ``lr x`` normalised updates, far below it. What
+            float16 rounds off a sent value stays in its residual.
         compact (False): send about 2.4 bytes a pair (``hvd_topk.compact``: an Elias-Fano index
             and an 8-bit log-scale value, the rounding fed back into the residual): 2.5x the
             entries in 16-bit values' bytes, which is what quality at a small byte budget
@@ -517,6 +521,7 @@ class TopKState:
             "optimizer= (its class)": None if self.optimizer is None else type(self.optimizer).__qualname__,
             "grad_scaler (given or not)": self.residual_scale.scaler is not None,
             "the step (a checkpoint loaded on some ranks only?)": self.iteration,
+            NATIVE_IN_USE: native_in_use(buffer.device),
         }
         mine = torch.tensor([agreement.digest(v) for v in settings.values()], dtype=torch.int64, device=buffer.device)
         every = torch.empty(self.world_size * len(settings), dtype=torch.int64, device=buffer.device)
@@ -538,6 +543,10 @@ def _check_state(state):
 def register(model, state, hook=None):
     """``model.register_comm_hook(state, hook or topk_hook)``, after checking that ``state``
     reduces over the process group ``model`` (a ``DistributedDataParallel``) uses."""
+    if isinstance(getattr(model, "_orig_mod", None), torch.nn.parallel.DistributedDataParallel):
+        raise TypeError("hvd_topk.ddp.register takes the DistributedDataParallel model, got what torch.compile "
+                        "made of it: register the hook first, then compile (register(ddp_model, state); "
+                        "torch.compile(ddp_model))")
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"hvd_topk.ddp.register takes the DistributedDataParallel model, got a "
                         f"{type(model).__name__}: wrap it first, DistributedDataParallel(model)")

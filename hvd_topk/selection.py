@@ -134,6 +134,17 @@ def native_ok(tensor):
             and native.library() is not None)
 
 
+NATIVE_IN_USE = ("the native CPU kernel (in use on some ranks only: their decode needs the ascending pairs only "
+                 "the kernel's selection makes; install a C compiler on every host, or set HVD_TOPK_NATIVE=0 on "
+                 "every rank)")
+
+
+def native_in_use(device):
+    """Whether this rank's buckets on ``device`` take the native kernel; every rank must agree
+    (``NATIVE_IN_USE`` names the setting where they do not)."""
+    return torch.device(device).type == "cpu" and native.library() is not None
+
+
 class NativeResult:
     """What one native call reports: non-finite input seen, passes made, entries filled up."""
 

@@ -14,6 +14,16 @@ from mpi import DIST, launch_gloo_hosts, launch_mpi
 from samples import sample
 
 HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def _native_kernel_off(monkeypatch):
+    """The torch-ops paths on the CPU too: with the native kernel loaded, fp32 on the CPU would
+    take it (tests/test_selection.py and test_codec.py check it) and these cases would test it
+    twice, the torch paths never."""
+    from hvd_topk import native
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_error", "off in tests/test_cuda.py: the torch-ops paths")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device here"))]
 SIZES = [3000, 7, 9000, 40_000, 150_000]  # a bucket: a small tensor beside large ones
 DENSITY = 0.01

@@ -7,6 +7,7 @@ import importlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -210,7 +211,7 @@ def test_machine_info_keys_and_values():
     assert tuple(info) == machine.KEYS
     assert info["cores"] == os.cpu_count() and info["python"].count(".") == 2
     assert info["date_utc"].endswith("UTC")
-    assert info["git"] is None or len(info["git"].split("+")[0]) >= 7
+    assert info["git"] == machine.git_commit(REPO)  # (git_commit itself: checked by hand below)
     line = machine.summary(info)
     assert f"{info['cores']} cores" in line and "torch" in line
 
@@ -237,7 +238,31 @@ def test_machine_parsers():
     assert machine.parse_lscpu(None) == {"cpu": None, "threads_per_core": None}
     assert machine.parse_meminfo("MemTotal:       25165824 kB\nMemFree: 1 kB\n") == 24.0
     assert machine.parse_meminfo("") is None
-    assert machine.git_commit("/") is None or isinstance(machine.git_commit("/"), str)
+
+
+def test_git_commit_by_hand(tmp_path, monkeypatch):
+    """``git_commit``: None outside a work tree; a fresh repository's short HEAD as git prints
+    it; ``+dirty`` once a tracked file changes (an untracked one does not count)."""
+    git = shutil.which("git")
+    if git is None:
+        pytest.skip("git is not installed")
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))  # tmp_path inside a work tree: not it
+    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t")
+    plain, repo = tmp_path / "plain", tmp_path / "repo"
+    plain.mkdir()
+    repo.mkdir()
+    for args in (["init", "-q"], ["commit", "-q", "--allow-empty", "-m", "x"]):
+        subprocess.run([git, *args], cwd=repo, env=env, check=True)
+    (repo / "f").write_text("1")
+    subprocess.run([git, "add", "f"], cwd=repo, env=env, check=True)
+    subprocess.run([git, "commit", "-q", "-m", "f"], cwd=repo, env=env, check=True)
+    short = subprocess.run([git, "rev-parse", "--short", "HEAD"], cwd=repo, env=env, check=True,
+                           capture_output=True, text=True).stdout.strip()
+    assert machine.git_commit(plain) is None
+    (repo / "untracked").write_text("u")
+    assert machine.git_commit(repo) == short
+    (repo / "f").write_text("2")
+    assert machine.git_commit(repo / "f") == short + "+dirty"
 
 
 def test_summary_reads_old_keys():

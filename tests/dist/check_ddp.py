@@ -26,6 +26,7 @@ import hvd_topk.ddp
 from expect import raises
 import nets
 from nets import Net
+from native_switch import loaded, native_off
 from reference import ErrorFeedbackReference, dgc_density, k_of
 from torchrun_harness import assert_same_on_all_ranks, gather, run
 
@@ -368,7 +369,7 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.0, 0.95), eps=1e-
         for name, p in model.named_parameters():
             np.testing.assert_allclose(host(p), before[name] * (1 - lr * wd) - host(p.grad),
                                        rtol=1e-5, atol=1e-7, err_msg=f"parameter {name}")
-        assert_same_on_all_ranks(host(p), f"parameters after step {step}")
+            assert_same_on_all_ranks(host(p), f"{name} after step {step}")
 
 
 def check_local_adamw_channels_last():
@@ -800,6 +801,9 @@ def check_bad_input():
     with raises(TypeError, match=r"takes the DistributedDataParallel model, got a Net: wrap it first",
                 what="register on the plain model"):
         hvd_topk.ddp.register(Net(), P())
+    with raises(TypeError, match=r"got what torch.compile made of it: register the hook first, then compile",
+                what="register on the compiled DDP model"):  # (before: told to wrap what was wrapped)
+        hvd_topk.ddp.register(torch.compile(DDP(Net().to(DEVICE))), P())
     # no state, or the class where an instance belongs: said so (before: AttributeErrors, at the first backward)
     with raises(TypeError, match="hook needs a hvd_topk.ddp.TopKState as its state, got a NoneType: build one",
                 what="register(ddp, None)"):
@@ -892,6 +896,19 @@ def check_bad_input():
         with raises(RuntimeError, match=rf"ranks disagree on the model or TopKState's settings.*\n  rank {last} "
                                         rf"differs from rank 0 in: {re.escape(field)}$", what=f"{field} on rank {last}"):
             F.cross_entropy(ddp(x), y).backward()
+    # the native kernel on some ranks only (a host without a C compiler): refused by name, where
+    # before rank 0's native decode failed on the last rank's pairs, in another order
+    if DEVICE.type == "cpu" and loaded():
+        from hvd_topk.selection import NATIVE_IN_USE
+        with native_off(odd):
+            model = Net().to(DEVICE)
+            ddp = DDP(model)
+            ddp.register_comm_hook(P(min_numel=MIN_NUMEL, named_parameters=model.named_parameters(),
+                                     exchange="allgather"), hvd_topk.ddp.topk_hook)
+            with raises(RuntimeError, match=rf"ranks disagree on the model or TopKState's settings.*\n  rank {last} "
+                                            rf"differs from rank 0 in: {re.escape(NATIVE_IN_USE)}$",
+                        what=f"native kernel off on rank {last}"):
+                F.cross_entropy(ddp(x), y).backward()
     # the group changed size after the state's first step (a new init_process_group)
     model, ddp, state = build(exchange="allgather")
     train(ddp, torch.optim.SGD(model.parameters(), lr=0.1), 1)

@@ -135,14 +135,15 @@ def check_contract(exchange="allgather", scope="tensor", steps=4):
     return model, opt
 
 
-def build(seed=0):
-    """The test model under the hierarchical allgather (SGD with momentum)."""
+def build(seed=0, **options):
+    """The test model under the hierarchical allgather (SGD with momentum); ``options`` go to the
+    optimizer (``fusion_bytes=4000``: each weight its own sparse bucket)."""
     torch.manual_seed(seed)
     model = Net()
     opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                         named_parameters=model.named_parameters(),
                                         compression=hvd_topk.TopK(density=DENSITY), min_numel=MIN_NUMEL,
-                                        exchange="allgather", hierarchical=True)
+                                        exchange="allgather", hierarchical=True, **options)
     return model, opt
 
 
@@ -173,15 +174,18 @@ def check_resume():
 def check_nonfinite_residual_wiped():
     """A saved shard (or, after flat steps, full buffer) holding inf loads as zeros on that rank,
     with a warning naming its bucket; the rest loads as saved, and training goes on finite, the
-    ranks equal. (It loaded as it was, and the parameters turned NaN.)"""
-    model_b, opt_b = build()
+    ranks equal. (It loaded as it was, and the parameters turned NaN.) Each weight in its own sparse
+    bucket, so that there are others to load as saved."""
+    model_b, opt_b = build(fusion_bytes=4000)
     train(model_b, opt_b, 0, 2)
     saved = copy.deepcopy({"model": model_b.state_dict(), "opt": opt_b.state_dict()})
     section = saved["opt"]["hvd_topk"]
     kind = "shards" if section["shards"] else "flat_buffers"
     key = sorted(section[kind])[0]
     section[kind][key].view(-1)[0] = float("inf")
-    model_c, opt_c = build(seed=7)
+    others = set(section[kind]) - {key}
+    assert len(others) >= 2, f"one bucket inf, the others to compare: {sorted(section[kind])}"
+    model_c, opt_c = build(seed=7, fusion_bytes=4000)
     model_c.load_state_dict(saved["model"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -191,7 +195,7 @@ def check_nonfinite_residual_wiped():
     loaded = opt_c.state_dict()["hvd_topk"]
     wiped = loaded[kind].get(key)  # absent: the bucket holds no residual (zero) until its next step
     assert wiped is None or float(wiped.abs().sum()) == 0, f"the {kind} entry of bucket {key} was not wiped"
-    for other in set(section[kind]) - {key}:
+    for other in others:
         assert torch.equal(loaded[kind][other], section[kind][other]), f"bucket {other} not loaded as saved"
     train(model_c, opt_c, 2, 2)
     for name, p in model_c.named_parameters():

@@ -9,6 +9,7 @@ import torch
 import horovod.torch as hvd
 import hvd_topk
 from harness import raises, run
+from native_switch import loaded, native_off
 
 
 def last_rank():
@@ -87,6 +88,21 @@ def check_options_differ(at_step):
 
 
 # Run in this order on every rank; add a check with one line.
+def check_native_kernel_on_some_ranks():
+    """The native kernel loaded on every rank but the last (a host without a C compiler): every
+    rank refuses by name, where before rank 0's native decode failed at the first exchange on
+    the last rank's pairs, in another order. (With the kernel off everywhere, as under
+    HVD_TOPK_NATIVE=0, there is nothing to differ: checked where it loads.)"""
+    if not loaded():
+        return
+    from hvd_topk.selection import NATIVE_IN_USE
+
+    def make(model, odd):
+        with native_off(odd):
+            return distributed(model)
+    expect_setting_named(NATIVE_IN_USE, make)
+
+
 CHECKS = [
     ("shapes", lambda: expect_error(different_shapes, "shapes")),
     ("parameter count", lambda: expect_error(different_parameter_count, "parameter count")),
@@ -102,6 +118,7 @@ CHECKS = [
                                             lambda m, odd: distributed(m, groups=2 if odd else None))),
     ("residual_decay", lambda: expect_setting_named("residual_decay", lambda m, odd: distributed(
         m, residual_decay=0.99 if odd else 1.0))),
+    ("the native kernel on some ranks only", check_native_kernel_on_some_ranks),
     ("the learning rate, from the first step", lambda: check_options_differ(0)),
     ("the learning rate, set on one rank in mid-run", lambda: check_options_differ(2)),
 ]
