@@ -442,14 +442,14 @@ def main(argv=None):
     ap.add_argument("--method", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.worker:
-        return worker(args)
     if args.loss == "real" and args.model not in models.NAMES:
         ap.error(f"--loss real trains {' or '.join(models.NAMES)}; {args.model} only with --loss synthetic")
     if args.batch is None:
         args.batch = 8 if args.model == "resnet50" else 1
     if min(args.batch, args.image_size, args.context) < 1:
         ap.error("--batch, --image-size and --context must be >= 1")
+    if args.worker:
+        return worker(args)
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.warmup < 3:

@@ -521,7 +521,7 @@ class TopKState:
             "optimizer= (its class)": None if self.optimizer is None else type(self.optimizer).__qualname__,
             "grad_scaler (given or not)": self.residual_scale.scaler is not None,
             "the step (a checkpoint loaded on some ranks only?)": self.iteration,
-            NATIVE_IN_USE: native_in_use(buffer.device),
+            NATIVE_IN_USE: native_in_use([buffer]),
         }
         mine = torch.tensor([agreement.digest(v) for v in settings.values()], dtype=torch.int64, device=buffer.device)
         every = torch.empty(self.world_size * len(settings), dtype=torch.int64, device=buffer.device)

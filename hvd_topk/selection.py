@@ -139,10 +139,12 @@ NATIVE_IN_USE = ("the native CPU kernel (in use on some ranks only: their decode
                  "every rank)")
 
 
-def native_in_use(device):
-    """Whether this rank's buckets on ``device`` take the native kernel; every rank must agree
-    (``NATIVE_IN_USE`` names the setting where they do not)."""
-    return torch.device(device).type == "cpu" and native.library() is not None
+def native_in_use(tensors):
+    """Whether any of ``tensors`` (a bucket's buffer, or the parameters) takes the native kernel
+    here (CPU float32: ``native_ok`` less the layout); every rank must agree (``NATIVE_IN_USE``
+    names the setting where they do not). A GPU or 16-bit job never loads it for this."""
+    return (any(t.dtype in _NATIVE_FUNCS and t.device.type == "cpu" for t in tensors)
+            and native.library() is not None)
 
 
 class NativeResult:

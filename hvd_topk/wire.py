@@ -12,7 +12,8 @@ _ALIGN = 8
 
 # Why a received message does not fit: the ranks built different TopKs, or the tensor differs
 RANKS_DISAGREE = ("ranks disagree on the tensor being exchanged or on its TopK (density, fp16_values, compact): "
-                  "build the same TopK for it on every rank")
+                  "build the same TopK for it on every rank (or the native CPU kernel is in use on some ranks "
+                  "only: install a C compiler on every host, or set HVD_TOPK_NATIVE=0 on every rank)")
 
 # ... and where ranks also keep a step counter that decides the messages (the DDP hook: the
 # Horovod optimizer checks the ranks' steps itself and refuses first)
