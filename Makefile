@@ -23,7 +23,7 @@ demo: setup
 # Top-K 1% with error feedback, hvd_topk.LocalAdamW, a dense start over 100 steps, 16-bit
 # values (under 5% of dense fp32's bytes over 1000 steps or more; over this demo's 300 steps,
 # where the dense start weighs more, 9.3%), lr 1e-2 (dense AdamW's best at 300 and 1000 steps
-# here; the example's default, 3e-3, is kept for the earlier results' commands) (~1-2 min).
+# here; the example's default, 3e-3, is kept for the earlier results' commands) (2 min 39 s measured, docs/install.md).
 demo-gpt: setup
 	PATH=$(BIN):$$PATH horovodrun -np $(NP) --gloo python examples/pytorch_gpt.py --optimizer topk-ef --exchange allgather --density 0.01 --adam local --warmup-steps 100 --warmup-density 1.0 --fp16-values --lr 1e-2
 
