@@ -84,7 +84,8 @@ if ! ls "$CACHE"/wheels/mpi4py-*.whl >/dev/null 2>&1; then
   "${PIP[@]}" wheel --no-deps --find-links "$CACHE/wheels" -w "$CACHE/wheels" mpi4py || true
 fi
 
-# ---- 4. Horovod, built once per (horovod, torch, cuda) and cached ---------------------------
+# ---- 4. Horovod, built once per (horovod, torch build, Python) and cached: the key holds no MPI or
+#      NCCL version, so after changing either remove $HVD_TOPK_CACHE/horovod-* (or set HVD_TOPK_CACHE)
 TORCH_ID=$("$PY" -c 'import torch; print(torch.__version__.replace("+", "_"))')
 HAS_CUDA=$("$PY" -c 'import torch; print(int(torch.version.cuda is not None))')
 HVD_CACHE=$CACHE/horovod-$HOROVOD_VERSION-torch-$TORCH_ID
