@@ -424,6 +424,9 @@ CONFIGS["gv-0.1%-lr2e-2-fp16v-decay0.99-start1x1000"] = (
 CONFIGS["gv-0.1%-lr2e-2-compact0.25-decay0.99-start1x1000"] = (
     "hvd_topk compact pairs at 0.25% (0.1%'s bytes), lr 2e-2, residual_decay=0.99, the dense start over 1000 steps",
     [*CONFIGS["gv-0.1%-lr2e-2-compact0.25-decay0.99"][1], "--warmup-steps", "1000", "--warmup-density", "1.0"])
+CONFIGS["gv-0.1%-lr2e-2-compact0.25-decay0.99-start1x300"] = (
+    "compact pairs at 0.25% (0.1%'s bytes), the dense start over the 300-step learning-rate warm-up (3000-step runs)",
+    [*CONFIGS["gv-0.1%-lr2e-2-compact0.25-decay0.99"][1], "--warmup-steps", "300", "--warmup-density", "1.0"])
 CONFIGS["gv-0.1%-lr3e-2-fp16v-decay0.99-lrwarm0.3"] = (
     "hvd_topk 0.1%, the recipe at lr 3e-2, 16-bit values, residual_decay=0.99, the learning rate's warm-up over "
     "30% of the steps (1e-2 at step 100)",
