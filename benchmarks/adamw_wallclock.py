@@ -105,9 +105,7 @@ def worker(args):
     rank, size = hvd.rank(), hvd.size()
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     names = hvd.allgather_object(os.uname().nodename)
-    g = torch.Generator().manual_seed(7 + rank)
-    tokens = [torch.randint(0, GPT2_SMALL["vocab"], (args.batch, args.context + 1), generator=g)
-              for _ in range(args.pool)]
+    tokens = models.inputs("gpt2-small", torch, args.pool, seed=7 + rank, batch=args.batch, context=args.context)
 
     def build(method):
         """``method``'s GPT-2-small (the same initial weights for every method) and optimizer."""
@@ -126,8 +124,7 @@ def worker(args):
         hvd.allreduce(torch.zeros(1), name="bench.barrier", op=hvd.Sum)
         t0 = time.perf_counter()
         common.zero_grad(m["opt"], m["params"])
-        logits = m["model"](batch[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        loss = models.loss("gpt2-small", m["model"], batch)
         loss.backward()
         m["opt"].step()
         dt = time.perf_counter() - t0

@@ -55,12 +55,9 @@ def worker(args):
     rank, size = hvd.rank(), hvd.size()
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     names = hvd.allgather_object(os.uname().nodename)
-    g = torch.Generator().manual_seed(7 + rank)
-    batches = [(torch.randn(args.batch, 3, args.image_size, args.image_size, generator=g),
-                torch.randint(0, 1000, (args.batch,), generator=g)) for _ in range(args.pool)]
+    batches = models.inputs("resnet50", torch, args.pool, seed=7 + rank, batch=args.batch, image_size=args.image_size)
     say(f"P={size} on hosts {names}; ResNet-50, batch {args.batch}/rank, {args.image_size}x"
         f"{args.image_size} synthetic images, {args.threads} thread(s)/rank")
-    loss_fn = torch.nn.CrossEntropyLoss()
 
     def barrier():
         hvd.allreduce(torch.zeros(1), name="bench.barrier", op=hvd.Sum)
@@ -85,11 +82,11 @@ def worker(args):
 
     def one_step(m, step):
         """One timed training step of ``m`` (ranks aligned first); returns its seconds on this rank."""
-        x, y = batches[step % len(batches)]
+        batch = batches[step % len(batches)]
         barrier()
         t0 = time.perf_counter()
         common.zero_grad(m["opt"], m["params"])  # zero_grad(set_to_none=True)
-        loss = loss_fn(m["model"](x), y)
+        loss = models.loss("resnet50", m["model"], batch)
         loss.backward()
         m["opt"].step()
         dt = time.perf_counter() - t0

@@ -302,6 +302,7 @@ def test_gpt2_small_shapes():
 
 
 def _bench_module(name):
+    """``benchmarks/NAME.py`` imported (benchmarks/ on ``sys.path`` only meanwhile)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
         return importlib.import_module(name)
@@ -362,25 +363,12 @@ def test_benchmark_help_runs(script):
 def test_benchmarks_wait_out_autos_longest_trial():
     """The benchmarks time exchange="auto" only after its trial: their allowance must cover the
     longest one auto can run (every family it may try, hierarchical and dense fp16 included)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    try:
-        import _common
-    finally:
-        sys.path.pop(0)
+    _common = _bench_module("_common")
     from hvd_topk import auto
     longest = max(len(auto.families(h, False, compact=c, fp16=f)) for h in (False, True)
                   for c in (False, True) for f in (False, True))
     assert longest == 6  # dense, dense fp16, allgather, sparse allreduce, two hierarchical
     assert _common.AUTO_TRIAL_STEPS >= longest * (auto.TRIAL_STEPS + 1)
-
-
-def _bench_common():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import _common
-    finally:
-        sys.path.pop(0)
-    return _common
 
 
 def _fake_methods(log, alive):
@@ -405,7 +393,7 @@ def test_time_methods_rounds_rotate_the_order_and_pool_times():
     """Three passes over a, b, c start at a, then b, then c; each pass builds the method afresh,
     warms it up (step 0, untimed) and times 2 steps; the times of all passes are pooled, and each
     row is made once (hand-written expectation)."""
-    common = _bench_common()
+    common = _bench_module("_common")
     log, alive = [], []
     build, one_step, finish = _fake_methods(log, alive)
     rows = common.time_methods(["a", "b", "c"], build, one_step, finish, 2, rounds=3)
@@ -419,7 +407,7 @@ def test_time_methods_rounds_rotate_the_order_and_pool_times():
 
 
 def test_time_methods_interleave_rotates_each_step():
-    common = _bench_common()
+    common = _bench_module("_common")
     log, alive = [], []
     build, one_step, finish = _fake_methods(log, alive)
     common.time_methods(["a", "b", "c"], build, one_step, finish, 3, interleave=True)
@@ -429,7 +417,7 @@ def test_time_methods_interleave_rotates_each_step():
 
 
 def test_time_methods_refuses_to_time_autos_trial():
-    common = _bench_common()
+    common = _bench_module("_common")
 
     class Opt:
         def compression_stats(self):
@@ -442,7 +430,7 @@ def test_time_methods_refuses_to_time_autos_trial():
 def test_overhead_ratio_by_hand():
     """The README's training table: dense 1159.1 ms, none 255.1, hvd_topk 294.7 a step give an
     overhead ratio of (1159.1 - 255.1) / (294.7 - 255.1) = 22.8; a step below none's is n/a."""
-    common = _bench_common()
+    common = _bench_module("_common")
     ref = {"none": 255.1, "dense": 1159.1, "topk-ef": 294.7, "fp16": 250.0}
     assert common.overhead_versus(ref, {"method": "topk-ef", "median_ms": 294.7}, "dense") == "22.8x"
     assert common.overhead_versus(ref, {"method": "topk-ef", "median_ms": 294.7}, "fp16") == "n/a"
@@ -455,11 +443,7 @@ def test_convergence_gpt_reuses_only_runs_of_the_same_code(tmp_path, monkeypatch
     fingerprint of hvd_topk and the examples); a run recorded before fingerprints existed only
     for dense AdamW (hvd_topk's changes moved the compressed runs, ba1194f). The fingerprint
     changes with one byte of hvd_topk and is stable otherwise (hand-made trees)."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import convergence_gpt as cg
-    finally:
-        sys.path.pop(0)
+    cg = _bench_module("convergence_gpt")
     assert cg.reusable({"config": "gv-1%", "made": {"code": "abc"}}, "abc")
     assert not cg.reusable({"config": "gv-1%", "made": {"code": "abc"}}, "abd")
     assert not cg.reusable({"config": "dense-lr1e-2", "made": {"code": "abc"}}, "abd")
@@ -493,11 +477,7 @@ def test_convergence_gpt_reuse_prefers_the_run_of_the_same_code(tmp_path):
     in a later --reuse file (b, which holds what was re-run): before, the later file's run
     replaced it, was then refused as stale, and the run was made a third time. A key with only
     a stale run is named as not reused; dense AdamW of an older file is reused."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import convergence_gpt as cg
-    finally:
-        sys.path.pop(0)
+    cg = _bench_module("convergence_gpt")
     def run(config, seed, made=None):
         return {"config": config, "args_used": "A", "steps": 3000, "seed": seed, "ranks": 2,
                 "final_val_loss": 1.0 + seed / 100, **({"made": made} if made else {})}
@@ -513,11 +493,7 @@ def test_convergence_gpt_reuse_prefers_the_run_of_the_same_code(tmp_path):
 def test_convergence_gpt_paired_gap_by_hand():
     """Seed by seed against dense: losses 1.02/1.00, 0.99/1.00, 1.03/1.00 are +2%, -1%, +3%:
     mean +1.333%, sample sd 2.0817%, 95% half-width 4.303 x 2.0817% / sqrt(3) = 5.172%."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import convergence_gpt as cg
-    finally:
-        sys.path.pop(0)
+    cg = _bench_module("convergence_gpt")
     runs = [{"config": c, "seed": s, "final_val_loss": v} for c, s, v in (
         ("dense-lr1e-2", 1, 1.0), ("dense-lr1e-2", 2, 1.0), ("dense-lr1e-2", 3, 1.0),
         ("x", 1, 1.02), ("x", 2, 0.99), ("x", 3, 1.03), ("x", 4, 5.0))]  # seed 4: no dense run to pair with
