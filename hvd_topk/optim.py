@@ -722,12 +722,11 @@ def _rms(grad):
     zeros: ``nn.Embedding(sparse=True)``'s exchanged gradient is handed back sparse), in float32
     at least: DeMo's averaged update is lr x gradient, about 1e-6 to 1e-4, whose squares a
     16-bit float flushes to zero (the step was then skipped)."""
+    def wide(t):
+        return t if t.dtype.itemsize >= 4 else t.float()
     if grad.is_sparse:
-        values = grad.coalesce().values()
-        values = values if values.dtype.itemsize >= 4 else values.float()
-        return float((values.square().sum() / grad.numel()).sqrt())
-    grad = grad if grad.dtype.itemsize >= 4 else grad.float()
-    return float(grad.square().mean().sqrt())
+        return float((wide(grad.coalesce().values()).square().sum() / grad.numel()).sqrt())
+    return float(wide(grad).square().mean().sqrt())
 
 
 def _check_nonnegative(**values):

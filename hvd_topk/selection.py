@@ -127,11 +127,16 @@ def check_flag(value, name):
 _NATIVE_FUNCS = {torch.float32: "hvdtk_select_f32"}
 
 
+def _kernel_kind(tensor):
+    """Whether the native kernel has entry points for this tensor's dtype and device (CPU fp32;
+    ``_NATIVE_FUNCS`` says why not fp64), its layout aside."""
+    return tensor.dtype in _NATIVE_FUNCS and tensor.device.type == "cpu"
+
+
 def native_ok(tensor):
-    """Whether the native kernel can work on this tensor (CPU, fp32, contiguous; ``_NATIVE_FUNCS``
-    says why not fp64)."""
-    return (tensor.dtype in _NATIVE_FUNCS and tensor.device.type == "cpu" and tensor.is_contiguous()
-            and native.library() is not None)
+    """Whether the native kernel can work on this tensor (``_kernel_kind``, contiguous, the
+    kernel loaded)."""
+    return _kernel_kind(tensor) and tensor.is_contiguous() and native.library() is not None
 
 
 NATIVE_IN_USE = ("the native CPU kernel (in use on some ranks only: their decode needs the ascending pairs only "
@@ -141,10 +146,9 @@ NATIVE_IN_USE = ("the native CPU kernel (in use on some ranks only: their decode
 
 def native_in_use(tensors):
     """Whether any of ``tensors`` (a bucket's buffer, or the parameters) takes the native kernel
-    here (CPU float32: ``native_ok`` less the layout); every rank must agree (``NATIVE_IN_USE``
-    names the setting where they do not). A GPU or 16-bit job never loads it for this."""
-    return (any(t.dtype in _NATIVE_FUNCS and t.device.type == "cpu" for t in tensors)
-            and native.library() is not None)
+    here (``_kernel_kind``, the kernel loaded); every rank must agree (``NATIVE_IN_USE`` names the
+    setting where they do not). A GPU or 16-bit job never loads it for this."""
+    return any(_kernel_kind(t) for t in tensors) and native.library() is not None
 
 
 class NativeResult:
