@@ -5,7 +5,8 @@ bucket with error feedback it *is* the residual: each gradient is folded in as i
 (``acc[tensor] += grad``), selection runs over the whole buffer in one call, and the sent
 entries are zeroed there. Without error feedback, and for the dense bucket of small tensors,
 it is a staging copy of this step's gradients. With DGC momentum correction a second buffer
-(``momentum``) holds ``u``, in every bucket. Buffers are allocated on first use and live as long as the
+(``momentum``) holds ``u``, in every bucket. A residual of 16-bit parameters is float32
+(``codec.residual_dtype``). Buffers are allocated on first use and live as long as the
 optimizer, so the hot path allocates nothing.
 
 Buckets are planned identically on every rank (same order, same members), which is what lets
@@ -18,8 +19,9 @@ from typing import NamedTuple
 
 import torch
 
+from hvd_topk._horovod import allreduce_dtype
 from hvd_topk._torch import copy_all
-from hvd_topk.codec import segments_in
+from hvd_topk.codec import residual_dtype, segments_in
 from hvd_topk.selection import check_integer, native_ok
 from hvd_topk.wire import index_dtype_for
 
@@ -75,10 +77,12 @@ class Bucket:
     """Parameters that travel in one message.
 
     ``sparse`` buckets are Top-K candidates (the exchange strategy may still send one dense on
-    a step); the others hold small tensors and always go dense.
+    a step); the others hold small tensors and always go dense. ``residual``: the buffer keeps
+    error feedback's residual (a sparse bucket with error feedback): float32 for 16-bit
+    parameters (``dtype``, the buffer's; ``grad_dtype``, the parameters' and the values').
     """
 
-    def __init__(self, index, params, names, sparse):
+    def __init__(self, index, params, names, sparse, residual=False):
         self.index = index
         self.sparse = sparse
         self.members, offset = [], 0
@@ -87,8 +91,8 @@ class Bucket:
             offset += p.numel()
         self.numel = offset
         first = params[0]
-        self.dtype, self.device = first.dtype, first.device
-        self.element_size = first.element_size()
+        self.grad_dtype, self.device = first.dtype, first.device
+        self.dtype = residual_dtype(first.dtype) if residual else first.dtype
         self.index_dtype = index_dtype_for(self.numel)
         self.bounds = torch.tensor([m.offset for m in self.members] + [self.numel], dtype=torch.int64)
         self.acc = None        # flat buffer: residual (error feedback) or staging copy
@@ -199,8 +203,11 @@ class Bucket:
         """The codec's plan for this bucket at ``density`` (cached: it changes only in warm-up).
         ``shard``: ``(lo, hi)``, a plan over that part of the buffer alone (hierarchical), its
         tensors cut at the shard's edges, its indices counted from ``lo``. ``parts``: as in
-        ``codec.Plan`` (the sparse allreduce's one part per rank)."""
-        key = (density, scope, codec.value_dtype(self.dtype), shard, parts)
+        ``codec.Plan`` (the sparse allreduce's one part per rank). The values travel in the
+        gradients' dtype (or ``TopK(fp16_values=True)``'s float16); the sparse allreduce's in
+        the dtype Horovod sums them in (bfloat16 as float32, so there is nothing to round)."""
+        dtype = allreduce_dtype(self.grad_dtype) if parts > 1 else self.grad_dtype
+        key = (density, scope, codec.value_dtype(dtype), shard, parts)
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) > 64:  # a long warm-up: keep memory bounded
@@ -208,7 +215,7 @@ class Bucket:
             sizes = [m.numel for m in self.members]
             if shard is not None:
                 sizes = segments_in(self.bounds.tolist(), *shard) or [0]
-            plan = self._plans[key] = codec.plan(sizes, density, scope, self.dtype, self.index_dtype, parts)
+            plan = self._plans[key] = codec.plan(sizes, density, scope, dtype, self.index_dtype, parts)
         return plan
 
     def message(self, nbytes):
@@ -371,7 +378,7 @@ class Bucket:
         return False
 
 
-def make_buckets(params, names, min_numel, fusion_bytes, groups=None):
+def make_buckets(params, names, min_numel, fusion_bytes, groups=None, error_feedback=False):
     """Buckets in the same order on every rank.
 
     Sparse buckets hold floating-point tensors of at least ``min_numel`` elements, in reverse
@@ -379,6 +386,7 @@ def make_buckets(params, names, min_numel, fusion_bytes, groups=None):
     ``fusion_bytes`` each, one dtype/device per bucket. ``groups`` overrides the filling: an int
     (that many buckets) or a list of parameter lists (one bucket each; unlisted parameters are
     bucketed as usual). The small tensors form one dense bucket per dtype/device, last.
+    ``error_feedback``: the sparse buckets keep residuals (``Bucket``'s ``residual``).
     """
     # (an empty tensor has nothing to select: it travels with the dense ones whatever min_numel)
     eligible = [p for p in params if p.is_floating_point() and p.numel() >= max(min_numel, 1)]
@@ -425,7 +433,7 @@ def make_buckets(params, names, min_numel, fusion_bytes, groups=None):
     buckets = []
     for plan in plans:
         for same in _split_by_dtype(plan):
-            buckets.append(Bucket(len(buckets), same, names, sparse=True))
+            buckets.append(Bucket(len(buckets), same, names, sparse=True, residual=error_feedback))
     for same in _split_by_dtype(small):
         buckets.append(Bucket(len(buckets), same, names, sparse=False))
     return buckets

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from hvd_topk import auto, costs
 from hvd_topk._torch import copy_all
-from hvd_topk.codec import Codec, Encoded, rotating_part
+from hvd_topk.codec import Codec, Encoded, residual_dtype, rotating_part
 from hvd_topk.selection import native_ok, sample_seed
 from hvd_topk.wire import index_dtype_for
 
@@ -51,9 +51,11 @@ class BucketLayout:
                                    dtype=torch.int64)
         self.numel = int(self.bounds[-1])
         self.dense_numel = sum(spans[i][1] for i in self.dense)
-        kw = dict(dtype=buffer.dtype, device=buffer.device)
-        self.acc = torch.zeros(self.numel, **kw)  # the residual (error feedback) or a staging copy
-        self.dense_buffer = torch.empty(self.dense_numel, **kw)
+        self.grad_dtype = buffer.dtype  # the gradients', what values travel in
+        # the residual (error feedback: float32 for 16-bit gradients, codec.residual_dtype) or a staging copy
+        self.acc = torch.zeros(self.numel, dtype=residual_dtype(buffer.dtype) if error_feedback else buffer.dtype,
+                               device=buffer.device)
+        self.dense_buffer = torch.empty(self.dense_numel, dtype=buffer.dtype, device=buffer.device)
         self._folder = None  # codec.SegmentFolder over acc, made on first use
         self._dense_scratch = {}  # purpose -> buffer for the small tensors' average (average_dense)
         self.error_feedback = error_feedback
@@ -133,7 +135,7 @@ class BucketLayout:
         if plan is None:
             if len(self.plans) > 8:  # a warm-up walks through many densities
                 self.plans.clear()
-            plan = self.plans[density, parts] = codec.plan(self.sizes, density, "tensor", self.acc.dtype,
+            plan = self.plans[density, parts] = codec.plan(self.sizes, density, "tensor", self.grad_dtype,
                                                           index_dtype_for(self.numel), parts)
         return plan
 
@@ -344,7 +346,7 @@ def choose(state, layout, plan, world, family):
     """``(strategy, its bytes into one rank)`` for the bucket's sparse part under ``family``
     (None: the fewest bytes of all); a sparse family goes dense where that moves fewer bytes,
     except where the residual is DeMo's momentum (``optim.momentum_decay_of``)."""
-    sizes = (world, layout.numel, plan.count, *state.codec.pair_itemsizes(plan), layout.acc.element_size())
+    sizes = (world, layout.numel, plan.count, *state.codec.pair_itemsizes(plan), layout.grad_dtype.itemsize)
     keeps = auto.keeps_momentum(state.momentum_decay, plan.density)  # DeMo's: no dense then, unless pinned
     fallback = () if keeps else (DENSE_FP16,) if state.codec.dense_fp16 else (DENSE,)
     if family is None:  # auto before its trial: the sparse strategies its families allow, or dense
@@ -380,8 +382,10 @@ def exchange_sparse(state, layout, index, step, buffer, idle=()):
     _fold(state, layout, buffer)
     if not strategy.sparse:
         # the whole accumulator goes (a dense start): nothing stays behind but, with error
-        # feedback, what a float16 wire could not carry (as the pairs keep their rounding)
-        wire = layout.acc if strategy is DENSE else layout.acc.to(torch.float16)
+        # feedback, what a narrower wire could not carry (float16, or 16-bit gradients' own
+        # dtype over their float32 residual), as the pairs keep their rounding
+        wire_dtype = torch.float16 if strategy is DENSE_FP16 else layout.grad_dtype
+        wire = layout.acc if wire_dtype == layout.acc.dtype else layout.acc.to(wire_dtype)
         rounded = state.error_feedback and wire is not layout.acc
         if rounded:  # a tensor holding inf/nan, or a value float16 overflowed, restarts from zero
             layout.acc.sub_(wire)

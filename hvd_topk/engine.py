@@ -136,7 +136,8 @@ class TopKEngine:
         self.world = process_set.size()
         self.rank = process_set.rank() if self.member else None
         self.schedule = DensitySchedule(self.density, options.warmup_steps, options.warmup_density)
-        self.buckets = make_buckets(self.params, names, options.min_numel, options.fusion_bytes, groups)
+        self.buckets = make_buckets(self.params, names, options.min_numel, options.fusion_bytes, groups,
+                                    options.error_feedback)
         # In an elastic job workers join later and run this constructor alone: no collective here.
         if self.member and not elastic_mode():
             check_ranks_agree(self, compression, inner, grad_scaler is not None)

@@ -84,26 +84,28 @@ def count_resets(stats, wiped):
 
 
 class DenseExchange:
-    """Horovod's ring allreduce of the whole buffer (fp32, or the fp16 wire of ``dense_fp16``).
+    """Horovod's ring allreduce of the whole buffer (in the gradients' dtype, bfloat16 as
+    float32; or the fp16 wire of ``dense_fp16``).
 
     With error feedback a sparse bucket's residual then starts again from zero, except for what
-    the float16 wire could not carry: ``rounded`` keeps ``acc - float16(acc)`` there (computed
-    before the collective, which then works on the float16 copy alone), so a dense start or
-    fallback loses no more than the pairs do (their fp16 rounding stays in the residual too)."""
+    a wire narrower than the residual could not carry (float16, over a float32 residual):
+    ``rounded`` keeps ``acc - float16(acc)`` there (computed before the collective, which then
+    works on the float16 copy alone), so a dense start or fallback loses no more than the pairs
+    do (their rounding stays in the residual too)."""
 
     stage = "allreduce"
 
     def __init__(self, ctx, bucket, strategy, name):
         self.ctx, self.strategy = ctx, strategy
-        wire_dtype = strategy.wire_dtype(bucket.dtype)
+        wire_dtype = strategy.wire_dtype(bucket.grad_dtype)
         ctx.stats.add(tensors_dense=len(bucket.members), elements_selected=bucket.numel,
                       bytes_sent=bucket.numel * wire_dtype.itemsize)
         wire = bucket.scratch("wire", bucket.numel, wire_dtype) if wire_dtype != bucket.dtype else None
         self.residual = bucket.sparse and ctx.error_feedback
-        self.rounded = self.residual and wire_dtype == torch.float16 and wire is not None
+        self.rounded = self.residual and wire_dtype.itemsize < bucket.dtype.itemsize
         if self.rounded:
             wire.copy_(bucket.acc)
-            bucket.acc.sub_(wire)  # what float16 could not carry stays behind
+            bucket.acc.sub_(wire)  # what the narrower wire could not carry stays behind
             # an inf/nan, or a value float16 overflowed, went out as inf/nan (a GradScaler skips
             # the step): the bucket's residuals restart from zero, counted, as the sparse
             # allreduce does with one device flag (no host synchronisation)

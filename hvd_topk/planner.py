@@ -192,7 +192,7 @@ class ExchangePlanner:
         if strategy is exchange.SparseAllreduce:
             value_bytes = allreduce_dtype(codec_plan.layout.value_dtype).itemsize
         return strategy.wire_bytes(world, bucket.numel, codec_plan.count, value_bytes, index_bytes,
-                                   allreduce_dtype(bucket.dtype).itemsize)
+                                   allreduce_dtype(bucket.grad_dtype).itemsize)
 
     def runs_hierarchically(self, bucket, family):
         """Whether ``bucket``'s sparse exchange under ``family`` runs in the host and cross-host

@@ -175,6 +175,46 @@ def check_reference(exchange="allgather", bucket_cap_mb=25, steps=4, density=0.0
     return state, families
 
 
+def check_16bit_residuals(dtype, exchange):
+    """16-bit parameters keep float32 residuals: step by step against the numpy reference of
+    error feedback (float32 residual; each sent value rounded to the parameters' dtype, what
+    that rounding took kept in the residual), a dense start (step 0 at density 1: DDP's
+    allreduce in the parameters' dtype) and then Top-K. The gradients span 2**-6 .. 2**2
+    (``nets.distinct_16bit``: no ties, which the native and torch-ops selections break apart), so a
+    16-bit residual would round the small ones off as they are added to larger ones. ``p.grad``
+    within the 16-bit decode's roundings (a sum, a division), the residual to float32's."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    density = 0.05
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 32, bias=False).to(DEVICE, dtype)
+    ddp = DDP(model)
+    state = hvd_topk.ddp.TopKState(density=density, exchange=exchange, warmup_steps=1, warmup_density=1.0,
+                                   min_numel=100, named_parameters=model.named_parameters())
+    hvd_topk.ddp.register(ddp, state)
+    ref = ErrorFeedbackReference(size, value_dtype="bfloat16" if dtype == torch.bfloat16 else np.float16)
+    rtol = 2 ** -6 if dtype == torch.bfloat16 else 2 ** -8
+    gen = torch.Generator().manual_seed(31 + rank)
+    x = torch.eye(32, device=DEVICE, dtype=dtype)  # the layer's output is weight.T: its gradient is c
+    for step in range(6):
+        c = nets.distinct_16bit(gen).to(DEVICE, dtype)
+        model.zero_grad(set_to_none=True)
+        (ddp(x) * c.T).sum().backward()
+        every = np.stack(gather(host(c.float())))
+        if exchange == "sparse_allreduce" and step:
+            want = ref.sparse_allreduce_bucket(["weight"], {"weight": every}, density, step, 0)["weight"]
+        else:  # the dense start: everything sent, the 16-bit rounding kept
+            want = ref.sparse("weight", every, density if step else 1.0)
+        where = f"{dtype} {exchange} step {step}"
+        assert model.weight.grad.dtype == dtype, where
+        np.testing.assert_allclose(host(model.weight.grad.float()), want, rtol=rtol,
+                                   atol=rtol * np.abs(want).max(), err_msg=f"{where}: p.grad")
+        assert_same_on_all_ranks(host(model.weight.grad.float()), where)
+        residual = state.state_dict()["residuals"]["weight"]
+        assert residual.dtype == torch.float32, f"{where}: the residual is {residual.dtype}"
+        np.testing.assert_allclose(host(residual.float()).reshape(-1), ref.residual[rank]["weight"].reshape(-1),
+                                   rtol=1e-6, atol=1e-9, err_msg=f"{where}: the residual")
+
+
 def check_alone(steps=3, density=0.05):
     """A rank alone in its process group (world size 1: one GPU, or each rank a DDP of its own):
     the hook still compresses with error feedback, completes each bucket at once, and p.grad is
@@ -1013,6 +1053,12 @@ CHECKS = [
     ("static_graph, gradient_as_bucket_view", lambda: check_reference(
         bucket_cap_mb=0.005, ddp_kwargs={"static_graph": True, "gradient_as_bucket_view": True})),
     ("bf16 autocast", lambda: check_reference(amp=True)),
+    ("16-bit residuals are float32: bf16", lambda: check_16bit_residuals(torch.bfloat16, "allgather")),
+    ("16-bit residuals are float32: bf16, sparse allreduce",
+     lambda: check_16bit_residuals(torch.bfloat16, "sparse_allreduce")),
+    ("16-bit residuals are float32: fp16", lambda: check_16bit_residuals(torch.float16, "allgather")),
+    ("16-bit residuals are float32: fp16, sparse allreduce",
+     lambda: check_16bit_residuals(torch.float16, "sparse_allreduce")),
     ("GradScaler: residuals follow loss-scale changes, resume without a scaler", check_grad_scaler),
     ("torch.compile of the DDP model", lambda: check_reference(compiled=True)),
     ("statistics: bytes over the run", check_stats),

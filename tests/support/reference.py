@@ -48,13 +48,31 @@ def compact_round_trip(values):
     return (np.where(np.signbit(v), -arrived, arrived)).astype(v.dtype)
 
 
+def round_bfloat16(x):
+    """float32 values rounded to the nearest bfloat16 (ties to even), as float32: numpy has no
+    bfloat16. By hand on the bits: add 0x7FFF plus the lowest bit kept, then clear the low 16
+    (finite values; inf stays inf)."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def to_value_dtype(values, value_dtype):
+    """``values`` (float32) as the wire carries them in ``value_dtype`` (a numpy dtype, or
+    ``"bfloat16"``), back in float32."""
+    if value_dtype == "bfloat16":
+        return round_bfloat16(values)
+    return values.astype(value_dtype).astype(np.float32)
+
+
 class ErrorFeedbackReference:
     """The error-feedback contract for every rank, in float32 numpy.
 
     acc = residual + grad (DGC: u = m*u + grad; v = v + u); send top-k of acc; residual = acc
     with the sent entries zeroed (and u's too); result = sum of sent pairs over ranks / ranks.
     With ``decay`` (``residual_decay``): acc = decay * residual + grad. With ``value_dtype``
-    (``TopK(fp16_values=True)``: numpy.float16) each sent value is rounded to it on the wire;
+    (``TopK(fp16_values=True)``: numpy.float16; ``"bfloat16"``: the wire of bfloat16 parameters,
+    whose residual is float32) each sent value is rounded to it on the wire;
     what that rounding took (float32 acc minus the float16 value, where finite) stays in the
     residual. With ``compact`` (``TopK(compact=True)``) each top-k's values arrive as
     ``compact_round_trip`` gives them, and what that rounding took stays in the residual.
@@ -174,7 +192,7 @@ class ErrorFeedbackReference:
             acc, u = accs[r], us[r]
             keep = keeps[r]
             sent = np.zeros_like(acc)
-            sent[keep] = acc[keep] if self.value_dtype is None else acc[keep].astype(self.value_dtype)
+            sent[keep] = acc[keep] if self.value_dtype is None else to_value_dtype(acc[keep], self.value_dtype)
             if self.compact:
                 sent[keep] = compact_round_trip(acc[keep])
             for i, n in enumerate(names):
