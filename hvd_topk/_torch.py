@@ -44,9 +44,16 @@ Checked against torch 2.13 (``CHECKED_VERSION``). Each private detail relied on:
    backward, on zero buckets: the DDP hook's check that ``TopKState(optimizer=...)`` was stepped
    must not count those. If the function goes, the answer is True (the check as before: a
    joined rank may then warn once in vain).
+8. ``written``/``still_written``: whether a tensor is still the one a step wrote and unchanged
+   since, from a weak reference to it and its ``_version`` counter (bumped by every in-place
+   change; torch 2.13, as autograd's saved-tensor checks use it). ``hvd_topk.DistributedOptimizer``
+   over ``LocalAdamW``/``DeMo`` refuses a ``step()`` whose ``p.grad`` is still the last step's
+   exchanged update (no backward since), which the inner optimizer would take for a gradient. If
+   the counter goes, every tensor counts as changed (no refusal: the behaviour before the check).
 """
 
 import sys
+import weakref
 
 import torch
 
@@ -119,3 +126,14 @@ def backward_running():
     """True inside a backward pass (see the module docstring, 7)."""
     current = getattr(torch._C, "_current_graph_task_id", None)
     return True if current is None else current() != -1
+
+
+def written(tensor):
+    """A record of ``tensor`` as it is now, for ``still_written`` (see the module docstring, 8)."""
+    return weakref.ref(tensor), getattr(tensor, "_version", None)
+
+
+def still_written(record, tensor):
+    """True if ``tensor`` is the one ``record`` (``written``) saw, unchanged in place since."""
+    ref, version = record
+    return ref() is tensor and version is not None and getattr(tensor, "_version", None) == version

@@ -36,13 +36,13 @@ import torch
 
 from hvd_topk import agreement, checkpoint, exchange, hierarchy, inflight
 from hvd_topk._horovod import elastic_mode, hvd
-from hvd_topk._torch import compiled_autograd_active
+from hvd_topk._torch import compiled_autograd_active, still_written, written
 from hvd_topk.buckets import make_buckets
 from hvd_topk.codec import Codec
 from hvd_topk.loss_scale import ResidualScale
 from hvd_topk.planner import ExchangePlanner
 from hvd_topk.schedule import DensitySchedule
-from hvd_topk.selection import NATIVE_IN_USE, native_in_use, native_ok, sample_seed
+from hvd_topk.selection import DENSE_EXCHANGES, NATIVE_IN_USE, native_in_use, native_ok, sample_seed
 from hvd_topk.sparse_grads import SparseGradients
 from hvd_topk.stats import DENSE_FP32_BYTES, CompressionStats
 
@@ -51,6 +51,10 @@ STEPPED_THE_INNER = (" If you stepped the optimizer you passed to hvd_topk.Distr
                      "the one it returned, that applied this rank's own gradient without an exchange: step "
                      "the returned one.")
 
+STEPPED_AGAIN = ("hvd_topk.DistributedOptimizer over {}: step() again without a new backward(): p.grad still "
+                 "holds the update the last step applied, which would be taken for a gradient and applied "
+                 "again; run zero_grad() and backward() before each step() (a parameter no backward reached "
+                 "since needs its p.grad zeroed or set to None)")
 STEP_KEY = "hvd_topk_step"  # in the optimizer's first param group (see TopKEngine.step)
 TRIAL_KEY = "hvd_topk_exchange_trial"  # there too: exchange="auto"'s progress (TopKEngine._follow_root)
 COMPILED_AUTOGRAD_ERROR = (
@@ -143,7 +147,8 @@ class TopKEngine:
             check_ranks_agree(self, compression, inner, grad_scaler is not None)
         # the host / cross-host process sets when the hierarchical exchange may be used
         setting = options.hierarchical
-        if setting == "auto" and (options.momentum_correction or compression.compact or options.exchange == "dense"):
+        if setting == "auto" and (options.momentum_correction or compression.compact
+                                  or options.exchange in DENSE_EXCHANGES):
             # nothing would run hierarchically (a dense exchange; compact pairs, the flat
             # allgather's alone), or momentum_correction, which it does not support: "auto"
             # steps aside (the checkpoint keeps the flat format too)
@@ -181,6 +186,8 @@ class TopKEngine:
         self.active = exchange.ActiveRanks(f"{self.prefix}.active")  # hvd.join() probe
         self.sparse = SparseGradients(names, options.sparse_as_dense)
         self.transform = None      # the inner optimizer's transform_local_gradient(p, grad, ranks), if any
+        self.results = {}          # with a transform: id(p) -> _torch.written(p.grad) at the last synchronize
+        self.inner = inner
         self.on_exchanged = None   # and its exchanged(), told when p.grad holds the step's result
         self.sketcher = None       # and the optimizer itself if it sketches gradients (sketch_rows)
         self.used = {}             # bucket index -> strategy name of its last exchange
@@ -331,6 +338,7 @@ class TopKEngine:
                     # a gradient whose last hook never fired (a step after fewer than
                     # backward_passes_per_step passes, or p.grad set by hand): the inner
                     # optimizer's transform (LocalAdamW's update) applies to it as to the others
+                    # (never to the last step's result: ``_refuse_stepping_again``)
                     self.transform(m.param, grad, self.world)
                 self._fold(bucket, position, grad)
         current = bucket.current or self._begin_bucket(bucket)
@@ -423,6 +431,18 @@ class TopKEngine:
             "feed a schedule driven by a metric (ReduceLROnPlateau) the ranks' average of it (hvd.allreduce), "
             "and hvd.broadcast_optimizer_state(opt, root_rank=0) after loading a checkpoint on one rank.")
 
+    def _refuse_stepping_again(self):
+        """With a transform (LocalAdamW, DeMo): refuse, before anything is exchanged, a step in
+        which a parameter whose hook did not fire still holds the last step's exchanged update in
+        ``p.grad`` (no backward since). Its launch would take that update for a gradient and
+        apply it again; the bare optimizer's own check cannot see it, the transform having run."""
+        if not self.results:
+            return
+        for p in self.params:
+            record = self.results.get(id(p))
+            if record is not None and self.passes[id(p)] < self.passes_per_step and still_written(record, p.grad):
+                raise RuntimeError(STEPPED_AGAIN.format(self.inner))
+
     def _refuse_different_steps(self):
         raise RuntimeError(
             f"hvd_topk.DistributedOptimizer: the ranks are at different steps (this rank: {self.step}), so "
@@ -448,6 +468,7 @@ class TopKEngine:
                                "parameters, which now exchanges their gradients: step the new one")
         check_parameters_unchanged(self.param_groups, self.param_ids, self.params, self.layout,
                                    "hvd_topk.DistributedOptimizer")
+        self._refuse_stepping_again()
         if self.ctx is None:
             self._begin_step()
         for bucket in self.buckets:
@@ -480,6 +501,8 @@ class TopKEngine:
         self.stats.add(steps=1)
         self.synchronized = self.awaiting_inner_step = True
         self.ctx = None
+        if self.transform is not None:
+            self.results = {id(p): written(p.grad) for p in self.params if p.grad is not None}
         if self.on_exchanged is not None:
             self.on_exchanged()
 

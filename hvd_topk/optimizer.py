@@ -7,6 +7,7 @@ engine (``hvd_topk.engine.TopKEngine``).
 """
 
 import warnings
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -133,6 +134,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if hasattr(optimizer, ENGINE):
         raise ValueError("optimizer is already a hvd_topk.DistributedOptimizer")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        # (its step(closure) would run after the closure's one evaluation, with none of its own)
+        raise TypeError("torch.optim.LBFGS is not supported: it evaluates its closure several times a step, and "
+                        "every evaluation's gradients would need an exchange of their own")
     if hasattr(optimizer, LOCAL):
         raise ValueError("optimizer is a hvd_topk.LocalSteps, which exchanges the model itself: use it alone "
                          "(it takes the DistributedOptimizer's options for its exchange)")
@@ -190,12 +195,28 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
     setattr(wrapped, ENGINE, engine)
     # An inner optimizer that works on each rank's own gradient before the exchange (LocalAdamW)
     # defines transform_local_gradient(param, grad, ranks): ranks' results will be averaged.
-    engine.transform = getattr(wrapped, "transform_local_gradient", None)
-    engine.on_exchanged = getattr(wrapped, "exchanged", None)
+    # The engine holds the optimizer weakly: the optimizer holds the engine, and that cycle kept
+    # a dropped optimizer's gradient hooks working on the next one's gradients until Python's
+    # garbage collector ran (at different times on different ranks).
+    engine.transform = _weakly(getattr(wrapped, "transform_local_gradient", None))
+    engine.on_exchanged = _weakly(getattr(wrapped, "exchanged", None))
     # and one that measures the ranks' average gradient (LocalAdamW(variance_sketch=B)) has its
     # sketches averaged after each exchange
-    engine.sketcher = wrapped if callable(getattr(wrapped, "sketch_rows", None)) else None
+    engine.sketcher = weakref.proxy(wrapped) if callable(getattr(wrapped, "sketch_rows", None)) else None
     return wrapped
+
+
+def _weakly(method):
+    """A bound ``method`` (or None) held through a ``weakref.WeakMethod``: its object can be
+    collected while the returned function lives (which then does nothing)."""
+    if method is None:
+        return None
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        alive = ref()
+        return None if alive is None else alive(*args)
+    return call
 
 
 def check_single_momentum(optimizer):

@@ -1,5 +1,6 @@
 """hvd_topk/_torch.py (what hvd_topk needs from PyTorch beyond its documented API), single
-process: compiled autograd detection, copy_all with and without torch._foreach_copy_."""
+process: compiled autograd detection, copy_all with and without torch._foreach_copy_, the
+record of a tensor left unchanged."""
 
 import pytest
 import torch
@@ -31,3 +32,20 @@ def test_copy_all_copies_each_pair_with_or_without_foreach(foreach, monkeypatch)
     _torch.copy_all(dests, srcs)
     assert dests[0].tolist() == [1.5, -2.0, 3.0] and dests[0].dtype == torch.float32
     assert torch.equal(dests[1], srcs[1]) and dests[1].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_still_written_sees_in_place_changes_and_replacements():
+    """``_torch.written`` / ``still_written``: the same tensor untouched since counts as still
+    written; an in-place change (a backward accumulating into it, ``zero_()``), or another
+    tensor in its place, does not."""
+    from hvd_topk._torch import still_written, written
+
+    grad = torch.ones(4)
+    record = written(grad)
+    assert still_written(record, grad)
+    assert not still_written(record, torch.ones(4))  # equal values, another tensor
+    grad.add_(1.0)
+    assert not still_written(record, grad)
+    record = written(grad)
+    grad.zero_()
+    assert not still_written(record, grad)

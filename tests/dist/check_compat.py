@@ -8,6 +8,7 @@ Run: PYTHONPATH=.:tests/support mpirun -np 2 (or 3) python tests/dist/check_comp
 import copy
 import re
 import warnings
+import weakref
 
 import numpy as np
 import torch
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 import horovod.torch as hvd
 import hvd_topk
 from check_optimizer import Net, batch, build, train
+from hvd_topk.optimizer import ENGINE
 from nets import distinct_16bit
 import harness
 from harness import assert_same_on_all_ranks, gather, raises, raw_gradients, run, step_and_check_same
@@ -228,6 +230,62 @@ def check_rebuilt_after_unfreezing():
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         assert torch.equal(p.grad, q.grad), f"{name}: the dropped optimizer still touched the gradient"
     plain.step()
+
+
+def check_dropped_optimizer_stops_at_once(inner):
+    """A DistributedOptimizer over LocalAdamW or DeMo stops exchanging as soon as it is dropped,
+    without waiting for the garbage collector (switched off here): the next backward leaves each
+    rank's own gradient in ``p.grad``. Its engine held the optimizer's transform strongly, a
+    cycle that kept the hooks alive, turning the next optimizer's gradients into Adam updates
+    (or starting collectives on whichever ranks had not collected it yet) until a collection
+    ran. Truth: the gradient of the same loss on a copy without hvd_topk."""
+    import gc
+
+    make = {"LocalAdamW": lambda ps: hvd_topk.LocalAdamW(ps, lr=1e-2),
+            "DeMo": lambda ps: hvd_topk.DeMo(ps, lr=1e-2)}[inner]
+    torch.manual_seed(0)
+    model = Net()
+    gc.collect()
+    gc.disable()
+    try:
+        opt = hvd_topk.DistributedOptimizer(make(model.parameters()), named_parameters=model.named_parameters(),
+                                            min_numel=MIN_NUMEL, exchange="allgather")
+        train(model, opt, 2)
+        engine = weakref.ref(getattr(opt, ENGINE))
+        del opt
+        assert engine() is None, f"{inner}: the dropped optimizer's engine is still alive"
+        x, y = batch(4, hvd.rank())
+        twin = copy.deepcopy(model)
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        F.cross_entropy(twin(x), y).backward()
+    finally:
+        gc.enable()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad), f"{inner}, {name}: the dropped optimizer still touched the gradient"
+
+
+def check_stepped_again_without_backward(inner):
+    """``step()`` twice without a backward in between, over LocalAdamW or DeMo: refused before
+    anything is exchanged, the weights as the first step left them (``p.grad`` still held the
+    applied update, which the transform took for a gradient: Adam ran on it and the step was
+    applied again, silently). Then a backward and a step train on as before, ranks alike."""
+    make = {"LocalAdamW": lambda ps: hvd_topk.LocalAdamW(ps, lr=1e-2),
+            "DeMo": lambda ps: hvd_topk.DeMo(ps, lr=1e-2)}[inner]
+    torch.manual_seed(0)
+    model = Net()
+    opt = hvd_topk.DistributedOptimizer(make(model.parameters()), named_parameters=model.named_parameters(),
+                                        min_numel=MIN_NUMEL, exchange="allgather")
+    train(model, opt, 2)
+    before = copy.deepcopy(model.state_dict())
+    with raises(RuntimeError, match="without a new backward", what=f"{inner}: step() again"):
+        opt.step()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), f"{inner}: {name} moved in the refused step"
+    train(model, opt, 1, start=2)
+    assert opt.compression_stats()["steps"] == 3
+    for name, p in model.named_parameters():
+        assert_same_on_all_ranks(p.detach().numpy(), f"{inner}, after the refusal: {name}")
 
 
 def check_step_after_synchronize_without_skip():
@@ -789,6 +847,10 @@ CHECKS = [
     ("parameter frozen after construction refused", check_frozen_parameter_refused),
     ("horovod: unfrozen parameter diverges", check_horovod_unfrozen_parameter_diverges),
     ("a new optimizer after unfreezing takes over", check_rebuilt_after_unfreezing),
+    ("a dropped optimizer over LocalAdamW stops at once", lambda: check_dropped_optimizer_stops_at_once("LocalAdamW")),
+    ("a dropped optimizer over DeMo stops at once", lambda: check_dropped_optimizer_stops_at_once("DeMo")),
+    ("step() again without a backward, LocalAdamW: refused", lambda: check_stepped_again_without_backward("LocalAdamW")),
+    ("step() again without a backward, DeMo: refused", lambda: check_stepped_again_without_backward("DeMo")),
     ("step() after synchronize() without skip_synchronize", check_step_after_synchronize_without_skip),
     ("sparse_as_dense", check_sparse_as_dense),
     ("sparse_as_dense, two sparse embeddings", lambda: check_sparse_as_dense(second=True)),
