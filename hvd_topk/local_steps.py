@@ -25,6 +25,7 @@ Tuning (what the papers and our runs say; docs/adamw.md has the measurements):
 """
 
 import warnings
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -119,18 +120,24 @@ STEPPED_ELSEWHERE = (
 ELSEWHERE_ALLOWED = 2  # hvd.broadcast_optimizer_state steps a fresh optimizer once (twice: called twice)
 
 
-def warn_stepped_elsewhere(local):
-    """A step post-hook on the user's optimizer (its hooks are the returned one's: shared): the
-    steps it takes outside ``LocalSteps``' own ``step()``. Horovod's broadcast of a fresh
-    optimizer's state takes one such step (``hvd.broadcast_optimizer_state``), so a warning, once,
-    from the third in a row: the returned optimizer never stepped, nothing is synchronised."""
+def warn_stepped_elsewhere(optimizer, local):
+    """Register on ``optimizer`` (the returned one: its hooks are the user's optimizer's, shared)
+    a step post-hook counting the steps taken outside ``LocalSteps``' own ``step()``. Horovod's
+    broadcast of a fresh optimizer's state takes one such step (``hvd.broadcast_optimizer_state``),
+    so a warning, once, from the third in a row: the returned optimizer never stepped, nothing is
+    synchronised. The hook holds ``local`` weakly and comes off when it is collected (the
+    LocalSteps dropped): it would otherwise count, and warn about, the steps of whatever wraps the
+    user's optimizer next, and keep the dropped one's shared weights alive."""
+    ref = weakref.ref(local)
+
     def hook(optimizer, args, kwargs):
-        if local.inside:
+        local = ref()
+        if local is None or local.inside:
             return
         local.steps_elsewhere += 1
         if local.steps_elsewhere == ELSEWHERE_ALLOWED + 1:
             warnings.warn(STEPPED_ELSEWHERE.format(n=local.steps_elsewhere), stacklevel=3)
-    return hook
+    weakref.finalize(local, optimizer.register_step_post_hook(hook).remove)
 
 
 def LocalSteps(optimizer, named_parameters=None, *, sync_every, compression=TopK, outer_lr=1.0,
@@ -212,7 +219,7 @@ def LocalSteps(optimizer, named_parameters=None, *, sync_every, compression=TopK
     # param-group options from the start: hvd.broadcast_optimizer_state broadcasts each rank's own
     # keys, so a fresh elastic worker must have the same ones as the others
     wrapped.param_groups[0].update({PHASE_KEY: 0, SYNCS_KEY: 0, OUTER_TRIAL_KEY: None})
-    wrapped.register_step_post_hook(warn_stepped_elsewhere(getattr(wrapped, LOCAL)))
+    warn_stepped_elsewhere(wrapped, getattr(wrapped, LOCAL))
     return wrapped
 
 

@@ -192,6 +192,31 @@ def check_unfrozen_after_construction():
         train(model, opt, 1, start=1)
 
 
+def check_dropped_leaves_no_hook():
+    """A LocalSteps that is dropped takes its step post-hook (which counts the inner optimizer's
+    steps taken outside it) off the inner optimizer it shares hooks with: the same inner
+    optimizer, wrapped next in hvd_topk.DistributedOptimizer as the refusal of an unfrozen
+    parameter advises, trains without a warning that it was "stepped without a step() of the
+    optimizer LocalSteps returned" (the old hook counted its steps and kept the dropped
+    LocalSteps' anchors and outer optimizer alive)."""
+    torch.manual_seed(0)
+    model = Net()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)  # no momentum: nothing per rank to bring together
+    hooks = len(inner._optimizer_step_post_hooks)
+    opt = hvd_topk.LocalSteps(inner, named_parameters=model.named_parameters(), sync_every=2,
+                              compression=hvd_topk.TopK(density=0.05), min_numel=MIN_NUMEL, exchange="allgather")
+    train(model, opt, 2)
+    del opt
+    assert len(inner._optimizer_step_post_hooks) == hooks, "the dropped LocalSteps' hook is still on the optimizer"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*stepped .* without a step\(\) of the optimizer LocalSteps returned")
+        opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(), min_numel=MIN_NUMEL,
+                                            exchange="allgather")
+        train(model, opt, 4, start=2)
+    for name, p in model.named_parameters():
+        assert_same_on_all_ranks(p.detach().numpy(), f"after LocalSteps, the DistributedOptimizer: {name}")
+
+
 def check_frozen_after_construction():
     """fc1 trainable when LocalSteps is built and frozen after a step: its shared copy would
     still move by the residual of its earlier changes, and each synchronisation resets it to
@@ -748,6 +773,7 @@ def check_bad_input():
 
 
 CHECKS = [
+    ("a dropped LocalSteps leaves no step hook behind", check_dropped_leaves_no_hook),
     ("a rollback on rank 0, broadcast: one outer exchange on every rank (auto)", check_rollback_on_rank_0_auto),
     ("SGD inside, H=3, allgather", lambda: check_reference(sgd())),
     ("AdamW inside, H=2, Nesterov outer, residual decay, sparse allreduce", lambda: check_reference(
