@@ -411,8 +411,8 @@ def make_buckets(params, names, min_numel, fusion_bytes, groups=None, error_feed
                     what = f"a tensor of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else repr(p)
                     raise ValueError(f"groups holds {what} that is not one of the optimizer's parameters")
             members = [p for p in group if id(p) in chosen]
-            if any(id(p) in listed for p in members):
-                raise ValueError("a parameter appears in more than one of groups")
+            if any(id(p) in listed for p in members) or len(set(map(id, members))) < len(members):
+                raise ValueError("a parameter appears more than once in groups")
             listed.update(map(id, members))
             if members:
                 plans.append(members)

@@ -36,8 +36,10 @@ def test_buckets_split_by_dtype_and_groups_override():
         [["p2"], ["p1"], ["p0"]]
     listed = make_buckets(ps, names_of(ps), 100, 1 << 20, groups=[[ps[0]]])
     assert [[m.name for m in b.members] for b in listed] == [["p0"], ["p2"], ["p1"]]
-    with pytest.raises(ValueError, match="more than one"):
+    with pytest.raises(ValueError, match="more than once"):
         make_buckets(ps, names_of(ps), 100, 1 << 20, groups=[[ps[0]], [ps[0]]])
+    with pytest.raises(ValueError, match="more than once"):  # (it was sent and kept twice)
+        make_buckets(ps, names_of(ps), 100, 1 << 20, groups=[[ps[0], ps[0]]])
     with pytest.raises(ValueError, match=">= 1"):
         make_buckets(ps, names_of(ps), 100, 1 << 20, groups=0)
 

@@ -592,6 +592,7 @@ def check_bad_input():
         ({"groups": [[torch.zeros(3)]]}, ValueError, "groups holds a tensor of shape (3,) that is not one of the "
                                                      "optimizer's parameters"),
         ({"groups": [w, model.fc2.weight]}, ValueError, "got a list of Parameter"),
+        ({"groups": [[w, w]]}, ValueError, "a parameter appears more than once in groups"),
         ({"named_parameters": used_up}, ValueError, "named_parameters is empty (a model.named_parameters() generator"),
     ]:
         with raises(error, match=re.escape(text), what=f"{kwargs}"):
@@ -602,6 +603,10 @@ def check_bad_input():
     with raises(ValueError, match=re.escape("the optimizer holds a parameter twice (shape (96, 40), position 2"),
                 what="a parameter listed twice"):
         hvd_topk.DistributedOptimizer(twice)
+    # LBFGS (several closure evaluations a step): named when wrapped (its step once failed with
+    # "missing 1 required positional argument: 'closure'" after an exchange had run)
+    with raises(TypeError, match="torch.optim.LBFGS is not supported", what="LBFGS"):
+        hvd_topk.DistributedOptimizer(torch.optim.LBFGS(model.parameters()), named_parameters=model.named_parameters())
     # hvd.DistributedOptimizer around ours: a clear error (it was an AttributeError on a setter)
     model, opt = build(min_numel=500)
     with raises(TypeError, match="do not wrap it in hvd.DistributedOptimizer", what="hvd's wrapper around ours"):
