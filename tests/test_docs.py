@@ -222,6 +222,53 @@ def test_path_checker_sees_the_examples():
     assert any(p.startswith("benchmarks/") for p in named)
 
 
+# ---- distributed checks the pages name ---------------------------------------------------------
+
+CHECK_CITATION = re.compile(r"`(check_\w+): ([^`]+)`")
+CHECK_NAME = re.compile(r"""^\s*\(\s*(["'])(.+?)\1\s*,""", re.M)
+STRING = re.compile(r"""(["'])((?:(?!\1).)+)\1""")
+
+
+def check_names(script):
+    """The names of ``tests/dist/<script>.py``'s checks (its CHECKS entries), and every string
+    literal in it (names built in a loop: ``optimizer("groups=2", ...)``)."""
+    text = (ROOT / "tests" / "dist" / f"{script}.py").read_text()
+    return {m.group(2) for m in CHECK_NAME.finditer(text)}, {m.group(2) for m in STRING.finditer(text)}
+
+
+def check_citations(pages):
+    """``(page, script, name)`` for every `check_x: name` a page cites, whitespace collapsed;
+    those abbreviated with "..." are left out."""
+    for page in pages:
+        for m in CHECK_CITATION.finditer(page.read_text()):
+            name = " ".join(m.group(2).split())
+            if "..." not in name and "\u2026" not in name:
+                yield page, m.group(1), name
+
+
+def cited_check_exists(script, name):
+    """A cited check exists: a check of that name, or one it begins (a family of checks), or
+    a name built from a literal its last part matches."""
+    if not (ROOT / "tests" / "dist" / f"{script}.py").exists():
+        return False
+    names, literals = check_names(script)
+    return any(n.startswith(name) for n in names) or name.rsplit(": ", 1)[-1] in literals
+
+
+def test_cited_checks_exist():
+    missing = [f"{page.relative_to(ROOT)}: `{script}: {name}`" for page, script, name in check_citations(doc_pages())
+               if not cited_check_exists(script, name)]
+    assert not missing, "the pages cite checks that do not exist:\n" + "\n".join(missing)
+
+
+def test_check_citation_checker_sees_citations_and_a_missing_one():
+    cited = list(check_citations(doc_pages()))
+    assert len(cited) > 50
+    assert cited_check_exists("check_ddp", "DDP rebuilds later buckets, keeps the first")
+    assert not cited_check_exists("check_ddp", "residual decay under auto: never sent whole")
+    assert not cited_check_exists("check_nothing", "bad input")
+
+
 # ---- documentation references in hvd_topk's messages -------------------------------------------
 
 DOC_REF = re.compile(r"((?:README|docs/[\w-]+)\.md)(#[\w-]+)?")

@@ -516,15 +516,17 @@ def check_residuals_channels_last():
                                           err_msg=f"{name} loaded into {memory_format} and saved again")
 
 
-def check_demo(steps=4, density=0.05, lr=0.05, beta=0.8, wd=0.1):
+def check_demo(steps=4, density=0.05, lr=0.05, beta=0.8, wd=0.1, exchange="allgather"):
     """DeMo through the hook: the accumulator is beta * residual + lr * g (TopKState takes DeMo's
-    beta as its residual decay), and inner.step() applies p * (1 - lr wd) - lr * sign(result)."""
+    beta as its residual decay), and inner.step() applies p * (1 - lr wd) - lr * sign(result).
+    Under ``exchange="auto"`` at a density where a dense allreduce moves fewer bytes, the
+    accumulator (DeMo's momentum) is still never sent whole: the same pairs as the allgather's."""
     rank, size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = Net().to(DEVICE)
     ddp = DDP(model)
     inner = hvd_topk.DeMo(model.parameters(), lr=lr, beta=beta, weight_decay=wd)
-    state = hvd_topk.ddp.TopKState(density=density, optimizer=inner, min_numel=MIN_NUMEL, exchange="allgather")
+    state = hvd_topk.ddp.TopKState(density=density, optimizer=inner, min_numel=MIN_NUMEL, exchange=exchange)
     assert state.residual_decay == beta
     ddp.register_comm_hook(state, hvd_topk.ddp.topk_hook)
     shadow = copy.deepcopy(model)
@@ -1069,6 +1071,8 @@ CHECKS = [
     ("LocalAdamW stepped twice, or another optimizer stepped: said", check_local_adamw_misstepped),
     ("checkpoint of channels_last weights: residuals in element order", check_residuals_channels_last),
     ("DeMo through optimizer=", check_demo),
+    # at 60% the pairs (8 bytes each) move more bytes than a ring allreduce: plain error feedback would go dense
+    ("DeMo through optimizer=, auto at 60%: never sent whole", lambda: check_demo(density=0.6, exchange="auto")),
     ("checkpoint resume, several buckets", check_resume),
     ("checkpoint resume, one bucket, decay", lambda: check_resume(bucket_cap_mb=25, residual_decay=0.9)),
     ("checkpoint resume into torch.compile's parameter names", lambda: check_resume(compiled_names=True)),

@@ -118,17 +118,20 @@ def check_users_process_sets_serve_the_hierarchy():
 
 def check_auto_steps_aside_where_nothing_runs_hierarchically():
     """hierarchical="auto" (the default) on 3 hosts x 2 with momentum_correction (which the
-    hierarchical exchange does not support), with compact pairs and with exchange="dense": it
+    hierarchical exchange does not support), with compact pairs and with exchange="dense" or
+    "dense_fp16" (which it did not step aside for before 2026-12-05): it
     steps aside, so the job trains as on one host (momentum_correction raised before
     2026-12-05); hierarchical=True still refuses momentum_correction."""
     for options in [dict(momentum_correction=0.9, exchange="allgather"),
                     dict(exchange="allgather", compression=hvd_topk.TopK(density=DENSITY, compact=True)),
-                    dict(exchange="dense")]:
+                    dict(exchange="dense"), dict(exchange="dense_fp16")]:
         torch.manual_seed(0)
         model = Net()
         opt = _optimizer(model, **options)
         train(model, opt, 2, batch)
         assert not opt.compression_stats()["hierarchical"], options
+        # nor does its checkpoint say it was (a resume at another layout would drop its residuals)
+        assert "hierarchy" not in opt.state_dict()["hvd_topk"], options
         for name, p in model.named_parameters():
             assert_same_on_all_ranks(p.detach().numpy(), f"{options}: parameter {name}")
     with raises(ValueError, match="momentum_correction is not supported with the hierarchical exchange"):
