@@ -44,7 +44,10 @@ depend on P):
   sparse allreduce at about 67%. That rule counts bytes only, so it can still pick sparse where
   selection makes sparse slower (flagged in the table).
 - step = compute + t_cpu + max(0, t_wire - overlap * compute); by default overlap = 0 (no
-  overlap of communication with backward: the pessimistic bound). Efficiency = compute / step.
+  overlap of communication with backward). That is the pessimistic bound for each method's
+  efficiency, but it favours compression in the comparison: on GPUs a dense allreduce hides much
+  of its time behind backward, while hvd_topk's CPU-side selection and decode (t_cpu) are never
+  hidden here either. Efficiency = compute / step.
   At P = 1 nothing is exchanged: step = compute.
 
 Selection cost per element c_sel is read from benchmarks/results/selection/selection.json when present
@@ -56,7 +59,9 @@ whose method names the streaming pass ("stream"/"floor"), else --pass-ns (0.2 ns
 These are CPU numbers from the project machine; a GPU selects at its own speed: set --selection-ns.
 
 Ignored (state of the model): small tensors that hvd_topk always sends dense (biases, norms,
-<1% of the parameters), Horovod's negotiation and cycle time, fp16 cast cost, contention
+<1% of the parameters but about 0.22 MB a step for ResNet-50 in fp32: about a tenth of the pairs'
+bytes at 1%, as much again as the pairs at 0.1%, so the 0.1% rows under-count hvd_topk's bytes
+about 2x), Horovod's negotiation and cycle time, fp16 cast cost, contention
 between links, hierarchical/tree algorithms, compute slowing down at larger P, and accuracy.
 """
 
