@@ -47,8 +47,14 @@ Bytes on the wire: each rank's eth0 tx/rx byte counters (the namespace's
 barrier allreduce and TCP/IP headers). "payload" is what the method hands to the network per
 rank and step (4 B x n for dense fp32, 2 B x n for fp16, hvd_topk's own ``bytes_sent``).
 
-Full run (about 10-15 min with torch.topk selection):
-    .venv/bin/python benchmarks/exchange.py
+``--interleave`` builds every method at once and interleaves their timed steps (each warmed up
+alone first, ``exchange="auto"``'s trial included), so the machine's drift falls on every method
+alike; ``--rounds R`` makes R passes over the methods instead (one method alive at a time). Without
+either the methods run one after another, as every run before 2026-12-05 did (the first method's
+steps ran up to 40% slower in one of them). Each method's tensors have their own Horovod names.
+
+Full run (about 10-15 min):
+    .venv/bin/python benchmarks/exchange.py --interleave
 Quick smoke run:
     .venv/bin/python benchmarks/exchange.py --ranks 2 --rates 1gbit --methods dense topk-ef \\
         --densities 0.01 --steps 2 --warmup 1 --output-name exchange-smoke
@@ -66,10 +72,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (RESNET50_PARAMS, TOPK_METHODS, agree, common_arguments, driver, forward,  # noqa: E402
-                     hvd_topk_line, label, launch_line, loss_constants, make_optimizer, method_list,
-                     overhead_versus, rank_sums, resnet50_shapes, run_heading, slowest_rank_ms,
-                     stats_difference, summary, versus, warmup_steps, zero_grad)
+from _common import (RESNET50_PARAMS, TOPK_METHODS, agree, check_order_arguments, common_arguments,  # noqa: E402
+                     driver, forward, hvd_topk_line, label, launch_line, loss_constants, make_optimizer,
+                     method_list, order_arguments, order_line, overhead_versus, rank_sums, resnet50_shapes,
+                     run_heading, slowest_rank_ms, stats_difference, summary, time_methods, versus,
+                     warmup_steps, zero_grad)
 
 GRAD_MODES = {
     "realistic": "realistic: zero_grad(set_to_none=True), forward, backward allocates fresh p.grad, "
@@ -120,73 +127,89 @@ def worker(args):
     def barrier():
         hvd.allreduce(torch.zeros(1), name="bench.barrier", op=hvd.Sum)
 
-    results = []
-    for method in method_list(args.methods, args.densities):
+    def build(method):
+        """``method``'s parameters (ResNet-50's shapes, zero) and optimizer."""
         gc.collect()
         params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+        # names per method: interleaved methods must not share Horovod's tensor names (its response
+        # cache would be invalidated at every switch between fp32 and fp16 tensors of one name)
         opt, comp = make_optimizer(method, torch.optim.SGD(params, lr=0.0),
-                                   [(f"p{i}", p) for i, p in enumerate(params)], args.topk_method,
+                                   [(f"{method}.p{i}", p) for i, p in enumerate(params)], args.topk_method,
                                    hvd, hvd_topk, fp16_values=getattr(args, "fp16_values", False))
         if args.grad_mode != "realistic":
             for p in params:
                 p.grad = torch.zeros_like(p)
-        times, check = [], None
-        warmup = warmup_steps(method, args.warmup)
-        total = warmup + args.steps
-        c0 = None
-        t_method = time.time()
-        for step in range(total):
-            grads = pool[step % len(pool)]
-            loss = None
-            if args.grad_mode == "set":
-                for p, gr in zip(params, grads):
-                    p.grad.copy_(gr)
-            elif args.grad_mode == "pre-zeroed":
-                for p in params:
-                    p.grad.zero_()
-            else:
-                zero_grad(opt, params)
-                loss = forward(params, grads)
-            barrier()
-            if step == warmup:
-                c0 = _read_counters()
-                if comp is not None:
-                    comp.reset_stats()
-                # totals at the start of the timed steps (the lead's rewrite may drop the reset)
-                stats0 = opt.compression_stats() if hasattr(opt, "compression_stats") else None
-            t0 = time.perf_counter()
-            if args.grad_mode == "pre-zeroed":
-                torch.autograd.backward(params, grad_tensors=grads)
-            elif loss is not None:
-                loss.backward()
-            if opt is not None:
-                opt.synchronize()
-            dt = time.perf_counter() - t0
-            if step >= warmup:
-                times.append(dt)
-            if step == 0 and opt is not None:
-                # sanity: every rank holds the same exchanged gradient, and it is finite
-                every = rank_sums(hvd, torch, [p.grad for p in params])
-                check = {"identical_across_ranks": len(set(every)) == 1,
-                         "finite": all(map(np.isfinite, every))}
-                if not check["identical_across_ranks"] or not check["finite"]:
-                    say(f"  WARNING {method}: exchanged gradients differ across ranks: {every}")
-            say(f"  [{method}] step {step + 1}/{total} {'(warm-up) ' if step < warmup else ''}"
-                f"{dt * 1e3:.0f} ms (rank 0)")
+        return {"method": method, "opt": opt, "comp": comp, "params": params, "times": [], "check": None,
+                "wire": [0, 0], "counted": True, "stats0": None, "warmup": warmup_steps(method, args.warmup),
+                "started": time.time()}
+
+    def one_step(m, step):
+        """One step of ``m`` (ranks aligned first); returns its seconds on this rank. Its timed
+        steps' eth0 bytes are counted around the step alone (the methods' steps may interleave)."""
+        params, opt, comp = m["params"], m["opt"], m["comp"]
+        grads = pool[step % len(pool)]
+        loss = None
+        if args.grad_mode == "set":
+            for p, gr in zip(params, grads):
+                p.grad.copy_(gr)
+        elif args.grad_mode == "pre-zeroed":
+            for p in params:
+                p.grad.zero_()
+        else:
+            zero_grad(opt, params)
+            loss = forward(params, grads)
         barrier()
-        c1 = _read_counters()
-        if c0 and c1:
-            wire = torch.tensor([(c1[0] - c0[0]) / args.steps, (c1[1] - c0[1]) / args.steps], dtype=torch.float64)
+        timed = step >= m["warmup"]
+        if step == m["warmup"]:
+            if comp is not None:
+                comp.reset_stats()
+            # totals at the start of the timed steps (the lead's rewrite may drop the reset)
+            m["stats0"] = opt.compression_stats() if hasattr(opt, "compression_stats") else None
+        c0 = _read_counters() if timed else None
+        t0 = time.perf_counter()
+        if args.grad_mode == "pre-zeroed":
+            torch.autograd.backward(params, grad_tensors=grads)
+        elif loss is not None:
+            loss.backward()
+        if opt is not None:
+            opt.synchronize()
+        dt = time.perf_counter() - t0
+        if opt is not None:
+            # the inner step (lr 0: the parameters stay zero), untimed: exchange="auto" times a
+            # step only after the last one's inner step ran, as in training
+            with opt.skip_synchronize():
+                opt.step()
+        if timed:
+            c1 = _read_counters()
+            if c0 and c1:
+                m["wire"] = [m["wire"][0] + c1[0] - c0[0], m["wire"][1] + c1[1] - c0[1]]
+            else:
+                m["counted"] = False
+        if step == 0 and opt is not None:
+            # sanity: every rank holds the same exchanged gradient, and it is finite
+            every = rank_sums(hvd, torch, [p.grad for p in params])
+            m["check"] = {"identical_across_ranks": len(set(every)) == 1, "finite": all(map(np.isfinite, every))}
+            if not m["check"]["identical_across_ranks"] or not m["check"]["finite"]:
+                say(f"  WARNING {m['method']}: exchanged gradients differ across ranks: {every}")
+        total = m["warmup"] + args.steps
+        say(f"  [{m['method']}] step {step + 1}/{total} {'(warm-up) ' if step < m['warmup'] else ''}"
+            f"{dt * 1e3:.0f} ms (rank 0)")
+        return dt
+
+    def finish(m):
+        method, opt, comp = m["method"], m["opt"], m["comp"]
+        if m["counted"]:
+            wire = torch.tensor([m["wire"][0] / args.steps, m["wire"][1] / args.steps], dtype=torch.float64)
         else:
             wire = torch.tensor([float("nan"), float("nan")], dtype=torch.float64)
-        slowest = slowest_rank_ms(hvd, torch, times)
+        slowest = slowest_rank_ms(hvd, torch, m["times"])
         all_wire = hvd.allgather(wire.view(1, 2), name="bench.wire")
         row = {"method": method, "label": label(method), "P": size, **slowest,
-               "rank0_ms": [1e3 * t for t in times],
+               "rank0_ms": [1e3 * t for t in m["times"]],
                "wire_tx_bytes_per_step_rank": float(all_wire[:, 0].mean()),
                "wire_rx_bytes_per_step_rank": float(all_wire[:, 1].mean()),
                "wire_tx_bytes_per_step_each_rank": all_wire[:, 0].tolist(),  # the busiest link sets the pace
-               "check": check, "wall_s": time.time() - t_method}
+               "check": m["check"], "wall_s": time.time() - m["started"]}
         name = method.partition("@")[0]
         if name == "dense":
             row["payload_bytes_per_step_rank"] = 4 * n
@@ -195,7 +218,7 @@ def worker(args):
         elif name == "none":
             row["payload_bytes_per_step_rank"] = 0
         if name in TOPK_METHODS and name != "topk":
-            st = stats_difference(opt.compression_stats(), stats0)
+            st = stats_difference(opt.compression_stats(), m["stats0"])
             row["compression_stats"] = st
             row["payload_bytes_per_step_rank"] = st["bytes_sent"] / max(1, st.get("steps") or args.steps)
             # every rank's timers (ms per timed step): ranks of different hosts can differ a lot
@@ -206,10 +229,12 @@ def worker(args):
             st = comp.stats()
             row["compression_stats"] = st
             row["payload_bytes_per_step_rank"] = st["bytes_sent"] / args.steps
-        results.append(row)
         say(f"{label(method):>14}: median {row['median_ms']:8.1f} ms/step   "
             f"wire tx {row['wire_tx_bytes_per_step_rank'] / 1e6:8.2f} MB/step/rank")
-        del opt, comp, params
+        return row
+
+    results = time_methods(method_list(args.methods, args.densities), build, one_step, finish, args.steps,
+                           interleave=args.interleave, rounds=args.rounds)
     if rank == 0 and args.out:
         Path(args.out).write_text(json.dumps({"hosts": names, "rows": results,
                                               "hvd_topk": {"version": hvd_topk.__version__, "file": hvd_topk.__file__,
@@ -226,7 +251,9 @@ def exchange_worker_args(args):
         out += ["--fp16-values"]
     if args.ranks_per_host > 1:
         out += ["--ranks-per-host", str(args.ranks_per_host)]
-    return out
+    if args.interleave:
+        out += ["--interleave"]
+    return out + ["--rounds", str(args.rounds)]
 
 
 def markdown(report):
@@ -244,10 +271,10 @@ def markdown(report):
              f"`{s.get('topk_method') or 'TopK default'}`{', fp16 values' if s.get('fp16_values') else ''}; "
              f"{s['threads']} torch thread(s) per rank",
              hvd_topk_line(report), launch_line(report),
-             "- the methods run one after the other in the order of `--methods` (no interleaving: the "
-             "machine's drift over minutes falls on them unevenly)",
+             f"- order: {order_line(s)}",
              "- time = backward (gradient deposit) + exchange (selection, allgather/allreduce, "
-             "decompression); `none` = backward only; wire = eth0 tx bytes per rank and step (counters); "
+             "decompression); `none` = backward only; wire = eth0 tx bytes per rank and step (counters, "
+             "read around each timed step: the barrier before it is not counted); "
              "payload = bytes the method hands to the network per rank and step", ""]
     for run in report["runs"]:
         rows = run["rows"]
@@ -318,7 +345,9 @@ def main(argv=None):
                     help="realistic (default): zero_grad(set_to_none=True) + forward + backward into "
                          "fresh p.grad; pre-zeroed (flatters compression): backward adds into existing "
                          "zeroed p.grad; set: only synchronize() timed")
+    order_arguments(ap)
     args = ap.parse_args(argv)
+    check_order_arguments(ap, args)
     if args.worker:
         worker(args)
     else:

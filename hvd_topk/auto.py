@@ -28,6 +28,7 @@ Every trial step is a correct training step under the family it uses; only the s
 import statistics
 import sys
 import time
+import warnings
 
 import torch
 
@@ -93,6 +94,11 @@ def families(hierarchical_available, hierarchical_only, compact=False, fp16=Fals
     if hierarchical_only:
         return dense + hier
     return dense + sparse + hier
+
+
+UNTIMED_NOTE = ("the Horovod optimizer times a step only once the inner optimizer's step() ran after the "
+                "last synchronize() (a GradScaler's skipped step is not timed): call optimizer.step() every step, "
+                "or pin exchange=")
 
 
 class Trial:
@@ -209,6 +215,8 @@ class Trial:
         self.medians = medians
         self.choice = min(families, key=lambda f: (medians[f], families.index(f)))
         self.decided_at = step
+        if all(m == float("inf") for m in medians.values()):
+            warnings.warn(f"hvd_topk: exchange='auto' {self.reason()}", stacklevel=2)
         return True
 
     def reason(self):
@@ -220,6 +228,9 @@ class Trial:
                 why = "the only candidate the cost model left"
             else:
                 why = f"trial in progress ({self.position} of {self.per_candidate * len(self.candidates)} steps)"
+        elif all(t == float("inf") for t in self.medians.values()):
+            why = (f"timed no step of its trial on any rank, so {self.choice}, its first candidate, is "
+                   f"kept untimed: {UNTIMED_NOTE}")
         else:
             listed = ", ".join(f"{c} {1e3 * t:.1f}" for c, t in self.medians.items())
             why = f"fastest in the measured trial (median step ms, mean over ranks: {listed})"

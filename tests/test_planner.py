@@ -438,6 +438,26 @@ def test_a_family_no_rank_timed_runs_again():
     assert trial.families == ["a", "b"]
 
 
+def test_a_trial_that_timed_nothing_says_so():
+    """No step timed on any rank, retries included (a loop that calls synchronize() but never
+    the inner step(), which the Horovod optimizer needs before it times a step): the first
+    candidate is kept, and the reason and a warning say it was never timed and why."""
+    import warnings
+
+    from hvd_topk import auto
+    trial = auto.Trial(["dense", "allgather"], 1, agree=lambda values: values)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(12):
+            trial.skip()
+            with _clock(float(step)):
+                if trial.step_done(step):
+                    break
+    assert trial.choice == "dense" and trial.candidates.count("allgather") == 1 + auto.Trial.RETRIES
+    assert "timed no step of its trial on any rank" in trial.reason() and "optimizer.step()" in trial.reason()
+    assert [str(w.message) for w in caught if "timed no step" in str(w.message)], caught
+
+
 class _clock:
     """``auto.time.perf_counter`` reads ``t`` inside the block."""
 
