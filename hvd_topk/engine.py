@@ -187,7 +187,7 @@ class TopKEngine:
         self.sparse = SparseGradients(names, options.sparse_as_dense)
         self.transform = None      # the inner optimizer's transform_local_gradient(p, grad, ranks), if any
         self.results = {}          # with a transform: id(p) -> _torch.written(p.grad) at the last synchronize
-        self.inner = inner
+        self.inner_name = inner  # the inner optimizer's class name, for messages
         self.on_exchanged = None   # and its exchanged(), told when p.grad holds the step's result
         self.sketcher = None       # and the optimizer itself if it sketches gradients (sketch_rows)
         self.used = {}             # bucket index -> strategy name of its last exchange
@@ -441,7 +441,7 @@ class TopKEngine:
         for p in self.params:
             record = self.results.get(id(p))
             if record is not None and self.passes[id(p)] < self.passes_per_step and still_written(record, p.grad):
-                raise RuntimeError(STEPPED_AGAIN.format(self.inner))
+                raise RuntimeError(STEPPED_AGAIN.format(self.inner_name))
 
     def _refuse_different_steps(self):
         raise RuntimeError(
