@@ -43,8 +43,11 @@ allreduce of a scalar before each step; a step's time is the slowest rank's; the
 median over ``--steps`` after ``--warmup``.
 
 Bytes on the wire: each rank's eth0 tx/rx byte counters (the namespace's
-/sys/class/net/eth0/statistics) over the timed steps, divided by the steps (includes the small
-barrier allreduce and TCP/IP headers). "payload" is what the method hands to the network per
+/sys/class/net/eth0/statistics) read around each timed step, summed and divided by the steps
+(TCP/IP headers included; since 2026-12-05 the barrier before each step is not, nor, with
+``--interleave``, the other methods' steps; earlier files counted from the first timed step to
+the end, barriers included: a few hundred bytes a step more). A peer's bytes that reach this
+rank before its own step starts are missed on the rx side; the reports use tx. "payload" is what the method hands to the network per
 rank and step (4 B x n for dense fp32, 2 B x n for fp16, hvd_topk's own ``bytes_sent``).
 
 ``--interleave`` builds every method at once and interleaves their timed steps (each warmed up

@@ -96,9 +96,10 @@ def families(hierarchical_available, hierarchical_only, compact=False, fp16=Fals
     return dense + sparse + hier
 
 
-UNTIMED_NOTE = ("the Horovod optimizer times a step only once the inner optimizer's step() ran after the "
-                "last synchronize() (a GradScaler's skipped step is not timed): call optimizer.step() every step, "
-                "or pin exchange=")
+UNTIMED_NOTE = ("a step is timed only after one every rank took part in (not after a step some rank sat out "
+                "in a join), and in the Horovod optimizer only once the inner optimizer's step() ran after the last "
+                "synchronize() (not after a GradScaler's skipped step): call optimizer.step() every step, or pin "
+                "exchange=")
 
 
 class Trial:

@@ -204,9 +204,10 @@ class Bucket:
         ``shard``: ``(lo, hi)``, a plan over that part of the buffer alone (hierarchical), its
         tensors cut at the shard's edges, its indices counted from ``lo``. ``parts``: as in
         ``codec.Plan`` (the sparse allreduce's one part per rank). The values travel in the
-        gradients' dtype (or ``TopK(fp16_values=True)``'s float16); the sparse allreduce's in
-        the dtype Horovod sums them in (bfloat16 as float32, so there is nothing to round)."""
-        dtype = allreduce_dtype(self.grad_dtype) if parts > 1 else self.grad_dtype
+        gradients' dtype (or ``TopK(fp16_values=True)``'s float16); the flat sparse allreduce's in
+        the dtype Horovod sums them in (bfloat16 as float32, so there is nothing to round; a
+        hierarchical shard's result is gathered inside the host in the gradients' dtype)."""
+        dtype = allreduce_dtype(self.grad_dtype) if parts > 1 and shard is None else self.grad_dtype
         key = (density, scope, codec.value_dtype(dtype), shard, parts)
         plan = self._plans.get(key)
         if plan is None:

@@ -53,8 +53,8 @@ STEPPED_THE_INNER = (" If you stepped the optimizer you passed to hvd_topk.Distr
 
 STEPPED_AGAIN = ("hvd_topk.DistributedOptimizer over {}: step() again without a new backward(): p.grad still "
                  "holds the update the last step applied, which would be taken for a gradient and applied "
-                 "again; run zero_grad() and backward() before each step() (a parameter no backward reached "
-                 "since needs its p.grad zeroed or set to None)")
+                 "again; run zero_grad() and backward() before each step() (gradients written by hand through "
+                 "p.grad.data are not seen as changed by PyTorch: write p.grad itself)")
 STEP_KEY = "hvd_topk_step"  # in the optimizer's first param group (see TopKEngine.step)
 TRIAL_KEY = "hvd_topk_exchange_trial"  # there too: exchange="auto"'s progress (TopKEngine._follow_root)
 COMPILED_AUTOGRAD_ERROR = (
@@ -432,16 +432,15 @@ class TopKEngine:
             "and hvd.broadcast_optimizer_state(opt, root_rank=0) after loading a checkpoint on one rank.")
 
     def _refuse_stepping_again(self):
-        """With a transform (LocalAdamW, DeMo): refuse, before anything is exchanged, a step in
-        which a parameter whose hook did not fire still holds the last step's exchanged update in
-        ``p.grad`` (no backward since). Its launch would take that update for a gradient and
-        apply it again; the bare optimizer's own check cannot see it, the transform having run."""
-        if not self.results:
-            return
-        for p in self.params:
-            record = self.results.get(id(p))
-            if record is not None and self.passes[id(p)] < self.passes_per_step and still_written(record, p.grad):
-                raise RuntimeError(STEPPED_AGAIN.format(self.inner_name))
+        """With a transform (LocalAdamW, DeMo), in a step no hook fired in: refuse it, before
+        anything is exchanged, where every ``p.grad`` is still the last step's exchanged update
+        (the same tensor, unchanged in place: no backward since). The launch would take those
+        updates for gradients and apply them again; the bare optimizer's own check cannot see
+        it, the transform having run. Only that exact case: a parameter some step's backward
+        did not reach, or gradients set by hand, go on as before."""
+        held = [(self.results.get(id(p)), p.grad) for p in self.params if p.grad is not None]
+        if held and all(record is not None and still_written(record, grad) for record, grad in held):
+            raise RuntimeError(STEPPED_AGAIN.format(self.inner_name))
 
     def _refuse_different_steps(self):
         raise RuntimeError(
@@ -468,8 +467,8 @@ class TopKEngine:
                                "parameters, which now exchanges their gradients: step the new one")
         check_parameters_unchanged(self.param_groups, self.param_ids, self.params, self.layout,
                                    "hvd_topk.DistributedOptimizer")
-        self._refuse_stepping_again()
-        if self.ctx is None:
+        if self.ctx is None:  # no hook fired this step
+            self._refuse_stepping_again()
             self._begin_step()
         for bucket in self.buckets:
             if bucket.inflight is None:
@@ -640,7 +639,7 @@ def check_ranks_agree(engine, compression, inner=None, grad_scaler=False):
         "backward_passes_per_step": engine.passes_per_step,
         "the fusion buckets (groups, fusion_bytes, min_numel)": [[m.name for m in b.members] for b in engine.buckets],
         **{name: getattr(o, name) for name in (f.name for f in dataclasses.fields(o))},
-        NATIVE_IN_USE: native_in_use(engine.params),
+        NATIVE_IN_USE: native_in_use([b.buffer() for b in engine.buckets]),  # (16-bit: float32 residuals)
     }
     mine = torch.tensor([[agreement.digest(v) for v in settings.values()]], dtype=torch.int64)
     every = hvd.allgather(mine, name=f"{engine.prefix}.check_ranks", process_set=engine.process_set)

@@ -279,7 +279,9 @@ class HierarchicalExchange:
             if strategy is exchange.SparseAllreduce else None
         ctx.stats.add(tensors_sparse=len(bucket.members), elements_selected=self.plan.count,
                       bytes_sent=payload_bytes(strategy, self.plan, led, ctx.codec))
-        wire_dtype = allreduce_dtype(bucket.dtype)
+        # the host's reduce-scatter of this step's gradients in their own dtype; in the buffer's
+        # (float32 for 16-bit ones) on a step whose buffer still carries a flat residual
+        wire_dtype = allreduce_dtype(bucket.dtype if bucket.current.carry else bucket.grad_dtype)
         staged = bucket.acc
         if wire_dtype != bucket.dtype:
             staged = bucket.scratch("wire", bucket.numel, wire_dtype).copy_(bucket.acc)

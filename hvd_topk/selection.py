@@ -145,9 +145,10 @@ NATIVE_IN_USE = ("the native CPU kernel (in use on some ranks only: their decode
 
 
 def native_in_use(tensors):
-    """Whether any of ``tensors`` (a bucket's buffer, or the parameters) takes the native kernel
-    here (``_kernel_kind``, the kernel loaded); every rank must agree (``NATIVE_IN_USE`` names the
-    setting where they do not). A GPU or 16-bit job never loads it for this."""
+    """Whether any of ``tensors`` (the buffers selection works on: a 16-bit job's float32
+    residuals too) takes the native kernel here (``_kernel_kind``, the kernel loaded); every rank
+    must agree (``NATIVE_IN_USE`` names the setting where they do not). A GPU job never loads it
+    for this."""
     return any(_kernel_kind(t) for t in tensors) and native.library() is not None
 
 

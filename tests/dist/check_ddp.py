@@ -939,18 +939,19 @@ def check_bad_input():
                                         rf"differs from rank 0 in: {re.escape(field)}$", what=f"{field} on rank {last}"):
             F.cross_entropy(ddp(x), y).backward()
     # the native kernel on some ranks only (a host without a C compiler): refused by name, where
-    # before rank 0's native decode failed on the last rank's pairs, in another order
-    if DEVICE.type == "cpu" and loaded():
+    # before rank 0's native decode failed on the last rank's pairs, in another order; with a
+    # bfloat16 model too (its residuals, which selection works on, are float32)
+    for dtype in (torch.float32, torch.bfloat16) if DEVICE.type == "cpu" and loaded() else ():
         from hvd_topk.selection import NATIVE_IN_USE
         with native_off(odd):
-            model = Net().to(DEVICE)
+            model = Net().to(DEVICE, dtype)
             ddp = DDP(model)
             ddp.register_comm_hook(P(min_numel=MIN_NUMEL, named_parameters=model.named_parameters(),
                                      exchange="allgather"), hvd_topk.ddp.topk_hook)
             with raises(RuntimeError, match=rf"ranks disagree on the model or TopKState's settings.*\n  rank {last} "
                                             rf"differs from rank 0 in: {re.escape(NATIVE_IN_USE)}$",
-                        what=f"native kernel off on rank {last}"):
-                F.cross_entropy(ddp(x), y).backward()
+                        what=f"native kernel off on rank {last}, {dtype}"):
+                F.cross_entropy(ddp(x.to(dtype)), y).backward()
     # the group changed size after the state's first step (a new init_process_group)
     model, ddp, state = build(exchange="allgather")
     train(ddp, torch.optim.SGD(model.parameters(), lr=0.1), 1)

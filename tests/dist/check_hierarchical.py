@@ -135,6 +135,36 @@ def check_contract(exchange="allgather", scope="tensor", steps=4):
     return model, opt
 
 
+def check_16bit_values_stay_16bit_inside_the_host(steps=3):
+    """float16 parameters (float32 residuals) under the hierarchical allgather and sparse
+    allreduce: inside the host the gradients travel in float16, as they did before the residuals
+    became float32 (they went as float32 then, twice the bytes). By hand: this step's reduce-
+    scatter of the sparse buckets hands 2 bytes an element where float32 parameters hand 4, so
+    the float16 job's bytes inside the host are at least 2 x (the sparse elements) x steps fewer;
+    the residual shards are float32, and the ranks apply the same bits."""
+    counted = {}
+    for exchange in ("allgather", "sparse_allreduce"):
+        for dtype in (torch.float32, torch.float16):
+            torch.manual_seed(0)
+            model = Net().to(dtype)
+            opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                                named_parameters=model.named_parameters(),
+                                                compression=hvd_topk.TopK(density=DENSITY), min_numel=MIN_NUMEL,
+                                                exchange=exchange, hierarchical=True)
+            for step in range(steps):
+                x, y = batch(step, hvd.rank())
+                opt.zero_grad()
+                F.cross_entropy(model(x.to(dtype)).float(), y).backward()
+                opt.synchronize()
+                step_and_check_same(opt, model, f"{exchange} {dtype}: step {step}")
+            state = opt.state_dict()["hvd_topk"]
+            assert all(t.dtype == torch.float32 for t in state["shards"].values()), (exchange, dtype)
+            counted[exchange, dtype] = opt.compression_stats()["bytes_host"]
+        sparse = sum(p.numel() for p in Net().parameters() if p.numel() >= MIN_NUMEL)
+        fewer = counted[exchange, torch.float32] - counted[exchange, torch.float16]
+        assert fewer >= 2 * sparse * steps, (exchange, counted, sparse)
+
+
 def build(seed=0, **options):
     """The test model under the hierarchical allgather (SGD with momentum); ``options`` go to the
     optimizer (``fusion_bytes=4000``: each weight its own sparse bucket)."""
@@ -357,6 +387,7 @@ CHECKS = [
     ("auto with hierarchical families", check_auto_with_hierarchical_families),
     ("gradients readable before synchronize", check_grads_readable_before_synchronize),
     ("buckets smaller than a host", check_buckets_smaller_than_a_host),
+    ("float16 parameters: float16 inside the host, float32 residual shards", check_16bit_values_stay_16bit_inside_the_host),
 ]
 
 

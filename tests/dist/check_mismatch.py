@@ -88,10 +88,12 @@ def check_options_differ(at_step):
 
 
 # Run in this order on every rank; add a check with one line.
-def check_native_kernel_on_some_ranks():
+def check_native_kernel_on_some_ranks(dtype=torch.float32):
     """The native kernel loaded on every rank but the last (a host without a C compiler): every
     rank refuses by name, where before rank 0's native decode failed at the first exchange on
-    the last rank's pairs, in another order. (With the kernel off everywhere, as under
+    the last rank's pairs, in another order. With bfloat16 parameters too: selection runs on
+    their float32 residuals, natively where the kernel loads (the check once looked at the
+    parameters' dtype and let such ranks through). (With the kernel off everywhere, as under
     HVD_TOPK_NATIVE=0, there is nothing to differ: checked where it loads.)"""
     if not loaded():
         return
@@ -99,7 +101,7 @@ def check_native_kernel_on_some_ranks():
 
     def make(model, odd):
         with native_off(odd):
-            return distributed(model)
+            return distributed(model.to(dtype))
     expect_setting_named(NATIVE_IN_USE, make)
 
 
@@ -119,6 +121,7 @@ CHECKS = [
     ("residual_decay", lambda: expect_setting_named("residual_decay", lambda m, odd: distributed(
         m, residual_decay=0.99 if odd else 1.0))),
     ("the native kernel on some ranks only", check_native_kernel_on_some_ranks),
+    ("the native kernel on some ranks only, bf16 parameters", lambda: check_native_kernel_on_some_ranks(torch.bfloat16)),
     ("the learning rate, from the first step", lambda: check_options_differ(0)),
     ("the learning rate, set on one rank in mid-run", lambda: check_options_differ(2)),
 ]
