@@ -18,7 +18,7 @@ import horovod.torch as hvd
 import hvd_topk
 from check_optimizer import Net, batch, build, train
 from hvd_topk.optimizer import ENGINE
-from nets import distinct_16bit
+from nets import distinct_16bit, sixteen_bit_checks
 import harness
 from harness import assert_same_on_all_ranks, gather, raises, raw_gradients, run, step_and_check_same
 from reference import ErrorFeedbackReference, dgc_density, k_of, part_pieces, sparse_allreduce
@@ -866,12 +866,7 @@ CHECKS = [
     ("bf16 dense path", check_bf16_dense_path),
     ("bf16 top-k path", lambda: check_bf16_topk_path("allgather")),
     ("bf16 top-k path, sparse allreduce", lambda: check_bf16_topk_path("sparse_allreduce")),
-    ("16-bit residuals are float32: bf16", lambda: check_16bit_residuals(torch.bfloat16, "allgather")),
-    ("16-bit residuals are float32: bf16, sparse allreduce",
-     lambda: check_16bit_residuals(torch.bfloat16, "sparse_allreduce")),
-    ("16-bit residuals are float32: fp16", lambda: check_16bit_residuals(torch.float16, "allgather")),
-    ("16-bit residuals are float32: fp16, sparse allreduce",
-     lambda: check_16bit_residuals(torch.float16, "sparse_allreduce")),
+    *sixteen_bit_checks("16-bit residuals are float32", check_16bit_residuals),
     ("channels_last", check_channels_last),
     ("channels_last, sparse allreduce", lambda: check_channels_last("sparse_allreduce")),
     ("horovod: bf16 and channels_last", check_horovod_bf16_channels_last),

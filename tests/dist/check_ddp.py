@@ -25,7 +25,7 @@ import hvd_topk
 import hvd_topk.ddp
 from expect import raises
 import nets
-from nets import Net
+from nets import Net, sixteen_bit_checks
 from native_switch import loaded, native_off
 from reference import ErrorFeedbackReference, dgc_density, k_of
 from torchrun_harness import assert_same_on_all_ranks, gather, run
@@ -1056,12 +1056,7 @@ CHECKS = [
     ("static_graph, gradient_as_bucket_view", lambda: check_reference(
         bucket_cap_mb=0.005, ddp_kwargs={"static_graph": True, "gradient_as_bucket_view": True})),
     ("bf16 autocast", lambda: check_reference(amp=True)),
-    ("16-bit residuals are float32: bf16", lambda: check_16bit_residuals(torch.bfloat16, "allgather")),
-    ("16-bit residuals are float32: bf16, sparse allreduce",
-     lambda: check_16bit_residuals(torch.bfloat16, "sparse_allreduce")),
-    ("16-bit residuals are float32: fp16", lambda: check_16bit_residuals(torch.float16, "allgather")),
-    ("16-bit residuals are float32: fp16, sparse allreduce",
-     lambda: check_16bit_residuals(torch.float16, "sparse_allreduce")),
+    *sixteen_bit_checks("16-bit residuals are float32", check_16bit_residuals),
     ("GradScaler: residuals follow loss-scale changes, resume without a scaler", check_grad_scaler),
     ("torch.compile of the DDP model", lambda: check_reference(compiled=True)),
     ("statistics: bytes over the run", check_stats),

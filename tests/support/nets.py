@@ -38,3 +38,12 @@ def distinct_16bit(gen, shape=(32, 32)):
     magnitudes = torch.from_numpy((2.0 ** e * (1 + m / 128)).reshape(-1).astype(np.float32))
     signs = torch.randint(0, 2, (1024,), generator=gen) * 2 - 1
     return (magnitudes[torch.randperm(1024, generator=gen)] * signs).reshape(shape)
+
+
+def sixteen_bit_checks(title, check):
+    """CHECKS entries running ``check(dtype, exchange)`` for bf16 and fp16 over the allgather and
+    the sparse allreduce, named "<title>: bf16", "<title>: bf16, sparse allreduce", and so on."""
+    return [(f"{title}: {label}" + (", sparse allreduce" if exchange == "sparse_allreduce" else ""),
+             lambda dtype=dtype, exchange=exchange: check(dtype, exchange))
+            for label, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16))
+            for exchange in ("allgather", "sparse_allreduce")]
