@@ -76,7 +76,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (RESNET50_PARAMS, TOPK_METHODS, agree, check_order_arguments, common_arguments,  # noqa: E402
-                     driver, forward, hvd_topk_line, label, launch_line, loss_constants, make_optimizer,
+                     driver, forward, hvd_topk_line, inner_step, label, launch_line, loss_constants, make_optimizer,
                      method_list, order_arguments, order_line, overhead_versus, rank_sums, resnet50_shapes,
                      run_heading, slowest_rank_ms, stats_difference, summary, time_methods, versus,
                      warmup_steps, zero_grad)
@@ -177,11 +177,7 @@ def worker(args):
         if opt is not None:
             opt.synchronize()
         dt = time.perf_counter() - t0
-        if opt is not None:
-            # the inner step (lr 0: the parameters stay zero), untimed: exchange="auto" times a
-            # step only after the last one's inner step ran, as in training
-            with opt.skip_synchronize():
-                opt.step()
+        inner_step(opt)
         if timed:
             c1 = _read_counters()
             if c0 and c1:

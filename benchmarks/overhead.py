@@ -150,13 +150,6 @@ def run_model(model, args, hvd, hvd_topk, torch, say):
     def barrier():
         hvd.allreduce(torch.zeros(1), name="overhead.barrier", op=hvd.Sum)
 
-    def inner_step(opt):
-        """The inner step (lr 0), untimed: exchange="auto" times a step only after the last
-        one's inner step ran, as in training (without it the trial timed nothing)."""
-        if opt is not None:
-            with opt.skip_synchronize():
-                opt.step()
-
     for mode in names:  # auto's trial, each topk mode alone (see the module docstring)
         if not mode.startswith("topk"):
             continue
@@ -165,7 +158,7 @@ def run_model(model, args, hvd, hvd_topk, torch, say):
             common.zero_grad(opt, params)
             common.forward(params, consts[it % len(consts)]).backward()
             opt.synchronize()
-            inner_step(opt)
+            common.inner_step(opt)
         common.trial_finished({"opt": opt, "method": mode})
         say(f"  [{model}] {mode}: {trial_steps(args)} steps alone for exchange={args.exchange!r}'s trial")
     warmup = args.warmup
@@ -198,7 +191,7 @@ def run_model(model, args, hvd, hvd_topk, torch, say):
                     opt.synchronize()
                 dt = time.perf_counter() - t0
                 c1 = machine.thread_cpu_ns()
-                inner_step(opt)
+                common.inner_step(opt)
                 del loss
                 if it == 0 and opt is not None:
                     s = torch.tensor([float(sum(p.grad.double().sum() for p in params))], dtype=torch.float64)

@@ -338,7 +338,8 @@ class TopKEngine:
                     # a gradient whose last hook never fired (a step after fewer than
                     # backward_passes_per_step passes, or p.grad set by hand): the inner
                     # optimizer's transform (LocalAdamW's update) applies to it as to the others
-                    # (never to the last step's result: ``_refuse_stepping_again``)
+                    # (a step with no backward at all, every p.grad still the last result, is
+                    # refused before: ``_refuse_stepping_again``)
                     self.transform(m.param, grad, self.world)
                 self._fold(bucket, position, grad)
         current = bucket.current or self._begin_bucket(bucket)
