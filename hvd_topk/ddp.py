@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from hvd_topk import agreement, auto, checkpoint
 from hvd_topk import ddp_exchange as exchange
-from hvd_topk.codec import Codec, residual_dtype
+from hvd_topk.codec import Codec
 from hvd_topk._torch import backward_running
 from hvd_topk.loss_scale import ResidualScale, check_grad_scaler, is_loss_scale
 from hvd_topk.optim import momentum_decay_of, residual_decay_of
@@ -521,9 +521,7 @@ class TopKState:
             "optimizer= (its class)": None if self.optimizer is None else type(self.optimizer).__qualname__,
             "grad_scaler (given or not)": self.residual_scale.scaler is not None,
             "the step (a checkpoint loaded on some ranks only?)": self.iteration,
-            # what selection works on: the residual (float32 for 16-bit gradients) or the gradients
-            NATIVE_IN_USE: native_in_use([torch.empty(0, device=buffer.device, dtype=residual_dtype(buffer.dtype)
-                                                      if self.error_feedback else buffer.dtype)]),
+            NATIVE_IN_USE: native_in_use([(exchange.acc_dtype(buffer.dtype, self.error_feedback), buffer.device)]),
         }
         mine = torch.tensor([agreement.digest(v) for v in settings.values()], dtype=torch.int64, device=buffer.device)
         every = torch.empty(self.world_size * len(settings), dtype=torch.int64, device=buffer.device)

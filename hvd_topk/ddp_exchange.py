@@ -52,9 +52,8 @@ class BucketLayout:
         self.numel = int(self.bounds[-1])
         self.dense_numel = sum(spans[i][1] for i in self.dense)
         self.grad_dtype = buffer.dtype  # the gradients', what values travel in
-        # the residual (error feedback: float32 for 16-bit gradients, codec.residual_dtype) or a staging copy
-        self.acc = torch.zeros(self.numel, dtype=residual_dtype(buffer.dtype) if error_feedback else buffer.dtype,
-                               device=buffer.device)
+        # the residual (error feedback) or a staging copy
+        self.acc = torch.zeros(self.numel, dtype=acc_dtype(buffer.dtype, error_feedback), device=buffer.device)
         self.dense_buffer = torch.empty(self.dense_numel, dtype=buffer.dtype, device=buffer.device)
         self._folder = None  # codec.SegmentFolder over acc, made on first use
         self._dense_scratch = {}  # purpose -> buffer for the small tensors' average (average_dense)
@@ -147,6 +146,13 @@ class BucketLayout:
                 self.messages.clear()
             out = self.messages[key] = torch.empty(nbytes, dtype=torch.uint8, device=self.acc.device)
         return out
+
+
+def acc_dtype(grad_dtype, error_feedback):
+    """The dtype of a layout's flat buffer (``BucketLayout.acc``), which selection works on: the
+    residual's with error feedback (``codec.residual_dtype``: float32 for 16-bit gradients), else
+    the gradients' own (a staging copy)."""
+    return residual_dtype(grad_dtype) if error_feedback else grad_dtype
 
 
 def _as_param(flat, p):

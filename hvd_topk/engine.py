@@ -640,7 +640,7 @@ def check_ranks_agree(engine, compression, inner=None, grad_scaler=False):
         "backward_passes_per_step": engine.passes_per_step,
         "the fusion buckets (groups, fusion_bytes, min_numel)": [[m.name for m in b.members] for b in engine.buckets],
         **{name: getattr(o, name) for name in (f.name for f in dataclasses.fields(o))},
-        NATIVE_IN_USE: native_in_use([b.buffer() for b in engine.buckets]),  # (16-bit: float32 residuals)
+        NATIVE_IN_USE: native_in_use([(b.dtype, b.device) for b in engine.buckets]),  # (16-bit: float32 residuals)
     }
     mine = torch.tensor([[agreement.digest(v) for v in settings.values()]], dtype=torch.int64)
     every = hvd.allgather(mine, name=f"{engine.prefix}.check_ranks", process_set=engine.process_set)

@@ -127,16 +127,16 @@ def check_flag(value, name):
 _NATIVE_FUNCS = {torch.float32: "hvdtk_select_f32"}
 
 
-def _kernel_kind(tensor):
-    """Whether the native kernel has entry points for this tensor's dtype and device (CPU fp32;
-    ``_NATIVE_FUNCS`` says why not fp64), its layout aside."""
-    return tensor.dtype in _NATIVE_FUNCS and tensor.device.type == "cpu"
+def _kernel_kind(dtype, device):
+    """Whether the native kernel has entry points for tensors of this dtype on this device (CPU
+    fp32; ``_NATIVE_FUNCS`` says why not fp64), their layout aside."""
+    return dtype in _NATIVE_FUNCS and torch.device(device).type == "cpu"
 
 
 def native_ok(tensor):
     """Whether the native kernel can work on this tensor (``_kernel_kind``, contiguous, the
     kernel loaded)."""
-    return _kernel_kind(tensor) and tensor.is_contiguous() and native.library() is not None
+    return _kernel_kind(tensor.dtype, tensor.device) and tensor.is_contiguous() and native.library() is not None
 
 
 NATIVE_IN_USE = ("the native CPU kernel (in use on some ranks only: their decode needs the ascending pairs only "
@@ -144,12 +144,12 @@ NATIVE_IN_USE = ("the native CPU kernel (in use on some ranks only: their decode
                  "every rank)")
 
 
-def native_in_use(tensors):
-    """Whether any of ``tensors`` (the buffers selection works on: a 16-bit job's float32
-    residuals too) takes the native kernel here (``_kernel_kind``, the kernel loaded); every rank
-    must agree (``NATIVE_IN_USE`` names the setting where they do not). A GPU job never loads it
-    for this."""
-    return any(_kernel_kind(t) for t in tensors) and native.library() is not None
+def native_in_use(buffers):
+    """Whether any of ``buffers`` (the ``(dtype, device)`` of each buffer selection works on: a
+    16-bit job's float32 residuals too) takes the native kernel here (``_kernel_kind``, the
+    kernel loaded); every rank must agree (``NATIVE_IN_USE`` names the setting where they do
+    not). A GPU job never loads it for this."""
+    return any(_kernel_kind(dtype, device) for dtype, device in buffers) and native.library() is not None
 
 
 class NativeResult:
