@@ -21,7 +21,7 @@ from hvd_topk.optimizer import ENGINE
 from nets import distinct_16bit, sixteen_bit_checks
 import harness
 from harness import assert_same_on_all_ranks, gather, raises, raw_gradients, run, step_and_check_same
-from reference import ErrorFeedbackReference, dgc_density, k_of, part_pieces, sparse_allreduce
+from reference import ErrorFeedbackReference, dgc_density, expect_16bit_step, k_of, part_pieces, sparse_allreduce
 
 MIN_NUMEL = 500  # Net's fc1.weight, fc2.weight and head2.weight are sparse, its biases dense
 
@@ -521,26 +521,18 @@ def check_16bit_residuals(dtype, exchange):
     bf16 = dtype == torch.bfloat16
     pairs = "bfloat16" if bf16 else np.float16  # the allgather's values
     ref = ErrorFeedbackReference(size)
-    rtol = 2 ** -6 if bf16 else 2 ** -8  # the 16-bit decode: a sum and a division
     gen = torch.Generator().manual_seed(31 + hvd.rank())
     for step in range(8):
         model.weight.grad = distinct_16bit(gen).to(dtype)
         every = np.stack(gather(model.weight.grad.float().numpy()))
         opt.synchronize()
-        d = density if step else 1.0
         ref.value_dtype = pairs if exchange == "allgather" and step or not bf16 else None
-        if exchange == "sparse_allreduce" and step:
-            want = ref.sparse_allreduce_bucket(["weight"], {"weight": every}, d, step, 0)["weight"]
-        else:  # the dense start: everything sent, the 16-bit rounding kept
-            want = ref.sparse("weight", every, d)
         where = f"{dtype} {exchange} step {step}"
         assert model.weight.grad.dtype == dtype, where
-        np.testing.assert_allclose(model.weight.grad.float().numpy(), want, rtol=rtol,
-                                   atol=rtol * np.abs(want).max(), err_msg=f"{where}: p.grad")
         residual = opt.state_dict()["hvd_topk"]["residuals"]["weight"]
         assert residual.dtype == torch.float32, f"{where}: the residual is {residual.dtype}"
-        np.testing.assert_allclose(residual.float().numpy(), ref.residual[hvd.rank()]["weight"].reshape(32, 32),
-                                   rtol=1e-6, atol=1e-9, err_msg=f"{where}: the residual")
+        expect_16bit_step(ref, hvd.rank(), exchange, step, density, every, model.weight.grad.float().numpy(),
+                          residual.float().numpy(), bf16, where)
         with opt.skip_synchronize():
             opt.step()
     stats = opt.compression_stats()

@@ -27,7 +27,7 @@ from expect import raises
 import nets
 from nets import Net, sixteen_bit_checks
 from native_switch import loaded, native_off
-from reference import ErrorFeedbackReference, dgc_density, k_of
+from reference import ErrorFeedbackReference, dgc_density, expect_16bit_step, k_of
 from torchrun_harness import assert_same_on_all_ranks, gather, run
 
 MIN_NUMEL = 500  # the three weights (3840, 960, 960 elements) sparse; the biases dense
@@ -191,8 +191,8 @@ def check_16bit_residuals(dtype, exchange):
     state = hvd_topk.ddp.TopKState(density=density, exchange=exchange, warmup_steps=1, warmup_density=1.0,
                                    min_numel=100, named_parameters=model.named_parameters())
     hvd_topk.ddp.register(ddp, state)
-    ref = ErrorFeedbackReference(size, value_dtype="bfloat16" if dtype == torch.bfloat16 else np.float16)
-    rtol = 2 ** -6 if dtype == torch.bfloat16 else 2 ** -8
+    bf16 = dtype == torch.bfloat16
+    ref = ErrorFeedbackReference(size, value_dtype="bfloat16" if bf16 else np.float16)
     gen = torch.Generator().manual_seed(31 + rank)
     x = torch.eye(32, device=DEVICE, dtype=dtype)  # the layer's output is weight.T: its gradient is c
     for step in range(6):
@@ -200,19 +200,13 @@ def check_16bit_residuals(dtype, exchange):
         model.zero_grad(set_to_none=True)
         (ddp(x) * c.T).sum().backward()
         every = np.stack(gather(host(c.float())))
-        if exchange == "sparse_allreduce" and step:
-            want = ref.sparse_allreduce_bucket(["weight"], {"weight": every}, density, step, 0)["weight"]
-        else:  # the dense start: everything sent, the 16-bit rounding kept
-            want = ref.sparse("weight", every, density if step else 1.0)
         where = f"{dtype} {exchange} step {step}"
         assert model.weight.grad.dtype == dtype, where
-        np.testing.assert_allclose(host(model.weight.grad.float()), want, rtol=rtol,
-                                   atol=rtol * np.abs(want).max(), err_msg=f"{where}: p.grad")
         assert_same_on_all_ranks(host(model.weight.grad.float()), where)
         residual = state.state_dict()["residuals"]["weight"]
         assert residual.dtype == torch.float32, f"{where}: the residual is {residual.dtype}"
-        np.testing.assert_allclose(host(residual.float()).reshape(-1), ref.residual[rank]["weight"].reshape(-1),
-                                   rtol=1e-6, atol=1e-9, err_msg=f"{where}: the residual")
+        expect_16bit_step(ref, rank, exchange, step, density, every, host(model.weight.grad.float()),
+                          host(residual.float()), bf16, where)
 
 
 def check_alone(steps=3, density=0.05):

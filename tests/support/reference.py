@@ -65,6 +65,23 @@ def to_value_dtype(values, value_dtype):
     return values.astype(value_dtype).astype(np.float32)
 
 
+def expect_16bit_step(ref, rank, exchange, step, density, every, grad, residual, bf16, where):
+    """One step of the 16-bit residual checks (check_compat's and check_ddp's) against ``ref``
+    (an ``ErrorFeedbackReference`` of one tensor, ``"weight"``, one bucket): step 0 a dense start
+    (density 1: everything sent, the rounding kept), then Top-K at ``density`` by the allgather
+    or the sparse allreduce. ``every``: every rank's gradient; ``grad``, the exchanged result
+    (float32 numpy), within the 16-bit decode's two roundings (a sum, a division); ``residual``,
+    this rank's (float32 numpy), to float32's rounding."""
+    if exchange == "sparse_allreduce" and step:
+        want = ref.sparse_allreduce_bucket(["weight"], {"weight": every}, density, step, 0)["weight"]
+    else:
+        want = ref.sparse("weight", every, density if step else 1.0)
+    rtol = 2 ** -6 if bf16 else 2 ** -8
+    np.testing.assert_allclose(grad, want, rtol=rtol, atol=rtol * np.abs(want).max(), err_msg=f"{where}: p.grad")
+    np.testing.assert_allclose(residual.reshape(-1), ref.residual[rank]["weight"].reshape(-1), rtol=1e-6, atol=1e-9,
+                               err_msg=f"{where}: the residual")
+
+
 class ErrorFeedbackReference:
     """The error-feedback contract for every rank, in float32 numpy.
 
