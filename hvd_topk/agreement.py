@@ -25,3 +25,18 @@ def disagreement(fields, every):
     return [f"rank {r} differs from rank 0 in: "
             + ", ".join(f for f, same in zip(fields, (every[r] == every[0]).tolist()) if not same)
             for r in differ]
+
+
+def group_options(param_groups):
+    """The param groups' options (learning rate, betas, weight decay, ...) as plain values: what
+    every rank must have the same of (the Horovod engine compares them at every step, through
+    its step probe; the DDP hook at its first bucket, where a ``variance_sketch`` differing would
+    make one rank's sketch exchange wait for the others' forever). A
+    one-element tensor (a tensor learning rate) counts by its value, wherever it lives."""
+    def plain(v):
+        if torch.is_tensor(v):
+            return v.item() if v.numel() == 1 else tuple(v.shape)
+        if isinstance(v, (tuple, list)):
+            return tuple(plain(x) for x in v)
+        return v if v is None or isinstance(v, (bool, int, float, str)) else type(v).__name__
+    return [sorted((k, plain(v)) for k, v in g.items() if k != "params") for g in param_groups]

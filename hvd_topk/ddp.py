@@ -518,7 +518,8 @@ class TopKState:
             "warmup_steps and warmup_density": (self.schedule.warmup_steps, self.schedule.start),
             "exchange and exchange_trial_steps": (self.exchange, self.exchange_trial_steps),
             "min_numel": self.min_numel,
-            "optimizer= (its class)": None if self.optimizer is None else type(self.optimizer).__qualname__,
+            "optimizer= (its class and param-group options)": None if self.optimizer is None else
+            (type(self.optimizer).__qualname__, agreement.group_options(self.optimizer.param_groups)),
             "grad_scaler (given or not)": self.residual_scale.scaler is not None,
             "the step (a checkpoint loaded on some ranks only?)": self.iteration,
             NATIVE_IN_USE: native_in_use([(exchange.acc_dtype(buffer.dtype, self.error_feedback), buffer.device)]),

@@ -35,6 +35,7 @@ import weakref
 import torch
 
 from hvd_topk import agreement, checkpoint, exchange, hierarchy, inflight
+from hvd_topk.agreement import group_options
 from hvd_topk._horovod import elastic_mode, hvd
 from hvd_topk._torch import compiled_autograd_active, still_written, written
 from hvd_topk.buckets import make_buckets
@@ -612,19 +613,6 @@ class TopKEngine:
 
 
 # ---- checks: what would make ranks silently diverge, refused on every rank at once --------------
-def group_options(param_groups):
-    """The param groups' options (learning rate, betas, weight decay, ...) as plain values: what
-    every rank must have the same of at every step (compared through the step probe). A
-    one-element tensor (a tensor learning rate) counts by its value, wherever it lives."""
-    def plain(v):
-        if torch.is_tensor(v):
-            return v.item() if v.numel() == 1 else tuple(v.shape)
-        if isinstance(v, (tuple, list)):
-            return tuple(plain(x) for x in v)
-        return v if v is None or isinstance(v, (bool, int, float, str)) else type(v).__name__
-    return [sorted((k, plain(v)) for k, v in g.items() if k != "params") for g in param_groups]
-
-
 def check_ranks_agree(engine, compression, inner=None, grad_scaler=False):
     """Every rank must wrap the same model with the same settings: fail on all ranks at once,
     naming what differs (one digest per setting, allgathered once)."""

@@ -919,11 +919,14 @@ def check_bad_input():
     for field, kwargs in (("density", {"density": 0.1 if odd else 0.05}),
                           ("exchange and exchange_trial_steps", {"exchange": "dense" if odd else "allgather"}),
                           ("warmup_steps and warmup_density", {"warmup_steps": 4 if odd else 0, "warmup_density": 1.0}),
-                          ("optimizer= (its class)", {}),
+                          ("optimizer= (its class and param-group options)", {"class": True}),
+                          ("optimizer= (its class and param-group options)", {"variance_sketch": 64 if odd else 0}),
                           ("the step (a checkpoint loaded on some ranks only?)", {})):
         model = Net().to(DEVICE)
-        if field.startswith("optimizer"):
+        if "class" in kwargs:  # LocalAdamW on the last rank only
             kwargs = {"optimizer": hvd_topk.LocalAdamW(model.parameters())} if odd else {}
+        elif "variance_sketch" in kwargs:  # the sketch on the last rank only: its exchange hung, or gloo aborted
+            kwargs = {"optimizer": hvd_topk.LocalAdamW(model.parameters(), variance_sketch=kwargs["variance_sketch"])}
         state = P(min_numel=MIN_NUMEL, named_parameters=model.named_parameters(), **kwargs)
         if field.startswith("the step") and odd:
             state.load_state_dict({**P(named_parameters=model.named_parameters()).state_dict(), "iteration": 5})
