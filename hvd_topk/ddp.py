@@ -328,12 +328,17 @@ class TopKState:
         if layout is not None and layout.matches(params):
             return layout
         ids = {id(p) for p in params}
-        if self.seen_whole_model and not ids <= self.model_params:
+        unseen = [p for p in params if id(p) not in self.model_params]
+        if self.seen_whole_model and unseen and (self.names is None or any(p not in self.names for p in unseen)):
             # layouts are per DDP bucket index: a second model's buckets would take the first
-            # model's places, and its residuals would be dropped
+            # model's places, and its residuals would be dropped. Parameters named by
+            # named_parameters= are this model's: it was wrapped again (a new DDP after some of
+            # its parameters began to require gradients), and residuals follow their parameters.
             raise RuntimeError("hvd_topk.ddp: this TopKState already serves another DDP model (a bucket "
-                               "holds parameters it has not seen); build one TopKState per "
-                               "DistributedDataParallel model")
+                               "holds parameters it has not seen, not among its named_parameters=); build one "
+                               "TopKState per DistributedDataParallel model. To carry it over to this model "
+                               "re-wrapped (after unfreezing parameters), build the state with "
+                               "named_parameters=model.named_parameters(), which names frozen ones too")
         self.model_params |= ids
         self._check_supported(bucket, params)
         self._check_named(params)

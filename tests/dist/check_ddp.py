@@ -295,6 +295,54 @@ def check_rebuild_keeps_first_bucket(steps=4, density=0.05):
                                    rtol=1e-5, atol=1e-6, err_msg=f"residual {name}")
 
 
+
+def check_rewrap_after_unfreezing(steps=4, density=0.05):
+    """Fine-tuning's re-wrap: two steps with fc1 frozen, then fc1 unfrozen and the same model in a
+    new DDP with the same TopKState (named_parameters= names fc1): every step's p.grad and the
+    residuals against the numpy contract, those of fc2 and head2 carried over (before, refused
+    as "another DDP model"). A parameter the state was not given by name is still refused."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = Net().to(DEVICE)
+    model.fc1.requires_grad_(False)
+    state = hvd_topk.ddp.TopKState(density=density, min_numel=MIN_NUMEL, exchange="allgather", method="exact",
+                                   named_parameters=model.named_parameters())
+    ref = ErrorFeedbackReference(size)
+    for step in range(steps):
+        if step in (0, steps // 2):
+            if step:
+                model.fc1.requires_grad_(True)
+            ddp = DDP(model)
+            hvd_topk.ddp.register(ddp, state)
+        x, y = batch(step, rank)
+        shadow = copy.deepcopy(model)
+        F.cross_entropy(shadow(x), y).backward()
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(ddp(x), y).backward()
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                assert p.grad is None, name
+                continue
+            grads = np.stack(gather(host(shadow.get_parameter(name).grad)))
+            expected = ref.sparse(name, grads, density) if p.numel() >= MIN_NUMEL else grads.mean(0)
+            np.testing.assert_allclose(host(p.grad), expected, rtol=1e-5, atol=1e-6, err_msg=f"step {step} {name}")
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= 0.01 * p.grad
+    saved = state.state_dict()["residuals"]
+    assert set(saved) == {"fc1.weight", "fc2.weight", "head2.weight"}, sorted(saved)
+    for name, residual in saved.items():
+        np.testing.assert_allclose(host(residual).reshape(-1), ref.residual[rank][name].reshape(-1),
+                                   rtol=1e-5, atol=1e-6, err_msg=f"residual {name}")
+    other = Net().to(DEVICE)
+    ddp = DDP(other)
+    hvd_topk.ddp.register(ddp, state)
+    x, y = batch(steps, rank)
+    with raises(RuntimeError, match=r"already serves another DDP model .*not among its named_parameters=",
+                what="a second model"):
+        F.cross_entropy(ddp(x), y).backward()
+
 def check_stats():
     """bytes_ratio: the run's message bytes over dense fp32 bytes, counted by hand."""
     state, _ = check_reference(steps=3, density=0.05)
@@ -1015,6 +1063,7 @@ CHECKS = [
     ("allgather, one bucket", check_reference),
     ("allgather, several buckets", check_several_buckets),
     ("DDP rebuilds later buckets, keeps the first: residuals follow", check_rebuild_keeps_first_bucket),
+    ("re-wrapped after unfreezing a layer: residuals carry over", check_rewrap_after_unfreezing),
     ("sparse allreduce, several buckets", lambda: check_reference("sparse_allreduce", bucket_cap_mb=0.005)),
     ("auto, dense start (warm-up from 1.0)", lambda: check_reference("auto", steps=5, warmup_steps=4,
                                                                      warmup_density=1.0)),
