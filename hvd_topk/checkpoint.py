@@ -95,6 +95,23 @@ def drop_local_steps_state(param_groups):
     return found
 
 
+def fill_options(saved_groups, built_groups, options):
+    """A plain torch optimizer's checkpoint (no hvd_topk section: another optimizer's, as when a
+    dense AdamW run moves to ``LocalAdamW``) has no error-feedback residuals whose units an
+    option must match, so the ``options`` its param groups lack take the values this optimizer
+    was built with (``built_groups``), rather than the inner optimizer's "trained without it"
+    (``LOADED_WITHOUT``). Returns the groups to load and the options taken, in order."""
+    if not isinstance(saved_groups, list) or len(saved_groups) != len(built_groups) or \
+            not all(isinstance(g, dict) for g in saved_groups):
+        return saved_groups, []  # torch's load_state_dict says what is wrong
+    taken, filled = [], []
+    for saved, built in zip(saved_groups, built_groups):
+        missing = [k for k in options if k not in saved and k in built]
+        taken += [k for k in missing if k not in taken]
+        filled.append({**{k: built[k] for k in missing}, **saved})
+    return filled, taken
+
+
 def parameter_order(param_groups, names):
     """The parameters' names in the order of the optimizer's param groups: the order torch's
     ``load_state_dict`` matches the inner optimizer's state by (position, not name)."""

@@ -51,6 +51,10 @@ class _CheckedGroups(torch.optim.Optimizer):
     constructor, ``add_param_group`` or ``load_state_dict`` (a group's own ``betas`` or
     ``normalise`` would otherwise be used unchecked; a key a group lacks takes the default)."""
 
+    # An option a loaded group lacks: the value it was trained with where the group was written
+    # before the option existed (subclasses name those), else the constructor's.
+    LOADED_WITHOUT = {}
+
     def add_param_group(self, param_group):
         if isinstance(param_group, dict):
             self._check_options({**self.defaults, **param_group})
@@ -63,6 +67,11 @@ class _CheckedGroups(torch.optim.Optimizer):
             if isinstance(group, dict):
                 self._check_options({**self.defaults, **group})
         super().load_state_dict(state_dict)
+        # every option present afterwards (a group saved by another optimizer, or before an
+        # option existed, failed at the next step with a KeyError)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, self.LOADED_WITHOUT.get(key, value))
 
 
 class FrozenVarianceAdamW(_CheckedGroups):
@@ -251,6 +260,9 @@ class LocalAdamW(_ExchangedUpdates):
     """
 
     SIGNALS = ("mean", "mean+lag1")
+    # a group saved before these options existed was trained without them (its residuals in
+    # the units of lr_in_residual=False)
+    LOADED_WITHOUT = {"lr_in_residual": False, "global_variance": False, "signal": "mean", "variance_sketch": 0}
     AUTO_SKETCH = (6, 256)  # variance_sketch="auto": from this many ranks on, this many numbers a tensor
 
     def __init__(self, params, lr=1e-3, betas=(0.0, 0.999), eps=1e-8, weight_decay=1e-2, lr_in_residual=True,
@@ -286,8 +298,6 @@ class LocalAdamW(_ExchangedUpdates):
 
     def _new_state(self, p, group):
         state = _new_adam_state(self.state[p], p)
-        if group.get("global_variance", False):
-            state["grad_mean"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         _complete_state(state, p, group)
         return state
 
@@ -575,9 +585,12 @@ def _complete_state(state, p, group, fresh=True):
     fresh rank's state comes from Horovod's zero-gradient probe step, which makes only what
     ``_new_state`` makes; an entry rank 0 has and another rank lacks was a broadcast that rank
     never joined, and the job hung (``signal="mean+lag1"``, ``variance_sketch``; the latter by
-    default from 6 ranks on)."""
+    default from 6 ranks on). ``grad_mean`` in a loaded state too: one saved by another optimizer
+    (torch.optim.AdamW's, the moments kept) starts its gradient mean from zero here."""
     if not group.get("global_variance", False):
         return
+    if "grad_mean" not in state:
+        state["grad_mean"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     if group.get("signal", "mean") == "mean+lag1":
         if "grad_lag1" not in state:
             state["grad_lag1"] = torch.zeros_like(p, memory_format=torch.preserve_format)

@@ -423,6 +423,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                           f"The run goes on from step {carried} (the density warm-up too); the error-feedback "
                           "residuals start from zero.", stacklevel=2)
             step = carried
+        if ours is None and "param_groups" in state_dict:
+            groups, taken = checkpoint.fill_options(state_dict["param_groups"], self.param_groups, self.defaults)
+            if taken:
+                warnings.warn(f"hvd_topk: this checkpoint's param groups lack {', '.join(taken)} (saved by another "
+                              f"optimizer, such as torch.optim.AdamW): they keep the values this "
+                              f"{type(self).__name__} was built with. Its other options (lr, betas, weight decay, "
+                              "...) come from the checkpoint, as torch's load_state_dict does: set them in "
+                              "param_groups after loading to change them.", stacklevel=2)
+                state_dict = {**state_dict, "param_groups": groups}
         # into the objects the user's optimizer shares (an LR scheduler built on it goes on working)
         keep_objects(self, super(self.__class__, self).load_state_dict, state_dict)
         engine.load_state_dict(ours, self.param_groups, nonfinite, step_before=step)

@@ -121,6 +121,34 @@ def test_bad_options_refused(kwargs, match):
         assert opt.param_groups[0]["lr"] == opt.defaults["lr"]  # nothing loaded
 
 
+
+def test_another_optimizers_checkpoint_takes_the_missing_options():
+    """A checkpoint of torch.optim.AdamW (a dense run moving on) loads into each hvd_topk
+    optimizer and steps: options it lacks take the constructor's values (a KeyError at the next
+    step before), except LocalAdamW's own, which a group saved without them was trained
+    without. FrozenVarianceAdamW that never freezes, resumed from AdamW's state, goes on as
+    AdamW goes on."""
+    p0, gs = np.random.default_rng(11).standard_normal((7, 5)), grads(6)
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)  # noqa: E731
+    whole, _ = run(adamw, p0, gs)
+    first, dense = run(adamw, p0, gs[:3])
+    p = torch.nn.Parameter(torch.tensor(first))
+    frozen = FrozenVarianceAdamW([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, freeze_step=0)
+    frozen.load_state_dict(dense.state_dict())
+    assert frozen.param_groups[0]["freeze_step"] == 0
+    for g in gs[3:]:
+        p.grad = torch.tensor(g)
+        frozen.step()
+    np.testing.assert_allclose(p.detach().numpy(), whole, rtol=1e-12, atol=1e-14)
+    demo = DeMo([torch.nn.Parameter(torch.tensor(first))], lr=LR, normalise="rms")
+    demo.load_state_dict(dense.state_dict())
+    assert demo.param_groups[0]["normalise"] == "rms"
+    local = LocalAdamW([torch.nn.Parameter(torch.tensor(first))], lr=LR)
+    local.load_state_dict(dense.state_dict())
+    group = local.param_groups[0]
+    assert (group["lr_in_residual"], group["global_variance"], group["signal"], group["variance_sketch"]) == \
+        (False, False, "mean", 0), group
+
 def test_local_adamw_group_flags_checked():
     for name in ("lr_in_residual", "global_variance"):
         with pytest.raises(ValueError, match=f"{name} must be True or False, got 'yes'"):

@@ -1202,6 +1202,47 @@ def check_inner_resume(make_inner, changed, **options):
     assert_same_on_all_ranks(next(model_c.parameters()).detach().cpu().numpy(), "resumed parameters")
 
 
+
+def check_dense_adamw_checkpoint_into_the_recipe():
+    """A dense AdamW run (stock Horovod) checkpointed at step 3 and continued with the recipe:
+    LocalAdamW's options that checkpoint lacks keep the values the recipe was built with (they
+    were read as off before, in silence: lr_in_residual, global_variance), with a warning naming
+    them. Truth: the same checkpoint with those options written into its param groups by hand,
+    loaded into the same recipe, bitwise at step 6."""
+    torch.manual_seed(0)
+    dense_model = Net().to(DEVICE)
+    dense = hvd.DistributedOptimizer(torch.optim.AdamW(dense_model.parameters(), lr=0.01, betas=(0.0, 0.95),
+                                                       weight_decay=0.1),
+                                     named_parameters=dense_model.named_parameters())
+    train(dense_model, dense, 3)
+    saved = copy.deepcopy({"model": dense_model.state_dict(), "opt": dense.state_dict()})
+    built = {"lr_in_residual": True, "global_variance": True, "signal": "mean", "variance_sketch": "auto"}
+
+    def recipe(checkpoint):
+        torch.manual_seed(1)
+        model = Net().to(DEVICE)
+        model.load_state_dict(saved["model"])
+        opt = hvd_topk.DistributedOptimizer(hvd_topk.LocalAdamW(model.parameters(), lr=0.01, betas=(0.0, 0.95),
+                                                                weight_decay=0.1, **built),
+                                            named_parameters=model.named_parameters(), exchange="allgather",
+                                            min_numel=500, compression=hvd_topk.TopK(density=0.05))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.load_state_dict(copy.deepcopy(checkpoint))
+        train(model, opt, 3, start=3)
+        return model, opt, [str(w.message) for w in caught]
+
+    model, opt, said = recipe(saved["opt"])
+    assert any(re.search(r"lack lr_in_residual, global_variance, signal, variance_sketch .*keep the values", s)
+               for s in said), said
+    assert all(opt.param_groups[0][k] == v for k, v in built.items()), opt.param_groups[0]
+    by_hand = {**saved["opt"], "param_groups": [{**g, **built} for g in saved["opt"]["param_groups"]]}
+    want, _, said_by_hand = recipe(by_hand)
+    assert not any("lack" in s for s in said_by_hand), said_by_hand
+    for (name, a), b in zip(model.named_parameters(), want.parameters()):
+        assert torch.equal(a, b), f"{name} differs from the hand-completed checkpoint's run"
+    assert_same_on_all_ranks(next(model.parameters()).detach().cpu().numpy(), "parameters")
+
 def check_demo(normalise="sign", exchange="allgather", steps=5, density=0.05, lr=0.05, beta=0.8, wd=0.1):
     """DeMo: each rank's accumulator is beta * residual + lr_t * g (the error-feedback contract
     with decay beta, fed lr-weighted gradients; the small tensors' average is plain), and every
@@ -1418,6 +1459,7 @@ CHECKS = [
     ("a positional call written for hvd.DistributedOptimizer, num_groups", check_horovod_positional_call),
     ("LocalAdamW: Adam per rank, updates exchanged", check_local_adamw),
     ("LocalAdamW: checkpoint resume", check_local_adamw_resume),
+    ("a dense AdamW checkpoint into the recipe: LocalAdamW's options as built", check_dense_adamw_checkpoint_into_the_recipe),
     ("an LR scheduler on the user's optimizer after a load", check_scheduler_on_the_inner_optimizer_after_load),
     ("LocalAdamW: a checkpoint on rank 0 alone, broadcast (lag1, sketch)", check_local_adamw_broadcast_from_rank_0),
     ("LocalAdamW: bf16 resume with the variance sketch", check_local_adamw_resume_bf16),
