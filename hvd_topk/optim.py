@@ -55,6 +55,12 @@ class _CheckedGroups(torch.optim.Optimizer):
     # before the option existed (subclasses name those), else the constructor's.
     LOADED_WITHOUT = {}
 
+    def __init__(self, params, defaults):
+        # the options this optimizer defines: torch adds keys of its own to ``defaults`` later
+        # ("differentiable", on every load_state_dict), which no group should be given
+        self._options = tuple(defaults)
+        super().__init__(params, defaults)
+
     def add_param_group(self, param_group):
         if isinstance(param_group, dict):
             self._check_options({**self.defaults, **param_group})
@@ -70,8 +76,8 @@ class _CheckedGroups(torch.optim.Optimizer):
         # every option present afterwards (a group saved by another optimizer, or before an
         # option existed, failed at the next step with a KeyError)
         for group in self.param_groups:
-            for key, value in self.defaults.items():
-                group.setdefault(key, self.LOADED_WITHOUT.get(key, value))
+            for key in self._options:
+                group.setdefault(key, self.LOADED_WITHOUT.get(key, self.defaults[key]))
 
 
 class FrozenVarianceAdamW(_CheckedGroups):
