@@ -75,9 +75,20 @@ class _CheckedGroups(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         # every option present afterwards (a group saved by another optimizer, or before an
         # option existed, failed at the next step with a KeyError)
+        without = []
         for group in self.param_groups:
             for key in self._options:
-                group.setdefault(key, self.LOADED_WITHOUT.get(key, self.defaults[key]))
+                if key not in group:
+                    group[key] = self.LOADED_WITHOUT.get(key, self.defaults[key])
+                    if key in self.LOADED_WITHOUT and key not in without:
+                        without.append(key)
+        if without:
+            warnings.warn(f"hvd_topk.{type(self).__name__}: the checkpoint's param groups lack "
+                          f"{', '.join(without)}: taken as {', '.join(f'{k}={self.LOADED_WITHOUT[k]!r}' for k in without)}, "
+                          "what a checkpoint written before these options existed was trained with. If it is "
+                          "another optimizer's (torch.optim.AdamW's), set them in param_groups after loading "
+                          "(hvd_topk.DistributedOptimizer does so itself, keeping the values it was built with).",
+                          stacklevel=2)
 
 
 class FrozenVarianceAdamW(_CheckedGroups):

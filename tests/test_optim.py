@@ -144,7 +144,9 @@ def test_another_optimizers_checkpoint_takes_the_missing_options():
     demo.load_state_dict(dense.state_dict())
     assert demo.param_groups[0]["normalise"] == "rms"
     local = LocalAdamW([torch.nn.Parameter(torch.tensor(first))], lr=LR)
-    local.load_state_dict(dense.state_dict())
+    with pytest.warns(UserWarning, match=r"lack lr_in_residual, global_variance, signal, variance_sketch: taken as "
+                                         r"lr_in_residual=False, .*another optimizer's"):
+        local.load_state_dict(dense.state_dict())
     group = local.param_groups[0]
     assert (group["lr_in_residual"], group["global_variance"], group["signal"], group["variance_sketch"]) == \
         (False, False, "mean", 0), group
@@ -407,7 +409,8 @@ def test_local_adamw_variance_sketch_auto_is_256_from_6_ranks():
         del group["variance_sketch"]
     p = torch.nn.Parameter(torch.zeros(40, 30, dtype=torch.float64))
     loaded = LocalAdamW([p], lr=LR, betas=(0.0, 0.95))
-    loaded.load_state_dict(old)
+    with pytest.warns(UserWarning, match="lack variance_sketch: taken as variance_sketch=0"):
+        loaded.load_state_dict(old)
     assert loaded.sketch_layout(8) == []
 
 
