@@ -247,7 +247,7 @@ class TopKEngine:
         # Horovod elastic re-forms the job between steps, and may renumber the ranks at the same
         # size (a worker replaced by a new host): the size decides the averaging and the
         # sparse-or-dense choice, the rank the sparse allreduce's parts, so both are read each step
-        self.world, self.rank = self.process_set.size(), self.process_set.rank()
+        self.world, self.rank = process_set_size(self.process_set), self.process_set.rank()
         self.residual_scale.follow(checkpoint.momentum_buckets(self))
         self._follow_root()
         self.family = self.planner.family(self.step, self.world)
@@ -613,6 +613,17 @@ class TopKEngine:
 
 
 # ---- checks: what would make ranks silently diverge, refused on every rank at once --------------
+def process_set_size(process_set):
+    """The optimizer's process set's size now; a clear error where it was removed
+    (``hvd.remove_process_set``: Horovod's ``size()`` is None then, and the next collective over
+    it fails with a binding error)."""
+    size = process_set.size()
+    if size is None:
+        raise RuntimeError(f"hvd_topk.DistributedOptimizer: its process set {process_set.ranks} was removed "
+                           "(hvd.remove_process_set): build a new optimizer over a registered one")
+    return size
+
+
 def check_ranks_agree(engine, compression, inner=None, grad_scaler=False):
     """Every rank must wrap the same model with the same settings: fail on all ranks at once,
     naming what differs (one digest per setting, allgathered once)."""

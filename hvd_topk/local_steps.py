@@ -35,7 +35,7 @@ from hvd_topk._horovod import hvd, is_horovod_distributed_optimizer, unshared_fo
 from hvd_topk._torch import AMP_SCALING_ATTRIBUTE, keep_objects
 from hvd_topk.compressor import TopK, keyword_names, unexpected_options_error
 from hvd_topk.engine import (STEP_KEY, TRIAL_KEY, check_parameters_unchanged, check_still_frozen, check_still_trainable,
-                             parameter_layout)
+                             parameter_layout, process_set_size)
 from hvd_topk.optimizer import ENGINE, LOCAL, DistributedOptimizer, _name_parameters, share_as_subclass
 from hvd_topk.selection import check_flag, check_integer, check_number
 from hvd_topk.stats import DENSE_FP32_BYTES
@@ -470,10 +470,13 @@ class _LocalSteps(torch.optim.Optimizer):
         engine = getattr(local.outer, ENGINE)  # its name and process set name this check's collectives
         if not engine.member:  # outside the process set: nothing to agree on, its model stays its own
             return
+        # the set's size now (engine.world is as of the outer's last step; an elastic job may have
+        # changed it since)
+        size = process_set_size(engine.process_set)
         active = hvd.allreduce(torch.ones(1), name=f"{engine.prefix}.local_steps_active", op=hvd.Sum,
                                process_set=engine.process_set)
-        if int(active.item()) < engine.process_set.size():  # (engine.world: as of the outer's last step;
-            return                                         # an elastic job may have changed size since)
+        if int(active.item()) < size:
+            return
         with torch.no_grad():  # summed in float64 where they lie (no float64 copy), read once
             checksum = float(torch.stack([a.sum(dtype=torch.float64) for a in local.anchors]).sum()) \
                 if local.anchors else 0.0

@@ -169,6 +169,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
     if not isinstance(process_set, hvd.ProcessSet):
         raise TypeError(f"process_set must be a horovod ProcessSet (hvd.global_process_set, hvd.add_process_set(...)), "
                         f"got {type(process_set).__name__}")
+    if process_set.size() is None:  # Horovod's "not initialised": never registered, or removed
+        raise ValueError(f"process_set {process_set.ranks} is not registered with Horovod: pass it to "
+                         "hvd.init(process_sets=[...]) or create it with hvd.add_process_set(ranks)")
     _check_no_duplicates(optimizer.param_groups, named_parameters)
     check_grad_scaler(grad_scaler, optimizer)
     if op == hvd.Sum and hasattr(optimizer, "transform_local_gradient") \

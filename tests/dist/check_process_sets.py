@@ -23,7 +23,7 @@ import horovod.torch as hvd  # noqa: E402
 import hvd_topk  # noqa: E402
 from hvd_topk._horovod import name_fallbacks  # noqa: E402
 from check_optimizer import Net, batch, build  # noqa: E402
-from harness import assert_same_on_all_ranks, gather, raw_then_synchronize, run  # noqa: E402
+from harness import assert_same_on_all_ranks, gather, raises, raw_then_synchronize, run  # noqa: E402
 from reference import ErrorFeedbackReference, sparse_allreduce  # noqa: E402
 
 DENSITY = 0.05
@@ -286,6 +286,34 @@ def check_auto_over_a_set_without_rank_0(steps=12):
             said.getvalue()
 
 
+
+def check_unregistered_and_removed_sets():
+    """A ProcessSet never registered is refused when the optimizer is built, and one removed
+    after building is named at the next step, for DistributedOptimizer and LocalSteps (both
+    failed inside Horovod's bindings or with a comparison against None)."""
+    members = list(range(hvd.size() - 1)) or [0]
+    with raises(ValueError, match=r"process_set \[.*\] is not registered with Horovod: pass it to hvd.init",
+                what="a set never registered"):
+        build(density=DENSITY, min_numel=500, process_set=hvd.ProcessSet(members))
+    for make in ("DistributedOptimizer", "LocalSteps"):
+        process_set = hvd.add_process_set(members)
+        if hvd.rank() in members:
+            torch.manual_seed(0)
+            model = Net()
+            inner = torch.optim.SGD(model.parameters(), lr=0.1)
+            opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                                compression=hvd_topk.TopK(density=DENSITY), process_set=process_set) \
+                if make == "DistributedOptimizer" else \
+                hvd_topk.LocalSteps(inner, named_parameters=model.named_parameters(), sync_every=1,
+                                    compression=hvd_topk.TopK(density=DENSITY), process_set=process_set)
+        hvd.remove_process_set(process_set)
+        if hvd.rank() in members:
+            x, y = batch(0, hvd.rank())
+            with raises(RuntimeError, match=r"its process set \[.*\] was removed \(hvd.remove_process_set\)",
+                        what=f"{make} over a removed set"):
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+
 CHECKS = [
     ("error-feedback optimizer, rank outside the set", check_error_feedback_optimizer),
     ("LocalAdamW, rank outside the set", check_local_adamw_outside),
@@ -298,6 +326,7 @@ CHECKS = [
     ("horovod dense, rank outside the set", check_horovod_dense),
     ("global set after removing it", check_global_set_still_whole_job),
     ("auto over a set without rank 0", check_auto_over_a_set_without_rank_0),
+    ("a set never registered, or removed: named", check_unregistered_and_removed_sets),
 ]
 
 
