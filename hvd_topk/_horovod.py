@@ -76,8 +76,14 @@ try:
 except ImportError as _exc:  # also covers a Horovod built without PyTorch
     raise ImportError(f"importing horovod.torch failed ({_exc}).\n{INSTALL_HINT}") from None
 
-# (2) the module whose optimizers hvd.broadcast_optimizer_state steps with the inner step().
-OPTIMIZER_MODULE = hvd.DistributedOptimizer.__module__
+# (2) the module whose optimizers hvd.broadcast_optimizer_state steps with the inner step(): it
+# compares with ``horovod.torch.optimizer.DistributedOptimizer.__module__``, read here from that
+# module, not from ``hvd.DistributedOptimizer``, which a job may have replaced by
+# hvd_topk.DistributedOptimizer before hvd_topk's first use (the fresh ranks then ran a whole
+# exchange inside the broadcast, alone, and the job hung).
+from horovod.torch import optimizer as _horovod_optimizer  # noqa: E402
+
+OPTIMIZER_MODULE = _horovod_optimizer.DistributedOptimizer.__module__
 
 
 # (4) dtype -> the dtype its dense allreduce runs in: float32 holds every bfloat16 exactly and

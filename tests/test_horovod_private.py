@@ -56,3 +56,25 @@ def test_instance_names_count_per_kind_set_id_and_ranks():
     assert instance_name("TopK", first) == "hvd_topk.TopK.907.0"  # its own count
     assert instance_name("opt", reused) == "hvd_topk.opt.907.0"   # a new set: counted from 0
     assert instance_name("opt", first) == "hvd_topk.opt.907.2"
+
+
+def test_wrapper_module_is_horovods_after_hvd_distributed_optimizer_is_replaced():
+    """``hvd.DistributedOptimizer`` replaced, before hvd_topk's first use, by a function that
+    calls hvd_topk's with settings of its own (a whole code base switched in one place, as
+    tools/horovod_suite.py does): the wrapper class still claims the module
+    ``hvd.broadcast_optimizer_state`` compares with, Horovod's own optimizer module. It took the
+    replacement's (``__main__``), the fresh ranks ran a whole exchange inside the broadcast, and
+    Horovod's test_broadcast_state hung."""
+    code = ("import torch, horovod.torch as hvd, hvd_topk\n"
+            "def DistributedOptimizer(optimizer, **kw):\n"
+            "    return hvd_topk.DistributedOptimizer(optimizer, exchange='allgather', **kw)\n"
+            "hvd.DistributedOptimizer = DistributedOptimizer\n"
+            "hvd.init()\n"
+            "model = torch.nn.Linear(4, 2)\n"
+            "opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),\n"
+            "                               named_parameters=model.named_parameters())\n"
+            "from horovod.torch.optimizer import DistributedOptimizer  # what functions.py reads\n"
+            "print(type(opt).__module__ == DistributedOptimizer.__module__ == 'horovod.torch.optimizer')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "True", proc.stdout
