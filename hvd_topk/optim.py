@@ -87,7 +87,8 @@ class _CheckedGroups(torch.optim.Optimizer):
                           f"{', '.join(without)}: taken as {', '.join(f'{k}={self.LOADED_WITHOUT[k]!r}' for k in without)}, "
                           "what a checkpoint written before these options existed was trained with. If it is "
                           "another optimizer's (torch.optim.AdamW's), set them in param_groups after loading "
-                          "(hvd_topk.DistributedOptimizer does so itself, keeping the values it was built with).",
+                          "(hvd_topk.DistributedOptimizer does so itself for a checkpoint without its 'hvd_topk' "
+                          "section, keeping the values it was built with).",
                           stacklevel=2)
 
 
