@@ -185,6 +185,7 @@ class TopKEngine:
         self.ctx = None            # this step's inflight.StepContext, from _begin_step
         self.family = None         # this step's exchange family (exchange= or auto's choice)
         self.active = exchange.ActiveRanks(f"{self.prefix}.active")  # hvd.join() probe
+        self._warned_hierarchical_join = False
         self.sparse = SparseGradients(names, options.sparse_as_dense)
         self.transform = None      # the inner optimizer's transform_local_gradient(p, grad, ranks), if any
         self.results = {}          # with a transform: id(p) -> _torch.written(p.grad) at the last synchronize
@@ -355,6 +356,17 @@ class TopKEngine:
             self._check_steps_agree()
         if strategy.sparse and self._someone_joined():
             # hvd.join(): Horovod's joined ranks answer allreduces (with zeros), not allgathers.
+            if self.planner.keeps_residual and not current.hierarchical:
+                # DeMo's residual is its momentum, never sent whole: the chosen pairs still move
+                self.used[bucket.index] = inflight.JoinedPairsExchange.name
+                bucket.inflight = inflight.JoinedPairsExchange(self.ctx, bucket, name + ".joined")
+                return
+            if self.planner.keeps_residual and not self._warned_hierarchical_join:
+                self._warned_hierarchical_join = True
+                warnings.warn("hvd_topk.DistributedOptimizer: a rank is inside hvd.join() and the hierarchical "
+                              "exchange cannot run, so this step's DeMo update goes dense (every entry moves by "
+                              "its sign; the momentum in the shards is kept). Use hierarchical=False to keep "
+                              "DeMo's Top-K on such steps.")
             if current.encode is not None and self.options.error_feedback:
                 bucket.unsend(current.plan, current.message, current.led)
             strategy, name = exchange.DenseAllreduce, name + ".joined"

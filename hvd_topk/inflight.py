@@ -128,9 +128,10 @@ class DenseExchange:
 class _FlatSparse:
     """A sparse exchange of the whole bucket: encoding its message at launch is shared."""
 
-    def _encode(self, ctx, bucket, current):
+    def _encode(self, ctx, bucket, current, bytes_sent=None):
         """Select (unless the hooks did, segment by segment), zero what was sent, pack; then
-        error feedback's after-care: momentum masking, wiping a residual that held inf/nan."""
+        error feedback's after-care: momentum masking, wiping a residual that held inf/nan.
+        ``bytes_sent``: what this rank hands to the network, where not its packed pairs."""
         t0 = time.perf_counter()
         plan, message, ef = current.plan, current.message, ctx.error_feedback
         encoded = Encoded([], 0, 0)
@@ -149,7 +150,8 @@ class _FlatSparse:
                 count_resets(ctx.stats, bucket.wipe(encoded.nonfinite, plan.starts))
         ctx.stats.add(time_selection_s=time.perf_counter() - t0 + current.seconds,
                       tensors_sparse=len(bucket.members), elements_selected=plan.count,
-                      bytes_sent=payload_bytes(current.strategy, plan, current.led, ctx.codec),
+                      bytes_sent=payload_bytes(current.strategy, plan, current.led, ctx.codec)
+                      if bytes_sent is None else bytes_sent,
                       selection_repasses=encoded.repasses, selection_filled=encoded.filled)
 
 
@@ -178,6 +180,36 @@ class AllgatherExchange(_FlatSparse):
         if self.ctx.codec.compact:
             gathered = self.plan.compact().unpack(gathered, self.ctx.world)
         bucket.decode_grads(self.ctx.codec, gathered, self.plan.layout, self.ctx.world, self.ctx.div)
+        self.ctx.stats.add(time_exchange_s=time.perf_counter() - t0)
+
+
+class JoinedPairsExchange(_FlatSparse):
+    """A step in which a rank is inside ``hvd.join()``, where the residual is DeMo's momentum:
+    Horovod's joined ranks answer allreduces (with zeros), not allgathers, so this rank's
+    chosen pairs are written into a zeroed buffer of the bucket's size, which a dense allreduce
+    averages (result = the active ranks' pairs summed / size, as the allgather's decode gives
+    with the joined ranks sending nothing). The other entries stay in the momentum; sending it
+    whole would move every entry by DeMo's sign step and wipe the momentum."""
+
+    name = "joined_pairs"  # what ``compression_stats()["bucket_strategies"]`` shows
+    stage = "allreduce"
+
+    def __init__(self, ctx, bucket, name):
+        self.ctx = ctx
+        current = bucket.current
+        self._encode(ctx, bucket, current, bytes_sent=bucket.numel * bucket.dtype.itemsize)
+        values, indices = current.plan.layout.views(current.message)
+        lo, hi = current.plan.slot_range(current.led)
+        dense = bucket.scratch("joined", bucket.numel, bucket.dtype).zero_()
+        dense.index_copy_(0, indices[lo:hi].long(), values[lo:hi].to(bucket.dtype))
+        self.handle = exchange.DenseAllreduce.start(dense, name, ctx.process_set, ctx.op, ctx.predivide)
+
+    def advance(self, wait=False):
+        return False
+
+    def decode_into(self, bucket):
+        t0 = time.perf_counter()
+        bucket.write_grads(exchange.DenseAllreduce.finish(self.handle))
         self.ctx.stats.add(time_exchange_s=time.perf_counter() - t0)
 
 

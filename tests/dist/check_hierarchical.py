@@ -365,6 +365,51 @@ def check_buckets_smaller_than_a_host(steps=3):
     assert opt.compression_stats()["hierarchical"]
 
 
+def check_demo_join_goes_dense_with_a_warning(lr=0.05):
+    """DeMo over the hierarchical exchange on a step where a rank is inside ``hvd.join()``:
+    the host's reduce-scatter cannot run, so this step's update goes dense, and the user is
+    told once (hierarchical=False keeps DeMo's Top-K there: check_join). Truth: the sparse
+    bucket's result is the active ranks' lr x gradient summed / size (the joined ranks count
+    as zeros), and the momentum in the shards is kept (the steps go on, finite)."""
+    rank, size = hvd.rank(), hvd.size()
+    torch.manual_seed(0)
+    model = Net()
+    opt = hvd_topk.DistributedOptimizer(hvd_topk.DeMo(model.parameters(), lr=lr, beta=0.8),
+                                        named_parameters=model.named_parameters(), exchange="allgather",
+                                        hierarchical=True, compression=hvd_topk.TopK(density=DENSITY),
+                                        min_numel=MIN_NUMEL)
+    steps_of = lambda r: 2 + 2 * (size - 1 - r)
+    shadow = copy.deepcopy(model)
+    said = []
+    for step in range(steps_of(rank)):
+        active = [r for r in range(size) if steps_of(r) > step]
+        grads = {n: [] for n, _ in model.named_parameters()}
+        for r in active:
+            for n, g in raw_gradients(shadow, model, *batch(step, r)).items():
+                grads[n].append(g)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.zero_grad()
+            x, y = batch(step, rank)
+            F.cross_entropy(model(x), y).backward()
+            opt.synchronize()
+        said += [str(w.message) for w in caught if "hvd.join()" in str(w.message)]
+        if len(active) < size:
+            for n, p in model.named_parameters():
+                want = np.sum(grads[n], axis=0) * np.float32(lr) / np.float32(size)
+                np.testing.assert_allclose(p.grad.numpy(), want, rtol=1e-5, atol=1e-9,
+                                           err_msg=f"step {step} ({len(active)} of {size} active) {n}")
+        with opt.skip_synchronize():
+            opt.step()
+        assert all(bool(torch.isfinite(p).all()) for p in model.parameters()), f"step {step}"
+    joined_steps = sum(len([r for r in range(size) if steps_of(r) > s]) < size for s in range(steps_of(rank)))
+    if joined_steps:
+        assert len(said) == 1 and "hierarchical=False" in said[0], said
+    else:
+        assert not said, said
+    hvd.join()
+
+
 def check_topology():
     """The job has the shape it was launched with (HVD_TOPK_EXPECT_TOPOLOGY="HOSTSxRANKS"), so
     the checks above ran across that many hosts."""
@@ -387,6 +432,7 @@ CHECKS = [
     ("auto with hierarchical families", check_auto_with_hierarchical_families),
     ("gradients readable before synchronize", check_grads_readable_before_synchronize),
     ("buckets smaller than a host", check_buckets_smaller_than_a_host),
+    ("DeMo, a rank joined: this step dense, with a warning", check_demo_join_goes_dense_with_a_warning),
     ("float16 parameters: float16 inside the host, float32 residual shards", check_16bit_values_stay_16bit_inside_the_host),
 ]
 

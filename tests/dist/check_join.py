@@ -23,7 +23,7 @@ import horovod.torch as hvd
 import hvd_topk
 from check_optimizer import Net, batch, build
 from harness import raw_gradients, run
-from reference import ErrorFeedbackReference, sparse_allreduce
+from reference import ErrorFeedbackReference, k_of, sparse_allreduce
 
 DENSITY = 0.05
 MIN_NUMEL = 500
@@ -82,6 +82,66 @@ def check_uneven_batches_then_join(selection_scope="tensor"):
     last = hvd.join()
     assert last == 0, f"hvd.join() says rank {last} joined last; rank 0 has the most batches"
     assert opt.compression_stats()["steps"] == steps_of(rank)
+
+
+def check_demo_join(normalise, lr=0.05, beta=0.8, demo_steps=lambda rank, size: 2 + 2 * (size - 1 - rank)):
+    """DeMo under uneven batches: its residual is its momentum, so on a step where a rank has
+    joined each active rank still sends only its top-k, and keeps the rest. Truth, per tensor:
+    every active rank's accumulator beta * residual + lr * g, its top-k (numpy's stable order)
+    summed over the active ranks / size (the joined rank sends nothing), the sent entries
+    zeroed in its residual and the rest kept; the parameters move by lr * normalise(result).
+    Before the fix the active ranks sent their whole momentum dense (every entry moved by
+    lr, each step after another rank joined) and it restarted at zero."""
+    rank, size = hvd.rank(), hvd.size()
+    torch.manual_seed(0)
+    model = Net()
+    opt = hvd_topk.DistributedOptimizer(hvd_topk.DeMo(model.parameters(), lr=lr, beta=beta, normalise=normalise),
+                                        named_parameters=model.named_parameters(), exchange="allgather",
+                                        compression=hvd_topk.TopK(density=DENSITY), min_numel=MIN_NUMEL)
+    big = [n for n, p in model.named_parameters() if p.numel() >= MIN_NUMEL]
+    residual = [{n: np.zeros(p.numel(), np.float32) for n, p in model.named_parameters()} for _ in range(size)]
+    shadow = copy.deepcopy(model)
+    joined_steps = 0
+    for step in range(demo_steps(rank, size)):
+        active = [r for r in range(size) if demo_steps(r, size) > step]
+        joined_steps += len(active) < size
+        grads = {n: [None] * size for n, _ in model.named_parameters()}
+        for r in active:
+            for n, g in raw_gradients(shadow, model, *batch(step, r)).items():
+                grads[n][r] = g
+        want = {}
+        for n, _ in model.named_parameters():
+            total = np.zeros(grads[n][active[0]].size, np.float32)
+            for r in active:
+                fed = grads[n][r].reshape(-1).astype(np.float32) * np.float32(lr)
+                if n not in big:  # the small tensors' bucket: plain average, no residual
+                    total += fed
+                    continue
+                acc = residual[r][n] * np.float32(beta) + fed
+                keep = np.argsort(-np.abs(acc), kind="stable")[:k_of(acc.size, DENSITY)]
+                total[keep] += acc[keep]
+                acc[keep] = 0
+                residual[r][n] = acc
+            want[n] = (total / np.float32(size)).reshape(grads[n][active[0]].shape)
+        before = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+        opt.zero_grad()
+        x, y = batch(step, rank)
+        F.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        for n, p in model.named_parameters():
+            np.testing.assert_allclose(p.grad.numpy(), want[n], rtol=1e-5, atol=1e-9,
+                                       err_msg=f"demo {normalise}: step {step} ({len(active)} of {size} active) {n}")
+        with opt.skip_synchronize():
+            opt.step()
+        for n, p in model.named_parameters():
+            avg = want[n].astype(np.float64)
+            rms = np.sqrt(np.mean(avg ** 2))
+            move = np.sign(avg) if normalise == "sign" else (avg / rms if rms > 0 else avg)
+            np.testing.assert_allclose(p.detach().numpy(), before[n] - lr * move, rtol=1e-5, atol=1e-7,
+                                       err_msg=f"demo {normalise}: parameter {n}, step {step}")
+    # the momentum must carry over from one such step to the next
+    assert rank != 0 or joined_steps >= 2, f"rank 0 took {joined_steps} steps with a rank joined"
+    hvd.join()
 
 
 def check_join_every_epoch(exchange, epochs=3, **options):
@@ -149,6 +209,8 @@ def check_horovod_uneven_batches_then_join(drop_in):
 CHECKS = [
     ("uneven batches then join", check_uneven_batches_then_join),
     ("uneven batches then join, bucket scope", lambda: check_uneven_batches_then_join("bucket")),
+    ("DeMo, sign: uneven batches then join, only the top-k move", lambda: check_demo_join("sign")),
+    ("DeMo, rms: uneven batches then join, only the top-k move", lambda: check_demo_join("rms")),
     ("join at every epoch's end, warm-up, allgather", lambda: check_join_every_epoch("allgather")),
     ("join at every epoch's end, warm-up, sparse allreduce", lambda: check_join_every_epoch("sparse_allreduce")),
     ("join at every epoch's end, auto's trial", lambda: check_join_every_epoch("auto", exchange_trial_steps=1)),
