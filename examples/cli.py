@@ -3,6 +3,7 @@ option's default, and the library's own checks of a value as usage errors."""
 
 import argparse
 import copy
+import math
 import os
 from pathlib import Path
 
@@ -29,6 +30,29 @@ def usage_error_from(p, check, *args):
         return check(*args)
     except ValueError as exc:
         p.error(str(exc))
+
+
+def check_interval(p, flag, value, low, high=math.inf, low_open=False, high_open=True):
+    """``p.error`` unless ``value`` lies in the interval from ``low`` to ``high`` (closed at
+    ``low`` unless ``low_open``, open at ``high`` unless not ``high_open``): NaN never does, and
+    the default upper end keeps inf out (a learning rate of inf trains to NaN in silence)."""
+    above = value > low if low_open else value >= low
+    below = value < high if high_open else value <= high
+    if not (above and below):
+        p.error(f"{flag} must be in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}, "
+                f"got {value}")
+
+
+DENSE_EXCHANGES = ("dense", "dense_fp16")
+
+
+def refuse_topk_flags_with_dense_exchange(p, args, flags):
+    """A pinned dense exchange sends every bucket whole: ``flags`` (``{dest: default}``, Top-K's
+    own flags) would be ignored in silence, so a value other than the default is refused."""
+    if args.exchange in DENSE_EXCHANGES:
+        given = [f"--{name.replace('_', '-')}" for name, default in flags.items() if getattr(args, name) != default]
+        if given:
+            p.error(f"--exchange {args.exchange} sends every bucket whole: {', '.join(given)} would do nothing")
 
 
 def output_path(text):

@@ -34,7 +34,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from cli import HelpFormatter, bytes_report  # shared by the examples: --help shows the defaults
+from cli import (HelpFormatter, bytes_report, check_interval,  # shared by the examples: --help shows the defaults
+                 refuse_topk_flags_with_dense_exchange)
 import hvd_topk.ddp
 from gpt_model import (GPT, add_training_arguments, add_variance_arguments, batches, check_topk_arguments,
                        check_training_arguments, dense_start_note, evaluate, load_corpus, lr_at, split)
@@ -81,6 +82,9 @@ def parse_args(argv=None):
         p.error("--powersgd-rank must be positive, --warmup-steps >= 0")
     if args.warmup_density != 1.0 and not args.warmup_steps:
         p.error("--warmup-density sets where the density warm-up starts: it needs --warmup-steps N > 0")
+    check_interval(p, "--warmup-density", args.warmup_density, 0, 1, low_open=True, high_open=False)
+    if args.bucket_cap_mb is not None:
+        check_interval(p, "--bucket-cap-mb", args.bucket_cap_mb, 0, low_open=True)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here (torch.cuda.is_available() is False); leave it out for gloo on the CPU")
     if args.powersgd_start < 2:
@@ -98,6 +102,7 @@ def parse_args(argv=None):
         p.error("--bucket-cap-mb with --hook powersgd on the CPU: gloo needs PowerSGD's tensors in one DDP "
                 "bucket, which this example sets up by default; leave --bucket-cap-mb out")
     check_topk_arguments(p, args)
+    refuse_topk_flags_with_dense_exchange(p, args, {"density": 0.01, "fp16_values": False, "compact": False})
     if "RANK" not in os.environ:
         p.error("launch it with torchrun (torchrun --nproc_per_node 2 examples/ddp_gpt.py ...): "
                 "torch.distributed reads its rank and world size from torchrun's environment")

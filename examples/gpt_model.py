@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from hvd_topk.optim import LocalAdamW
 from hvd_topk.selection import check_density
 
-from cli import usage_error_from, output_path  # shared by the examples
+from cli import check_interval, usage_error_from, output_path  # shared by the examples
 
 
 def load_corpus(limit_bytes):
@@ -213,8 +213,10 @@ def check_training_arguments(p, args):
             p.error(f"--{name.replace('_', '-')} must be a positive integer")
     if args.width % args.heads:
         p.error("--width must be a multiple of --heads")
-    if not (args.lr > 0 and 0 <= args.lr_warmup < 1 and args.corpus_mb > 0):  # (NaN fails these too)
-        p.error("--lr and --corpus-mb must be positive, --lr-warmup in [0, 1)")
+    if not (0 <= args.lr_warmup < 1 and args.corpus_mb > 0):  # (NaN fails these too)
+        p.error("--corpus-mb must be positive, --lr-warmup in [0, 1)")
+    check_interval(p, "--lr", args.lr, 0, low_open=True)
+    check_interval(p, "--weight-decay", args.weight_decay, 0)
     clip = getattr(args, "clip", None)  # each launcher has its own --clip (its default differs)
     if clip is not None and not 0 <= clip < float("inf"):  # a negative limit flips the gradient
         p.error(f"--clip must be a finite norm >= 0 (0: off), got {clip}")

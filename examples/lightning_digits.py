@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.strategies import DDPStrategy
 
-from cli import HelpFormatter, usage_error_from, output_path  # shared by the examples
+from cli import HelpFormatter, check_interval, usage_error_from, output_path  # shared by the examples
 import hvd_topk.ddp
 from hvd_topk.selection import check_density
 from digits_model import DigitsNet, load_digits_split
@@ -67,8 +67,9 @@ def main(argv=None):
     p.add_argument("--json", metavar="PATH", type=output_path,
                    help="write the final metrics here (rank 0)")
     args = p.parse_args(argv)
-    if args.epochs < 1 or args.batch_size < 1 or args.devices < 1 or not args.lr > 0:
-        p.error("--epochs, --batch-size and --devices must be positive integers, --lr a positive number")
+    if args.epochs < 1 or args.batch_size < 1 or args.devices < 1:
+        p.error("--epochs, --batch-size and --devices must be positive integers")
+    check_interval(p, "--lr", args.lr, 0, low_open=True)
     usage_error_from(p, check_density, args.density, "--density")
     lightning.seed_everything(args.seed, verbose=False)
     torch.set_num_threads(1)

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 import horovod.torch as hvd
-from cli import HelpFormatter, bytes_report, usage_error_from, output_path  # shared by the examples
+from cli import (HelpFormatter, bytes_report, check_interval, output_path,  # shared by the examples
+                 refuse_topk_flags_with_dense_exchange, usage_error_from)
 import hvd_topk
 from digits_model import DigitsNet, load_digits_split  # shared with lightning_digits.py
 
@@ -49,8 +50,10 @@ def parse_args(argv=None):
                    help="write the final metrics here (rank 0)")
     p.add_argument("--quiet", action="store_true", help="only the final summary")
     args = p.parse_args(argv)
-    if args.epochs < 1 or args.batch_size < 1 or not args.lr > 0:  # (a NaN rate fails the last)
-        p.error("--epochs, --batch-size and --lr must be positive")
+    if args.epochs < 1 or args.batch_size < 1:
+        p.error("--epochs and --batch-size must be positive")
+    check_interval(p, "--lr", args.lr, 0, low_open=True)
+    check_interval(p, "--momentum", args.momentum, 0, 1)
     if args.optimizer == "topk-ef" and args.compression != "topk":
         p.error("--optimizer topk-ef always compresses with TopK; use --compression topk")
     if args.no_error_feedback and args.optimizer != "topk-ef":
@@ -67,6 +70,8 @@ def parse_args(argv=None):
         p.error("--density only applies to --compression topk")
     if args.compression == "topk":
         usage_error_from(p, hvd_topk.selection.check_density, args.density, "--density")
+    refuse_topk_flags_with_dense_exchange(p, args, {"density": 0.01, "no_error_feedback": False,
+                                                    "selection_scope": "tensor"})
     return args
 
 

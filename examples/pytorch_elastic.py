@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 import horovod.torch as hvd
-from cli import HelpFormatter, usage_error_from, output_path  # shared by the examples
+from cli import HelpFormatter, check_interval, usage_error_from, output_path  # shared by the examples
 import hvd_topk
 
 
@@ -64,8 +64,8 @@ def parse_args(argv=None):
     for name in ("epochs", "batches_per_epoch", "batch_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be a positive integer")
-    if not args.lr > 0 or args.epoch_wait < 0:
-        p.error("--lr must be positive, --epoch-wait >= 0")
+    check_interval(p, "--lr", args.lr, 0, low_open=True)
+    check_interval(p, "--epoch-wait", args.epoch_wait, 0)
     if args.optimizer == "dense" and args.density != 0.01:
         p.error("--density only applies to --optimizer topk-ef or topk")
     if args.optimizer != "topk-ef" and args.exchange != "auto":

@@ -42,7 +42,8 @@ import torch
 import torch.nn.functional as F
 
 import horovod.torch as hvd
-from cli import HelpFormatter, bytes_report, output_path  # shared by the examples: --help shows the defaults
+from cli import (HelpFormatter, bytes_report, check_interval, output_path,  # shared by the examples: --help shows the defaults
+                 refuse_topk_flags_with_dense_exchange)
 import hvd_topk
 # the model, data and their options, shared with ddp_gpt.py
 from gpt_model import (GPT, add_training_arguments, add_variance_arguments, batches, check_topk_arguments,
@@ -68,8 +69,8 @@ def parse_args(argv=None):
                    help="topk-ef: density warm-up steps (DGC's exponential schedule from --warmup-density)")
     p.add_argument("--warmup-density", type=float, default=0.25)
     p.add_argument("--min-numel", type=int, default=1024,
-                   help="topk-ef: tensors with fewer elements go dense (e.g. 33000 keeps the embeddings "
-                        "and the output head of the default model dense)")
+                   help="topk-ef: tensors with fewer elements go dense (e.g. 33000 keeps the embeddings, "
+                        "the output head and the attention output projections of the default model dense)")
     p.add_argument("--adam", choices=("adamw", "local", "frozen-variance", "demo"), default="adamw",
                    help="local (topk-ef only): hvd_topk.LocalAdamW, Adam on each rank's own gradient and its "
                         "update exchanged (beta1 0 by default: error feedback carries the past); "
@@ -138,8 +139,16 @@ def parse_args(argv=None):
     if 0 < args.warmup_steps < args.sync_every:
         p.error(f"--warmup-steps {args.warmup_steps} is shorter than one synchronisation (--sync-every "
                 f"{args.sync_every}): the outer optimizer would get no warm-up")
-    if (args.adam == "frozen-variance") != (args.freeze_step > 0):
+    if (args.adam == "frozen-variance") != (args.freeze_step != 0) or args.freeze_step < 0:
         p.error("--adam frozen-variance needs --freeze-step N > 0, and --freeze-step needs it")
+    if (args.adam == "frozen-variance" and args.optimizer == "topk-ef"
+            and not (args.warmup_steps >= args.freeze_step and args.warmup_density == 1.0)):
+        # the variance of entries Top-K never sent by the freeze is zero for good: their first
+        # sends are divided by sqrt(eps) (measured: the loss went from 5 to 13,000 in 5 steps)
+        p.error(f"--adam frozen-variance with --optimizer topk-ef needs a dense start up to the freeze: "
+                f"--warmup-steps {args.freeze_step} (or more) --warmup-density 1.0")
+    if args.min_numel < 0:
+        p.error(f"--min-numel must be >= 0, got {args.min_numel}")
     if args.adam in ("local", "demo") and args.optimizer != "topk-ef":
         p.error(f"--adam {args.adam} needs --optimizer topk-ef (it runs inside hvd_topk.DistributedOptimizer)")
     if args.adam == "demo" and args.residual_decay != 1.0:
@@ -168,6 +177,8 @@ def parse_args(argv=None):
                 "run ends on a synchronisation, with the model the ranks share")
     if (args.outer_lr != 1.0 or args.outer_momentum or args.nesterov) and args.sync_every == 1:
         p.error("--outer-lr, --outer-momentum and --nesterov only apply with --sync-every H > 1")
+    check_interval(p, "--outer-lr", args.outer_lr, 0, low_open=True)
+    check_interval(p, "--outer-momentum", args.outer_momentum, 0, 1)
     if not 0 < args.residual_decay <= 1:  # (NaN fails this too)
         p.error(f"--residual-decay must be in (0, 1], got {args.residual_decay}")
     if args.adam in ("local", "demo") and args.clip:
@@ -190,6 +201,9 @@ def parse_args(argv=None):
     if args.compression != "topk" and (args.fp16_values or args.compact or args.density != 0.01):
         p.error("--density, --fp16-values and --compact only apply to --compression topk")
     check_topk_arguments(p, args)  # (a non-default --density without topk was refused above)
+    refuse_topk_flags_with_dense_exchange(p, args, {
+        "density": 0.01, "fp16_values": False, "compact": False, "no_error_feedback": False,
+        "selection_scope": "tensor", "warmup_steps": 0, "residual_decay": 1.0})
     check_checkpoint_arguments(p, args)
     return args
 
@@ -243,24 +257,38 @@ def save_checkpoint(args, digest, rank, step, model, opt, scaler, gen, history, 
              "history": history, "bytes": bytes_so_far(args, opt, topk, carried_bytes)}
     temporary = path.with_name(path.name + ".tmp")
     torch.save(state, temporary)
+    hvd.barrier()  # every rank's new file written before any replaces its old one
     os.replace(temporary, path)
 
 
 def load_checkpoint(args, digest, rank, model, opt, scaler, gen):
-    """``save_checkpoint``'s state back; returns (its step, history, bytes so far). Exits with a
-    message where the file is missing, was written by another run (flags, ranks, corpus) or
-    is already past ``--stop-after``."""
+    """``save_checkpoint``'s state back; returns (its step, history, bytes so far). Every rank
+    exits, with one message naming each rank's problem, where a file is missing, was written
+    by another run (flags, ranks, corpus) or is already past ``--stop-after``, or where the
+    ranks' files hold different steps (a job killed between two ranks' writes): one rank
+    refusing alone would leave the others training into a dead job."""
     path = checkpoint_path(args, rank)
+    state, problem = None, None
     if not path.exists():
-        sys.exit(f"--resume: {path} does not exist (run with --checkpoint {args.checkpoint} first)")
-    state = torch.load(path, weights_only=False)
-    flags = run_identity(args, digest)
-    changed = sorted(k for k in flags.keys() | state["flags"].keys() if flags.get(k) != state["flags"].get(k))
-    if changed:
-        sys.exit(f"--resume: {path} was written with other flags: "
-                 + ", ".join(f"--{k.replace('_', '-')} {state['flags'].get(k)} (now {flags.get(k)})" for k in changed))
-    if args.stop_after is not None and args.stop_after <= state["step"]:
-        sys.exit(f"--resume: {path} is at step {state['step']}, already at or past --stop-after {args.stop_after}")
+        problem = f"{path} does not exist (run with --checkpoint {args.checkpoint} first)"
+    else:
+        state = torch.load(path, weights_only=False)
+        flags = run_identity(args, digest)
+        changed = sorted(k for k in flags.keys() | state["flags"].keys() if flags.get(k) != state["flags"].get(k))
+        if changed:
+            problem = f"{path} was written with other flags: " + ", ".join(
+                f"--{k.replace('_', '-')} {state['flags'].get(k)} (now {flags.get(k)})" for k in changed)
+        elif args.stop_after is not None and args.stop_after <= state["step"]:
+            problem = f"{path} is at step {state['step']}, already at or past --stop-after {args.stop_after}"
+    reports = hvd.allgather_object((problem, None if state is None else state["step"]))
+    problems = [p for p, _ in reports if p]
+    steps = [step for _, step in reports]
+    if not problems and len(set(steps)) > 1:
+        problems = ["the ranks' files hold different steps (" + ", ".join(
+            f"{checkpoint_path(args, r)}: step {step}" for r, step in enumerate(steps))
+            + "): the job stopped between two ranks' writes; resume from files written at one step"]
+    if problems:
+        sys.exit("--resume: " + "; ".join(problems) if rank == 0 else 1)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     if scaler:
@@ -430,7 +458,8 @@ def main(argv=None):
               "corpus_bytes": len(data), "corpus_sha256": digest, "parameters": n_params,
               "final_val_loss": history[-1]["val_loss"], "bytes_sent_per_step": sent,
               "bytes_dense_per_step": dense, "bytes_ratio": sent / dense,
-              "seconds": time.perf_counter() - t0, "history": history}
+              "seconds": time.perf_counter() - t0, "history": history,
+              "flags": vars(args)}  # every option as this run used it (--adam, --lr, --exchange, ...)
     if args.optimizer == "topk-ef":
         result["compression_stats"] = opt.compression_stats()
     if rank == 0:

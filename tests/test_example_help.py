@@ -81,7 +81,8 @@ def test_gpt_example_one_momentum_with_frozen_variance():
     """--adam frozen-variance with error feedback moves beta1 (default 0.9, or --beta1) into the
     exchange's momentum_correction and leaves the inner beta1 at 0; elsewhere --beta1 is Adam's."""
     module = _example_module("pytorch_gpt")
-    frozen = ["--optimizer", "topk-ef", "--compression", "topk", "--adam", "frozen-variance", "--freeze-step", "10"]
+    frozen = ["--optimizer", "topk-ef", "--compression", "topk", "--adam", "frozen-variance", "--freeze-step", "10",
+              "--warmup-steps", "10", "--warmup-density", "1.0"]
     pick = module.beta1_and_momentum_correction
     assert pick(module.parse_args(frozen)) == (0.0, 0.9)
     assert pick(module.parse_args([*frozen, "--beta1", "0.8"])) == (0.0, 0.8)
@@ -135,8 +136,30 @@ def test_elastic_example_accepts_its_documented_failure():
 @pytest.mark.parametrize("script, argv, says", [
     ("pytorch_gpt", ["--clip", "-1"], "--clip must be a finite norm >= 0"),
     ("ddp_gpt", ["--hook", "none", "--clip", "-1"], "--clip must be a finite norm >= 0"),
-    ("pytorch_gpt", ["--lr", "nan"], "--lr and --corpus-mb must be positive"),
-    ("pytorch_digits", ["--lr", "nan"], "--epochs, --batch-size and --lr must be positive"),
+    ("pytorch_gpt", ["--lr", "nan"], "--lr must be in (0, inf), got nan"),
+    ("pytorch_gpt", ["--lr", "inf"], "--lr must be in (0, inf), got inf"),
+    ("pytorch_gpt", ["--weight-decay", "nan"], "--weight-decay must be in [0, inf), got nan"),
+    ("pytorch_digits", ["--lr", "nan"], "--lr must be in (0, inf), got nan"),
+    ("pytorch_digits", ["--momentum", "1.5"], "--momentum must be in [0, 1), got 1.5"),
+    ("pytorch_elastic", ["--lr", "inf"], "--lr must be in (0, inf), got inf"),
+    ("pytorch_elastic", ["--epoch-wait", "nan"], "--epoch-wait must be in [0, inf), got nan"),
+    ("lightning_digits", ["--lr", "inf"], "--lr must be in (0, inf), got inf"),
+    ("ddp_gpt", ["--weight-decay", "nan"], "--weight-decay must be in [0, inf), got nan"),
+    ("ddp_gpt", ["--warmup-density", "5"], "--warmup-density must be in (0, 1], got 5.0"),
+    ("ddp_gpt", ["--bucket-cap-mb", "nan"], "--bucket-cap-mb must be in (0, inf), got nan"),
+    ("ddp_gpt", ["--exchange", "dense", "--density", "0.5"], "--exchange dense sends every bucket whole: --density"),
+    ("pytorch_gpt", ["--optimizer", "topk-ef", "--compression", "topk", "--exchange", "dense_fp16", "--fp16-values"],
+     "--exchange dense_fp16 sends every bucket whole: --fp16-values would do nothing"),
+    ("pytorch_digits", ["--optimizer", "topk-ef", "--compression", "topk", "--exchange", "dense", "--density", "0.001",
+                        "--no-error-feedback"], "sends every bucket whole: --density, --no-error-feedback would do nothing"),
+    ("pytorch_gpt", ["--optimizer", "topk-ef", "--compression", "topk", "--min-numel", "-5"], "--min-numel must be >= 0"),
+    ("pytorch_gpt", ["--optimizer", "topk-ef", "--compression", "topk", "--sync-every", "2", "--outer-lr", "-1"],
+     "--outer-lr must be in (0, inf), got -1.0"),
+    ("pytorch_gpt", ["--optimizer", "topk-ef", "--compression", "topk", "--sync-every", "2", "--outer-momentum", "nan"],
+     "--outer-momentum must be in [0, 1), got nan"),
+    ("pytorch_gpt", ["--optimizer", "topk-ef", "--compression", "topk", "--adam", "frozen-variance",
+                     "--freeze-step", "10"], "needs a dense start up to the freeze: --warmup-steps 10 (or more)"),
+    ("pytorch_gpt", ["--freeze-step", "-3"], "--adam frozen-variance needs --freeze-step N > 0"),
     ("pytorch_gpt", ["--optimizer", "topk-ef", "--compression", "topk", "--sync-every", "4", "--steps", "6",
                      "--eval-every", "4"], "--steps (6) must be a multiple of --sync-every (4)"),
     ("ddp_gpt", ["--hook", "powersgd", "--bucket-cap-mb", "1"], "leave --bucket-cap-mb out"),
@@ -149,7 +172,9 @@ def test_elastic_example_accepts_its_documented_failure():
     ("lightning_digits", ["--density", "0"], "--density must be in (0, 1]"),
 ])
 def test_examples_refuse_what_would_train_wrong(script, argv, says, capsys):
-    """Settings that trained silently wrong (a negative clip is gradient ascent; a NaN rate;
+    """Settings that trained silently wrong (a negative clip is gradient ascent; a NaN or
+    infinite rate or weight decay; a momentum of 1 or more; Top-K flags under a pinned dense
+    exchange, which ignores them; FrozenVarianceAdamW freezing entries Top-K never sent;
     local steps ending between synchronisations, where the ranks' models differ; Lightning
     with no epochs, or -1, which it takes as unlimited) or failed deep inside (PowerSGD over
     several gloo buckets; a density of 0) are usage errors naming the flag, before anything runs."""

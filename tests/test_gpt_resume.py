@@ -54,3 +54,29 @@ def test_resume_with_other_flags_is_refused(tmp_path):
                    "--resume", timeout=300, expect_ok=False)
     assert proc.returncode != 0
     assert "--ranks 2 (now 1)" in proc.stdout + proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.timeout(600)
+def test_resume_from_files_at_different_steps_or_missing_is_refused_on_every_rank(tmp_path):
+    """A job killed between two ranks' writes leaves one rank's file a step set behind the
+    other's; before, each rank checked only its own file: rank 0 trained on, printed a final
+    loss and wrote --json for a run whose ranks had loaded different steps, and rank 1 died.
+    Truth: no final line, no JSON, one message naming each file's step (and a missing one)."""
+    prefix, out = tmp_path / "ckpt", tmp_path / "out.json"
+    dense = ("--compression", "none")
+    run_mpi(2, EXAMPLE, *TINY, *dense, "--checkpoint", prefix, "--stop-after", "4", timeout=300)
+    behind = (tmp_path / "ckpt-rank1.pt").read_bytes()
+    run_mpi(2, EXAMPLE, *TINY, *dense, "--checkpoint", prefix, "--stop-after", "8", "--resume", timeout=300)
+    (tmp_path / "ckpt-rank1.pt").write_bytes(behind)  # rank 0's file at step 8, rank 1's at step 4
+    proc = run_mpi(2, EXAMPLE, *TINY, *dense, "--checkpoint", prefix, "--resume", "--json", out,
+                   timeout=300, expect_ok=False)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and not out.exists(), said[-2000:]
+    assert "final validation loss" not in said, said[-2000:]
+    assert f"{prefix}-rank0.pt: step 8, {prefix}-rank1.pt: step 4" in said, said[-2000:]
+    (tmp_path / "ckpt-rank1.pt").unlink()
+    proc = run_mpi(2, EXAMPLE, *TINY, *dense, "--checkpoint", prefix, "--resume", "--json", out,
+                   timeout=300, expect_ok=False)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and not out.exists() and "final validation loss" not in said, said[-2000:]
+    assert f"{prefix}-rank1.pt does not exist" in said, said[-2000:]
