@@ -23,7 +23,7 @@ import horovod.torch as hvd
 import hvd_topk
 from check_optimizer import Net, batch, build
 from harness import raw_gradients, run
-from reference import ErrorFeedbackReference, k_of, sparse_allreduce
+from reference import ErrorFeedbackReference, k_of, part_pieces, sparse_allreduce
 
 DENSITY = 0.05
 MIN_NUMEL = 500
@@ -84,61 +84,78 @@ def check_uneven_batches_then_join(selection_scope="tensor"):
     assert opt.compression_stats()["steps"] == steps_of(rank)
 
 
-def check_demo_join(normalise, lr=0.05, beta=0.8, demo_steps=lambda rank, size: 2 + 2 * (size - 1 - rank)):
+def check_demo_join(normalise, exchange="allgather", lr=0.05, beta=0.8):
     """DeMo under uneven batches: its residual is its momentum, so on a step where a rank has
-    joined each active rank still sends only its top-k, and keeps the rest. Truth, per tensor:
-    every active rank's accumulator beta * residual + lr * g, its top-k (numpy's stable order)
-    summed over the active ranks / size (the joined rank sends nothing), the sent entries
-    zeroed in its residual and the rest kept; the parameters move by lr * normalise(result).
-    Before the fix the active ranks sent their whole momentum dense (every entry moved by
-    lr, each step after another rank joined) and it restarted at zero."""
+    joined each active rank still sends only its top-k, and keeps the rest. Truth, over the
+    sparse bucket (the big tensors end to end, in reverse registration order): every active
+    rank's accumulator beta * residual + lr * g; the positions it sends: with the allgather its
+    top-k of each tensor; with the sparse allreduce, while every rank is active, part j's top-k
+    of the accumulator of rank (j + step) mod size (every rank's values there), and once one
+    has joined, the top-k of the parts this rank chooses (its own values); the sum over the
+    active ranks / size (the joined ranks send nothing), the sent entries zeroed in each
+    residual and the rest kept; the parameters move by lr * normalise(result). The step
+    counter does not move on steps a rank sat out. Before the fix the active ranks sent their
+    whole momentum dense (every entry moved by lr) and it restarted at zero."""
     rank, size = hvd.rank(), hvd.size()
+    steps_of_demo = lambda r: 2 + 2 * (size - 1 - r)
     torch.manual_seed(0)
     model = Net()
     opt = hvd_topk.DistributedOptimizer(hvd_topk.DeMo(model.parameters(), lr=lr, beta=beta, normalise=normalise),
-                                        named_parameters=model.named_parameters(), exchange="allgather",
+                                        named_parameters=model.named_parameters(), exchange=exchange,
                                         compression=hvd_topk.TopK(density=DENSITY), min_numel=MIN_NUMEL)
-    big = [n for n, p in model.named_parameters() if p.numel() >= MIN_NUMEL]
-    residual = [{n: np.zeros(p.numel(), np.float32) for n, p in model.named_parameters()} for _ in range(size)]
+    params = dict(model.named_parameters())
+    names = [n for n, p in params.items() if p.numel() >= MIN_NUMEL][::-1]  # the sparse bucket's order
+    edges = np.cumsum([0] + [params[n].numel() for n in names])
+    pieces = [(j, a, b) for j, a, b in part_pieces(edges, size)]
+    top = lambda acc, a, b: a + np.argsort(-np.abs(acc[a:b]), kind="stable")[:k_of(b - a, DENSITY)]
+    residual = [np.zeros(edges[-1], np.float32) for _ in range(size)]
     shadow = copy.deepcopy(model)
-    joined_steps = 0
-    for step in range(demo_steps(rank, size)):
-        active = [r for r in range(size) if demo_steps(r, size) > step]
-        joined_steps += len(active) < size
-        grads = {n: [None] * size for n, _ in model.named_parameters()}
+    counter = joined_steps = 0
+    for step in range(steps_of_demo(rank)):
+        active = [r for r in range(size) if steps_of_demo(r) > step]
+        everyone = len(active) == size
+        grads = {n: [None] * size for n in params}
         for r in active:
             for n, g in raw_gradients(shadow, model, *batch(step, r)).items():
-                grads[n][r] = g
-        want = {}
-        for n, _ in model.named_parameters():
-            total = np.zeros(grads[n][active[0]].size, np.float32)
-            for r in active:
-                fed = grads[n][r].reshape(-1).astype(np.float32) * np.float32(lr)
-                if n not in big:  # the small tensors' bucket: plain average, no residual
-                    total += fed
-                    continue
-                acc = residual[r][n] * np.float32(beta) + fed
-                keep = np.argsort(-np.abs(acc), kind="stable")[:k_of(acc.size, DENSITY)]
-                total[keep] += acc[keep]
-                acc[keep] = 0
-                residual[r][n] = acc
-            want[n] = (total / np.float32(size)).reshape(grads[n][active[0]].shape)
-        before = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+                grads[n][r] = g.reshape(-1).astype(np.float32) * np.float32(lr)
+        accs = {r: residual[r] * np.float32(beta) + np.concatenate([grads[n][r] for n in names]) for r in active}
+        sends = {}  # every rank's positions first: the sparse allreduce reads the others' accumulators
+        for r in active:
+            if exchange == "allgather":
+                sent = [top(accs[r], a, b) for a, b in zip(edges, edges[1:])]
+            elif everyone:
+                sent = [top(accs[(j + counter) % size], a, b) for j, a, b in pieces]
+            else:
+                sent = [top(accs[r], a, b) for j, a, b in pieces if (j + counter) % size == r]
+            sends[r] = np.concatenate(sent) if sent else np.zeros(0, np.int64)
+        total = np.zeros(edges[-1], np.float32)
+        for r, sent in sends.items():
+            total[sent] += accs[r][sent]
+            accs[r][sent] = 0
+            residual[r] = accs[r]
+        want = {n: (total[a:b] / np.float32(size)) for n, a, b in zip(names, edges, edges[1:])}
+        for n in params:
+            if n not in want:  # the small tensors' bucket: plain average, no residual
+                want[n] = np.sum([grads[n][r] for r in active], axis=0) / np.float32(size)
+            want[n] = want[n].reshape(params[n].shape)
+        before = {n: p.detach().numpy().copy() for n, p in params.items()}
         opt.zero_grad()
         x, y = batch(step, rank)
         F.cross_entropy(model(x), y).backward()
         opt.synchronize()
-        for n, p in model.named_parameters():
+        for n, p in params.items():
             np.testing.assert_allclose(p.grad.numpy(), want[n], rtol=1e-5, atol=1e-9,
-                                       err_msg=f"demo {normalise}: step {step} ({len(active)} of {size} active) {n}")
+                                       err_msg=f"demo {normalise} {exchange}: step {step} ({len(active)} of {size} active) {n}")
         with opt.skip_synchronize():
             opt.step()
-        for n, p in model.named_parameters():
+        for n, p in params.items():
             avg = want[n].astype(np.float64)
             rms = np.sqrt(np.mean(avg ** 2))
             move = np.sign(avg) if normalise == "sign" else (avg / rms if rms > 0 else avg)
             np.testing.assert_allclose(p.detach().numpy(), before[n] - lr * move, rtol=1e-5, atol=1e-7,
-                                       err_msg=f"demo {normalise}: parameter {n}, step {step}")
+                                       err_msg=f"demo {normalise} {exchange}: parameter {n}, step {step}")
+        counter += everyone
+        joined_steps += not everyone
     # the momentum must carry over from one such step to the next
     assert rank != 0 or joined_steps >= 2, f"rank 0 took {joined_steps} steps with a rank joined"
     hvd.join()
@@ -211,6 +228,8 @@ CHECKS = [
     ("uneven batches then join, bucket scope", lambda: check_uneven_batches_then_join("bucket")),
     ("DeMo, sign: uneven batches then join, only the top-k move", lambda: check_demo_join("sign")),
     ("DeMo, rms: uneven batches then join, only the top-k move", lambda: check_demo_join("rms")),
+    ("DeMo, sign, sparse allreduce: uneven batches then join, only the top-k move",
+     lambda: check_demo_join("sign", "sparse_allreduce")),
     ("join at every epoch's end, warm-up, allgather", lambda: check_join_every_epoch("allgather")),
     ("join at every epoch's end, warm-up, sparse allreduce", lambda: check_join_every_epoch("sparse_allreduce")),
     ("join at every epoch's end, auto's trial", lambda: check_join_every_epoch("auto", exchange_trial_steps=1)),
