@@ -650,6 +650,14 @@ def _names(named_parameters):
     if pairs is None or not all(isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
                and isinstance(pair[1], torch.Tensor) for pair in pairs):
         raise TypeError(NAMED_PARAMETERS_ERROR)
+    holders = {}  # name -> the parameters under it: checkpoints key the residuals by name
+    for n, p in pairs:
+        holders.setdefault(n, {})[id(p)] = p
+    clashes = sorted(n for n, held in holders.items() if len(held) > 1)
+    if clashes:
+        raise ValueError("named_parameters gives one name to different parameters (their residuals would "
+                         f"overwrite each other in a checkpoint): {', '.join(clashes)}; pass "
+                         "model.named_parameters() of the whole model, whose names are unique")
     return {p: n for n, p in pairs}
 
 

@@ -236,6 +236,10 @@ class TopKEngine:
         """Once per step, before anything is folded or exchanged (the first hook, or
         ``synchronize`` when none fired): refuse what would make ranks silently diverge, then
         keep the residuals in the units of this step's gradients, and fix this step's family."""
+        # before the first fold: a parameter resized in place (p.data = ...) would otherwise
+        # fail inside the hooks, against buffers laid out for its old shape
+        check_parameters_unchanged(self.param_groups, self.param_ids, self.params, self.layout,
+                                   "hvd_topk.DistributedOptimizer")
         check_step_start(self)
         # p.grad no longer holds the last step's result (it may never have been stepped: a
         # GradScaler skipped it, and the loop zeroed gradients with model.zero_grad(), which

@@ -870,9 +870,15 @@ def check_bad_input():
                                  ({"named_parameters": Net().parameters()}, TypeError,
                                   "named_parameters must be model.named_parameters"),
                                  ({"named_parameters": 5}, TypeError, "named_parameters must be model.named_parameters"),
+                                 # each submodule's own named_parameters(): 'weight' and 'bias' twice
+                                 # (their residuals overwrote each other in checkpoints, in silence)
+                                 ({"named_parameters": [*Net().fc1.named_parameters(), *Net().fc2.named_parameters()]},
+                                  ValueError, "named_parameters gives one name to different parameters .*: bias, weight"),
                                  ({"process_group": "world"}, TypeError, "process_group must be None")]:
         with raises(error, match=match, what=str(kwargs)):
             P(**kwargs)
+    tied = Net()
+    P(named_parameters=[*tied.named_parameters(), ("alias.weight", tied.fc1.weight)])  # one parameter, two names: fine
     with raises(TypeError, match=re.escape("the density is a keyword argument: TopKState(density=...)"),
                 what="TopKState(0.01)"):
         P(0.01)

@@ -616,6 +616,20 @@ def check_bad_input():
     opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
     with raises(RuntimeError, match="parameters changed", what="parameters added after building"):
         train(model, opt, 1)
+    # A hidden layer grown in place after a step (net2net: p.data = torch.cat(...)): named at
+    # the next backward, before any gradient is folded into buffers laid out for the old
+    # shapes (it failed inside the hooks, with a size mismatch naming neither the parameter
+    # nor the cause).
+    model, opt = build(min_numel=500)
+    train(model, opt, 1)
+    with torch.no_grad():
+        model.fc1.weight.data = torch.cat([model.fc1.weight.data, torch.zeros(2, 40, device=DEVICE)])
+        model.fc1.bias.data = torch.cat([model.fc1.bias.data, torch.zeros(2, device=DEVICE)])
+        for head in (model.fc2, model.head2):
+            head.weight.data = torch.cat([head.weight.data, torch.zeros(10, 2, device=DEVICE)], 1)
+    with raises(RuntimeError, match="parameters changed after hvd_topk.DistributedOptimizer was built .*resized",
+                what="a layer grown in place after a step"):
+        train(model, opt, 1, start=1)
     # The model moved to float64 after building: its float32 residuals rounded every gradient.
     model, opt = build(min_numel=500)
     model.double()
