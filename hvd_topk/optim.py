@@ -310,9 +310,11 @@ class LocalAdamW(_ExchangedUpdates):
         if buckets not in ("auto", 0) and not options["global_variance"]:
             raise ValueError("variance_sketch rescales global_variance's estimate: it needs global_variance=True")
 
-    # State entries kept in float32 whatever the parameter's dtype (the variance sketch's EMA and
-    # its estimate's total): torch's load_state_dict casts state tensors to the parameter's dtype.
-    FLOAT32_STATE = ("sketch_sq", "estimate_sum")
+    # State entries kept in float64 whatever the parameter's dtype (the variance sketch's EMA and
+    # its estimate's total: sums over a whole tensor of squares, which overflowed float32 after
+    # one spiked step and stayed inf, and underflowed to subnormals after long runs of zero
+    # gradients): torch's load_state_dict casts state tensors to the parameter's dtype.
+    WIDE_STATE = ("sketch_sq", "estimate_sum")
 
     def _new_state(self, p, group):
         state = _new_adam_state(self.state[p], p)
@@ -323,20 +325,20 @@ class LocalAdamW(_ExchangedUpdates):
         self._new_state(p, _group_of(self, p))
 
     def load_state_dict(self, state_dict):
-        """As torch's, except that ``FLOAT32_STATE`` stays float32 (cast to a bfloat16
+        """As torch's, except that ``WIDE_STATE`` stays float64 (cast to a bfloat16
         parameter's dtype, the resume was not bitwise) and a state written before an entry was
         made up front gets it (see ``_complete_state``)."""
         saved = state_dict.get("state", {}) if isinstance(state_dict, dict) else {}
         ids = [i for g in state_dict.get("param_groups", ()) for i in g.get("params", ())] \
             if isinstance(state_dict, dict) else []
-        kept = {(i, key): value.detach().float().clone() for i in ids for key, value in saved.get(i, {}).items()
-                if key in self.FLOAT32_STATE and torch.is_tensor(value)}
+        kept = {(i, key): value.detach().double().clone() for i in ids for key, value in saved.get(i, {}).items()
+                if key in self.WIDE_STATE and torch.is_tensor(value)}
         super().load_state_dict(state_dict)
         for i, p in zip(ids, (p for g in self.param_groups for p in g["params"])):
             state = self.state.get(p)
             if not state:
                 continue
-            for key in self.FLOAT32_STATE:
+            for key in self.WIDE_STATE:
                 if (i, key) in kept:
                     state[key] = kept[i, key].to(p.device)
             _complete_state(state, p, _group_of(self, p), fresh=False)
@@ -456,22 +458,31 @@ class LocalAdamW(_ExchangedUpdates):
     def absorb_sketches(self, layout, averaged):
         """Fold the ranks' average of ``sketch_rows(layout)`` into each parameter's EMA of
         ``|mean g|^2`` (``state["sketch_sq"]``, with ``state["sketches"]`` counting them: the
-        next sketch's seed, and the EMA's bias correction). The EMA is kept in float32 and the
+        next sketch's seed, and the EMA's bias correction). The EMA is kept in float64 and the
         count as an int: a checkpoint loads state tensors in the parameter's dtype, and a count
-        in bfloat16 would stop at 256."""
+        in bfloat16 would stop at 256.
+
+        An average that is all zeros (no rank had a gradient of ``p``: a branch left out of the
+        forward) or holds inf/nan (an overflow, skipped) is not absorbed, on every rank alike
+        (the average is the same everywhere, and so the count and the next seed): ``p``'s
+        estimate does not move on such steps either, and an EMA decayed towards zero meanwhile
+        made the first update after 400 such steps 30,000 times too large."""
         offset = 0
         for p, buckets in layout:
             group = _group_of(self, p)
             width = variance_sketch.length(p.numel(), buckets)
-            part = averaged[offset:offset + width]
+            part = averaged[offset:offset + width].to(device=p.device, dtype=torch.float64)
             offset += width
+            self._sketches.pop(p, None)
+            square = part.square().sum()
+            if not (bool(torch.isfinite(square)) and bool(part.any())):
+                continue
             state = self.state[p] or self._new_state(p, group)
             total = state.get("sketch_sq")
-            total = torch.zeros((), dtype=torch.float32, device=p.device) if total is None else total.float()
+            total = torch.zeros((), dtype=torch.float64, device=p.device) if total is None else total.double()
             beta2 = group["betas"][1]
-            state["sketch_sq"] = total.mul_(beta2).add_(part.to(total.device).square().sum(), alpha=1 - beta2)
+            state["sketch_sq"] = total.mul_(beta2).add_(square, alpha=1 - beta2)
             state["sketches"] = _sketch_count(state) + 1
-            self._sketches.pop(p, None)
         if offset != averaged.numel():
             raise ValueError(f"absorb_sketches: {averaged.numel()} numbers for sketches of {offset}")
 
@@ -615,9 +626,9 @@ def _complete_state(state, p, group, fresh=True):
         if fresh and group["betas"][0] != 0 and "grad_prev" not in state:
             state["grad_prev"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     if group.get("variance_sketch", 0) != 0:
-        for key in LocalAdamW.FLOAT32_STATE:
+        for key in LocalAdamW.WIDE_STATE:
             if key not in state:
-                state[key] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state[key] = torch.zeros((), dtype=torch.float64, device=p.device)
         state.setdefault("sketches", 0)
 
 
@@ -628,14 +639,20 @@ def _calibrate(state, estimate, beta2):
     estimate's total and not this one's: a burst in this step's gradient raises its entries'
     estimate, as it raises dense AdamW's ``v``; divided by a total that holds the burst, the
     rescaling would take that protection away (measured: the 1% recipe on 8 ranks ended at
-    1.1039 so, docs/adamw.md). Keeps this step's total for the next (float32)."""
-    # summed in float32 at least (in float16 the total overflowed at 65504, and the rescaling by
-    # measured / inf made the next update inf)
-    total = estimate.sum(dtype=torch.promote_types(estimate.dtype, torch.float32)).float()
+    1.1039 so, docs/adamw.md). Keeps this step's total for the next (float64). The factor is
+    bounded to [1/16, 16] (on the GPT example it stays near 2) and skipped where either total
+    is not finite or not positive: a stale or broken measurement may shrink or grow the
+    estimate, never blow an update up."""
+    # summed in float64 (in float16 the total overflowed at 65504, in float32 after one spiked
+    # step, and the rescaling by measured / inf made every later update NaN)
+    total = estimate.sum(dtype=torch.float64)
     previous, count = state.get("estimate_sum"), _sketch_count(state)
     if previous is not None and count:
-        measured = state["sketch_sq"].float() / (1 - beta2 ** count)
-        estimate.mul_(measured / previous.float().clamp_min(torch.finfo(torch.float32).tiny))
+        measured = state["sketch_sq"].double() / (1 - beta2 ** count)
+        previous = previous.double()
+        usable = torch.isfinite(measured) & torch.isfinite(previous) & (measured > 0) & (previous > 0)
+        factor = torch.where(usable, measured / previous.clamp_min(torch.finfo(torch.float64).tiny), 1.0)
+        estimate.mul_(factor.clamp(1 / 16, 16).to(estimate.dtype))
     state["estimate_sum"] = total
 
 

@@ -1158,11 +1158,11 @@ def check_local_adamw_resume_bf16():
     model_b, opt_b = build_bf16()
     train_bf16(model_b, opt_b, 3)
     saved = copy.deepcopy({"model": model_b.state_dict(), "opt": opt_b.state_dict()})
-    assert saved["opt"]["state"][0]["sketch_sq"].dtype == torch.float32
+    assert saved["opt"]["state"][0]["sketch_sq"].dtype == torch.float64
     model_c, opt_c = build_bf16(seed=5)
     model_c.load_state_dict(saved["model"])
     opt_c.load_state_dict(saved["opt"])
-    assert opt_c.state[model_c.fc1.weight]["sketch_sq"].dtype == torch.float32
+    assert opt_c.state[model_c.fc1.weight]["sketch_sq"].dtype == torch.float64
     train_bf16(model_c, opt_c, 3, start=3)
     for (name, a), c in zip(model.named_parameters(), model_c.parameters()):
         assert torch.equal(a, c), f"bf16 resume: {name} differs (max {float((a.float() - c.float()).abs().max())})"
