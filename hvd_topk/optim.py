@@ -193,6 +193,26 @@ class _ExchangedUpdates(_CheckedGroups):
         self._step_done(stepped=self._stepped)
         super().zero_grad(set_to_none=set_to_none)
 
+    def _skipped_for_nonfinite(self):
+        """Whether this step's exchanged updates hold inf/nan (a gradient overflowed on some
+        rank), and so the step is skipped, with a warning, as a ``GradScaler`` skips one (these
+        optimizers take none: their state would mix loss scales). Every rank holds the same
+        ``p.grad`` after the exchange, so every rank skips alike; the moments and the residuals
+        did not take the inf/nan in. Applied, it made every parameter NaN for good (LocalAdamW,
+        DeMo's rms) or moved entries by the sign of inf (DeMo's sign), in silence."""
+        flags = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    flags.setdefault(p.grad.device, []).append(torch.isfinite(p.grad).all())
+        if all(bool(torch.stack(f).all()) for f in flags.values()):
+            return False
+        warnings.warn(f"hvd_topk.{type(self).__name__}: this step's exchanged update holds inf/nan (a gradient "
+                      "overflowed on some rank): the step is skipped on every rank, as a GradScaler skips one",
+                      stacklevel=3)
+        self._step_done(stepped=False)
+        return True
+
 
 class LocalAdamW(_ExchangedUpdates):
     """AdamW run by each rank on its own gradient, before the exchange: what Top-K with error
@@ -489,8 +509,11 @@ class LocalAdamW(_ExchangedUpdates):
     @torch.no_grad()
     def step(self, closure=None):
         """``p -= lr * (the exchanged update + weight_decay * p)``, decoupled as in AdamW
-        (``p -= the exchanged update + lr * weight_decay * p`` with ``lr_in_residual``)."""
+        (``p -= the exchanged update + lr * weight_decay * p`` with ``lr_in_residual``); skipped
+        where the update holds inf/nan (``_skipped_for_nonfinite``)."""
         loss = _evaluate(closure)
+        if self._skipped_for_nonfinite():
+            return loss
         applied = False
         for group in self.param_groups:
             self._check_lr_unchanged(group)
@@ -564,8 +587,11 @@ class DeMo(_ExchangedUpdates):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """``p *= 1 - lr * weight_decay``, then ``p -= lr * normalise(exchanged average)``."""
+        """``p *= 1 - lr * weight_decay``, then ``p -= lr * normalise(exchanged average)``; skipped
+        where the average holds inf/nan (``_skipped_for_nonfinite``)."""
         loss = _evaluate(closure)
+        if self._skipped_for_nonfinite():
+            return loss
         applied = False
         for group in self.param_groups:
             lr = group["lr"]

@@ -702,3 +702,37 @@ def test_variance_sketch_survives_a_spike_and_long_zeros(what):
     late = [float(s.abs().max() / u.abs().max()) for u, s in zip(updates[0][20:], updates[16][20:])
             if bool(u.any())]  # (an update of zero gradients is zero in both)
     assert len(late) >= 39 and all(1 / 4.01 <= r <= 4.01 for r in late), f"{what}: update ratios {late[:8]}"
+
+
+@pytest.mark.parametrize("make", [lambda ps: LocalAdamW(ps, lr=1e-2), lambda ps: DeMo(ps, lr=1e-2, normalise="rms"),
+                                  lambda ps: DeMo(ps, lr=1e-2, normalise="sign")], ids=["LocalAdamW", "DeMo rms", "DeMo sign"])
+def test_an_update_holding_inf_is_skipped_with_a_warning(make):
+    """An exchanged update holding inf/nan (a rank's gradient overflowed: after the exchange
+    every rank holds it) is not applied: the parameters stay as they were, and the next finite
+    step moves them, finite. Before, LocalAdamW and DeMo's rms turned every parameter NaN for
+    good, and DeMo's sign moved the inf entries by lr, in silence. Truth: the parameters before
+    the bad step, and after the next."""
+    def run(bad):
+        torch.manual_seed(0)
+        a, b = torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(5))
+        opt = make([a, b])
+        for t in range(3):
+            grads = [torch.full((6, 4), 0.1 * (t + 1)), torch.full((5,), -0.2)]
+            if bad and t == 1:
+                grads[0][2, 3] = float("inf")
+            before = [a.detach().clone(), b.detach().clone()]
+            for p, g in zip((a, b), grads):
+                opt.transform_local_gradient(p, g, 2)
+                p.grad = g
+            opt.exchanged()
+            if bad and t == 1:
+                with pytest.warns(UserWarning, match="holds inf/nan .* the step is skipped on every rank"):
+                    opt.step()
+                assert all(torch.equal(x, y) for x, y in zip((a, b), before)), "the bad step moved the parameters"
+            else:
+                opt.step()
+                if t == 2:
+                    assert all(bool(torch.isfinite(x).all()) and not torch.equal(x, y)
+                               for x, y in zip((a, b), before)), "the step after the bad one"
+            opt.zero_grad()
+    run(bad=True)
