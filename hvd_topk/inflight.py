@@ -103,6 +103,11 @@ class DenseExchange:
         wire = bucket.scratch("wire", bucket.numel, wire_dtype) if wire_dtype != bucket.dtype else None
         self.residual = bucket.sparse and ctx.error_feedback
         self.rounded = self.residual and wire_dtype.itemsize < bucket.dtype.itemsize
+        # where the wire is narrower and the residual keeps its rounding: summed on the wire and
+        # divided by P after, in the bucket's dtype (Horovod's Average divides the float16 sum in
+        # float16, where a small average underflowed to zero, or rounded up, after the residual
+        # had been debited in full; the DDP hook divides after too)
+        self.divide = float(ctx.world) if self.rounded and ctx.op == hvd.Average else None
         if self.rounded:
             wire.copy_(bucket.acc)
             bucket.acc.sub_(wire)  # what the narrower wire could not carry stays behind
@@ -111,7 +116,8 @@ class DenseExchange:
             # allreduce does with one device flag (no host synchronisation)
             bad = ~torch.isfinite(bucket.acc).all()
             count_resets(ctx.stats, bucket.wipe(bad, bucket.bounds.tolist()))
-            self.handle = strategy.start(wire, name, ctx.process_set, ctx.op, ctx.predivide)
+            self.handle = strategy.start(wire, name, ctx.process_set, hvd.Sum if self.divide else ctx.op,
+                                         ctx.predivide)
         else:
             self.handle = strategy.start(bucket.acc, name, ctx.process_set, ctx.op, ctx.predivide, wire=wire)
 
@@ -120,7 +126,10 @@ class DenseExchange:
 
     def decode_into(self, bucket):
         t0 = time.perf_counter()
-        bucket.write_grads(self.strategy.finish(self.handle))
+        result = self.strategy.finish(self.handle)
+        if self.divide:
+            result = bucket.scratch("average", bucket.numel, bucket.dtype).copy_(result).div_(self.divide)
+        bucket.write_grads(result)
         bucket.sent_whole(restart_residual=self.residual and not self.rounded)
         self.ctx.stats.add(time_exchange_s=time.perf_counter() - t0)
 
