@@ -203,8 +203,9 @@ class _ExchangedUpdates(_CheckedGroups):
         flags = {}
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None:
-                    flags.setdefault(p.grad.device, []).append(torch.isfinite(p.grad).all())
+                if p.grad is not None:  # (a sparse one, nn.Embedding(sparse=True)'s: its values)
+                    values = p.grad.coalesce().values() if p.grad.is_sparse else p.grad
+                    flags.setdefault(p.grad.device, []).append(torch.isfinite(values).all())
         if all(bool(torch.stack(f).all()) for f in flags.values()):
             return False
         warnings.warn(f"hvd_topk.{type(self).__name__}: this step's exchanged update holds inf/nan (a gradient "
