@@ -487,7 +487,7 @@ class LocalAdamW(_ExchangedUpdates):
         forward) or holds inf/nan (an overflow, skipped) is not absorbed, on every rank alike
         (the average is the same everywhere, and so the count and the next seed): ``p``'s
         estimate does not move on such steps either, and an EMA decayed towards zero meanwhile
-        made the first update after 400 such steps 30,000 times too large."""
+        made the first update after 400 such steps about 30,000 times too large."""
         offset = 0
         for p, buckets in layout:
             group = _group_of(self, p)
@@ -667,7 +667,8 @@ def _calibrate(state, estimate, beta2):
     estimate, as it raises dense AdamW's ``v``; divided by a total that holds the burst, the
     rescaling would take that protection away (measured: the 1% recipe on 8 ranks ended at
     1.1039 so, docs/adamw.md). Keeps this step's total for the next (float64). The factor is
-    bounded to [1/16, 16] (on the GPT example it stays near 2) and skipped where either total
+    bounded to [1/16, 16] (at 8 ranks on the GPT example the estimate held about half of the
+    measured total: a factor near 2, docs/adamw.md) and skipped where either total
     is not finite or not positive: a stale or broken measurement may shrink or grow the
     estimate, never blow an update up."""
     # summed in float64 (in float16 the total overflowed at 65504, in float32 after one spiked
