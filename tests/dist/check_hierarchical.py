@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 import horovod.torch as hvd
 import hvd_topk
+from check_join import active_gradients
 from check_optimizer import Net, batch
 from harness import assert_same_on_all_ranks, gather, raw_gradients, raw_then_synchronize, run, step_and_check_same
 from reference import ErrorFeedbackReference, k_of, part_pieces, split_edges
@@ -382,11 +383,7 @@ def check_demo_join_goes_dense_with_a_warning(lr=0.05):
     shadow = copy.deepcopy(model)
     said = []
     for step in range(steps_of(rank)):
-        active = [r for r in range(size) if steps_of(r) > step]
-        grads = {n: [] for n, _ in model.named_parameters()}
-        for r in active:
-            for n, g in raw_gradients(shadow, model, *batch(step, r)).items():
-                grads[n].append(g)
+        active, grads = active_gradients(shadow, model, step, steps_of)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             opt.zero_grad()

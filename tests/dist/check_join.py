@@ -33,6 +33,18 @@ def steps_of(rank):
     return 2 + (hvd.size() - 1 - rank)
 
 
+def active_gradients(shadow, model, step, steps_of):
+    """The ranks still training at ``step`` (``steps_of(r) > step``) and, per parameter, each
+    one's raw gradient in rank order, recomputed here from its deterministic batch (a rank
+    inside ``hvd.join()`` cannot be asked)."""
+    active = [r for r in range(hvd.size()) if steps_of(r) > step]
+    grads = {n: [] for n, _ in model.named_parameters()}
+    for r in active:
+        for n, g in raw_gradients(shadow, model, *batch(step, r)).items():
+            grads[n].append(g)
+    return active, grads
+
+
 def expected(ref, grads, active, big, size):
     """The numpy result of one step for every parameter; updates ``ref``'s residuals."""
     if len(active) == size:
@@ -201,11 +213,7 @@ def check_horovod_uneven_batches_then_join(drop_in):
                                    named_parameters=model.named_parameters(), compression=compression)
     shadow = copy.deepcopy(model)
     for step in range(steps_of(rank)):
-        active = [r for r in range(size) if steps_of(r) > step]
-        grads = {n: [] for n, _ in model.named_parameters()}
-        for r in active:
-            for n, g in raw_gradients(shadow, model, *batch(step, r)).items():
-                grads[n].append(g)
+        active, grads = active_gradients(shadow, model, step, steps_of)
         opt.zero_grad()
         x, y = batch(step, rank)
         F.cross_entropy(model(x), y).backward()
