@@ -106,8 +106,9 @@ class DenseExchange:
         # where the wire is narrower and the residual keeps its rounding: summed on the wire and
         # divided by P after, in the bucket's dtype (Horovod's Average divides the float16 sum in
         # float16, where a small average underflowed to zero, or rounded up, after the residual
-        # had been debited in full; the DDP hook divides after too)
-        self.divide = float(ctx.world) if self.rounded and ctx.op == hvd.Average else None
+        # had been debited in full; the DDP hook divides after too). A gradient_predivide_factor
+        # asks for Horovod's own split of the division (against a float16 sum's overflow): kept
+        self.divide = float(ctx.world) if self.rounded and ctx.op == hvd.Average and ctx.predivide == 1.0 else None
         if self.rounded:
             wire.copy_(bucket.acc)
             bucket.acc.sub_(wire)  # what the narrower wire could not carry stays behind
