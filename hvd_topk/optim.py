@@ -488,24 +488,27 @@ class LocalAdamW(_ExchangedUpdates):
         (the average is the same everywhere, and so the count and the next seed): ``p``'s
         estimate does not move on such steps either, and an EMA decayed towards zero meanwhile
         made the first update after 400 such steps about 30,000 times too large."""
-        offset = 0
+        edges = [0]
         for p, buckets in layout:
-            group = _group_of(self, p)
-            width = variance_sketch.length(p.numel(), buckets)
-            part = averaged[offset:offset + width].to(device=p.device, dtype=torch.float64)
-            offset += width
+            edges.append(edges[-1] + variance_sketch.length(p.numel(), buckets))
+        if edges[-1] != averaged.numel():
+            raise ValueError(f"absorb_sketches: {averaged.numel()} numbers for sketches of {edges[-1]}")
+        wide = averaged.to(torch.float64)
+        # every average's squared norm, read in one host synchronisation: 0 where it is all zeros
+        # (a nonzero float32 squares to more than 0 in float64), inf/nan where it held one
+        squares = torch.stack([wide[a:b].square().sum() for a, b in zip(edges, edges[1:])]).tolist() \
+            if layout else []
+        for (p, _), square in zip(layout, squares):
             self._sketches.pop(p, None)
-            square = part.square().sum()
-            if not (bool(torch.isfinite(square)) and bool(part.any())):
+            if not (math.isfinite(square) and square > 0):
                 continue
+            group = _group_of(self, p)
             state = self.state[p] or self._new_state(p, group)
             total = state.get("sketch_sq")
             total = torch.zeros((), dtype=torch.float64, device=p.device) if total is None else total.double()
             beta2 = group["betas"][1]
             state["sketch_sq"] = total.mul_(beta2).add_(square, alpha=1 - beta2)
             state["sketches"] = _sketch_count(state) + 1
-        if offset != averaged.numel():
-            raise ValueError(f"absorb_sketches: {averaged.numel()} numbers for sketches of {offset}")
 
     @torch.no_grad()
     def step(self, closure=None):
