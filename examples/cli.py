@@ -7,6 +7,8 @@ import math
 import os
 from pathlib import Path
 
+from hvd_topk.selection import DENSE_EXCHANGES
+
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """``RawDescriptionHelpFormatter`` that appends ``(default: X)`` to each option whose help
@@ -41,9 +43,6 @@ def check_interval(p, flag, value, low, high=math.inf, low_open=False, high_open
     if not (above and below):
         p.error(f"{flag} must be in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}, "
                 f"got {value}")
-
-
-DENSE_EXCHANGES = ("dense", "dense_fp16")
 
 
 def refuse_topk_flags_with_dense_exchange(p, args, flags):
