@@ -47,26 +47,26 @@ UPDATES_NOTE = ("the sparse allreduce not tried: the inner optimizer exchanges e
                 "over it that was measured to cost quality from 4 ranks on (docs/adamw.md); pin exchange= to use it")
 
 
-# Why ``families(momentum=True)`` leaves dense out: DeMo's residual, decayed each step by its beta,
-# is its momentum (``optim.momentum_decay_of``; a ``residual_decay`` added to error feedback is
-# none), and a dense exchange sends it whole and zeroes it, so
+# Why ``families(momentum=True)`` leaves dense out: DeMo's residual (decayed each step by its beta,
+# or at beta 1.0 not at all) is its momentum (``optim.momentum_in_residual``; a ``residual_decay``
+# added to error feedback is none), and a dense exchange sends it whole and zeroes it, so
 # the step under dense has no momentum (and DeMo's sign descent moves every entry). Picking
 # dense for speed would change the algorithm; for the same reason such a residual never takes
 # the dense fallback below density 1 (at 1, a dense start, Top-K sends everything anyway), and
 # a rank alone sends pairs too (``hvd_topk.planner``, the DDP hook's ``ddp_exchange.choose``).
 # A step on which a rank sits inside ``hvd.join()`` still goes dense (Horovod's joined ranks
 # answer allreduces only).
-MOMENTUM_NOTE = ("dense not tried: the residual is DeMo's momentum (decaying by its beta each step), "
+MOMENTUM_NOTE = ("dense not tried: the residual is DeMo's momentum, "
                  "which a dense exchange would send whole and zero; pin exchange='dense' to use it")
 
 
-def keeps_momentum(momentum_decay, density=None):
+def keeps_momentum(momentum, density=None):
     """Whether the residual is a momentum a dense exchange would wipe (``MOMENTUM_NOTE``): the
-    inner optimizer keeps its momentum there, decaying each step (``optim.momentum_decay_of``:
-    DeMo's beta, not a decay added to error feedback), and at ``density`` (where given) Top-K
-    would not send all of it anyway (at 1, a dense start, it does, so dense's fewer bytes may
-    be taken)."""
-    return momentum_decay < 1 and (density is None or density < 1)
+    inner optimizer keeps its momentum there (``momentum``: ``optim.momentum_in_residual``,
+    DeMo's accumulator, not a decay added to error feedback), and at ``density`` (where given)
+    Top-K would not send all of it anyway (at 1, a dense start, it does, so dense's fewer bytes
+    may be taken)."""
+    return momentum and (density is None or density < 1)
 
 
 def left_out(updates, momentum):

@@ -45,7 +45,7 @@ from hvd_topk import ddp_exchange as exchange
 from hvd_topk.codec import Codec
 from hvd_topk._torch import backward_running
 from hvd_topk.loss_scale import ResidualScale, check_grad_scaler, is_loss_scale
-from hvd_topk.optim import momentum_decay_of, residual_decay_of
+from hvd_topk.optim import momentum_in_residual, residual_decay_of
 from hvd_topk.schedule import DEFAULT_START, DensitySchedule
 from hvd_topk.stats import DENSE_FP32_BYTES
 from hvd_topk.selection import (NAMED_PARAMETERS_ERROR, DEFAULT_METHOD, check_density, check_flag, check_integer, check_number,
@@ -163,7 +163,7 @@ class TopKState:
         self.residual_decay = check_residual_decay(
             residual_decay_of(optimizer, check_number(residual_decay, "residual_decay"), self.error_feedback),
             self.error_feedback)
-        self.momentum_decay = momentum_decay_of(optimizer, self.residual_decay)  # DeMo's: never sent whole
+        self.momentum_in_residual = momentum_in_residual(optimizer)  # DeMo's: never sent whole
         self.codec = Codec(method, fp16_values, self.compact)
         check_grad_scaler(grad_scaler, optimizer)
         self.residual_scale = ResidualScale(grad_scaler)  # the loss scale the residuals are kept in
@@ -464,7 +464,7 @@ class TopKState:
         self.family = self.trial.family()
 
     def _start_trial(self, density):
-        momentum = auto.keeps_momentum(self.momentum_decay)  # (auto only: a pinned exchange starts no trial)
+        momentum = auto.keeps_momentum(self.momentum_in_residual)  # (auto only: a pinned exchange starts no trial)
         families = auto.families(False, False, self.compact, self.codec.dense_fp16, updates=self.sends_updates,
                                  momentum=momentum)
         assignments, byte_counts = {}, {}

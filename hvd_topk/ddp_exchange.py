@@ -351,9 +351,9 @@ def _fold_checked(state, layout, buffer):
 def choose(state, layout, plan, world, family):
     """``(strategy, its bytes into one rank)`` for the bucket's sparse part under ``family``
     (None: the fewest bytes of all); a sparse family goes dense where that moves fewer bytes,
-    except where the residual is DeMo's momentum (``optim.momentum_decay_of``)."""
+    except where the residual is DeMo's momentum (``optim.momentum_in_residual``)."""
     sizes = (world, layout.numel, plan.count, *state.codec.pair_itemsizes(plan), layout.grad_dtype.itemsize)
-    keeps = auto.keeps_momentum(state.momentum_decay, plan.density)  # DeMo's: no dense then, unless pinned
+    keeps = auto.keeps_momentum(state.momentum_in_residual, plan.density)  # DeMo's: no dense then, unless pinned
     fallback = () if keeps else (DENSE_FP16,) if state.codec.dense_fp16 else (DENSE,)
     if family is None:  # auto before its trial: the sparse strategies its families allow, or dense
         allowed = auto.families(False, False, state.compact, updates=state.sends_updates, momentum=keeps)

@@ -114,11 +114,13 @@ class TopKEngine:
             updates where a plain optimizer sends gradients).
         updates: whether that optimizer sends updates (``transform_local_gradient``), which
             narrows ``exchange="auto"`` (``hvd_topk.planner``).
+        momentum: whether the residual is that optimizer's momentum (``optim.momentum_in_residual``),
+            never sent whole by choice (``hvd_topk.planner``).
     """
 
     def __init__(self, param_groups, names, compression, options, *, op, gradient_predivide_factor,
                  backward_passes_per_step, process_set, groups, prefix, grad_scaler=None, inner=None,
-                 updates=False, momentum_decay=1.0):
+                 updates=False, momentum=False):
         self.param_groups = param_groups
         self.param_ids = [id(p) for g in param_groups for p in g["params"]]
         self.params = [p for g in param_groups for p in g["params"] if p.requires_grad]
@@ -160,7 +162,7 @@ class TopKEngine:
                              "hierarchical=False, or momentum_correction=0.0 with the inner optimizer's momentum")
         self.planner = ExchangePlanner(options, self.buckets, self.codec, self.schedule, self.hier,
                                        process_set, f"{prefix}.exchange_trial", updates=updates,
-                                       momentum_decay=momentum_decay)
+                                       momentum=momentum)
         # keyed by id(p): a tensor's __hash__ is a Python-level call, and these are read per hook
         self.place = {id(m.param): (b, i) for b in self.buckets for i, m in enumerate(b.members)}
         self.passes = dict.fromkeys(map(id, self.params), 0)

@@ -757,12 +757,13 @@ def _check_transformed(optimizer, p):
     return False
 
 
-def momentum_decay_of(optimizer, residual_decay):
-    """``residual_decay`` where the residual is the inner optimizer's momentum (``hvd_topk.DeMo``:
-    its ``beta``), else 1.0. Only such a residual is never sent whole by choice
-    (``auto.MOMENTUM_NOTE``); a decay the user adds to error feedback (the 0.1% recipe's, or
-    LocalSteps') only fades unsent work, and a dense step, which sends all of it, is then exact."""
-    return residual_decay if getattr(optimizer, "residual_decay", None) not in (None, 1.0) else 1.0
+def momentum_in_residual(optimizer):
+    """Whether the residual is the inner optimizer's momentum: ``hvd_topk.DeMo``'s accumulator,
+    whose decay it owns (its ``beta``; at 1.0 an undecayed sum, still its momentum). Only such a
+    residual is never sent whole by choice (``auto.MOMENTUM_NOTE``); a decay the user adds to
+    error feedback (the 0.1% recipe's, or LocalSteps') only fades unsent work, and a dense step,
+    which sends all of it, is then exact."""
+    return getattr(optimizer, "residual_decay", None) is not None
 
 
 def residual_decay_of(optimizer, residual_decay, error_feedback=True):

@@ -21,7 +21,7 @@ from hvd_topk import checkpoint
 from hvd_topk.checkpoint import STATE_KEY
 from hvd_topk.engine import STEP_KEY, STEPPED_THE_INNER, TopKEngine
 from hvd_topk.loss_scale import check_grad_scaler
-from hvd_topk.optim import momentum_decay_of, residual_decay_of
+from hvd_topk.optim import momentum_in_residual, residual_decay_of
 from hvd_topk.options import Options
 from hvd_topk.schedule import DEFAULT_START
 from hvd_topk.selection import NAMED_PARAMETERS_ERROR, check_integer
@@ -191,7 +191,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                         groups=groups, prefix=instance_name("opt", process_set),
                         grad_scaler=grad_scaler, inner=type(optimizer).__qualname__,
                         updates=hasattr(optimizer, "transform_local_gradient"),
-                        momentum_decay=momentum_decay_of(optimizer, residual_decay))
+                        momentum=momentum_in_residual(optimizer))
     if isinstance(optimizer, torch.optim.SparseAdam):  # it takes sparse gradients only, from the first step
         engine.sparse.always(engine.params)
     wrapped = share_as_subclass(optimizer, _DistributedOptimizer)

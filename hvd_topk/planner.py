@@ -37,12 +37,12 @@ class ExchangePlanner:
         process_set, name: where and under which name the trial's decision is agreed.
         updates: the inner optimizer exchanges each rank's update (LocalAdamW, DeMo): ``auto``
             then leaves the sparse allreduce out (``auto.UPDATES_NOTE``); a pinned one is used.
-        momentum_decay: DeMo's ``beta`` (``optim.momentum_decay_of``): its residual is its
-            momentum, so ``auto`` leaves dense out (``auto.MOMENTUM_NOTE``) and no bucket falls
+        momentum: the residual is the inner optimizer's momentum (``optim.momentum_in_residual``:
+            DeMo's), so ``auto`` leaves dense out (``auto.MOMENTUM_NOTE``) and no bucket falls
             back to dense below density 1.
     """
 
-    def __init__(self, options, buckets, codec, schedule, hier, process_set, name, updates=False, momentum_decay=1.0):
+    def __init__(self, options, buckets, codec, schedule, hier, process_set, name, updates=False, momentum=False):
         self.options, self.buckets, self.codec, self.schedule = options, buckets, codec, schedule
         self.hier = hier
         self.process_set, self.name = process_set, name
@@ -50,9 +50,8 @@ class ExchangePlanner:
         narrowed = options.exchange == "auto"
         # a residual that is the inner optimizer's momentum (DeMo) is not sent whole by choice (no
         # dense family, no dense fallback below density 1, a rank alone sends pairs too:
-        # auto.MOMENTUM_NOTE); a decay added to error feedback is no momentum (optim.momentum_decay_of)
-        self.momentum_decay = momentum_decay
-        self.keeps_residual = auto.keeps_momentum(momentum_decay)
+        # auto.MOMENTUM_NOTE); a decay added to error feedback is no momentum (optim.momentum_in_residual)
+        self.keeps_residual = auto.keeps_momentum(momentum)
         updates, momentum = updates and narrowed, self.keeps_residual and narrowed
         self.left_out = auto.left_out(updates, momentum)
         self.families = auto.families(hier is not None, options.hierarchical is True, codec.compact,
@@ -167,7 +166,7 @@ class ExchangePlanner:
             return exchange.DenseAllreduce
         chosen = exchange.BY_NAME[family.removeprefix(auto.HIER)]
         if not chosen.sparse or not self.options.dense_fallback \
-                or auto.keeps_momentum(self.momentum_decay, codec_plan.density):
+                or auto.keeps_momentum(self.keeps_residual, codec_plan.density):
             return chosen
         # with 16-bit values or compact pairs on the wire the dense fallback is 16-bit too
         dense = exchange.DenseAllreduceFp16 if self.codec.dense_fp16 else exchange.DenseAllreduce

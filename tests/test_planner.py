@@ -19,14 +19,14 @@ from hvd_topk.schedule import DensitySchedule
 N = 10_000  # the weight's elements: k = 100 at 1%
 
 
-def planner(density=0.01, hier=None, codec=None, dtype=torch.float32, updates=False, momentum_decay=1.0, **options):
+def planner(density=0.01, hier=None, codec=None, dtype=torch.float32, updates=False, momentum=False, **options):
     weight = torch.nn.Parameter(torch.zeros(100, 100, dtype=dtype))
     bias = torch.nn.Parameter(torch.zeros(100, dtype=dtype))
     options = Options(**options)
     buckets = make_buckets([weight, bias], {weight: "w", bias: "b"}, options.min_numel, options.fusion_bytes)
     schedule = DensitySchedule(density, options.warmup_steps, options.warmup_density)
     return ExchangePlanner(options, buckets, codec or Codec(), schedule, hier, process_set=None, name="test",
-                           updates=updates, momentum_decay=momentum_decay), buckets
+                           updates=updates, momentum=momentum), buckets
 
 
 def test_pinned_exchange_and_dense_fallback():
@@ -225,8 +225,8 @@ def test_describe_says_why_before_any_trial():
     assert planner(exchange="dense")[0].describe(2) == {"exchange": "dense"}
 
 
-def test_a_decaying_residual_is_never_sent_whole_by_choice():
-    """DeMo's beta (``momentum_decay`` < 1): the residual is its momentum, which a dense exchange
+def test_demos_residual_is_never_sent_whole_by_choice():
+    """DeMo's accumulator (``momentum=True``): the residual is its momentum, which a dense exchange
     would send whole and zero each step. So auto offers no dense family (fp16 included) and
     says so, and no bucket takes the dense fallback, even where dense moves fewer bytes (at 50%
     and P = 4 the pairs alone, 3 x 5000 x 6 = 90000 bytes, are more than a ring allreduce of all
@@ -235,7 +235,7 @@ def test_a_decaying_residual_is_never_sent_whole_by_choice():
     send everything and zero the residual anyway, so the fallback's fewer bytes are taken. A
     pinned dense exchange is used as given."""
     fp16 = Codec(fp16_values=True)
-    demo = {"residual_decay": 0.9, "momentum_decay": 0.9}
+    demo = {"residual_decay": 0.9, "momentum": True}
     decayed, (weight, _) = planner(warmup_steps=5, warmup_density=0.5, updates=True, codec=fp16, **demo)
     plain, (plain_weight, _) = planner(warmup_steps=5, warmup_density=0.5, codec=fp16)
     pinned_allgather, (pinned_weight, _) = planner(warmup_steps=5, warmup_density=0.5, exchange="allgather",
@@ -495,3 +495,4 @@ def test_a_trial_taken_over_decides_with_the_others_after_retries():
     new = auto.Trial.resume(old.record(), 1, agree=lambda values: values.clone())
     assert run(new, 8, 4) == run(old, 8, 4)
     assert new.choice == old.choice == "allgather" and new.decided_at == old.decided_at == 11
+

@@ -74,7 +74,7 @@ def chosen(family, world, sizes, density, decays=False):
     tensors ``sizes`` travels under ``family`` (None: the fewest bytes of all). Bytes into each
     rank: a ring allreduce 2 (P-1)/P n 4, the allgather (P-1) k 8, the sparse allreduce
     (P-1)/P (k 4 + 2 (k+1) 4); the fewest wins (the sparse ones first on a tie, dense last).
-    ``decays`` (the residual is DeMo's momentum, ``state.momentum_decay`` < 1): never dense unless
+    ``decays`` (the residual is DeMo's momentum, ``state.momentum_in_residual``): never dense unless
     pinned, or at density 1 (everything is sent anyway); a ``residual_decay`` added to error
     feedback is no momentum and takes dense where it moves fewer bytes."""
     if family in ("dense", "dense_fp16"):
@@ -150,7 +150,7 @@ def check_reference(exchange="allgather", bucket_cap_mb=25, steps=4, density=0.0
                 want = grads.mean(axis=0)
             else:
                 sizes = [model.get_parameter(n).numel() for n in sparse_names]
-                how = chosen(state.family, size, sizes, d, state.momentum_decay < 1) if size > 1 else "allgather"
+                how = chosen(state.family, size, sizes, d, state.momentum_in_residual) if size > 1 else "allgather"
                 if how == "sparse_allreduce":
                     if name not in shared:
                         shared.update(ref.sparse_allreduce_bucket(sparse_names, every, d, step, index, idle=idle))
@@ -1121,6 +1121,9 @@ CHECKS = [
     ("DeMo through optimizer=", check_demo),
     # at 60% the pairs (8 bytes each) move more bytes than a ring allreduce: plain error feedback would go dense
     ("DeMo through optimizer=, auto at 60%: never sent whole", lambda: check_demo(density=0.6, exchange="auto")),
+    # beta 1.0 (no decay): still DeMo's momentum (before 2026-12-06 auto took dense, every entry moved)
+    ("DeMo through optimizer=, beta 1, auto at 60%: never sent whole",
+     lambda: check_demo(density=0.6, exchange="auto", beta=1.0)),
     ("checkpoint resume, several buckets", check_resume),
     ("checkpoint resume, one bucket, decay", lambda: check_resume(bucket_cap_mb=25, residual_decay=0.9)),
     ("checkpoint resume into torch.compile's parameter names", lambda: check_resume(compiled_names=True)),

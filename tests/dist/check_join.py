@@ -236,6 +236,8 @@ CHECKS = [
     ("uneven batches then join, bucket scope", lambda: check_uneven_batches_then_join("bucket")),
     ("DeMo, sign: uneven batches then join, only the top-k move", lambda: check_demo_join("sign")),
     ("DeMo, rms: uneven batches then join, only the top-k move", lambda: check_demo_join("rms")),
+    # beta 1.0: an undecayed accumulator is still DeMo's momentum (before 2026-12-06 sent dense)
+    ("DeMo, sign, beta 1: uneven batches then join, only the top-k move", lambda: check_demo_join("sign", beta=1.0)),
     ("DeMo, sign, sparse allreduce: uneven batches then join, only the top-k move",
      lambda: check_demo_join("sign", "sparse_allreduce")),
     ("join at every epoch's end, warm-up, allgather", lambda: check_join_every_epoch("allgather")),

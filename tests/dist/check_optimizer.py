@@ -328,9 +328,12 @@ def check_auto_updates():
     """exchange="auto" over an inner optimizer that exchanges each rank's update (LocalAdamW,
     DeMo): the sparse allreduce, measured to cost such updates quality from 4 ranks on, is no
     candidate (at density 5% the plain SGD of ``check_auto`` has it) and the reason says why;
-    pinned, it is used. DeMo's decaying residual leaves dense out too."""
+    pinned, it is used. DeMo's residual, its momentum, leaves dense out too, at beta 1.0 (no
+    decay) as at 0.999 (before 2026-12-06 beta 1.0 offered dense, and auto could pick it)."""
     finals = {}
-    for make in (hvd_topk.LocalAdamW, hvd_topk.DeMo):
+    makers = {"LocalAdamW": hvd_topk.LocalAdamW, "DeMo": hvd_topk.DeMo,
+              "DeMo, beta 1": lambda params, lr: hvd_topk.DeMo(params, lr=lr, beta=1.0)}
+    for label, make in makers.items():
         for exchange in ("auto", "sparse_allreduce", "allgather"):
             torch.manual_seed(0)
             model = Net().to(DEVICE)
@@ -341,21 +344,22 @@ def check_auto_updates():
             train(model, opt, 7)
             stats = opt.compression_stats()
             if exchange == "auto":
-                # DeMo's residual decays (beta 0.999): a momentum, which dense would send whole
-                demo = make is hvd_topk.DeMo
+                # DeMo's residual (beta 0.999, or 1.0): its momentum, which dense would send whole
+                demo = label != "LocalAdamW"
                 assert stats["exchange_candidates"] == (["allgather"] if demo else ["dense", "dense_fp16", "allgather"]), stats
                 assert "sparse allreduce not tried" in stats["exchange_reason"], stats
                 assert ("dense not tried" in stats["exchange_reason"]) == demo, stats
                 assert stats["exchange_choice"] in stats["exchange_candidates"], stats
             elif exchange == "sparse_allreduce":
                 used = set(stats["bucket_strategies"].values())
-                assert used == {"dense", "sparse_allreduce"}, (make.__name__, used)
+                assert used == {"dense", "sparse_allreduce"}, (label, used)
             for p in model.parameters():
-                assert_same_on_all_ranks(p.detach().cpu().numpy(), f"{make.__name__}, {exchange}: parameters")
-            finals[make, exchange] = [p.detach().clone() for p in model.parameters()]
+                assert_same_on_all_ranks(p.detach().cpu().numpy(), f"{label}, {exchange}: parameters")
+            finals[label, exchange] = [p.detach().clone() for p in model.parameters()]
     # DeMo under auto runs what the pinned allgather does, bit for bit (dense would flush its momentum)
-    for a, b in zip(finals[hvd_topk.DeMo, "auto"], finals[hvd_topk.DeMo, "allgather"]):
-        assert torch.equal(a, b), "DeMo under exchange='auto' differs from the pinned allgather"
+    for label in ("DeMo", "DeMo, beta 1"):
+        for a, b in zip(finals[label, "auto"], finals[label, "allgather"]):
+            assert torch.equal(a, b), f"{label} under exchange='auto' differs from the pinned allgather"
 
 
 def check_cost_model_goes_dense():
