@@ -79,9 +79,10 @@ class ExchangePlanner:
             pool = flat if self.options.hierarchical is not True else self.families
             return min(pool, key=lambda f: self.modelled_bytes(f, density, world))
         recheck = self.options.exchange_recheck_steps
+        # decided_at is the trial's last step: the choice runs ``recheck`` steps after it
         if (self.trial is None or self.trial_world != world
                 or (recheck and self.trial.decided_at is not None
-                    and step - self.trial.decided_at >= recheck)):
+                    and step - self.trial.decided_at > recheck)):
             self._start_trial(density, world)
         return self.trial.family()
 

@@ -496,3 +496,27 @@ def test_a_trial_taken_over_decides_with_the_others_after_retries():
     assert run(new, 8, 4) == run(old, 8, 4)
     assert new.choice == old.choice == "allgather" and new.decided_at == old.decided_at == 11
 
+
+@pytest.mark.parametrize("recheck", [1, 3])
+def test_a_recheck_comes_after_n_steps_with_the_choice(recheck):
+    """``exchange_recheck_steps=N``: after each decision the chosen family runs N steps, then
+    the trial runs again (api.md: "every N steps plus the trial's own length"). Counted step by
+    step: each trial is a new ``Trial``, and between two of them N steps use the choice. Before
+    2026-12-06 the step that decided counted as one of the N: N - 1 steps, and with N = 1 the
+    chosen family never ran (trial after trial)."""
+    plan, _ = planner(exchange="auto", exchange_recheck_steps=recheck, exchange_trial_steps=1)
+    plan._agree = lambda medians: medians  # one rank: its own medians (no Horovod job)
+    plan._announce = lambda world: None
+    trials, after_choice = [], []
+    for step in range(60):
+        plan.family(step, 2)
+        if not trials or plan.trial is not trials[-1]:
+            trials.append(plan.trial)
+            after_choice.append(0)
+        elif plan.trial.choice is not None:
+            after_choice[-1] += 1
+        plan.step_done(step, 2)
+    length = 2 * len(trials[0].candidates)  # one settling and one timed step per candidate
+    assert len(trials[0].candidates) >= 2, trials[0].candidates
+    assert len(trials) >= 60 // (length + recheck), len(trials)
+    assert after_choice[:-1] == [recheck] * (len(trials) - 1), after_choice
