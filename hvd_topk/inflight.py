@@ -138,10 +138,11 @@ class DenseExchange:
 class _FlatSparse:
     """A sparse exchange of the whole bucket: encoding its message at launch is shared."""
 
-    def _encode(self, ctx, bucket, current, bytes_sent=None):
+    def _encode(self, ctx, bucket, current, bytes_sent=None, selected=None):
         """Select (unless the hooks did, segment by segment), zero what was sent, pack; then
         error feedback's after-care: momentum masking, wiping a residual that held inf/nan.
-        ``bytes_sent``: what this rank hands to the network, where not its packed pairs."""
+        ``bytes_sent``: what this rank hands to the network, where not its packed pairs;
+        ``selected``: the entries it sends, where not every slot of the plan."""
         t0 = time.perf_counter()
         plan, message, ef = current.plan, current.message, ctx.error_feedback
         encoded = Encoded([], 0, 0)
@@ -159,7 +160,8 @@ class _FlatSparse:
                 bucket.forget_sent(plan.layout.views(message)[1][lo:hi])
                 count_resets(ctx.stats, bucket.wipe(encoded.nonfinite, plan.starts))
         ctx.stats.add(time_selection_s=time.perf_counter() - t0 + current.seconds,
-                      tensors_sparse=len(bucket.members), elements_selected=plan.count,
+                      tensors_sparse=len(bucket.members),
+                      elements_selected=plan.count if selected is None else selected,
                       bytes_sent=payload_bytes(current.strategy, plan, current.led, ctx.codec)
                       if bytes_sent is None else bytes_sent,
                       selection_repasses=encoded.repasses, selection_filled=encoded.filled)
@@ -207,9 +209,9 @@ class JoinedPairsExchange(_FlatSparse):
     def __init__(self, ctx, bucket, name):
         self.ctx = ctx
         current = bucket.current
-        self._encode(ctx, bucket, current, bytes_sent=bucket.numel * bucket.dtype.itemsize)
+        lo, hi = current.plan.slot_range(current.led)  # with the sparse allreduce: the parts it leads
+        self._encode(ctx, bucket, current, bytes_sent=bucket.numel * bucket.dtype.itemsize, selected=hi - lo)
         values, indices = current.plan.layout.views(current.message)
-        lo, hi = current.plan.slot_range(current.led)
         dense = bucket.scratch("joined", bucket.numel, bucket.dtype).zero_()
         dense.index_copy_(0, indices[lo:hi].long(), values[lo:hi].to(bucket.dtype))
         self.handle = exchange.DenseAllreduce.start(dense, name, ctx.process_set, ctx.op, ctx.predivide)

@@ -151,6 +151,7 @@ def check_demo_join(normalise, exchange="allgather", lr=0.05, beta=0.8):
                 want[n] = np.sum([grads[n][r] for r in active], axis=0) / np.float32(size)
             want[n] = want[n].reshape(params[n].shape)
         before = {n: p.detach().numpy().copy() for n, p in params.items()}
+        selected = opt.compression_stats()["elements_selected"]  # (buckets go out during backward)
         opt.zero_grad()
         x, y = batch(step, rank)
         F.cross_entropy(model(x), y).backward()
@@ -158,6 +159,11 @@ def check_demo_join(normalise, exchange="allgather", lr=0.05, beta=0.8):
         for n, p in params.items():
             np.testing.assert_allclose(p.grad.numpy(), want[n], rtol=1e-5, atol=1e-9,
                                        err_msg=f"demo {normalise} {exchange}: step {step} ({len(active)} of {size} active) {n}")
+        # what this rank sent (with a rank joined and the sparse allreduce, the top-k of its own
+        # parts), and the small tensors whole
+        sent = len(sends[rank]) + sum(p.numel() for p in params.values() if p.numel() < MIN_NUMEL)
+        counted = opt.compression_stats()["elements_selected"] - selected
+        assert counted == sent, f"step {step}: elements_selected counted {counted}, sent {sent}"
         with opt.skip_synchronize():
             opt.step()
         for n, p in params.items():
