@@ -622,7 +622,7 @@ class TopKEngine:
                    selection_scope=self.options.selection_scope, world_size=self.world, rank=self.rank,
                    hierarchical=self.hier is not None and self.planner.hierarchical(self.family or ""),
                    exchange_family=self.family)
-        out.update(self.planner.describe(self.world))
+        out.update(self.planner.describe(self.world, self.step))
         if not self.member:
             out["exchange_reason"] = ("this rank is outside the optimizer's process set: it exchanges "
                                       "nothing, its gradients stay local (as in Horovod)")

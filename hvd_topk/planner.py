@@ -256,13 +256,15 @@ class ExchangePlanner:
                 total += self.wire_bytes(strategy, world, b, codec_plan)
         return total
 
-    def describe(self, world):
-        """The ``exchange_*`` entries of ``compression_stats()``."""
+    def describe(self, world, step):
+        """The ``exchange_*`` entries of ``compression_stats()`` before ``step``."""
         out = {"exchange": self.options.exchange}
         if self.options.exchange == "auto":
             out["exchange_reason"] = self.trial.reason() if self.trial is not None else (
                 ("one rank: the residual is DeMo's momentum, so pairs, as on more ranks" if self.keeps_residual else
-                 "one rank: nothing to exchange") if world <= 1 else "density warm-up: fewest bytes")
+                 "one rank: nothing to exchange") if world <= 1 else
+                "density warm-up: fewest bytes" if self.schedule.density(step) != self.schedule.target else
+                "a trial starts at the next step (none yet, or a checkpoint was loaded)")
             if self.trial is not None:
                 out["exchange_candidates"] = self.trial.families
                 out["exchange_choice"] = self.trial.choice

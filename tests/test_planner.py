@@ -219,10 +219,13 @@ def test_a_bucket_smaller_than_a_host_is_exchanged_flat():
 
 
 def test_describe_says_why_before_any_trial():
+    """Before a trial: one rank, the warm-up (steps 0-4 here), or after it a trial still to
+    start (a checkpoint loaded past the warm-up: before 2026-12-06 it said "density warm-up")."""
     plan, _ = planner(exchange="auto", warmup_steps=5)
-    assert plan.describe(1)["exchange_reason"] == "one rank: nothing to exchange"
-    assert plan.describe(2)["exchange_reason"] == "density warm-up: fewest bytes"
-    assert planner(exchange="dense")[0].describe(2) == {"exchange": "dense"}
+    assert plan.describe(1, 0)["exchange_reason"] == "one rank: nothing to exchange"
+    assert plan.describe(2, 4)["exchange_reason"] == "density warm-up: fewest bytes"
+    assert plan.describe(2, 5)["exchange_reason"].startswith("a trial starts at the next step")
+    assert planner(exchange="dense")[0].describe(2, 0) == {"exchange": "dense"}
 
 
 def test_demos_residual_is_never_sent_whole_by_choice():
