@@ -190,7 +190,7 @@ class TopKEngine:
         self._warned_hierarchical_join = False
         self.sparse = SparseGradients(names, options.sparse_as_dense)
         self.transform = None      # the inner optimizer's transform_local_gradient(p, grad, ranks), if any
-        self.results = {}          # with a transform: id(p) -> _torch.written(p.grad) at the last synchronize
+        self.results = {}          # id(p) -> _torch.written(p.grad) at the last synchronize
         self.inner_name = inner  # the inner optimizer's class name, for messages
         self.on_exchanged = None   # and its exchanged(), told when p.grad holds the step's result
         self.sketcher = None       # and the optimizer itself if it sketches gradients (sketch_rows)
@@ -347,7 +347,7 @@ class TopKEngine:
                     # backward_passes_per_step passes, or p.grad set by hand): the inner
                     # optimizer's transform (LocalAdamW's update) applies to it as to the others
                     # (a step with no backward at all, every p.grad still the last result, is
-                    # refused before: ``_refuse_stepping_again``)
+                    # refused before: ``_holds_last_result``)
                     self.transform(m.param, grad, self.world)
                 self._fold(bucket, position, grad)
         current = bucket.current or self._begin_bucket(bucket)
@@ -451,16 +451,13 @@ class TopKEngine:
             "feed a schedule driven by a metric (ReduceLROnPlateau) the ranks' average of it (hvd.allreduce), "
             "and hvd.broadcast_optimizer_state(opt, root_rank=0) after loading a checkpoint on one rank.")
 
-    def _refuse_stepping_again(self):
-        """With a transform (LocalAdamW, DeMo), in a step no hook fired in: refuse it, before
-        anything is exchanged, where every ``p.grad`` is still the last step's exchanged update
-        (the same tensor, unchanged in place: no backward since). The launch would take those
-        updates for gradients and apply them again; the bare optimizer's own check cannot see
-        it, the transform having run. Only that exact case: a parameter some step's backward
-        did not reach, or gradients set by hand, go on as before."""
+    def _holds_last_result(self):
+        """In a step no hook fired in: whether every ``p.grad`` is still what the last
+        ``synchronize()`` wrote (the same tensor, unchanged in place: no backward since). Only
+        that exact case: a parameter some step's backward did not reach, or gradients set by
+        hand, are exchanged as before."""
         held = [(self.results.get(id(p)), p.grad) for p in self.params if p.grad is not None]
-        if held and all(record is not None and still_written(record, grad) for record, grad in held):
-            raise RuntimeError(STEPPED_AGAIN.format(self.inner_name))
+        return bool(held) and all(record is not None and still_written(record, grad) for record, grad in held)
 
     def _refuse_different_steps(self):
         raise RuntimeError(
@@ -488,7 +485,18 @@ class TopKEngine:
         check_parameters_unchanged(self.param_groups, self.param_ids, self.params, self.layout,
                                    "hvd_topk.DistributedOptimizer")
         if self.ctx is None:  # no hook fired this step
-            self._refuse_stepping_again()
+            if self._holds_last_result():
+                if self.transform is not None:
+                    # LocalAdamW, DeMo: p.grad is the update the last step applied; the launch
+                    # would take it for a gradient and apply it again (their own check cannot
+                    # see it, the transform having run)
+                    raise RuntimeError(STEPPED_AGAIN.format(self.inner_name))
+                # p.grad is already the ranks' average, as after Horovod's synchronize(), whose
+                # second allreduce of it changes nothing (a stray call after step(), or step()
+                # again without backward, which then applies it again, as Horovod's does); an
+                # exchange would fold it into the residuals as a new gradient
+                self.synchronized = True
+                return
             self._begin_step()
         for bucket in self.buckets:
             if bucket.inflight is None:
@@ -520,8 +528,7 @@ class TopKEngine:
         self.stats.add(steps=1)
         self.synchronized = self.awaiting_inner_step = True
         self.ctx = None
-        if self.transform is not None:
-            self.results = {id(p): written(p.grad) for p in self.params if p.grad is not None}
+        self.results = {id(p): written(p.grad) for p in self.params if p.grad is not None}
         if self.on_exchanged is not None:
             self.on_exchanged()
 

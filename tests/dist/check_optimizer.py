@@ -670,6 +670,42 @@ def check_second_synchronize_changes_nothing():
     assert runs[1][1].compression_stats()["step"] == 4, runs[1][1].compression_stats()["step"]
 
 
+def check_synchronize_after_step_changes_nothing():
+    """A stray ``synchronize()`` after ``step()``, no backward since (to "flush" before an
+    evaluation or a checkpoint): as in Horovod, whose second allreduce of the average changes
+    nothing, the same bits as the run without it, one step counted a backward. Truth: that run.
+    Then ``step()`` again without a backward applies ``p.grad``, the average, once more, as
+    Horovod's does (SGD without momentum: by hand, p - lr g). Before 2026-12-06 the call folded
+    the applied average into the residuals as a new gradient, to be applied again over the
+    next steps (a review: the final weights moved by nearly a whole run's movement)."""
+    runs = []
+    for stray in (False, True):
+        model, opt = build(min_numel=1, dense_fallback=False, warmup_steps=3, warmup_density=0.5)
+        for step in range(5):
+            x, y = batch(step, hvd.rank())
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            if stray and step in (1, 3):
+                opt.synchronize()
+        runs.append((model, opt))
+    for (name, a), b in zip(runs[0][0].named_parameters(), runs[1][0].parameters()):
+        assert torch.equal(a, b), f"{name}: synchronize() after step() changed the result (max {float((a - b).abs().max())})"
+    assert runs[1][1].compression_stats()["step"] == 5, runs[1][1].compression_stats()["step"]
+    model, opt = build(min_numel=1, momentum=0.0, dense_fallback=False)
+    x, y = batch(0, hvd.rank())
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    want = {n: (p.detach() - 0.1 * p.grad).cpu().numpy() for n, p in model.named_parameters()}
+    opt.step()
+    for n, p in model.named_parameters():
+        np.testing.assert_allclose(p.detach().cpu().numpy(), want[n], rtol=1e-6, atol=1e-8,
+                                   err_msg=f"{n}: step() again without backward")
+        assert_same_on_all_ranks(p.detach().cpu().numpy(), f"{n} after step() again")
+    assert opt.compression_stats()["step"] == 1, opt.compression_stats()["step"]
+
+
 def check_step_closure():
     """``opt.step(closure)`` with a closure that zeroes, runs forward and backward and returns the
     loss (torch's convention): evaluated once, before the exchange, so every rank holds the same
@@ -1472,6 +1508,7 @@ CHECKS = [
     ("elastic: a second restore without a commit brings back the commit's state",
      check_elastic_second_restore_without_a_commit),
     ("a second synchronize() before step() changes nothing", check_second_synchronize_changes_nothing),
+    ("synchronize() after step(), no backward since, changes nothing", check_synchronize_after_step_changes_nothing),
     ("step(closure): evaluated once, before the exchange", check_step_closure),
     ("a parameter with no elements, min_numel=0", check_empty_parameter),
     ("plain Adam/AdamW warns, naming the recipe", check_plain_adam_warns),
