@@ -338,6 +338,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                    "backward before synchronize()")
             with torch.enable_grad():
                 loss = closure()
+        if not engine.should_synchronize and engine.mid_step():
+            # Horovod steps on, each rank with its own gradient, and its next zero_grad() fails
+            # naming neither; here that gradient is in the residual as well, to be sent later
+            raise RuntimeError("optimizer.step() inside optimizer.skip_synchronize() while this step's gradients are "
+                               "still being exchanged: p.grad holds this rank's own gradient, so the ranks would "
+                               "apply different updates. Call optimizer.synchronize() first (then clip, then "
+                               "step() inside skip_synchronize()), or step() alone")
         if engine.should_synchronize:
             if engine.holds_result() and not engine.synchronized_for_scaler:
                 # Horovod warns and averages again, which changes nothing for a dense average;

@@ -706,6 +706,29 @@ def check_synchronize_after_step_changes_nothing():
     assert opt.compression_stats()["step"] == 1, opt.compression_stats()["step"]
 
 
+def check_skip_synchronize_without_synchronize_refused():
+    """``step()`` inside ``skip_synchronize()`` with no ``synchronize()`` before it: p.grad holds
+    each rank's own gradient (Horovod steps with it, the ranks drift apart, and its next
+    ``zero_grad()`` fails naming neither). Refused on every rank, nothing applied; then
+    ``synchronize()`` and the step inside ``skip_synchronize()`` go on as usual, the ranks equal."""
+    model, opt = build(min_numel=500)
+    x, y = batch(0, hvd.rank())
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with raises(RuntimeError, match=r"skip_synchronize\(\) while this step's gradients are still being exchanged",
+                what="step() inside skip_synchronize() before synchronize()"):
+        with opt.skip_synchronize():
+            opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())), "the refused step moved a parameter"
+    opt.synchronize()
+    with opt.skip_synchronize():
+        opt.step()
+    assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters())), "the step after did nothing"
+    for p in model.parameters():
+        assert_same_on_all_ranks(p.detach().cpu().numpy(), "parameters after synchronize() and step()")
+
+
 def check_step_closure():
     """``opt.step(closure)`` with a closure that zeroes, runs forward and backward and returns the
     loss (torch's convention): evaluated once, before the exchange, so every rank holds the same
@@ -1509,6 +1532,7 @@ CHECKS = [
      check_elastic_second_restore_without_a_commit),
     ("a second synchronize() before step() changes nothing", check_second_synchronize_changes_nothing),
     ("synchronize() after step(), no backward since, changes nothing", check_synchronize_after_step_changes_nothing),
+    ("step() inside skip_synchronize() before synchronize(): refused", check_skip_synchronize_without_synchronize_refused),
     ("step(closure): evaluated once, before the exchange", check_step_closure),
     ("a parameter with no elements, min_numel=0", check_empty_parameter),
     ("plain Adam/AdamW warns, naming the recipe", check_plain_adam_warns),
