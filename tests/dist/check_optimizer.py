@@ -644,30 +644,38 @@ def check_bad_input():
         opt.synchronize()
 
 
-def check_second_synchronize_changes_nothing():
-    """``synchronize()`` twice before ``step()`` (a clipping helper and the training loop both
-    call it): the same bits as calling it once, and one step counted (the density warm-up and
-    the sparse allreduce's rotation read the counter). Truth: the run that calls it once.
-    Every tensor goes sparse, never dense, so both runs' results are allgathered pairs decoded
-    in rank order: the same bits whatever the timing. (A dense allreduce at 3 ranks sums in an
-    order MPI picks by message size, which Horovod's tensor fusion makes timing-dependent: two
-    runs once differed by 7e-9 that way under make test's load.)"""
+def assert_extra_calls_change_nothing(steps, finish_step, what):
+    """Two runs of ``steps`` steps, each step's backward followed by ``finish_step(opt, step,
+    extra)``, with ``extra`` False and True: the same bits, and ``steps`` steps counted. Every
+    tensor goes sparse, never dense, so both runs' results are allgathered pairs decoded in rank
+    order: the same bits whatever the timing. (A dense allreduce at 3 ranks sums in an order MPI
+    picks by message size, which Horovod's tensor fusion makes timing-dependent: two runs once
+    differed by 7e-9 that way under make test's load.)"""
     runs = []
-    for twice in (False, True):
+    for extra in (False, True):
         model, opt = build(min_numel=1, dense_fallback=False, warmup_steps=3, warmup_density=0.5)
-        for step in range(4):
+        for step in range(steps):
             x, y = batch(step, hvd.rank())
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
-            opt.synchronize()
-            if twice:
-                opt.synchronize()
-            with opt.skip_synchronize():
-                opt.step()
+            finish_step(opt, step, extra)
         runs.append((model, opt))
     for (name, a), b in zip(runs[0][0].named_parameters(), runs[1][0].parameters()):
-        assert torch.equal(a, b), f"{name}: a second synchronize() changed the result (max {float((a - b).abs().max())})"
-    assert runs[1][1].compression_stats()["step"] == 4, runs[1][1].compression_stats()["step"]
+        assert torch.equal(a, b), f"{name}: {what} changed the result (max {float((a - b).abs().max())})"
+    assert runs[1][1].compression_stats()["step"] == steps, runs[1][1].compression_stats()["step"]
+
+
+def check_second_synchronize_changes_nothing():
+    """``synchronize()`` twice before ``step()`` (a clipping helper and the training loop both
+    call it): the same bits as calling it once, and one step counted (the density warm-up and
+    the sparse allreduce's rotation read the counter). Truth: the run that calls it once."""
+    def finish_step(opt, step, twice):
+        opt.synchronize()
+        if twice:
+            opt.synchronize()
+        with opt.skip_synchronize():
+            opt.step()
+    assert_extra_calls_change_nothing(4, finish_step, "a second synchronize()")
 
 
 def check_synchronize_after_step_changes_nothing():
@@ -678,20 +686,11 @@ def check_synchronize_after_step_changes_nothing():
     Horovod's does (SGD without momentum: by hand, p - lr g). Before 2026-12-06 the call folded
     the applied average into the residuals as a new gradient, to be applied again over the
     next steps (a review: the final weights moved by nearly a whole run's movement)."""
-    runs = []
-    for stray in (False, True):
-        model, opt = build(min_numel=1, dense_fallback=False, warmup_steps=3, warmup_density=0.5)
-        for step in range(5):
-            x, y = batch(step, hvd.rank())
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            if stray and step in (1, 3):
-                opt.synchronize()
-        runs.append((model, opt))
-    for (name, a), b in zip(runs[0][0].named_parameters(), runs[1][0].parameters()):
-        assert torch.equal(a, b), f"{name}: synchronize() after step() changed the result (max {float((a - b).abs().max())})"
-    assert runs[1][1].compression_stats()["step"] == 5, runs[1][1].compression_stats()["step"]
+    def finish_step(opt, step, stray):
+        opt.step()
+        if stray and step in (1, 3):
+            opt.synchronize()
+    assert_extra_calls_change_nothing(5, finish_step, "synchronize() after step()")
     model, opt = build(min_numel=1, momentum=0.0, dense_fallback=False)
     x, y = batch(0, hvd.rank())
     opt.zero_grad()
