@@ -11,6 +11,7 @@ the averaged result DDP must leave in ``p.grad``; the ranks must hold the same b
 """
 
 import copy
+import gc
 import os
 import re
 import warnings
@@ -593,6 +594,38 @@ def check_demo(steps=4, density=0.05, lr=0.05, beta=0.8, wd=0.1, exchange="allga
                                  f"parameters after step {step}")
 
 
+def check_auto_after_a_static_graph_rebuild():
+    """``DDP(static_graph=True)`` rebuilds its buckets after its second step, not its first:
+    ``exchange="auto"``'s trial still proposes from every bucket's layout. The model: the head
+    (2570 entries, under ``min_numel=4096``, averaged dense) fills bucket 0 alone after the
+    rebuild; the two large weights (8192 and 65536 entries) are sparse. By hand at density 1%,
+    P ranks, fp32: the allgather moves (P-1) x 737 x 8 bytes and the sparse allreduce under
+    (P-1)/P x 737 x 12, far below a ring allreduce's 2 (P-1)/P x 73728 x 4, so the trial tries
+    dense and both sparse families, with a static graph as without. Before 2026-12-06 it
+    started at the rebuild with bucket 0's layout alone, no sparse tensor: dense was the only
+    candidate, and the job sent dense for good."""
+    rank = dist.get_rank()
+    for static in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                    torch.nn.ReLU(), torch.nn.Linear(256, 10)).to(DEVICE)
+        ddp = DDP(model, static_graph=static, bucket_cap_mb=0.01)
+        state = hvd_topk.ddp.TopKState(density=0.01, min_numel=4096)
+        hvd_topk.ddp.register(ddp, state)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        gen = torch.Generator().manual_seed(rank)
+        for step in range(6):
+            opt.zero_grad(set_to_none=True)
+            x, y = torch.randn(16, 32, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+            F.cross_entropy(ddp(x.to(DEVICE)), y.to(DEVICE)).backward()
+            opt.step()
+        assert state.trial is not None, f"static_graph={static}: no trial after 6 steps"
+        assert set(state.trial.families) == {"dense", "allgather", "sparse_allreduce"}, \
+            f"static_graph={static}: the trial proposed {state.trial.families}"
+        del ddp
+        gc.collect()
+
+
 def train(ddp, opt, steps, start=0):
     rank = dist.get_rank()
     for step in range(start, start + steps):
@@ -1105,6 +1138,7 @@ CHECKS = [
     ("find_unused_parameters, auto's trial, a layer no rank uses at its steps 2, 4, 6, 8", lambda: check_reference(
         "auto", steps=10, bucket_cap_mb=0.005, exchange_trial_steps=1, unused_at_steps=(2, 4, 6, 8),
         residual_decay=0.8, ddp_kwargs={"find_unused_parameters": True})),
+    ("auto after static_graph's late rebuild: every bucket proposed", check_auto_after_a_static_graph_rebuild),
     ("static_graph, gradient_as_bucket_view", lambda: check_reference(
         bucket_cap_mb=0.005, ddp_kwargs={"static_graph": True, "gradient_as_bucket_view": True})),
     ("bf16 autocast", lambda: check_reference(amp=True)),
