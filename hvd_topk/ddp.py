@@ -365,6 +365,20 @@ class TopKState:
         self.layouts[bucket.index()] = fresh
         return fresh
 
+    def _check_retired_taken(self):
+        """At a step's last bucket: every trainable parameter of a layout DDP replaced this step
+        is in one of the new layouts (its residual moved there). One that is not belongs to
+        another DDP model whose buckets this state took for a rebuild (a state shared by two
+        models, both named by ``named_parameters=``): its residual would be dropped."""
+        taken = {id(p) for layout in self.layouts.values() for p in layout.params}
+        left = [p for old in self.retired for p in old.params if p.requires_grad and id(p) not in taken]
+        if left:
+            names = ", ".join(sorted(self.names.get(p, "?") for p in left)[:3]) if self.names else "unnamed"
+            raise RuntimeError("hvd_topk.ddp: this TopKState serves two DDP models (this step's buckets left out "
+                               f"{len(left)} trainable parameters it had served, e.g. {names}): their residuals "
+                               "would be dropped at every turn. Build one TopKState per DistributedDataParallel "
+                               "model")
+
     def _check_group_unchanged(self):
         """Once a step: the group's rank and size are read at the first hook; a job that destroyed
         its process group and initialised a smaller or larger one would send messages of the
@@ -610,6 +624,7 @@ def topk_hook(state, bucket):
         state.iteration += 1
         state.steps_here += 1
         state._stats["steps"] += 1
+        state._check_retired_taken()
         state.retired = []
         for index in [i for i in state.layouts if i > bucket.index()]:
             del state.layouts[index]  # DDP rebuilt into fewer buckets: their residuals moved

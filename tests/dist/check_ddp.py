@@ -947,6 +947,17 @@ def check_bad_input():
     F.cross_entropy(first(x), y).backward()
     with raises(RuntimeError, match="already serves another DDP model", what="a state shared by two models"):
         F.cross_entropy(second(x), y).backward()
+    # the same with named_parameters= naming both (a GAN's two networks in one container): refused
+    # at the second model's first step (before 2026-12-06 each model's first bucket took the
+    # other's layouts for a rebuild, and their residuals were dropped at every turn)
+    both = torch.nn.ModuleDict({"gen": Net(), "disc": Net()}).to(DEVICE)
+    named = P(min_numel=MIN_NUMEL, named_parameters=both.named_parameters())
+    first, second = DDP(both["gen"]), DDP(both["disc"])
+    first.register_comm_hook(named, hvd_topk.ddp.topk_hook)
+    second.register_comm_hook(named, hvd_topk.ddp.topk_hook)
+    F.cross_entropy(first(x), y).backward()
+    with raises(RuntimeError, match=r"serves two DDP models .*e\.g\. gen\.", what="a named state shared by two models"):
+        F.cross_entropy(second(x), y).backward()
     # a complex parameter (DDP reduces its real view: twice the elements) and sparse gradients
     class Complex(torch.nn.Module):
         def __init__(self):
