@@ -10,7 +10,7 @@ instead of Horovod, and a DDP communication hook: none, PyTorch's fp16 or PowerS
 With ``--hook topk`` the two lines that matter are in ``make_hook``::
 
     state = hvd_topk.ddp.TopKState(density=0.01, optimizer=inner, warmup_steps=100, warmup_density=1.0)
-    model.register_comm_hook(state, hvd_topk.ddp.topk_hook)
+    hvd_topk.ddp.register(model, state)   # model.register_comm_hook(state, hvd_topk.ddp.topk_hook), checked
 
 where ``inner = hvd_topk.LocalAdamW(...)`` (``--adam local``, the default with ``--hook topk``):
 Adam runs on each rank's own gradient inside the hook and its update is what Top-K with error

@@ -921,6 +921,11 @@ def check_bad_input():
     ddp = DDP(model)
     with raises(ValueError, match="process group", what="register with another group"):
         hvd_topk.ddp.register(ddp, P(process_group=solo))
+    # one that splits DDP's group into parts holding whole replicas (a group per rank here, per
+    # node in a job): each part agrees with itself at the first bucket, so only register() tells
+    parts = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    with raises(ValueError, match="process group", what="register with a group per rank"):
+        hvd_topk.ddp.register(ddp, P(process_group=parts[dist.get_rank()]))
     with raises(TypeError, match=r"takes the DistributedDataParallel model, got a Net: wrap it first",
                 what="register on the plain model"):
         hvd_topk.ddp.register(Net(), P())
