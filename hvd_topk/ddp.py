@@ -370,6 +370,8 @@ class TopKState:
         is in one of the new layouts (its residual moved there). One that is not belongs to
         another DDP model whose buckets this state took for a rebuild (a state shared by two
         models, both named by ``named_parameters=``): its residual would be dropped."""
+        if not self.retired:  # (most steps: no layout replaced)
+            return
         taken = {id(p) for layout in self.layouts.values() for p in layout.params}
         left = [p for old in self.retired for p in old.params if p.requires_grad and id(p) not in taken]
         if left:
