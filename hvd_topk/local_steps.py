@@ -532,7 +532,9 @@ class _LocalSteps(torch.optim.Optimizer):
         different tensors on different ranks and hang. The state is made as Horovod makes a fresh
         optimizer's: one step with zero gradients, for those parameters only and without weight
         decay (which would fill SGD's momentum or Adam's moments with it), their values then put
-        back."""
+        back, and a step counter it made set back to 0: unlike Horovod's, this state is not
+        always overwritten by a broadcast, and it must be a fresh one (Adam's first update at
+        its own bias correction, not the second's)."""
         local = getattr(self, LOCAL)
         flags = hvd.allgather(torch.tensor([stateful], dtype=torch.uint8), name=f"{engine.prefix}.local_steps_state",
                               process_set=engine.process_set)
@@ -557,6 +559,11 @@ class _LocalSteps(torch.optim.Optimizer):
             with torch.no_grad():
                 for p, v in zip(missing, values):
                     p.copy_(v)
+                    step = self.state[p].get("step")
+                    if torch.is_tensor(step):
+                        step.zero_()
+                    elif step is not None:
+                        self.state[p]["step"] = type(step)(0)
             for p, g in grads:
                 p.grad = g
             self.__dict__.update(scaling)

@@ -339,7 +339,9 @@ def check_parameter_unused_on_one_rank():
     every rank gets state for every parameter some rank has state for, without moving it: after
     it the unused weight on the last rank equals the others' (the anchors), every rank holds
     state for all 6 parameters, and the broadcast completes with every rank then equal to rank
-    0's optimizer state."""
+    0's optimizer state. Before it, the state made for head2 on the last rank is a fresh one:
+    its first step with a gradient equals a new AdamW's (before 2026-12-06 the state's step
+    counter was 1, and that update came out 26% short of AdamW's first)."""
     torch.manual_seed(0)
     model = Net()
     opt = hvd_topk.LocalSteps(torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1),
@@ -356,6 +358,17 @@ def check_parameter_unused_on_one_rank():
         assert_same_on_all_ranks(p.detach().numpy(), f"after the synchronisation: {n}")
     counts = gather(np.array([len(opt.state_dict()["state"])]))
     assert all(int(c[0]) == 6 for c in counts), f"parameters with optimizer state per rank: {counts}"
+    x, y = batch(2, hvd.rank())  # a local step, head2 used on every rank
+    opt.zero_grad()
+    F.cross_entropy(model(x, True), y).backward()
+    head2 = dict(model.named_parameters())["head2.weight"]
+    fresh = torch.nn.Parameter(head2.detach().clone())
+    fresh.grad = head2.grad.clone()
+    torch.optim.AdamW([fresh], lr=0.01, weight_decay=0.1).step()
+    opt.step()
+    if not use_head2:
+        np.testing.assert_allclose(head2.detach().numpy(), fresh.detach().numpy(), rtol=0, atol=1e-7,
+                                   err_msg="head2's first step on the rank that had not used it: not a new AdamW's")
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     for p in model.parameters():
         assert_same_on_all_ranks(opt.state[p]["exp_avg_sq"].numpy(), "exp_avg_sq after the broadcast")
