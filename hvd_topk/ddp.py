@@ -445,10 +445,11 @@ class TopKState:
                                  "each, with their own lr or weight_decay, where they need other settings)")
 
     def _check_optimizer_serves_model(self):
-        """Once a whole step was seen: ``optimizer=`` applies an exchanged update to each of its
+        """At each step's last bucket: ``optimizer=`` applies an exchanged update to each of its
         parameters, and one outside the DDP model's buckets (a learnable temperature kept apart,
-        a parameter DDP ignores) would have its own raw gradient applied as one, at no learning
-        rate (before 2026-12-05, in silence)."""
+        a parameter DDP ignores, one added by ``add_param_group`` or unfrozen after DDP was
+        built) would have its own raw gradient applied as one, at no learning rate, each rank
+        its own (before 2026-12-05 in silence; after the first step until 2026-12-06)."""
         if self.optimizer is None:
             return
         for i, p in enumerate(q for g in self.optimizer.param_groups for q in g["params"]):
@@ -457,7 +458,8 @@ class TopKState:
                     f"hvd_topk.ddp: TopKState(optimizer=...)'s {type(self.optimizer).__name__} holds parameter #{i} "
                     f"(shape {tuple(p.shape)}), which is not in the DDP model's buckets: its step() would apply that "
                     "parameter's own gradient as if it were the exchanged update. Give it only the DDP model's "
-                    "parameters (another optimizer for the others)")
+                    "parameters (another optimizer for the others); a parameter unfrozen after DDP was built is "
+                    "not in them either: wrap the model in DDP again (the state carries over with named_parameters=)")
 
     def _begin_step(self, step):
         """At a step's first bucket: this step's exchange family. Under ``"auto"`` the measured
@@ -618,8 +620,7 @@ def topk_hook(state, bucket):
     if bucket.index() == 0:
         state._begin_step(step)
     if bucket.is_last():
-        if not state.seen_whole_model:
-            state._check_optimizer_serves_model()
+        state._check_optimizer_serves_model()
         state.seen_whole_model = True
         if state.pending:
             state._drop_pending()

@@ -1005,6 +1005,33 @@ def check_bad_input():
     with raises(ValueError, match=r"holds parameter #6 \(shape \(\)\), which is not in the DDP model's buckets",
                 what="an optimizer parameter outside the model"):
         (F.cross_entropy(ddp(x), y) * temperature).backward()
+    # the same parameter added after the first step (add_param_group), and a layer unfrozen after DDP
+    # was built: refused at that step's end too (before 2026-12-06 only the first step was checked,
+    # and each rank applied its own raw gradient of it, the ranks drifting apart)
+    model = Net().to(DEVICE)
+    temperature = torch.nn.Parameter(torch.ones(()))
+    inner = hvd_topk.LocalAdamW(model.parameters())
+    ddp = DDP(model)
+    hvd_topk.ddp.register(ddp, P(min_numel=MIN_NUMEL, named_parameters=model.named_parameters(), optimizer=inner))
+    F.cross_entropy(ddp(x), y).backward()
+    inner.step()
+    inner.add_param_group({"params": [temperature]})
+    inner.zero_grad()
+    with raises(ValueError, match=r"holds parameter #6 \(shape \(\)\), which is not in the DDP model's buckets",
+                what="an optimizer parameter added after the first step"):
+        (F.cross_entropy(ddp(x), y) * temperature).backward()
+    model = Net().to(DEVICE)
+    model.head2.weight.requires_grad_(False)
+    inner = hvd_topk.LocalAdamW(model.parameters())
+    ddp = DDP(model)
+    hvd_topk.ddp.register(ddp, P(min_numel=MIN_NUMEL, named_parameters=model.named_parameters(), optimizer=inner))
+    F.cross_entropy(ddp(x), y).backward()
+    inner.step()
+    model.head2.weight.requires_grad_(True)
+    inner.zero_grad()
+    with raises(ValueError, match=r"not in the DDP model's buckets.*wrap the model in DDP again",
+                what="a layer unfrozen after DDP was built"):
+        F.cross_entropy(ddp(x), y).backward()
     # named_parameters= of another model, or of part of this one: refused at the first bucket, where
     # training ran and state_dict() failed later with a bare KeyError
     for label, named in (("another model's", lambda m: Net().named_parameters()),
