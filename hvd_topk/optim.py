@@ -446,7 +446,8 @@ class LocalAdamW(_ExchangedUpdates):
         warnings.warn(
             f"hvd_topk.LocalAdamW: a param group's learning rate changed between backward() and step() (from "
             f"{used} to {group['lr']}): with lr_in_residual=True each update is multiplied by the rate when its "
-            f"gradient arrives, in backward(), so this step ran at {used}. Set the rate before backward() (torch's "
+            f"gradient arrives, in backward(), so this step's update ran at {used} (its weight decay at {group['lr']}). "
+            "Set the rate before backward() (torch's "
             "LR schedulers do: scheduler.step() after optimizer.step()).", stacklevel=_outside_level())
 
     def _entry_signs_of(self, p):

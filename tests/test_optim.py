@@ -444,7 +444,8 @@ def test_local_adamw_lr_changed_after_backward_warns():
         said = [str(w.message) for w in caught if "changed between backward() and step()" in str(w.message)]
         assert said == ([f"hvd_topk.LocalAdamW: a param group's learning rate changed between backward() and step() "
                          f"(from 0.5 to 0.25): with lr_in_residual=True each update is multiplied by the rate when its "
-                         f"gradient arrives, in backward(), so this step ran at 0.5. Set the rate before backward() "
+                         f"gradient arrives, in backward(), so this step's update ran at 0.5 (its weight decay at 0.25). "
+                         f"Set the rate before backward() "
                          f"(torch's LR schedulers do: scheduler.step() after optimizer.step())."] if told else []), said
         # the same gradient every step: m_hat / sqrt(v_hat) = sign(g), applied at backward()'s rate
         np.testing.assert_allclose((p - before).detach().numpy(), -lr_backward * np.sign([2.0, -3.0, 4.0]))
