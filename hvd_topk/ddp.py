@@ -186,7 +186,6 @@ class TopKState:
         self.model_params = set()               # ids of the parameters of the model it serves
         self.seen_whole_model = False           # a step's last bucket has been seen
         self.steps_here = 0                     # steps this object has served (a loaded one: since the load)
-        self.rebuilt_at = -1                    # the step whose first bucket came in a new layout
         self.checked = False
         self.family = None                      # this step's exchange family (see _begin_step)
         self.trial = None                       # exchange="auto": hvd_topk.auto.Trial, once started
@@ -352,7 +351,6 @@ class TopKState:
             # step; with static_graph=True after its second); the old ones stay until the step
             # ends, the later buckets take from them too
             self.retired, self.layouts = list(self.layouts.values()), {}
-            self.rebuilt_at = self.iteration
         elif bucket.index() in self.layouts:
             # DDP rebuilt its buckets but kept the first one (a rebuild that regroups only later
             # buckets, e.g. by dtype): the layout replaced here keeps residuals that later
@@ -474,10 +472,10 @@ class TopKState:
         # bucket's layout, and a state loaded from a checkpoint has seen none of them yet; nor
         # before DDP rebuilt its buckets, after its first step: counted from this process's
         # first step, not the checkpoint's, or a resumed job would propose from bucket 0 alone;
-        # nor in a step whose first bucket came rebuilt, when this bucket's is the only layout:
-        # with static_graph=True DDP rebuilds after its second step)
+        # nor in a step whose first bucket came rebuilt (its old layouts retired), when this
+        # bucket's is the only layout: with static_graph=True DDP rebuilds after its second step)
         if self.world_size <= 1 or density != self.schedule.target or step < TRIAL_FROM_STEP or \
-                self.steps_here < TRIAL_FROM_STEP or not self.seen_whole_model or self.rebuilt_at == step:
+                self.steps_here < TRIAL_FROM_STEP or not self.seen_whole_model or self.retired:
             self.family = None  # the fewest bytes, bucket by bucket
             return
         if self.trial is None:
