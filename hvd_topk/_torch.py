@@ -48,8 +48,12 @@ Checked against torch 2.13 (``CHECKED_VERSION``). Each private detail relied on:
    since, from a weak reference to it and its ``_version`` counter (bumped by every in-place
    change; torch 2.13, as autograd's saved-tensor checks use it). ``hvd_topk.DistributedOptimizer``
    over ``LocalAdamW``/``DeMo`` refuses a ``step()`` whose ``p.grad`` is still the last step's
-   exchanged update (no backward since), which the inner optimizer would take for a gradient. If
-   the counter goes, every tensor counts as changed (no refusal: the behaviour before the check).
+   exchanged update (no backward since), which the inner optimizer would take for a gradient;
+   the drop-in ``TopK`` passes through a ``p.grad`` its last exchange wrote, unchanged since,
+   when a ``synchronize()`` after ``step()`` sends it again (its record is taken before
+   Horovod's ``p.grad.set_(result)``, which counts as one change: ``pending=1``). If the
+   counter goes, every tensor counts as changed (no refusal, no pass-through: the behaviour
+   before the checks).
 """
 
 import sys
@@ -128,12 +132,17 @@ def backward_running():
     return True if current is None else current() != -1
 
 
-def written(tensor):
-    """A record of ``tensor`` as it is now, for ``still_written`` (see the module docstring, 8)."""
-    return weakref.ref(tensor), getattr(tensor, "_version", None)
+def written(tensor, pending=0):
+    """A record of ``tensor`` as it is now, or after ``pending`` more in-place changes, for
+    ``still_written`` (see the module docstring, 8)."""
+    version = getattr(tensor, "_version", None)
+    return weakref.ref(tensor), None if version is None else version + pending
 
 
 def still_written(record, tensor):
-    """True if ``tensor`` is the one ``record`` (``written``) saw, unchanged in place since."""
+    """True if ``tensor`` is the one ``record`` (``written``) saw, unchanged in place since
+    (False for no record, None)."""
+    if record is None:
+        return False
     ref, version = record
     return ref() is tensor and version is not None and getattr(tensor, "_version", None) == version

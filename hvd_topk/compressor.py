@@ -16,9 +16,15 @@ number of ranks for Sum) and the other two tell whether every rank of the set to
 ``hvd.join()``: a joined rank answers allreduces with zeros but stops on an allgather
 (horovod#3471). So each round of compressions (``_Round``) first learns, by a one-element
 allreduce started with its first ``compress``, whether every rank takes part; the allgathers
-start once it has arrived. In a round where a rank has joined, the others allreduce their
-gradients dense instead (the result is what Horovod's own dense path gives: the joined rank
-counts as zeros).
+start once it has been read, at the round's second ``compress`` or its first ``decompress``. In a
+round where a rank has joined, the others allreduce their gradients dense instead (the result
+is what Horovod's own dense path gives: the joined rank counts as zeros).
+
+Every collective starts at a point fixed by the calls (that ``compress``, that ``decompress``),
+never when a poll finds the probe arrived: Horovod names an unnamed collective by how many
+collectives the process has started (``allreduce.noname.<n>``), so a user's
+``hvd.allreduce(loss)`` between ``backward()`` and ``step()`` gets the same name on every rank
+only if every rank has started as many of ours by then.
 """
 
 import difflib
@@ -29,12 +35,13 @@ import threading
 import time
 import types
 import warnings
+import weakref
 from typing import NamedTuple
 
 import torch
 
 from hvd_topk._horovod import caller_context, count_name_fallback, hvd, instance_name, set_key
-from hvd_topk._torch import compiled_autograd_active
+from hvd_topk._torch import compiled_autograd_active, still_written, written
 from hvd_topk.codec import Codec
 from hvd_topk.exchange import ActiveRanks, AllgatherPairs, DenseAllreduce
 from hvd_topk.selection import DEFAULT_METHOD, check_density, check_flag, check_method
@@ -128,11 +135,13 @@ class _NameSlots:
 class _Job:
     """One compressed tensor, from ``compress`` to ``decompress``."""
 
-    def __init__(self, message, name, slot, plan, tensor, process_set):
+    def __init__(self, message, name, slot, plan, tensor, process_set, written_key):
         self.message, self.name, self.slot, self.plan = message, name, slot, plan
         self.tensor, self.shape, self.dtype = tensor, tensor.shape, tensor.dtype
         self.process_set = process_set
         self.handle, self.dense = None, False
+        # Horovod's optimizer's p.grad: recorded as written by the result (``TopK._written``)
+        self.written_key, self.source = written_key, weakref.ref(tensor) if written_key else None
 
 
 class _Round:
@@ -140,10 +149,12 @@ class _Round:
     (a step's backward under ``hvd.DistributedOptimizer``; one ``hvd.allreduce``).
 
     Its first ``compress`` starts an ``ActiveRanks`` probe; the allgathers wait until that has
-    arrived (a few milliseconds into the backward pass; at the latest, the first
-    ``decompress``), because an allgather reaching a rank inside ``hvd.join()`` stops Horovod
-    there and hangs the others (horovod#3471). Ranks cannot join in the middle of a round, so
-    one probe per round is enough.
+    been read, at the second ``compress`` (which waits for it: by then one more layer's backward
+    has run) or the first ``decompress``, because an allgather reaching a rank inside
+    ``hvd.join()`` stops Horovod there and hangs the others (horovod#3471). Ranks cannot join in
+    the middle of a round, so one probe per round is enough. (Started whenever a poll found it
+    arrived, the allgathers made the ranks' counts of started collectives differ, and with them
+    the names Horovod gives unnamed ones: a user's unnamed allreduce hung.)
 
     A round that never finished (a worker failed mid-step under Horovod elastic, or an exception
     between backward and ``synchronize``) is abandoned when a tensor it already compressed is
@@ -204,7 +215,9 @@ def unexpected_options_error(caller, names, takes=None, known=()):
 
 
 class _Exchanged(NamedTuple):
-    """``compress``'s context for a gradient Horovod's optimizer had already exchanged this step."""
+    """``compress``'s context for a gradient Horovod's optimizer had already exchanged: this step
+    (a second ``synchronize()``), or the last one, unchanged since (``synchronize()`` after
+    ``step()`` with no backward since)."""
     tensor: torch.Tensor
 
 
@@ -285,6 +298,9 @@ class TopK(Compressor, metaclass=_FixedOptions):
         self._stats = CompressionStats()
         self._probe_checked = set()
         self._rounds = {}  # (process set id, ranks) -> _Round (and the names this instance uses there)
+        # (set key, Horovod's parameter name) -> _torch.written(p.grad) as Horovod's optimizer's
+        # synchronize() leaves it after writing this instance's result there
+        self._written = {}
         self._lock = threading.Lock()
         self._warned_bytes = False
 
@@ -325,12 +341,17 @@ class TopK(Compressor, metaclass=_FixedOptions):
                 raise ValueError(ADASUM_ERROR)
             tensor = tensor.detach()
         _check_reduction(caller.call, caller.op)
-        if caller.exchanged:
+        written_key = (set_key(caller.process_set), caller.name) if caller.call == "optimizer" and caller.name else None
+        if caller.exchanged or (caller.in_synchronize and still_written(self._written.get(written_key), tensor)):
             # Horovod's step() without skip_synchronize() after synchronize() (or a second
             # synchronize()) sends every gradient again: p.grad already holds the exchanged
-            # result (clipped, maybe, since). It passes through, and Horovod's allreduce gets a
-            # one-element placeholder; Top-K of the average would drop most of it.
-            # (float32 whatever the gradient's dtype: Horovod does not reduce bfloat16)
+            # result (clipped, maybe, since); so does a synchronize() after step() with no
+            # backward since, where p.grad is still what the last one wrote. It passes through,
+            # and Horovod's allreduce gets a one-element placeholder; Top-K of the average would
+            # drop most of it. (float32 whatever the gradient's dtype: Horovod does not reduce
+            # bfloat16.) Horovod's p.grad.set_() of it counts as a change: recorded anew.
+            if written_key is not None:
+                self._written[written_key] = written(tensor, pending=1)
             return torch.zeros(1, device=tensor.device), _Exchanged(tensor)
         if compiled_autograd_active():
             raise RuntimeError(COMPILED_AUTOGRAD_ERROR)
@@ -356,11 +377,12 @@ class TopK(Compressor, metaclass=_FixedOptions):
             else:
                 count_name_fallback()
                 slot, name = rnd.names.take()
-            job = _Job(message, name, slot, plan, tensor, process_set)
+            job = _Job(message, name, slot, plan, tensor, process_set, written_key)
             for stale in rnd.add(job):
                 if stale.slot is not None:
                     rnd.names.give_back(stale.slot)
-            self._start_if_known(rnd, wait=False)
+            if len(rnd.seen) > 1:
+                self._start_waiting(rnd)
         rank = float(process_set.rank())
         probe = torch.tensor([1.0, rank, rank * rank], dtype=torch.float32, device=tensor.device)
         self._stats.add(elements_total=numel, bytes_dense=numel * DENSE_FP32_BYTES,
@@ -382,13 +404,11 @@ class TopK(Compressor, metaclass=_FixedOptions):
             self._rounds[key] = _Round(instance_name("TopK", process_set))
         return self._rounds[key]
 
-    def _start_if_known(self, rnd, wait):
-        """Start the round's waiting exchanges once it is known who takes part: the pairs'
-        allgather when every rank of the set does, else (a rank is in ``hvd.join()``, which
-        answers allreduces only) a dense allreduce of the gradient itself."""
+    def _start_waiting(self, rnd):
+        """Start the round's waiting exchanges, reading (waiting for) the probe first: the
+        pairs' allgather when every rank of the set takes part, else (a rank is in
+        ``hvd.join()``, which answers allreduces only) a dense allreduce of the gradient itself."""
         if rnd.count is None:
-            if not (wait or rnd.active.arrived()):
-                return
             rnd.count = rnd.active.read()
         for job in rnd.waiting:
             if rnd.count == job.process_set.size():
@@ -412,7 +432,7 @@ class TopK(Compressor, metaclass=_FixedOptions):
             return ctx.tensor
         job, rnd = ctx
         with self._lock:
-            self._start_if_known(rnd, wait=True)
+            self._start_waiting(rnd)
             count = rnd.count
             rnd.done(job)
         if count == job.process_set.size():
@@ -434,6 +454,9 @@ class TopK(Compressor, metaclass=_FixedOptions):
             self._codec.decode(gathered, job.plan.layout, count, [out], job.plan.bounds, div=count, mul=scale)
         if job.slot is not None:
             rnd.names.give_back(job.slot)
+        source = job.source() if job.written_key is not None else None
+        if source is not None:  # (before Horovod's p.grad.set_(result): one change pending)
+            self._written[job.written_key] = written(source, pending=1)
         self._stats.add(time_exchange_s=time.perf_counter() - t0)
         return out.view(job.shape)
 

@@ -380,12 +380,15 @@ class TopKEngine:
         bucket.inflight = inflight.start(self.ctx, bucket, strategy, name)
 
     def _progress(self):
-        """Start every collective whose predecessor has arrived, never waiting: called whenever
-        a bucket launches, so the later collectives overlap backward too. The decode waits for
-        ``synchronize()``: until then ``p.grad`` holds this rank's own gradient."""
+        """Advance every bucket in flight by one stage (waiting for the collective in flight):
+        called whenever a bucket launches, so the later collectives overlap backward too, at
+        points that are the same on every rank (``hvd_topk.inflight``: never on a poll, or a
+        user's unnamed collective gets another name on each rank). A bucket's first collective
+        has had the next bucket's backward to arrive. The decode waits for ``synchronize()``:
+        until then ``p.grad`` holds this rank's own gradient."""
         for bucket in self.buckets:
-            while bucket.inflight is not None and bucket.inflight.advance():
-                pass
+            if bucket.inflight is not None:
+                bucket.inflight.advance()
 
     def _follow_root(self):
         """Catch up with what ``hvd.broadcast_optimizer_state`` wrote into the first param group
@@ -457,7 +460,7 @@ class TopKEngine:
         that exact case: a parameter some step's backward did not reach, or gradients set by
         hand, are exchanged as before."""
         held = [(self.results.get(id(p)), p.grad) for p in self.params if p.grad is not None]
-        return bool(held) and all(record is not None and still_written(record, grad) for record, grad in held)
+        return bool(held) and all(still_written(record, grad) for record, grad in held)
 
     def _refuse_different_steps(self):
         raise RuntimeError(
@@ -505,7 +508,7 @@ class TopKEngine:
         for stage in inflight.ADVANCE_STAGES:
             for bucket in self.buckets:
                 if bucket.inflight.stage == stage:
-                    bucket.inflight.advance(wait=True)
+                    bucket.inflight.advance()
         for bucket in self.buckets:
             bucket.inflight.decode_into(bucket)
             bucket.reset()

@@ -164,12 +164,12 @@ class SparseAllreduce:
 
 
 class ActiveRanks:
-    """How many ranks of a process set take part in this round, learnt without waiting.
+    """How many ranks of a process set take part in this round.
 
-    ``start`` allreduces 1 from this rank (fire and forget); ``arrived`` polls; ``read`` gives
-    the sum (waiting if need be). A rank inside ``hvd.join()`` answers allreduces with zeros but
-    not allgathers or broadcasts (its background loop stops: horovod#3471), so a sum below the
-    set's size means a rank has joined and only allreduces may follow in this round.
+    ``start`` allreduces 1 from this rank (fire and forget); ``read`` gives the sum (waiting if
+    need be). A rank inside ``hvd.join()`` answers allreduces with zeros but not allgathers or
+    broadcasts (its background loop stops: horovod#3471), so a sum below the set's size means a
+    rank has joined and only allreduces may follow in this round.
     """
 
     MODULUS = 2 ** 20  # values compared modulo this: n x the sum of squares stays exact in float64
@@ -191,9 +191,6 @@ class ActiveRanks:
             probe = torch.tensor([1.0, s, s * s, h, h * h], dtype=torch.float64)
         self.forget()
         self.handle = hvd.allreduce_async(probe, name=self.name, op=hvd.Sum, process_set=process_set)
-
-    def arrived(self):
-        return self.count is not None or (self.handle is not None and hvd.poll(self.handle))
 
     def read(self):
         """The ranks taking part (None when not started this round)."""

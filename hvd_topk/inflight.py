@@ -5,17 +5,23 @@ object of the bucket's strategy (``start``): a sparse one first encodes the buck
 (select, zero what was sent, pack), then every one starts its first collective. From then on
 the engine only calls two methods, whatever the strategy:
 
-- ``advance(wait=False)``: if the collective in flight has arrived (``wait``: wait for it),
-  start the next one and return True. A strategy with one collective never advances; the
+- ``advance()``: wait for the collective in flight, start the next one and return True; False
+  (at once) when the one in flight is the last. A strategy with one collective never advances; the
   sparse allreduce advances once (the parts' indices -> every rank's values there), the
   hierarchical exchange up to three times (host reduce-scatter -> across hosts -> host
   allgather). ``stage`` names the collective in flight.
 - ``decode_into(bucket)``: wait for the rest and write the averaged result into every
   member's ``p.grad``, the same bits on every rank.
 
-The engine calls ``advance`` whenever a bucket launches (so later collectives overlap the
-rest of backward) and, in ``synchronize()``, stage by stage over all buckets (``ADVANCE_STAGES``)
-before decoding any: every bucket's collectives are in flight before any is waited for.
+The engine advances every bucket in flight by one stage whenever a bucket launches (so later
+collectives overlap the rest of backward) and, in ``synchronize()``, stage by stage over all
+buckets (``ADVANCE_STAGES``) before decoding any: every bucket's collectives are in flight
+before any is waited for. It never advances because a poll found a collective arrived: Horovod
+names an unnamed collective by how many collectives the process has started
+(``allreduce.noname.<n>``), so a user's ``hvd.allreduce(loss)`` between ``backward()`` and
+``step()`` gets the same name on every rank only if every rank has started as many of ours by
+then. (Advanced on a poll, the sparse allreduce's values stage started on one rank and not on
+another, and that allreduce hung.)
 """
 
 import time
@@ -122,7 +128,7 @@ class DenseExchange:
         else:
             self.handle = strategy.start(bucket.acc, name, ctx.process_set, ctx.op, ctx.predivide, wire=wire)
 
-    def advance(self, wait=False):
+    def advance(self):
         return False
 
     def decode_into(self, bucket):
@@ -183,7 +189,7 @@ class AllgatherExchange(_FlatSparse):
             ctx.stats.add(time_selection_s=time.perf_counter() - t0)
         self.handle = strategy.start(message, name, ctx.process_set)
 
-    def advance(self, wait=False):
+    def advance(self):
         return False
 
     def decode_into(self, bucket):
@@ -216,7 +222,7 @@ class JoinedPairsExchange(_FlatSparse):
         dense.index_copy_(0, indices[lo:hi].long(), values[lo:hi].to(bucket.dtype))
         self.handle = exchange.DenseAllreduce.start(dense, name, ctx.process_set, ctx.op, ctx.predivide)
 
-    def advance(self, wait=False):
+    def advance(self):
         return False
 
     def decode_into(self, bucket):
@@ -239,8 +245,8 @@ class SparseAllreduceExchange(_FlatSparse):
         part = strategy.part(ctx.rank, ctx.step, bucket.index, ctx.world)
         self.handle = strategy.start_indices(self.indices, self.plan, part, name, ctx.process_set)
 
-    def advance(self, wait=False):
-        if self.stage != "indices" or not (wait or hvd.poll(self.handle)):
+    def advance(self):
+        if self.stage != "indices":
             return False
         self.strategy.finish_indices(self.handle, self.indices, self.plan, self.ctx.step, self.bucket.index)
         values = gather_values(self.ctx, self.bucket, self.current, self.plan, self.bucket.acc)
@@ -248,7 +254,7 @@ class SparseAllreduceExchange(_FlatSparse):
         return True
 
     def decode_into(self, bucket):
-        self.advance(wait=True)
+        self.advance()
         t0 = time.perf_counter()
         result = sparse_allreduce_result(bucket, self.handle, self.plan, self.current.message)
         # one row of pairs: the chosen indices with the summed values
@@ -334,8 +340,8 @@ class HierarchicalExchange:
         ctx.stats.add(bytes_sent=host_bytes, bytes_host=host_bytes)
         self.handle = hierarchy.reduce_scatter(staged, ctx.topology.local, name + ".host")
 
-    def advance(self, wait=False):
-        if self.stage == "gather" or not (wait or hvd.poll(self.handle)):
+    def advance(self):
+        if self.stage == "gather":
             return False
         t0 = time.perf_counter()
         topo = self.ctx.topology
@@ -400,7 +406,7 @@ class HierarchicalExchange:
 
     def decode_into(self, bucket):
         """Every shard's exchanged pairs (``rows`` rows each, shard after shard) into ``p.grad``."""
-        while self.advance(wait=True):
+        while self.advance():
             pass
         t0 = time.perf_counter()
         every = hvd.synchronize(self.handle)

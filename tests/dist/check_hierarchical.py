@@ -26,7 +26,8 @@ import horovod.torch as hvd
 import hvd_topk
 from check_join import active_gradients
 from check_optimizer import Net, batch
-from harness import assert_same_on_all_ranks, gather, raw_gradients, raw_then_synchronize, run, step_and_check_same
+from harness import (assert_same_on_all_ranks, check_unnamed_allreduce_between_backward_and_step, gather, raw_gradients,
+                     raw_then_synchronize, run, step_and_check_same)
 from reference import ErrorFeedbackReference, k_of, part_pieces, split_edges
 
 MIN_NUMEL = 500
@@ -431,6 +432,11 @@ CHECKS = [
     ("buckets smaller than a host", check_buckets_smaller_than_a_host),
     ("DeMo, a rank joined: this step dense, with a warning", check_demo_join_goes_dense_with_a_warning),
     ("float16 parameters: float16 inside the host, float32 residual shards", check_16bit_values_stay_16bit_inside_the_host),
+    # last: a failure here leaves Horovod stalled for the checks after it
+    ("an unnamed allreduce between backward() and step(), 4 buckets", lambda: check_unnamed_allreduce_between_backward_and_step(
+        lambda model: hvd_topk.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters(),
+            exchange="sparse_allreduce", hierarchical=True, min_numel=0, groups=4))),
 ]
 
 

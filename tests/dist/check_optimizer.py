@@ -1468,6 +1468,14 @@ def check_elastic_second_restore_without_a_commit():
             os.environ["HOROVOD_ELASTIC"] = saved_env
 
 
+def check_unnamed_allreduce(exchange):
+    """``harness.check_unnamed_allreduce_between_backward_and_step`` over 4 buckets of ``exchange``."""
+    harness.check_unnamed_allreduce_between_backward_and_step(
+        lambda model: hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                                    named_parameters=model.named_parameters(),
+                                                    exchange=exchange, min_numel=0, groups=4))
+
+
 CHECKS = [
     contract("default"),
     contract("sum", op=hvd.Sum),
@@ -1578,6 +1586,11 @@ CHECKS = [
     contract("residual decay", residual_decay=0.8, steps=5),
     contract("residual decay, momentum correction, sparse allreduce", residual_decay=0.8,
              momentum_correction=0.9, exchange="sparse_allreduce"),
+    # last: a failure here leaves Horovod stalled for the checks after it
+    ("an unnamed allreduce between backward() and step(), allgather, 4 buckets",
+     lambda: check_unnamed_allreduce("allgather")),
+    ("an unnamed allreduce between backward() and step(), sparse_allreduce, 4 buckets",
+     lambda: check_unnamed_allreduce("sparse_allreduce")),
 ]
 
 

@@ -159,6 +159,43 @@ def train(model, opt, steps, batch, start=0):
         opt.step()
 
 
+def check_unnamed_allreduce_between_backward_and_step(build, steps=4, wait_s=30.0):
+    """An unnamed ``hvd.allreduce`` between ``backward()`` and ``step()`` (as many Horovod scripts
+    average their loss) with the ranks out of step: rank 1 pauses inside backward on even steps,
+    rank 0 after it on odd ones. Horovod names an unnamed collective by how many collectives the
+    process has started (``allreduce.noname.<n>``), so the ranks' calls meet only if hvd_topk
+    has started as many of its own on each by then, whatever the timing. The allreduce must come
+    back within ``wait_s`` (a mismatch stalls Horovod for good) with the mean of the ranks'
+    losses, and the parameters must stay equal. ``build(model)``: the optimizer under test."""
+    import torch
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)]).to(DEVICE)
+    opt = build(model)
+    gen = torch.Generator().manual_seed(5 + hvd.rank())
+    for step in range(steps):
+        hidden = model[:3](torch.randn(8, 64, generator=gen).to(DEVICE))
+        if hvd.rank() == 1 and step % 2 == 0:
+            hidden.register_hook(lambda g: time.sleep(0.2))  # after the last three layers' gradients
+        loss = model[3:](hidden).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        if hvd.rank() == 0 and step % 2 == 1:
+            time.sleep(0.2)
+        handle = hvd.allreduce_async(loss.detach())
+        deadline = time.monotonic() + wait_s
+        while not hvd.poll(handle):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"step {step}: an unnamed hvd.allreduce between backward() and step() did not "
+                                     f"come back in {wait_s:.0f} s (the ranks gave it different names)")
+            time.sleep(0.01)
+        mean = float(hvd.synchronize(handle))
+        want = float(np.mean(gather(float(loss.detach()))))
+        assert abs(mean - want) <= 1e-6 * abs(want), f"step {step}: unnamed allreduce gave {mean}, the mean is {want}"
+        opt.step()
+        for name, p in model.named_parameters():
+            assert_same_on_all_ranks(p.detach().cpu().numpy(), f"step {step}: parameter {name}")
+
+
 def raw_gradients(shadow, model, x, y, scale=1.0):
     """Plain cross-entropy gradients (of the loss times ``scale``) at ``model``'s current
     parameters, computed on ``shadow`` (a deep copy with no optimizer attached): what the numpy
