@@ -166,7 +166,9 @@ def check_unnamed_allreduce_between_backward_and_step(build, steps=4, wait_s=30.
     process has started (``allreduce.noname.<n>``), so the ranks' calls meet only if hvd_topk
     has started as many of its own on each by then, whatever the timing. The allreduce must come
     back within ``wait_s`` (a mismatch stalls Horovod for good) with the mean of the ranks'
-    losses, and the parameters must stay equal. ``build(model)``: the optimizer under test."""
+    losses, and the parameters must stay equal. ``build(model)``: the optimizer under test. Run it
+    where every rank has started as many collectives as the others (not after an ``hvd.join()``
+    that ranks reached after different numbers of steps: Horovod's own names differ then)."""
     import torch
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)]).to(DEVICE)
