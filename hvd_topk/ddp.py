@@ -43,7 +43,7 @@ import torch.distributed as dist
 from hvd_topk import agreement, auto, checkpoint
 from hvd_topk import ddp_exchange as exchange
 from hvd_topk.codec import Codec
-from hvd_topk._torch import backward_running
+from hvd_topk._torch import backward_running, still_written, written
 from hvd_topk.loss_scale import ResidualScale, check_grad_scaler, is_loss_scale
 from hvd_topk.optim import momentum_in_residual, residual_decay_of
 from hvd_topk.schedule import DEFAULT_START, DensitySchedule
@@ -185,6 +185,7 @@ class TopKState:
         self.pending = {}                       # name -> residual loaded before its bucket was seen
         self.model_params = set()               # ids of the parameters of the model it serves
         self.seen_whole_model = False           # a step's last bucket has been seen
+        self.exchanged_at = []                  # _torch.written(p) for every parameter at the last step's last bucket
         self.steps_here = 0                     # steps this object has served (a loaded one: since the load)
         self.checked = False
         self.family = None                      # this step's exchange family (see _begin_step)
@@ -217,10 +218,23 @@ class TopKState:
 
     # ---- checkpoints -------------------------------------------------------------------
     def state_dict(self):
-        """This rank's residuals by parameter name, the step, rank and world size."""
+        """This rank's residuals by parameter name, the step, rank and world size.
+
+        Call it after ``optimizer.step()`` (or before this step's ``backward()``). In between,
+        this step's unsent gradient is already in the residuals, and a run resumed from the
+        checkpoint, which does this step again, counts it twice: that warns (no parameter has
+        changed since the step's last bucket). It is not refused, as the Horovod optimizer
+        refuses it, because the hook does not see ``step()``: a step a ``GradScaler`` skipped
+        changes no parameter either."""
         if self.names is None:
             raise ValueError("TopKState.state_dict() needs parameter names: build the state with "
                              "named_parameters=model.named_parameters()")
+        if self.exchanged_at and all(still_written(record, record[0]()) for record in self.exchanged_at):
+            warnings.warn("TopKState.state_dict() was called after this step's backward and before optimizer.step() "
+                          "changed any parameter: this rank's unsent gradient of the step is already in the residuals, "
+                          "so a run resumed from this checkpoint, which does the step again, counts it twice. Save "
+                          "after optimizer.step(). (If a GradScaler skipped the step, the checkpoint is fine.)",
+                          stacklevel=2)
         # (copies: a loss-scale change rescales the pending ones in place before they are placed)
         residuals = {name: t.detach().clone() for name, t in self.pending.items()}
         for layout in self.layouts.values():
@@ -620,6 +634,8 @@ def topk_hook(state, bucket):
     if bucket.is_last():
         state._check_optimizer_serves_model()
         state.seen_whole_model = True
+        # (what state_dict() compares: a parameter changed since means the step was applied)
+        state.exchanged_at = [written(p) for layout in state.layouts.values() for p in layout.params]
         if state.pending:
             state._drop_pending()
         state.iteration += 1

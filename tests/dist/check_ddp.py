@@ -757,6 +757,31 @@ def check_resume(bucket_cap_mb=0.005, compiled_names=False, **state_kwargs):
     assert state_c.iteration == 3 and all(float(r.abs().sum()) == 0 for r in state_c.state_dict()["residuals"].values())
 
 
+def check_save_between_backward_and_step_warns():
+    """``TopKState.state_dict()`` after a step's backward and before ``optimizer.step()``: the
+    step's unsent gradient is in the residuals already, and a resume that does the step again
+    counts it twice (a run resumed from there ends elsewhere than one that never stopped, by
+    4e-4 in a review's trial). It warns; before the first step and after ``step()`` it does not."""
+    model, ddp, state = build(0.005, density=0.05, exchange="allgather")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def saved_warnings():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state.state_dict()
+        return [str(w.message) for w in caught if "counts it twice" in str(w.message)]
+
+    assert not saved_warnings(), "before the first step"
+    train(ddp, opt, 2)
+    assert not saved_warnings(), "after step()"
+    x, y = batch(2, dist.get_rank())
+    opt.zero_grad(set_to_none=True)
+    F.cross_entropy(ddp(x), y).backward()
+    assert saved_warnings(), "between backward() and step(): no warning"
+    opt.step()
+    assert not saved_warnings(), "after that step()"
+
+
 def check_resume_fewer_sparse():
     """A checkpoint loaded with a larger min_numel (1000: fc2 and head2, 960 elements each, go
     dense): their saved residuals are dropped with a warning naming them, at the end of the first
@@ -1205,6 +1230,7 @@ CHECKS = [
     ("checkpoint resume, one bucket, decay", lambda: check_resume(bucket_cap_mb=25, residual_decay=0.9)),
     ("checkpoint resume into torch.compile's parameter names", lambda: check_resume(compiled_names=True)),
     ("checkpoint loaded with a larger min_numel: residuals of now-dense tensors dropped", check_resume_fewer_sparse),
+    ("a checkpoint saved between backward() and step() warns", check_save_between_backward_and_step_warns),
     ("non-finite gradient", check_nonfinite),
     ("non-finite gradient, LocalAdamW's moments stay finite", check_nonfinite_local_adamw),
     ("Join: uneven inputs", check_join),
