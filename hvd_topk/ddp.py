@@ -555,8 +555,8 @@ class TopKState:
             "DDP reduces over)": ([tuple(p.shape) for p in bucket.parameters()], str(buffer.dtype)),
             "density": self.density, "method": self.codec.method, "fp16_values": self.fp16_values,
             "compact": self.compact, "error_feedback": self.error_feedback, "residual_decay": self.residual_decay,
-            "warmup_steps and warmup_density": (self.schedule.warmup_steps, self.schedule.start),
-            "exchange and exchange_trial_steps": (self.exchange, self.exchange_trial_steps),
+            "warmup_steps": self.schedule.warmup_steps, "warmup_density": self.schedule.start,
+            "exchange": self.exchange, "exchange_trial_steps": self.exchange_trial_steps,
             "min_numel": self.min_numel,
             "optimizer= (its class and param-group options)": None if self.optimizer is None else
             (type(self.optimizer).__qualname__, agreement.group_options(self.optimizer.param_groups)),

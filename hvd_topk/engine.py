@@ -659,11 +659,12 @@ def check_ranks_agree(engine, compression, inner=None, grad_scaler=False):
     settings = {
         "the parameters (names, shapes, dtypes, order)":
             [(engine.names[p], tuple(p.shape), str(p.dtype)) for p in engine.params],
-        "TopK (density, method, fp16_values, compact)":
-            (compression.density, compression.method, compression.fp16_values, compression.compact),
+        # one entry per option, so that the message names the one that differs
+        **{f"TopK's {name}": getattr(compression, name) for name in ("density", "method", "fp16_values", "compact")},
         "the inner optimizer's class": inner,
         "grad_scaler (given or not)": grad_scaler,
-        "op and gradient_predivide_factor": (str(engine.op), engine.predivide),
+        "op": str(engine.op),
+        "gradient_predivide_factor": engine.predivide,
         "backward_passes_per_step": engine.passes_per_step,
         "the fusion buckets (groups, fusion_bytes, min_numel)": [[m.name for m in b.members] for b in engine.buckets],
         **{name: getattr(o, name) for name in (f.name for f in dataclasses.fields(o))},

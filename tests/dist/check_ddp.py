@@ -1072,8 +1072,8 @@ def check_bad_input():
     last = dist.get_world_size() - 1
     odd = dist.get_rank() == last
     for field, kwargs in (("density", {"density": 0.1 if odd else 0.05}),
-                          ("exchange and exchange_trial_steps", {"exchange": "dense" if odd else "allgather"}),
-                          ("warmup_steps and warmup_density", {"warmup_steps": 4 if odd else 0, "warmup_density": 1.0}),
+                          ("exchange", {"exchange": "dense" if odd else "allgather"}),
+                          ("warmup_steps", {"warmup_steps": 4 if odd else 0, "warmup_density": 1.0}),
                           ("optimizer= (its class and param-group options)", {"class": True}),
                           ("optimizer= (its class and param-group options)", {"variance_sketch": 64 if odd else 0}),
                           ("the step (a checkpoint loaded on some ranks only?)", {})):
