@@ -49,7 +49,8 @@ from hvd_topk.optim import momentum_in_residual, residual_decay_of
 from hvd_topk.schedule import DEFAULT_START, DensitySchedule
 from hvd_topk.stats import DENSE_FP32_BYTES
 from hvd_topk.selection import (NAMED_PARAMETERS_ERROR, DEFAULT_METHOD, check_density, check_flag, check_integer, check_number,
-                                check_residual_decay, warn_ignored, NATIVE_IN_USE, native_in_use)
+                                check_residual_decay, warn_ignored, warn_momentum_sent_whole, NATIVE_IN_USE,
+                                native_in_use)
 
 EXCHANGES = ("auto", "allgather", "sparse_allreduce", "dense", "dense_fp16")
 TRIAL_FROM_STEP = 2  # DDP rebuilds its buckets after its first step: measure from the third
@@ -153,7 +154,9 @@ class TopKState:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
         self.exchange = exchange
         self.exchange_trial_steps = check_integer(exchange_trial_steps, "exchange_trial_steps", 1)
-        warn_ignored(exchange, 2, exchange_trial_steps=(self.exchange_trial_steps, auto.TRIAL_STEPS))
+        warn_ignored(exchange, 2, exchange_trial_steps=(self.exchange_trial_steps, auto.TRIAL_STEPS),
+                     density=(self.density, 0.01), warmup_steps=(warmup_steps, 0),
+                     warmup_density=(warmup_density, DEFAULT_START))
         self.fp16_values = check_flag(fp16_values, "fp16_values")
         self.compact = check_flag(compact, "compact")
         if self.compact and exchange == "sparse_allreduce":
@@ -164,6 +167,7 @@ class TopKState:
             residual_decay_of(optimizer, check_number(residual_decay, "residual_decay"), self.error_feedback),
             self.error_feedback)
         self.momentum_in_residual = momentum_in_residual(optimizer)  # DeMo's: never sent whole
+        warn_momentum_sent_whole(exchange, self.momentum_in_residual)
         self.codec = Codec(method, fp16_values, self.compact)
         check_grad_scaler(grad_scaler, optimizer)
         self.residual_scale = ResidualScale(grad_scaler)  # the loss scale the residuals are kept in

@@ -24,7 +24,7 @@ from hvd_topk.loss_scale import check_grad_scaler
 from hvd_topk.optim import momentum_in_residual, residual_decay_of
 from hvd_topk.options import Options
 from hvd_topk.schedule import DEFAULT_START
-from hvd_topk.selection import NAMED_PARAMETERS_ERROR, check_integer
+from hvd_topk.selection import NAMED_PARAMETERS_ERROR, check_integer, warn_ignored, warn_momentum_sent_whole
 
 ENGINE = "_hvd_topk"  # the one attribute hvd_topk adds to the user's optimizer
 LOCAL = "_hvd_topk_local"  # hvd_topk.LocalSteps' one attribute (local_steps.py), checked here too
@@ -165,6 +165,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                       exchange_recheck_steps=exchange_recheck_steps, hierarchical=hierarchical,
                       residual_decay=residual_decay)
     compression = _resolve_compression(compression)
+    warn_ignored(exchange, 2, density=(compression.density, TopK.DEFAULT_DENSITY))
+    warn_momentum_sent_whole(exchange, momentum_in_residual(optimizer))
+    if groups is not None and fusion_bytes != Options.fusion_bytes:
+        warnings.warn(f"fusion_bytes has no effect with groups={groups!r}: groups decides the buckets", stacklevel=2)
     _check_horovod_arguments(op, gradient_predivide_factor, backward_passes_per_step)
     if not isinstance(process_set, hvd.ProcessSet):
         raise TypeError(f"process_set must be a horovod ProcessSet (hvd.global_process_set, hvd.add_process_set(...)), "

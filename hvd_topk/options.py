@@ -106,7 +106,8 @@ class Options:
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         warn_ignored(self.exchange, 4, **{name: (getattr(self, name), defaults[name])
                                           for name in ("exchange_trial_steps", "exchange_recheck_steps",
-                                                       "selection_scope", "dense_fallback")})
+                                                       "selection_scope", "dense_fallback", "warmup_steps",
+                                                       "warmup_density")})
 
 
 def check_choice(value, name, choices, spelled=None):

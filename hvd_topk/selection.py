@@ -85,7 +85,8 @@ def check_residual_decay(decay, error_feedback):
 
 DENSE_EXCHANGES = ("dense", "dense_fp16")
 AUTO_ONLY = ("exchange_trial_steps", "exchange_recheck_steps")  # options of exchange="auto"'s trial
-SPARSE_ONLY = ("selection_scope", "dense_fallback")             # options of a sparse bucket
+# options of a sparse bucket (the density's and its warm-up's too: a dense exchange sends everything)
+SPARSE_ONLY = ("selection_scope", "dense_fallback", "density", "warmup_steps", "warmup_density")
 
 
 def warn_ignored(exchange_choice, stacklevel=2, **given):
@@ -98,6 +99,17 @@ def warn_ignored(exchange_choice, stacklevel=2, **given):
     if ignored:
         warnings.warn(f"{', '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no effect with "
                       f"exchange={exchange_choice!r}", stacklevel=stacklevel + 1)
+
+
+def warn_momentum_sent_whole(exchange_choice, momentum, stacklevel=2):
+    """Warn where a pinned dense exchange runs over a residual that is the inner optimizer's
+    momentum (``optim.momentum_in_residual``: DeMo's accumulator): allowed, as ``"auto"``'s note
+    offers, but it sends the momentum whole and zeroes it every step."""
+    if momentum and exchange_choice in DENSE_EXCHANGES:
+        warnings.warn(f"exchange={exchange_choice!r} over DeMo sends its accumulator (its momentum, the residual) "
+                      "whole every step and zeroes it: DeMo then has no momentum, and its sign step moves every "
+                      "entry. Leave exchange='auto' (which does not offer dense over DeMo) or pin 'allgather' for "
+                      "DeMo as published.", stacklevel=stacklevel + 1)
 
 
 def check_method(method):

@@ -44,6 +44,8 @@ def test_engine_option_combinations_refused(kwargs, error, text):
     ({"exchange": "auto", "exchange_trial_steps": 5, "selection_scope": "bucket"}, None),
     ({"exchange": "allgather", "selection_scope": "bucket", "dense_fallback": False}, None),
     ({"exchange": "dense_fp16"}, None),
+    ({"exchange": "dense", "warmup_steps": 100, "warmup_density": 1.0},
+     "warmup_steps, warmup_density have no effect with exchange='dense'"),
 ])
 def test_options_without_effect_warn(kwargs, ignored):
     """An option set away from its default where the exchange never reads it (the trial's with a
@@ -87,6 +89,27 @@ def test_a_warmup_that_does_nothing_warns():
         schedule = DensitySchedule(0.01, 4, 0.16)
         DensitySchedule(0.01, 0)  # no warm-up, warmup_density left at its default: nothing to say
     assert [schedule.density(s) for s in range(5)] == pytest.approx([0.16, 0.08, 0.04, 0.02, 0.01])
+
+
+def test_ddp_state_warns_of_sparse_options_with_a_dense_exchange():
+    """A density or its warm-up with exchange='dense': every bucket is sent whole, so they do
+    nothing (they were accepted in silence); DeMo's accumulator sent whole loses its momentum."""
+    import warnings
+
+    import torch
+
+    import hvd_topk
+    import hvd_topk.ddp
+
+    with pytest.warns(UserWarning, match=re.escape("density, warmup_steps have no effect with exchange='dense'")):
+        hvd_topk.ddp.TopKState(exchange="dense", density=0.001, warmup_steps=10)
+    model = torch.nn.Linear(4, 4)
+    with pytest.warns(UserWarning, match=r"exchange='dense_fp16' over DeMo sends its accumulator .* whole"):
+        hvd_topk.ddp.TopKState(exchange="dense_fp16", optimizer=hvd_topk.DeMo(model.parameters(), lr=0.01))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hvd_topk.ddp.TopKState(exchange="allgather", density=0.001, warmup_steps=10,
+                               optimizer=hvd_topk.DeMo(model.parameters(), lr=0.01))
 
 
 def test_warmup_density_without_warmup_steps_warns():

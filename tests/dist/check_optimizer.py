@@ -589,6 +589,19 @@ def check_bad_input():
     ]:
         with raises(error, match=re.escape(text), what=f"{kwargs}"):
             hvd_topk.DistributedOptimizer(sgd, **kwargs)
+    # accepted, with a warning: options a dense exchange or groups= never read, and DeMo's
+    # momentum sent whole by a pinned dense exchange (each was accepted in silence)
+    for kwargs, text, inner in [
+        ({"exchange": "dense", "compression": hvd_topk.TopK(density=0.001)}, "density has no effect with exchange='dense'", None),
+        ({"exchange": "dense_fp16", "warmup_steps": 5}, "warmup_steps has no effect with exchange='dense_fp16'", None),
+        ({"groups": 2, "fusion_bytes": 1000}, "fusion_bytes has no effect with groups=2", None),
+        ({"exchange": "dense"}, "exchange='dense' over DeMo sends its accumulator", hvd_topk.DeMo),
+    ]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hvd_topk.DistributedOptimizer(inner(model.parameters(), lr=0.01) if inner else sgd,
+                                          named_parameters=model.named_parameters(), **kwargs)
+        assert any(text in str(w.message) for w in caught), (kwargs, [str(w.message) for w in caught])
     used_up = model.named_parameters()
     list(used_up)
     w = model.fc1.weight
