@@ -43,6 +43,7 @@ import warnings
 import torch
 
 from hvd_topk import variance_sketch
+from hvd_topk.selection import check_flag, check_integer, check_number
 
 
 class _CheckedGroups(torch.optim.Optimizer):
@@ -114,9 +115,7 @@ class FrozenVarianceAdamW(_CheckedGroups):
     @staticmethod
     def _check_options(options):
         _check_adam_options(options)
-        freeze_step = options["freeze_step"]
-        if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 0:
-            raise ValueError(f"freeze_step must be a non-negative integer, got {freeze_step!r}")
+        check_integer(options["freeze_step"], "freeze_step", 0)
 
 
     @torch.no_grad()
@@ -320,8 +319,7 @@ class LocalAdamW(_ExchangedUpdates):
     def _check_options(options):
         _check_adam_options(options)
         for name in ("lr_in_residual", "global_variance"):
-            if not isinstance(options[name], bool):
-                raise ValueError(f"{name} must be True or False, got {options[name]!r}")
+            check_flag(options[name], name)
         if options["signal"] not in LocalAdamW.SIGNALS:
             raise ValueError(f"signal must be one of {LocalAdamW.SIGNALS}, got {options['signal']!r}")
         buckets = options.get("variance_sketch", 0)
@@ -565,7 +563,7 @@ class DeMo(_ExchangedUpdates):
     sum_invariant = True  # sign and RMS normalisation ignore a common factor
 
     def __init__(self, params, lr=1e-3, beta=0.999, weight_decay=0.0, normalise="sign"):
-        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 < beta <= 1.0:
+        if not 0.0 < check_number(beta, "beta") <= 1.0:
             raise ValueError(f"beta must be a number in (0, 1], got {beta!r}")
         defaults = dict(lr=lr, weight_decay=weight_decay, normalise=normalise)
         self._check_options(defaults)
@@ -811,8 +809,9 @@ def _rms(grad):
 
 
 def _check_nonnegative(**values):
+    """TypeError for a value that is not a number, ValueError for one outside [0, inf)."""
     for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < math.inf:
+        if not 0.0 <= check_number(value, name) < math.inf:
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
@@ -821,6 +820,6 @@ def _check_adam_options(options):
     _check_nonnegative(lr=lr, eps=eps, weight_decay=weight_decay)
     if not isinstance(betas, (tuple, list)) or len(betas) != 2 or \
             not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas):
-        raise ValueError(f"betas must be a pair of numbers (beta1, beta2), got {betas!r}")
+        raise TypeError(f"betas must be a pair of numbers (beta1, beta2), got {betas!r}")
     if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
         raise ValueError(f"betas must be in [0, 1), got {betas}")
