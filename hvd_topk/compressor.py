@@ -15,16 +15,21 @@ number of ranks for Sum) and the other two tell whether every rank of the set to
 
 ``hvd.join()``: a joined rank answers allreduces with zeros but stops on an allgather
 (horovod#3471). So each round of compressions (``_Round``) first learns, by a one-element
-allreduce started with its first ``compress``, whether every rank takes part; the allgathers
-start once it has been read, at the round's second ``compress`` or its first ``decompress``. In a
-round where a rank has joined, the others allreduce their gradients dense instead (the result
-is what Horovod's own dense path gives: the joined rank counts as zeros).
+allreduce started with its first ``compress``, whether every rank takes part; the round's
+allgathers start at its first ``decompress``, which reads it. In a round where a rank has
+joined, the others allreduce their gradients dense instead (the result is what Horovod's own
+dense path gives: the joined rank counts as zeros).
 
-Every collective starts at a point fixed by the calls (that ``compress``, that ``decompress``),
-never when a poll finds the probe arrived: Horovod names an unnamed collective by how many
-collectives the process has started (``allreduce.noname.<n>``), so a user's
-``hvd.allreduce(loss)`` between ``backward()`` and ``step()`` gets the same name on every rank
-only if every rank has started as many of ours by then.
+Why the first ``decompress``, after backward, and not earlier: Horovod names a collective
+started without ``name=`` by how many collectives the process has started
+(``allreduce.noname.<n>``), so a user's ``hvd.allreduce(loss)`` between ``backward()`` and
+``step()`` meets its peers only if every rank has started as many of ours by then. Started when
+a poll found the probe arrived, the allgathers made that count depend on timing, and such a
+call hung. Waiting for the probe inside backward (at the round's second ``compress``) fixed
+that, but deadlocked where a rank's backward reaches a collective of its own first
+(``hvd.SyncBatchNorm``) while another rank, whose graph differs, has not started its probe.
+The cost: the allgathers no longer overlap backward (measured in
+benchmarks/results/training/start-points/).
 """
 
 import difflib
@@ -148,13 +153,10 @@ class _Round:
     """The tensors compressed on one process set between two moments when none is pending
     (a step's backward under ``hvd.DistributedOptimizer``; one ``hvd.allreduce``).
 
-    Its first ``compress`` starts an ``ActiveRanks`` probe; the allgathers wait until that has
-    been read, at the second ``compress`` (which waits for it: by then one more layer's backward
-    has run) or the first ``decompress``, because an allgather reaching a rank inside
-    ``hvd.join()`` stops Horovod there and hangs the others (horovod#3471). Ranks cannot join in
-    the middle of a round, so one probe per round is enough. (Started whenever a poll found it
-    arrived, the allgathers made the ranks' counts of started collectives differ, and with them
-    the names Horovod gives unnamed ones: a user's unnamed allreduce hung.)
+    Its first ``compress`` starts an ``ActiveRanks`` probe; the allgathers wait until its first
+    ``decompress`` reads it (see the module docstring), because an allgather reaching a rank
+    inside ``hvd.join()`` stops Horovod there and hangs the others (horovod#3471). Ranks cannot
+    join in the middle of a round, so one probe per round is enough.
 
     A round that never finished (a worker failed mid-step under Horovod elastic, or an exception
     between backward and ``synchronize``) is abandoned when a tensor it already compressed is
@@ -381,8 +383,6 @@ class TopK(Compressor, metaclass=_FixedOptions):
             for stale in rnd.add(job):
                 if stale.slot is not None:
                     rnd.names.give_back(stale.slot)
-            if len(rnd.seen) > 1:
-                self._start_waiting(rnd)
         rank = float(process_set.rank())
         probe = torch.tensor([1.0, rank, rank * rank], dtype=torch.float32, device=tensor.device)
         self._stats.add(elements_total=numel, bytes_dense=numel * DENSE_FP32_BYTES,

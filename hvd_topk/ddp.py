@@ -587,7 +587,10 @@ def _check_state(state):
 
 def register(model, state, hook=None):
     """``model.register_comm_hook(state, hook or topk_hook)``, after checking that ``state``
-    reduces over the process group ``model`` (a ``DistributedDataParallel``) uses."""
+    reduces over the process group ``model`` (a ``DistributedDataParallel``) uses, and that its
+    ``named_parameters=`` and ``optimizer=`` cover the model's trainable parameters (named by the
+    model here; the hook alone sees a DDP bucket's, by position). ``hook``: another hook taking
+    a ``TopKState`` (``topk_hook`` by default)."""
     if isinstance(getattr(model, "_orig_mod", None), torch.nn.parallel.DistributedDataParallel):
         raise TypeError("hvd_topk.ddp.register takes the DistributedDataParallel model, got what torch.compile "
                         "made of it: register the hook first, then compile (register(ddp_model, state); "
@@ -603,8 +606,27 @@ def register(model, state, hook=None):
         raise ValueError(f"TopKState's process group (ranks {dist.get_process_group_ranks(mine)}) is not the one "
                          f"DistributedDataParallel reduces over (ranks {dist.get_process_group_ranks(theirs)}): "
                          "pass TopKState(process_group=model.process_group)")
+    _check_covers(model, state)
     model.register_comm_hook(state, hook or topk_hook)
     return state
+
+
+def _check_covers(model, state):
+    """``register``'s check that ``named_parameters=`` names, and ``optimizer=`` holds, every
+    trainable parameter of ``model``, naming the first few it lacks."""
+    trainable = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
+    lacking = {}
+    if state.names is not None:
+        lacking["TopKState(named_parameters=...) does not name"] = [n for n, p in trainable if p not in state.names]
+    if state.optimizer is not None:
+        held = {id(q) for g in state.optimizer.param_groups for q in g["params"]}
+        lacking["TopKState(optimizer=...) does not hold"] = [n for n, p in trainable if id(p) not in held]
+    for what, names in lacking.items():
+        if names:
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            raise ValueError(f"hvd_topk.ddp.register: {what} {len(names)} of the model's trainable parameters "
+                             f"({shown}): pass it the whole model's, named_parameters=model.named_parameters() or "
+                             "LocalAdamW(model.parameters()), built from the model DDP wraps")
 
 
 def topk_hook(state, bucket):

@@ -336,7 +336,6 @@ class TopKEngine:
         return current
 
     def _launch(self, bucket):
-        self._progress()
         for position, m in enumerate(bucket.members):
             if position not in bucket.folded:  # no gradient this step: contributes zeros
                 if m.param.grad is not None and m.param.grad.layout != torch.strided:
@@ -378,17 +377,6 @@ class TopKEngine:
             strategy, name = exchange.DenseAllreduce, name + ".joined"
         self.used[bucket.index] = strategy.name
         bucket.inflight = inflight.start(self.ctx, bucket, strategy, name)
-
-    def _progress(self):
-        """Advance every bucket in flight by one stage (waiting for the collective in flight):
-        called whenever a bucket launches, so the later collectives overlap backward too, at
-        points that are the same on every rank (``hvd_topk.inflight``: never on a poll, or a
-        user's unnamed collective gets another name on each rank). A bucket's first collective
-        has had the next bucket's backward to arrive. The decode waits for ``synchronize()``:
-        until then ``p.grad`` holds this rank's own gradient."""
-        for bucket in self.buckets:
-            if bucket.inflight is not None:
-                bucket.inflight.advance()
 
     def _follow_root(self):
         """Catch up with what ``hvd.broadcast_optimizer_state`` wrote into the first param group

@@ -13,15 +13,19 @@ the engine only calls two methods, whatever the strategy:
 - ``decode_into(bucket)``: wait for the rest and write the averaged result into every
   member's ``p.grad``, the same bits on every rank.
 
-The engine advances every bucket in flight by one stage whenever a bucket launches (so later
-collectives overlap the rest of backward) and, in ``synchronize()``, stage by stage over all
-buckets (``ADVANCE_STAGES``) before decoding any: every bucket's collectives are in flight
-before any is waited for. It never advances because a poll found a collective arrived: Horovod
-names an unnamed collective by how many collectives the process has started
-(``allreduce.noname.<n>``), so a user's ``hvd.allreduce(loss)`` between ``backward()`` and
-``step()`` gets the same name on every rank only if every rank has started as many of ours by
-then. (Advanced on a poll, the sparse allreduce's values stage started on one rank and not on
-another, and that allreduce hung.)
+The engine advances the buckets in ``synchronize()`` only, stage by stage over all buckets
+(``ADVANCE_STAGES``) before decoding any: every bucket's collectives are in flight before any is
+waited for; each bucket's first collective has overlapped the rest of backward. Not earlier:
+
+- not when a poll finds a collective arrived: Horovod names a collective started without
+  ``name=`` by how many collectives the process has started (``allreduce.noname.<n>``), so a
+  user's ``hvd.allreduce(loss)`` between ``backward()`` and ``step()`` meets its peers only if
+  every rank has started as many of ours by then (advanced on a poll, the sparse allreduce's
+  values stage started on one rank and not on another, and that allreduce hung);
+- not by waiting at later launches inside backward: where a parameter gets no gradient on one
+  rank, the ranks launch their buckets in different orders (the bucket holding it at the end of
+  backward on one rank, in ``synchronize()`` on another), and each waited for a collective the
+  other had not started.
 """
 
 import time

@@ -379,6 +379,46 @@ def check_unnamed_grouped_allreduce():
                                        rtol=1e-6, atol=1e-7, err_msg=f"call {call}, tensor {i}")
 
 
+class _AllreduceInBackward(torch.autograd.Function):
+    """The identity, whose backward allreduces (a stand-in for ``hvd.SyncBatchNorm``, which is
+    GPU-only)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        total = hvd.allreduce(g.sum().reshape(1), name="check.in_backward", op=hvd.Sum)
+        return g + 0 * total
+
+
+def check_collective_in_backward_with_a_branch():
+    """A collective inside backward (as ``hvd.SyncBatchNorm``'s) while rank 1's graph skips the
+    head: rank 1 compresses nothing before that collective. TopK must not wait inside backward
+    for its round's probe, which rank 1 has not started (from ece24be to the next commit it
+    waited at the round's second tensor, and the job hung). p.grad: the numpy reference."""
+    torch.manual_seed(0)
+    trunk, head = torch.nn.Linear(32, 32).to(DEVICE), torch.nn.Linear(32, 32).to(DEVICE)
+    named = [(f"trunk.{n}", p) for n, p in trunk.named_parameters()] + \
+            [(f"head.{n}", p) for n, p in head.named_parameters()]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.01), named_parameters=named,
+                                   compression=hvd_topk.TopK(density=0.1))
+    gen = torch.Generator().manual_seed(3 + hvd.rank())
+    for step in range(3):
+        opt.zero_grad()
+        hidden = _AllreduceInBackward.apply(trunk(torch.randn(4, 32, generator=gen).to(DEVICE)))
+        loss = head(hidden).pow(2).mean() if hvd.rank() != 1 else hidden.pow(2).mean()
+        loss.backward()
+        raw = {n: (p.grad.cpu().numpy().copy() if p.grad is not None else np.zeros(tuple(p.shape), np.float32))
+               for n, p in named}
+        opt.synchronize()
+        for n, p in named:
+            np.testing.assert_allclose(p.grad.cpu().numpy(), sparse_allreduce(gather(raw[n]), 0.1),
+                                       rtol=1e-5, atol=1e-7, err_msg=f"step {step}: {n}")
+        step_and_check_same(opt, torch.nn.ModuleDict({"trunk": trunk, "head": head}), f"step {step}")
+
+
 def optimizer(label, **options):
     """The named check of Horovod's DistributedOptimizer with TopK and these options."""
     return f"horovod optimizer: {label}", lambda: check_optimizer(**options)
@@ -406,6 +446,7 @@ CHECKS = [
     ("horovod dense: broadcast_optimizer_state", lambda: check_broadcast_optimizer_state(hvd.Compression.none)),
     ("horovod dense: adasum", check_adasum_dense),
     # last: a failure here leaves Horovod stalled for the checks after it
+    ("a collective inside backward, rank 1's graph without the head", check_collective_in_backward_with_a_branch),
     ("an unnamed grouped_allreduce, one rank late", check_unnamed_grouped_allreduce),
     ("horovod optimizer: an unnamed allreduce between backward() and step()",
      lambda: check_unnamed_allreduce_between_backward_and_step(
