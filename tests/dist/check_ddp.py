@@ -1057,6 +1057,16 @@ def check_bad_input():
     with raises(ValueError, match=r"not in the DDP model's buckets.*wrap the model in DDP again",
                 what="a layer unfrozen after DDP was built"):
         F.cross_entropy(ddp(x), y).backward()
+    # the same through hvd_topk.ddp.register, which has the model: refused there, naming what is missing
+    model = Net().to(DEVICE)
+    with raises(ValueError, match=r"register: TopKState\(named_parameters=\.\.\.\) does not name \d+ of the model's "
+                                  r"trainable parameters \(fc2\.weight, ", what="register: part of the model's names"):
+        hvd_topk.ddp.register(DDP(model), P(min_numel=MIN_NUMEL, named_parameters=model.fc1.named_parameters()))
+    model = Net().to(DEVICE)
+    with raises(ValueError, match=r"register: TopKState\(optimizer=\.\.\.\) does not hold 2 of the model's trainable "
+                                  r"parameters \(fc1\.weight, fc1\.bias\)", what="register: an optimizer without fc1"):
+        hvd_topk.ddp.register(DDP(model), P(min_numel=MIN_NUMEL, optimizer=hvd_topk.LocalAdamW(
+            [p for n, p in model.named_parameters() if not n.startswith("fc1.")])))
     # named_parameters= of another model, or of part of this one: refused at the first bucket, where
     # training ran and state_dict() failed later with a bare KeyError
     for label, named in (("another model's", lambda m: Net().named_parameters()),
