@@ -338,7 +338,10 @@ def check_rewrap_after_unfreezing(steps=4, density=0.05):
                                    rtol=1e-5, atol=1e-6, err_msg=f"residual {name}")
     other = Net().to(DEVICE)
     ddp = DDP(other)
-    hvd_topk.ddp.register(ddp, state)
+    with raises(ValueError, match=r"register: TopKState\(named_parameters=\.\.\.\) does not name 6 of the model's",
+                what="a second model, through register"):
+        hvd_topk.ddp.register(ddp, state)
+    ddp.register_comm_hook(state, hvd_topk.ddp.topk_hook)  # (the hook's own check, at its first bucket)
     x, y = batch(steps, rank)
     with raises(RuntimeError, match=r"already serves another DDP model .*not among its named_parameters=",
                 what="a second model"):
