@@ -43,11 +43,7 @@ Checked against Horovod 0.28.1 (``CHECKED_VERSION``). Each private detail relied
    changes nothing), and so does a second ``synchronize()``; the drop-in passes such a
    gradient through instead of sending the average through Top-K again. The flag alone is not
    enough: it outlives a step ``GradScaler`` skipped (``opt.step()`` never called), and the next
-   step's backward hooks compress fresh gradients while it is still set. After ``step()`` the
-   flag is False again, and a ``synchronize()`` then (no backward since) sends every ``p.grad``
-   once more; ``in_synchronize`` lets the drop-in recognise the gradients its last exchange
-   wrote, which ``synchronize()`` puts in place with ``p.grad.set_(decompressed)`` (one
-   in-place change of ``p.grad``, ``hvd_topk._torch.written``'s ``pending``).
+   step's backward hooks compress fresh gradients while it is still set.
 """
 
 import collections
@@ -136,7 +132,6 @@ class CallerContext(NamedTuple):
     call: Optional[str]  # (7) the Horovod function compressing it ("optimizer" for Horovod's optimizer)
     op: object  # (7) that function's ``op`` (None: its default, Average, or the frames do not say)
     exchanged: bool = False  # (9) Horovod's optimizer already exchanged this gradient this step
-    in_synchronize: bool = False  # (9) compressed by that optimizer's own synchronize(), not a hook
 
 
 def caller_context(max_depth=6):
@@ -152,11 +147,11 @@ def caller_context(max_depth=6):
     - The reduction: ``("optimizer", self.op)``, ``(call, op)`` for the compressing call, or
       ``(None, None)``.
     - Whether the gradient was already exchanged this step (9): Horovod's optimizer's
-      ``self._synchronized``, and whether that optimizer's ``synchronize()`` compresses it.
+      ``self._synchronized``.
     Each is taken from the first frame that has it, as separate walks would.
     """
     name = process_set = reduction = None
-    exchanged = in_synchronize = False
+    exchanged = False
     frame = sys._getframe(2)
     for _ in range(max_depth):
         if frame is None or (name is not None and process_set is not None and reduction is not None):
@@ -175,8 +170,7 @@ def caller_context(max_depth=6):
                 # only a synchronize() after the step's own exchange sends it again: the flag
                 # alone outlives a step that GradScaler skipped (opt.step() not called), and the
                 # next step's backward hooks would have passed every gradient through unexchanged
-                in_synchronize = _in_synchronize(frame, owner)
-                exchanged = getattr(owner, "_synchronized", False) is True and in_synchronize
+                exchanged = getattr(owner, "_synchronized", False) is True and _in_synchronize(frame, owner)
         if name is None and call in _ALLREDUCES and isinstance(local.get("name"), str):
             name = local["name"]
         if call in _COMPRESSING_CALLS:
@@ -186,7 +180,7 @@ def caller_context(max_depth=6):
                 reduction = (call, local["op"])
         frame = frame.f_back
     return CallerContext(name, hvd.global_process_set if process_set is None else process_set,
-                         *(reduction or (None, None)), exchanged, in_synchronize)
+                         *(reduction or (None, None)), exchanged)
 
 
 def _in_synchronize(frame, owner, depth=3):

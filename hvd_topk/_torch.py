@@ -49,11 +49,16 @@ Checked against torch 2.13 (``CHECKED_VERSION``). Each private detail relied on:
    change; torch 2.13, as autograd's saved-tensor checks use it). ``hvd_topk.DistributedOptimizer``
    over ``LocalAdamW``/``DeMo`` refuses a ``step()`` whose ``p.grad`` is still the last step's
    exchanged update (no backward since), which the inner optimizer would take for a gradient;
-   the drop-in ``TopK`` passes through a ``p.grad`` its last exchange wrote, unchanged since,
-   when a ``synchronize()`` after ``step()`` sends it again (its record is taken before
-   Horovod's ``p.grad.set_(result)``, which counts as one change: ``pending=1``). If the
-   counter goes, every tensor counts as changed (no refusal, no pass-through: the behaviour
-   before the checks).
+   ``synchronize()`` in a step no hook fired in does nothing where every ``p.grad`` is still
+   what the last one wrote (with a warning). A write through ``.data`` does not bump the
+   counter: ``p.grad.data = g`` is seen by its storage (the record keeps the data pointer),
+   ``p.grad.data.copy_(g)`` is not (the warning names it). If the counter goes, every tensor
+   counts as changed (no refusal: the behaviour before the checks).
+9. ``ddp_ignored_names``: the names of the parameters ``DistributedDataParallel`` does not
+   reduce (``_set_params_and_buffers_to_ignore_for_model``, ``delay_all_reduce_named_params``),
+   read from its ``parameters_to_ignore`` set (torch 2.13). ``hvd_topk.ddp.register`` leaves
+   them out of what ``named_parameters=`` and ``optimizer=`` must cover. If the attribute goes,
+   the set is empty, and such a parameter is asked for there as any other.
 """
 
 import sys
@@ -132,11 +137,19 @@ def backward_running():
     return True if current is None else current() != -1
 
 
-def written(tensor, pending=0):
-    """A record of ``tensor`` as it is now, or after ``pending`` more in-place changes, for
-    ``still_written`` (see the module docstring, 8)."""
-    version = getattr(tensor, "_version", None)
-    return weakref.ref(tensor), None if version is None else version + pending
+def ddp_ignored_names(model):
+    """The names of ``model``'s (a ``DistributedDataParallel``) parameters it does not reduce
+    (see the module docstring, 9)."""
+    return set(getattr(model, "parameters_to_ignore", ()) or ())
+
+
+def written(tensor):
+    """A record of ``tensor`` as it is now, for ``still_written`` (see the module docstring, 8)."""
+    return weakref.ref(tensor), getattr(tensor, "_version", None), _data_ptr(tensor)
+
+
+def _data_ptr(tensor):
+    return tensor.data_ptr() if tensor.layout == torch.strided else None
 
 
 def still_written(record, tensor):
@@ -144,5 +157,6 @@ def still_written(record, tensor):
     (False for no record, None)."""
     if record is None:
         return False
-    ref, version = record
-    return ref() is tensor and version is not None and getattr(tensor, "_version", None) == version
+    ref, version, pointer = record
+    return ref() is tensor and version is not None and getattr(tensor, "_version", None) == version \
+        and _data_ptr(tensor) == pointer

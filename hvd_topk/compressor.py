@@ -40,13 +40,12 @@ import threading
 import time
 import types
 import warnings
-import weakref
 from typing import NamedTuple
 
 import torch
 
 from hvd_topk._horovod import caller_context, count_name_fallback, hvd, instance_name, set_key
-from hvd_topk._torch import compiled_autograd_active, still_written, written
+from hvd_topk._torch import compiled_autograd_active
 from hvd_topk.codec import Codec
 from hvd_topk.exchange import ActiveRanks, AllgatherPairs, DenseAllreduce
 from hvd_topk.selection import DEFAULT_METHOD, check_density, check_flag, check_method
@@ -140,13 +139,11 @@ class _NameSlots:
 class _Job:
     """One compressed tensor, from ``compress`` to ``decompress``."""
 
-    def __init__(self, message, name, slot, plan, tensor, process_set, written_key):
+    def __init__(self, message, name, slot, plan, tensor, process_set):
         self.message, self.name, self.slot, self.plan = message, name, slot, plan
         self.tensor, self.shape, self.dtype = tensor, tensor.shape, tensor.dtype
         self.process_set = process_set
         self.handle, self.dense = None, False
-        # Horovod's optimizer's p.grad: recorded as written by the result (``TopK._written``)
-        self.written_key, self.source = written_key, weakref.ref(tensor) if written_key else None
 
 
 class _Round:
@@ -217,9 +214,7 @@ def unexpected_options_error(caller, names, takes=None, known=()):
 
 
 class _Exchanged(NamedTuple):
-    """``compress``'s context for a gradient Horovod's optimizer had already exchanged: this step
-    (a second ``synchronize()``), or the last one, unchanged since (``synchronize()`` after
-    ``step()`` with no backward since)."""
+    """``compress``'s context for a gradient Horovod's optimizer had already exchanged this step."""
     tensor: torch.Tensor
 
 
@@ -300,9 +295,6 @@ class TopK(Compressor, metaclass=_FixedOptions):
         self._stats = CompressionStats()
         self._probe_checked = set()
         self._rounds = {}  # (process set id, ranks) -> _Round (and the names this instance uses there)
-        # (set key, Horovod's parameter name) -> _torch.written(p.grad) as Horovod's optimizer's
-        # synchronize() leaves it after writing this instance's result there
-        self._written = {}
         self._lock = threading.Lock()
         self._warned_bytes = False
 
@@ -343,17 +335,15 @@ class TopK(Compressor, metaclass=_FixedOptions):
                 raise ValueError(ADASUM_ERROR)
             tensor = tensor.detach()
         _check_reduction(caller.call, caller.op)
-        written_key = (set_key(caller.process_set), caller.name) if caller.call == "optimizer" and caller.name else None
-        if caller.exchanged or (caller.in_synchronize and still_written(self._written.get(written_key), tensor)):
+        if caller.exchanged:
             # Horovod's step() without skip_synchronize() after synchronize() (or a second
             # synchronize()) sends every gradient again: p.grad already holds the exchanged
-            # result (clipped, maybe, since); so does a synchronize() after step() with no
-            # backward since, where p.grad is still what the last one wrote. It passes through,
-            # and Horovod's allreduce gets a one-element placeholder; Top-K of the average would
-            # drop most of it. (float32 whatever the gradient's dtype: Horovod does not reduce
-            # bfloat16.) Horovod's p.grad.set_() of it counts as a change: recorded anew.
-            if written_key is not None:
-                self._written[written_key] = written(tensor, pending=1)
+            # result (clipped, maybe, since). It passes through, and Horovod's allreduce gets a
+            # one-element placeholder; Top-K of the average would drop most of it.
+            # (float32 whatever the gradient's dtype: Horovod does not reduce bfloat16.)
+            # A synchronize() after step(), with the flag down, is not told apart from one
+            # after gradients written by hand (through .data, unseen by a version counter):
+            # it sends p.grad through Top-K again, which changes p.grad, not the step applied.
             return torch.zeros(1, device=tensor.device), _Exchanged(tensor)
         if compiled_autograd_active():
             raise RuntimeError(COMPILED_AUTOGRAD_ERROR)
@@ -379,7 +369,7 @@ class TopK(Compressor, metaclass=_FixedOptions):
             else:
                 count_name_fallback()
                 slot, name = rnd.names.take()
-            job = _Job(message, name, slot, plan, tensor, process_set, written_key)
+            job = _Job(message, name, slot, plan, tensor, process_set)
             for stale in rnd.add(job):
                 if stale.slot is not None:
                     rnd.names.give_back(stale.slot)
@@ -454,9 +444,6 @@ class TopK(Compressor, metaclass=_FixedOptions):
             self._codec.decode(gathered, job.plan.layout, count, [out], job.plan.bounds, div=count, mul=scale)
         if job.slot is not None:
             rnd.names.give_back(job.slot)
-        source = job.source() if job.written_key is not None else None
-        if source is not None:  # (before Horovod's p.grad.set_(result): one change pending)
-            self._written[job.written_key] = written(source, pending=1)
         self._stats.add(time_exchange_s=time.perf_counter() - t0)
         return out.view(job.shape)
 

@@ -39,11 +39,12 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from hvd_topk import agreement, auto, checkpoint
 from hvd_topk import ddp_exchange as exchange
 from hvd_topk.codec import Codec
-from hvd_topk._torch import backward_running, still_written, written
+from hvd_topk._torch import backward_running, ddp_ignored_names, still_written, written
 from hvd_topk.loss_scale import ResidualScale, check_grad_scaler, is_loss_scale
 from hvd_topk.optim import momentum_in_residual, residual_decay_of
 from hvd_topk.schedule import DEFAULT_START, DensitySchedule
@@ -53,6 +54,16 @@ from hvd_topk.selection import (NAMED_PARAMETERS_ERROR, DEFAULT_METHOD, check_de
                                 native_in_use)
 
 EXCHANGES = ("auto", "allgather", "sparse_allreduce", "dense", "dense_fp16")
+
+
+def _count_optimizer_step(optimizer, args, kwargs):
+    _OPTIMIZER_STEPS[0] += 1
+
+
+# every torch optimizer's completed step() (fused ones move parameters without bumping their
+# version counters): what TopKState.state_dict() asks to tell "after step()" from "before"
+_OPTIMIZER_STEPS = [0]
+register_optimizer_step_post_hook(_count_optimizer_step)
 TRIAL_FROM_STEP = 2  # DDP rebuilds its buckets after its first step: measure from the third
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 STATE_VERSION = 1
@@ -190,6 +201,7 @@ class TopKState:
         self.model_params = set()               # ids of the parameters of the model it serves
         self.seen_whole_model = False           # a step's last bucket has been seen
         self.exchanged_at = []                  # _torch.written(p) for every parameter at the last step's last bucket
+        self.steps_at_exchange = 0              # torch optimizers' steps (_OPTIMIZER_STEPS) then
         self.steps_here = 0                     # steps this object has served (a loaded one: since the load)
         self.checked = False
         self.family = None                      # this step's exchange family (see _begin_step)
@@ -226,19 +238,21 @@ class TopKState:
 
         Call it after ``optimizer.step()`` (or before this step's ``backward()``). In between,
         this step's unsent gradient is already in the residuals, and a run resumed from the
-        checkpoint, which does this step again, counts it twice: that warns (no parameter has
-        changed since the step's last bucket). It is not refused, as the Horovod optimizer
-        refuses it, because the hook does not see ``step()``: a step a ``GradScaler`` skipped
-        changes no parameter either."""
+        checkpoint, which does this step again, counts it twice: that warns (no torch optimizer
+        has stepped, ``_OPTIMIZER_STEPS``, and no parameter has changed since the step's last
+        bucket). It is not refused, as the Horovod optimizer refuses it, because the hook does
+        not know the user's optimizer: a step a ``GradScaler`` skipped changes nothing either."""
         if self.names is None:
             raise ValueError("TopKState.state_dict() needs parameter names: build the state with "
                              "named_parameters=model.named_parameters()")
-        if self.exchanged_at and all(still_written(record, record[0]()) for record in self.exchanged_at):
-            warnings.warn("TopKState.state_dict() was called after this step's backward and before optimizer.step() "
-                          "changed any parameter: this rank's unsent gradient of the step is already in the residuals, "
-                          "so a run resumed from this checkpoint, which does the step again, counts it twice. Save "
-                          "after optimizer.step(). (If a GradScaler skipped the step, the checkpoint is fine.)",
-                          stacklevel=2)
+        if self.exchanged_at and _OPTIMIZER_STEPS[0] == self.steps_at_exchange \
+                and all(still_written(record, record[0]()) for record in self.exchanged_at):
+            warnings.warn("TopKState.state_dict() was called after this step's backward and before optimizer.step(): "
+                          "this rank's unsent gradient of the step is already in the residuals, so a run resumed from "
+                          "this checkpoint, which does the step again, counts it twice. Save after optimizer.step(). "
+                          "(No torch optimizer has stepped and no parameter has changed since the step's exchange; if "
+                          "your own update writes parameters through .data, or a GradScaler skipped the step, the "
+                          "checkpoint is fine.)", stacklevel=2)
         # (copies: a loss-scale change rescales the pending ones in place before they are placed)
         residuals = {name: t.detach().clone() for name, t in self.pending.items()}
         for layout in self.layouts.values():
@@ -614,7 +628,8 @@ def register(model, state, hook=None):
 def _check_covers(model, state):
     """``register``'s check that ``named_parameters=`` names, and ``optimizer=`` holds, every
     trainable parameter of ``model``, naming the first few it lacks."""
-    trainable = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
+    ignored = ddp_ignored_names(model)  # (DDP does not reduce them: the hook never sees them)
+    trainable = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad and n not in ignored]
     lacking = {}
     if state.names is not None:
         lacking["TopKState(named_parameters=...) does not name"] = [n for n, p in trainable if p not in state.names]
@@ -662,6 +677,7 @@ def topk_hook(state, bucket):
         state.seen_whole_model = True
         # (what state_dict() compares: a parameter changed since means the step was applied)
         state.exchanged_at = [written(p) for layout in state.layouts.values() for p in layout.params]
+        state.steps_at_exchange = _OPTIMIZER_STEPS[0]
         if state.pending:
             state._drop_pending()
         state.iteration += 1

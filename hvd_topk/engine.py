@@ -56,6 +56,12 @@ STEPPED_AGAIN = ("hvd_topk.DistributedOptimizer over {}: step() again without a 
                  "holds the update the last step applied, which would be taken for a gradient and applied "
                  "again; run zero_grad() and backward() before each step() (gradients written by hand through "
                  "p.grad.data are not seen as changed by PyTorch: write p.grad itself)")
+NOTHING_TO_EXCHANGE = (
+    "hvd_topk.DistributedOptimizer: synchronize() in a step where no gradient hook fired and every p.grad is "
+    "still what the last synchronize() wrote (the ranks' average): nothing is exchanged, as Horovod's second "
+    "average of it would change nothing (a synchronize() after step() to flush, or step() again without "
+    "backward()). If you wrote gradients by hand through p.grad.data.copy_(...), PyTorch does not count that as "
+    "a change and they were NOT exchanged: write p.grad.copy_(...) or assign p.grad instead. (Warned once.)")
 STEP_KEY = "hvd_topk_step"  # in the optimizer's first param group (see TopKEngine.step)
 TRIAL_KEY = "hvd_topk_exchange_trial"  # there too: exchange="auto"'s progress (TopKEngine._follow_root)
 COMPILED_AUTOGRAD_ERROR = (
@@ -191,6 +197,7 @@ class TopKEngine:
         self.sparse = SparseGradients(names, options.sparse_as_dense)
         self.transform = None      # the inner optimizer's transform_local_gradient(p, grad, ranks), if any
         self.results = {}          # id(p) -> _torch.written(p.grad) at the last synchronize
+        self.warned_nothing_to_exchange = False
         self.inner_name = inner  # the inner optimizer's class name, for messages
         self.on_exchanged = None   # and its exchanged(), told when p.grad holds the step's result
         self.sketcher = None       # and the optimizer itself if it sketches gradients (sketch_rows)
@@ -486,6 +493,9 @@ class TopKEngine:
                 # second allreduce of it changes nothing (a stray call after step(), or step()
                 # again without backward, which then applies it again, as Horovod's does); an
                 # exchange would fold it into the residuals as a new gradient
+                if not self.warned_nothing_to_exchange:
+                    self.warned_nothing_to_exchange = True
+                    warnings.warn(NOTHING_TO_EXCHANGE, stacklevel=3)
                 self.synchronized = True
                 return
             self._begin_step()

@@ -783,6 +783,13 @@ def check_save_between_backward_and_step_warns():
     assert saved_warnings(), "between backward() and step(): no warning"
     opt.step()
     assert not saved_warnings(), "after that step()"
+    # a fused AdamW moves the parameters without bumping their version counters: its step counts
+    fused = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    x, y = batch(3, dist.get_rank())
+    fused.zero_grad(set_to_none=True)
+    F.cross_entropy(ddp(x), y).backward()
+    fused.step()
+    assert not saved_warnings(), "after a fused AdamW's step()"
 
 
 def check_resume_fewer_sparse():
@@ -1070,6 +1077,12 @@ def check_bad_input():
                                   r"parameters \(fc1\.weight, fc1\.bias\)", what="register: an optimizer without fc1"):
         hvd_topk.ddp.register(DDP(model), P(min_numel=MIN_NUMEL, optimizer=hvd_topk.LocalAdamW(
             [p for n, p in model.named_parameters() if not n.startswith("fc1.")])))
+    # parameters DDP does not reduce (told to ignore them) need neither a name nor a place in optimizer=
+    model = Net().to(DEVICE)
+    DDP._set_params_and_buffers_to_ignore_for_model(model, ["head2.weight", "head2.bias"])
+    hvd_topk.ddp.register(DDP(model), P(min_numel=MIN_NUMEL, named_parameters=[
+        (n, p) for n, p in model.named_parameters() if not n.startswith("head2.")], optimizer=hvd_topk.LocalAdamW(
+        [p for n, p in model.named_parameters() if not n.startswith("head2.")])))
     # named_parameters= of another model, or of part of this one: refused at the first bucket, where
     # training ran and state_dict() failed later with a bare KeyError
     for label, named in (("another model's", lambda m: Net().named_parameters()),

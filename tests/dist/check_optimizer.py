@@ -18,7 +18,7 @@ import hvd_topk
 from hvd_topk import native
 from harness import DEVICE, assert_same_on_all_ranks, gather, raises, raw_then_synchronize, run, step_and_check_same
 from nets import Net
-from reference import ErrorFeedbackReference, dgc_density, k_of, part_pieces
+from reference import ErrorFeedbackReference, dgc_density, k_of, part_pieces, sparse_allreduce
 
 
 def batch(step, rank, n=24, part=None):
@@ -716,6 +716,41 @@ def check_synchronize_after_step_changes_nothing():
                                    err_msg=f"{n}: step() again without backward")
         assert_same_on_all_ranks(p.detach().cpu().numpy(), f"{n} after step() again")
     assert opt.compression_stats()["step"] == 1, opt.compression_stats()["step"]
+
+
+def check_gradients_written_through_data_after_a_step():
+    """After a step, gradients written by hand, no hook firing: assigned (``p.grad = g``) or put
+    in through ``p.grad.data = g`` (a new storage, no version bump), they are exchanged, the
+    numpy reference of what the ranks wrote (the stray-call rule took ``.data = g`` for the last
+    result unchanged, and the ranks drifted apart); ``p.grad.data.copy_(g)`` cannot be told from
+    no change (PyTorch counts no change), and the no-exchange warns, naming it."""
+    for how in ("assigned", "data assigned"):
+        # (without error feedback the reference is the plain Top-K average of what was written)
+        model, opt = build(min_numel=1, momentum=0.0, dense_fallback=False, error_feedback=False)
+        x, y = batch(0, hvd.rank())
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        gen = torch.Generator().manual_seed(21 + hvd.rank())
+        for p in model.parameters():
+            g = torch.randn(p.shape, generator=gen).to(DEVICE)
+            if how == "assigned":
+                p.grad = g
+            else:
+                p.grad.data = g
+        by_hand = {n: p.grad.cpu().numpy().copy() for n, p in model.named_parameters()}
+        opt.synchronize()
+        for n, p in model.named_parameters():
+            np.testing.assert_allclose(p.grad.cpu().numpy(), sparse_allreduce(gather(by_hand[n]), 0.05),
+                                       rtol=1e-5, atol=1e-6, err_msg=f"{how}: {n}")
+        step_and_check_same(opt, model, how)
+    for p in model.parameters():
+        p.grad.data.copy_(torch.randn(p.shape, generator=gen).to(DEVICE))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.synchronize()
+    assert any("p.grad.data.copy_" in str(w.message) and "NOT exchanged" in str(w.message) for w in caught), \
+        [str(w.message) for w in caught]
 
 
 def check_skip_synchronize_without_synchronize_refused():
@@ -1558,6 +1593,8 @@ CHECKS = [
     ("a second synchronize() before step() changes nothing", check_second_synchronize_changes_nothing),
     ("synchronize() after step(), no backward since, changes nothing", check_synchronize_after_step_changes_nothing),
     ("step() inside skip_synchronize() before synchronize(): refused", check_skip_synchronize_without_synchronize_refused),
+    ("gradients written by hand after a step: assigned or through .data, exchanged; .data.copy_ warned",
+     check_gradients_written_through_data_after_a_step),
     ("step(closure): evaluated once, before the exchange", check_step_closure),
     ("a parameter with no elements, min_numel=0", check_empty_parameter),
     ("plain Adam/AdamW warns, naming the recipe", check_plain_adam_warns),
