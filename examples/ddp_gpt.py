@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from cli import (HelpFormatter, bytes_report, check_interval,  # shared by the examples: --help shows the defaults
                  refuse_topk_flags_with_dense_exchange)
 import hvd_topk.ddp
+from hvd_topk.selection import DENSE_EXCHANGES
 from gpt_model import (GPT, add_training_arguments, add_variance_arguments, batches, check_topk_arguments,
                        check_training_arguments, dense_start_note, evaluate, load_corpus, lr_at, split)
 from hvd_topk.optim import LocalAdamW
@@ -122,11 +123,12 @@ def make_inner(args, model):
 def make_hook(args, ddp, inner, named_parameters):
     """(state, hook, bytes sent per step or None when the state counts them)."""
     if args.hook == "topk":
+        # (the density warm-up only where buckets go sparse, its start density only with a
+        # warm-up: elsewhere the library warns that they do nothing)
+        schedule = {} if args.exchange in DENSE_EXCHANGES else {
+            "warmup_steps": args.warmup_steps, **({"warmup_density": args.warmup_density} if args.warmup_steps else {})}
         state = hvd_topk.ddp.TopKState(density=args.density, optimizer=inner if args.adam == "local" else None,
-                                       warmup_steps=args.warmup_steps,
-                                       # (no warm-up, no start density: the library would warn it does nothing)
-                                       **({"warmup_density": args.warmup_density} if args.warmup_steps else {}),
-                                       exchange=args.exchange, fp16_values=args.fp16_values,
+                                       **schedule, exchange=args.exchange, fp16_values=args.fp16_values,
                                        compact=args.compact,
                                        named_parameters=named_parameters)
         hvd_topk.ddp.register(ddp, state)

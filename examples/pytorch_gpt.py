@@ -45,6 +45,7 @@ import horovod.torch as hvd
 from cli import (HelpFormatter, bytes_report, check_interval, output_path,  # shared by the examples: --help shows the defaults
                  refuse_topk_flags_with_dense_exchange)
 import hvd_topk
+from hvd_topk.selection import DENSE_EXCHANGES
 # the model, data and their options, shared with ddp_gpt.py
 from gpt_model import (GPT, add_training_arguments, add_variance_arguments, batches, check_topk_arguments,
                        check_training_arguments, dense_start_note, evaluate, load_corpus, lr_at, split)
@@ -350,10 +351,12 @@ def make_optimizer(args, model, scaler):
                                   residual_decay=args.residual_decay)
         return opt, topk
     if args.optimizer == "topk-ef":
+        # (a pinned dense exchange reads no density warm-up: the library would warn it does nothing)
+        schedule = {} if args.exchange in DENSE_EXCHANGES else {"warmup_steps": args.warmup_steps,
+                                                                "warmup_density": args.warmup_density}
         opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=topk,
                                             error_feedback=not args.no_error_feedback,
-                                            selection_scope=args.selection_scope, exchange=args.exchange,
-                                            warmup_steps=args.warmup_steps, warmup_density=args.warmup_density,
+                                            selection_scope=args.selection_scope, exchange=args.exchange, **schedule,
                                             min_numel=args.min_numel, grad_scaler=scaler,
                                             residual_decay=args.residual_decay,
                                             momentum_correction=momentum_correction)
