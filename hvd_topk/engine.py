@@ -493,7 +493,8 @@ class TopKEngine:
                 # second allreduce of it changes nothing (a stray call after step(), or step()
                 # again without backward, which then applies it again, as Horovod's does); an
                 # exchange would fold it into the residuals as a new gradient
-                if not self.warned_nothing_to_exchange:
+                if not (self.warned_nothing_to_exchange or self.synchronized_for_scaler):
+                    # (not step()'s own call after GradScaler's exchange: that one is expected)
                     self.warned_nothing_to_exchange = True
                     warnings.warn(NOTHING_TO_EXCHANGE, stacklevel=3)
                 self.synchronized = True

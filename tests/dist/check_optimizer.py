@@ -84,7 +84,10 @@ def want_sparse(ref, big, grads, density, step, buckets=ONE_BUCKET, exchange="al
 
 def check_contract(label, steps=4, density=0.05, momentum_correction=0.0, error_feedback=True,
                    warmup_steps=0, op=hvd.Average, drop_head2_on_rank=None, buckets=ONE_BUCKET,
-                   **options):
+                   ties=(), **options):
+    """The contract against ErrorFeedbackReference, step by step. ``ties``: tensors whose
+    selected positions are the implementation's choice among equal magnitudes (their result
+    and residuals are not compared, only the ranks' parameters)."""
     rank, size = hvd.rank(), hvd.size()
     sparse_allreduce = options.get("exchange") == "sparse_allreduce"
     model, opt = build(density=density, momentum=0.0 if momentum_correction else 0.9, op=op,
@@ -127,6 +130,8 @@ def check_contract(label, steps=4, density=0.05, momentum_correction=0.0, error_
         shared = want_sparse(ref, big, grads, d, step, buckets, options.get("exchange", "allgather"),
                              "bucket" if bucket_scope else "tensor", op == hvd.Average, sent)
         for name, p in model.named_parameters():
+            if name in ties:
+                continue
             # (the small tensors: their average, or with momentum correction the average of u)
             want = shared[name] if name in big else ref.dense(name, grads[name], op == hvd.Average)
             # the sparse allreduce of 16-bit values sums them in float16 (Horovod's allreduce, one
@@ -139,7 +144,7 @@ def check_contract(label, steps=4, density=0.05, momentum_correction=0.0, error_
         step_and_check_same(opt, model, f"{label}: step {step}")
     residuals = opt.state_dict()["hvd_topk"]["residuals"]
     for name, r in residuals.items():
-        if error_feedback:
+        if error_feedback and name not in ties:
             np.testing.assert_allclose(r.cpu().numpy().reshape(-1), ref.residual[rank][name].reshape(-1),
                                        rtol=1e-6, atol=1e-7, err_msg=f"{label}: residual {name}")
     stats = opt.compression_stats()
@@ -1550,8 +1555,11 @@ CHECKS = [
     # the ranks launch their buckets in different orders (head2's at the end of backward on rank
     # 0, in synchronize() on rank 1): no rank may wait inside backward for another's collective
     # (from ece24be to the next commit each did, on a collective the other had not started)
+    # (head2.weight: rank 1's accumulator there is all zeros, so the positions it chooses in its
+    # part are ties, which the kernel and numpy break one way and torch.topk, HVD_TOPK_NATIVE=0,
+    # another; the ranks' parameters are still compared)
     contract("no gradient on rank 1, sparse allreduce, a bucket per tensor", drop_head2_on_rank=1,
-             exchange="sparse_allreduce", fusion_bytes=4096, buckets=BUCKET_PER_TENSOR),
+             exchange="sparse_allreduce", fusion_bytes=4096, buckets=BUCKET_PER_TENSOR, ties=("head2.weight",)),
     contract("fp32 dense fallback off", dense_fallback=False, density=0.6),
     contract("bucket scope", selection_scope="bucket"),
     contract("bucket scope, momentum correction", selection_scope="bucket", momentum_correction=0.9),
