@@ -54,19 +54,20 @@ from hvd_topk.selection import (NAMED_PARAMETERS_ERROR, DEFAULT_METHOD, check_de
                                 native_in_use)
 
 EXCHANGES = ("auto", "allgather", "sparse_allreduce", "dense", "dense_fp16")
+TRIAL_FROM_STEP = 2  # DDP rebuilds its buckets after its first step: measure from the third
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+STATE_VERSION = 1
+
+# every torch optimizer's completed step() (fused ones move parameters without bumping their
+# version counters): what TopKState.state_dict() asks to tell "after step()" from "before"
+_OPTIMIZER_STEPS = [0]
 
 
 def _count_optimizer_step(optimizer, args, kwargs):
     _OPTIMIZER_STEPS[0] += 1
 
 
-# every torch optimizer's completed step() (fused ones move parameters without bumping their
-# version counters): what TopKState.state_dict() asks to tell "after step()" from "before"
-_OPTIMIZER_STEPS = [0]
 register_optimizer_step_post_hook(_count_optimizer_step)
-TRIAL_FROM_STEP = 2  # DDP rebuilds its buckets after its first step: measure from the third
-DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-STATE_VERSION = 1
 
 
 class TopKState:
