@@ -48,7 +48,7 @@ from hvd_topk._horovod import caller_context, count_name_fallback, hvd, instance
 from hvd_topk._torch import compiled_autograd_active
 from hvd_topk.codec import Codec
 from hvd_topk.exchange import ActiveRanks, AllgatherPairs, DenseAllreduce
-from hvd_topk.selection import DEFAULT_METHOD, check_density, check_flag, check_method
+from hvd_topk.selection import DEFAULT_METHOD, check_target_density, check_flag, check_method
 from hvd_topk.stats import DENSE_FP32_BYTES, CompressionStats
 from hvd_topk.wire import index_dtype_for
 
@@ -287,7 +287,7 @@ class TopK(Compressor, metaclass=_FixedOptions):
     DEFAULT_DENSITY = 0.01
 
     def __init__(self, density=DEFAULT_DENSITY, method=DEFAULT_METHOD, fp16_values=False, compact=False):
-        object.__setattr__(self, "_options", {"density": check_density(density), "method": check_method(method),
+        object.__setattr__(self, "_options", {"density": check_target_density(density), "method": check_method(method),
                                               "fp16_values": check_flag(fp16_values, "fp16_values"),
                                               "compact": check_flag(compact, "compact")})
         self._codec = Codec(self.method, self.fp16_values, self.compact)

@@ -49,7 +49,7 @@ from hvd_topk.loss_scale import ResidualScale, check_grad_scaler, is_loss_scale
 from hvd_topk.optim import momentum_in_residual, residual_decay_of
 from hvd_topk.schedule import DEFAULT_START, DensitySchedule
 from hvd_topk.stats import DENSE_FP32_BYTES
-from hvd_topk.selection import (NAMED_PARAMETERS_ERROR, DEFAULT_METHOD, check_density, check_flag, check_integer, check_number,
+from hvd_topk.selection import (NAMED_PARAMETERS_ERROR, DEFAULT_METHOD, check_target_density, check_flag, check_integer, check_number,
                                 check_residual_decay, warn_ignored, warn_momentum_sent_whole, NATIVE_IN_USE,
                                 native_in_use)
 
@@ -150,7 +150,7 @@ class TopKState:
                  compact=False, min_numel=1024, residual_decay=1.0, method=DEFAULT_METHOD, named_parameters=None,
                  grad_scaler=None):
         # tune
-        self.density = check_density(density)
+        self.density = check_target_density(density)
         self.error_feedback = check_flag(error_feedback, "error_feedback")
         self.schedule = DensitySchedule(self.density, warmup_steps, warmup_density)
         if optimizer is not None and not callable(getattr(optimizer, "transform_local_gradient", None)):

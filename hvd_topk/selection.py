@@ -62,6 +62,17 @@ def check_density(density, name="density"):
     return value
 
 
+def check_target_density(density):
+    """``check_density`` for the density a user asks Top-K for, warning where an integer 1
+    (``TopK(1)``) most likely meant 1%: it keeps every entry, and the pairs then cost about
+    twice the dense exchange's bytes."""
+    value = check_density(density)
+    if value == 1.0 and isinstance(density, numbers.Integral):
+        warnings.warn("hvd_topk: density=1 keeps every entry, so nothing is compressed; 1% is "
+                      "density=0.01 (pass 1.0 to mean every entry and silence this)", stacklevel=3)
+    return value
+
+
 def check_integer(value, name, low):
     """``value`` as an int if it is an integer (not a bool) >= ``low``: TypeError or ValueError
     naming ``name``."""

@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -434,6 +435,22 @@ def test_density_given_as_a_percentage_says_what_a_fraction_is():
 def test_density_accepts_numpy_and_int_numbers():
     assert selection.check_density(np.float32(0.25)) == 0.25
     assert selection.check_density(1) == 1.0
+
+
+def test_an_integer_density_of_1_warns_at_the_users_line():
+    """TopK(1) / TopKState(density=1) keep every entry: most likely 1% was meant, so it warns,
+    pointing at the caller's line; 1.0, the explicit "every entry", does not."""
+    import hvd_topk
+    from hvd_topk.ddp import TopKState
+    for make in (lambda d: hvd_topk.TopK(d), lambda d: TopKState(density=d)):
+        with pytest.warns(UserWarning, match=re.escape("density=1 keeps every entry, so nothing is compressed; "
+                                                       "1% is density=0.01")) as caught:
+            make(1)
+        assert [Path(w.filename).name for w in caught] == [Path(__file__).name]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            make(1.0)
+            make(0.01)
 
 
 def test_bad_method_is_value_error():
