@@ -138,6 +138,11 @@ def resolve(setting, process_set, elastic):
     if setting is True:
         if why:
             raise ValueError(f"hierarchical=True: {why}")
+        if topo.cross_size == 1 and topo.local_size > 1:
+            warnings.warn("hvd_topk: hierarchical=True on a single host: each step's dense reduce-scatter among "
+                          "its ranks sends more than the flat sparse exchange would (it is built for several "
+                          "hosts, where only the links between them carry pairs); the default 'auto' leaves "
+                          "it off here.")
         return topo
     if why is None and topo.local_size > 1 and topo.cross_size > 1:
         return topo

@@ -420,8 +420,28 @@ def check_topology():
     assert len({c for c, _ in places()}) == hosts
 
 
+def check_single_host_warns():
+    """hierarchical=True on one host of several ranks says, once, that it sends more than the
+    flat exchange there (no warning before 2026-12-06); across hosts it says nothing. Which
+    case this job is comes from the launched shape (``places()``), not from the code checked."""
+    model = Net()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      named_parameters=model.named_parameters(),
+                                      compression=hvd_topk.TopK(density=DENSITY), exchange="allgather",
+                                      hierarchical=True)
+    said = [str(w.message) for w in caught if "single host" in str(w.message)]
+    hosts = len({c for c, _ in places()})
+    if hosts == 1 and hvd.size() > 1:
+        assert len(said) == 1 and "hierarchical=True on a single host" in said[0], said
+    else:
+        assert not said, said
+
+
 CHECKS = [
     ("topology as launched", check_topology),
+    ("hierarchical=True on a single host warns", check_single_host_warns),
     ("allgather across hosts", lambda: check_contract("allgather")),
     ("sparse allreduce across hosts", lambda: check_contract("sparse_allreduce")),
     ("allgather across hosts, bucket scope", lambda: check_contract("allgather", scope="bucket")),
