@@ -124,6 +124,27 @@ def test_bad_options_refused(kwargs, error, match):
         assert opt.param_groups[0]["lr"] == opt.defaults["lr"]  # nothing loaded
 
 
+@pytest.mark.parametrize("make", [FrozenVarianceAdamW, LocalAdamW])
+def test_numpy_betas_taken_as_numbers(make):
+    """betas of numpy floats (read from a config through numpy) are numbers, as lr's are: they
+    step as the same Python floats do (refused as "not a pair of numbers" before 2026-12-06);
+    a string among them is still refused."""
+    def run(betas):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(50))
+        opt = make([p], lr=1e-2, betas=betas)
+        for step in range(3):
+            p.grad = torch.randn(50, generator=torch.Generator().manual_seed(step))
+            if make is LocalAdamW:
+                opt.transform_local_gradient(p, p.grad)  # what the engine does in backward()
+            opt.step()
+        return p.detach().clone()
+    np.testing.assert_allclose(run((np.float32(0.5), np.float64(0.95))).numpy(), run((0.5, 0.95)).numpy(),
+                               rtol=1e-5, atol=1e-7)
+    with pytest.raises(TypeError, match="a pair of numbers"):
+        make([torch.nn.Parameter(torch.zeros(2))], betas=(0.5, "0.95"))
+
+
 
 def test_another_optimizers_checkpoint_takes_the_missing_options():
     """A checkpoint of torch.optim.AdamW (a dense run moving on) loads into each hvd_topk
