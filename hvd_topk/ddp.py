@@ -650,21 +650,26 @@ def topk_hook(state, bucket):
 
     Returns a future of the bucket's averaged result, which DDP writes into ``p.grad``."""
     _check_state(state)  # (DDP takes any object as the hook's state)
+    # torch's Join: a rank whose inputs ran out has its DDP run the hook on zero buckets, outside
+    # any backward, to match the others' collectives; it contributes zeros (and its residual)
+    joined = not backward_running()
     if not state.checked:
         state._first_hook(bucket)
     elif bucket.index() == 0:
         state._check_group_unchanged()
     if bucket.index() == 0:  # before this step folds anything: residuals into its loss scale
         state.residual_scale.follow([state])
-        # (not under torch's Join, whose joined rank runs the hook on zero buckets outside backward)
-        if state.optimizer is not None and getattr(state.optimizer, "_transformed", None) and backward_running():
+        if state.optimizer is not None and getattr(state.optimizer, "_transformed", None) and not joined:
             state._not_stepped()
     buffer = bucket.buffer()
     world = state.world_size
     params = bucket.parameters()
     idle = exchange.unused_here(params)  # this rank's backward left them out (find_unused_parameters)
     layout = state._layout(bucket)
-    if state.optimizer is not None:
+    if state.optimizer is not None and not joined:
+        # (a joined rank's optimizer is left alone, as torch's AdamW under plain DDP: its
+        # transform of a zero gradient advanced LocalAdamW's moments, and with beta1 > 0 sent
+        # updates made of no data, until 2026-12-06)
         # one check of the bucket instead of one per tensor (on a GPU, one wait instead of many)
         checked = {"finite": True if bool(torch.isfinite(buffer).all()) else None} if state._pass_finite else {}
         for i, (p, g) in enumerate(zip(params, layout.param_views(buffer))):

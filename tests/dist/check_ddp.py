@@ -889,6 +889,51 @@ def check_join_local_adamw_no_false_warning():
     assert not said, said
 
 
+def check_join_local_adamw_leaves_the_joined_optimizer_alone(steps_of=lambda r: 2 + 2 * r):
+    """Join with ``optimizer=LocalAdamW`` at beta1 0.9 (so that a zero gradient's update is not
+    zero), rank r running 2 + 2r steps. A joined rank contributes zeros and its optimizer is left
+    alone, as torch's AdamW under plain DDP: its moments and step count stay as its last step
+    left them (found by a review, 2026-12-06: its hook ran LocalAdamW on the zero buckets,
+    advancing them, and sent updates made of no data). The truth for the last rank: every rank's
+    LocalAdamW simulated here on a model without DDP, at density 1 (the exchange then only
+    averages): each step the sum of the active ranks' updates over the group's size."""
+    from torch.distributed.algorithms.join import Join
+    rank, size = dist.get_rank(), dist.get_world_size()
+    options = dict(lr=0.01, betas=(0.9, 0.95))
+    torch.manual_seed(0)
+    model = Net().to(DEVICE)
+    copies = [copy.deepcopy(model) for _ in range(size)]  # the reference: one model per rank
+    ddp = DDP(model)
+    inner = hvd_topk.LocalAdamW(model.parameters(), **options)
+    hvd_topk.ddp.register(ddp, hvd_topk.ddp.TopKState(density=1.0, optimizer=inner, min_numel=MIN_NUMEL,
+                                                      exchange="allgather"))
+    with Join([ddp]):
+        train(ddp, inner, steps_of(rank))
+        left = copy.deepcopy(inner.state_dict()["state"])  # as its last step left it
+    for index, state in inner.state_dict()["state"].items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(left[index][key])), (
+                f"rank {rank}: LocalAdamW's {key} of parameter {index} changed after this rank joined")
+    refs = [hvd_topk.LocalAdamW(c.parameters(), **options) for c in copies]
+    for step in range(steps_of(size - 1)):
+        active = [r for r in range(size) if step < steps_of(r)]
+        updates = []
+        for r in active:
+            x, y = batch(step, r)
+            grads = torch.autograd.grad(F.cross_entropy(copies[r](x), y), list(copies[r].parameters()))
+            for p, g in zip(copies[r].parameters(), grads):
+                refs[r].transform_local_gradient(p, g, size)
+            updates.append(grads)
+        for r in active:
+            for i, p in enumerate(copies[r].parameters()):
+                p.grad = sum(u[i] for u in updates) / size
+            refs[r].step()
+    if rank == size - 1:
+        for (name, p), q in zip(model.named_parameters(), copies[rank].parameters()):
+            np.testing.assert_allclose(host(p), host(q), rtol=1e-5, atol=1e-7,
+                                       err_msg=f"{name}: the last rank after Join, against its reference")
+
+
 def check_join():
     """Uneven inputs under DDP's ``Join``: rank r runs 3 + r steps; a joined rank's DDP runs the
     hook on zero buckets (its residual still sends). The truth: the same job with even inputs,
@@ -1261,6 +1306,7 @@ CHECKS = [
     ("non-finite gradient, LocalAdamW's moments stay finite", check_nonfinite_local_adamw),
     ("Join: uneven inputs", check_join),
     ("Join with LocalAdamW: no false warning of a not-stepped optimizer", check_join_local_adamw_no_false_warning),
+    ("Join with LocalAdamW: the joined rank's optimizer left alone", check_join_local_adamw_leaves_the_joined_optimizer_alone),
     ("bad input", check_bad_input),
     ("a rank alone in its group (world size 1)", check_alone),
 ]
