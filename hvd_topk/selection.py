@@ -133,7 +133,7 @@ def check_method(method):
 
 # both transports' named_parameters= (DistributedOptimizer, LocalSteps, TopKState)
 NAMED_PARAMETERS_ERROR = ("named_parameters must be model.named_parameters(): (name, parameter) pairs "
-                          "(model.parameters() has no names)")
+                          "(model.parameters() has no names; of a dict of them, pass its .items())")
 
 
 def check_flag(value, name):

@@ -983,6 +983,9 @@ def check_bad_input():
                                  ({"named_parameters": Net().parameters()}, TypeError,
                                   "named_parameters must be model.named_parameters"),
                                  ({"named_parameters": 5}, TypeError, "named_parameters must be model.named_parameters"),
+                                 # a dict iterates over its names: the message says what to pass
+                                 ({"named_parameters": dict(Net().named_parameters())}, TypeError,
+                                  r"of a dict of them, pass its \.items\(\)"),
                                  # each submodule's own named_parameters(): 'weight' and 'bias' twice
                                  # (their residuals overwrote each other in checkpoints, in silence)
                                  ({"named_parameters": [*Net().fc1.named_parameters(), *Net().fc2.named_parameters()]},
