@@ -346,7 +346,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # Horovod steps on, each rank with its own gradient, and its next zero_grad() fails
             # naming neither; here that gradient is in the residual as well, to be sent later
             raise RuntimeError("optimizer.step() inside optimizer.skip_synchronize() while this step's gradients are "
-                               "still being exchanged: p.grad holds this rank's own gradient, so the ranks would "
+                               "still being exchanged (a backward() after synchronize() starts a new exchange): "
+                               "p.grad holds this rank's own gradient, so the ranks would "
                                "apply different updates. Call optimizer.synchronize() first (then clip, then "
                                "step() inside skip_synchronize()), or step() alone")
         if engine.should_synchronize:

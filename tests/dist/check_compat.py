@@ -593,6 +593,33 @@ def check_horovod_bf16_channels_last():
                                            err_msg=f"drop-in TopK {label} {name}")
 
 
+def check_broadcast_before_converting():
+    """compatibility.md's way round Horovod's broadcasts, which refuse bf16 and channels_last
+    tensors (their raw errors: ``check_horovod_bf16_channels_last``; a refused broadcast leaves
+    its other tensors' broadcasts in flight): ``broadcast_parameters`` of the float32 model, then
+    convert. Each rank starts from its own random weights; after the broadcast and three steps
+    of the optimizer over the allgather every rank holds the same bits. channels_last keeps
+    ``broadcast_optimizer_state``; for bf16 Horovod refuses it (not called here: a refused
+    broadcast leaves the others it started in flight under the same names)."""
+    for label in ("bf16", "channels_last"):
+        torch.manual_seed(hvd.rank())  # different weights on every rank until the broadcast
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(288, 4))
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        model = model.bfloat16() if label == "bf16" else model.to(memory_format=torch.channels_last)
+        opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                            named_parameters=model.named_parameters(),
+                                            compression=hvd_topk.TopK(density=0.1), exchange="allgather")
+        if label == "channels_last":
+            hvd.broadcast_optimizer_state(opt, root_rank=0)
+        for step in range(3):
+            opt.zero_grad(set_to_none=True)
+            x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(100 * hvd.rank() + step))
+            model(x.to(next(model.parameters()).dtype)).float().square().mean().backward()
+            opt.step()
+        assert_same_on_all_ranks(torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]).numpy(),
+                                 f"{label}: parameters after broadcasting before converting")
+
+
 # ---- item 9: compiled autograd ------------------------------------------------------------------
 def check_compiled_model_trains_as_eager():
     """``torch.compile(model)`` with compiled autograd off (the compat table's advice): AOTAutograd's
@@ -862,6 +889,7 @@ CHECKS = [
     ("channels_last", check_channels_last),
     ("channels_last, sparse allreduce", lambda: check_channels_last("sparse_allreduce")),
     ("horovod: bf16 and channels_last", check_horovod_bf16_channels_last),
+    ("broadcast before converting to bf16 or channels_last", check_broadcast_before_converting),
     ("compiled autograd refused", check_compiled_autograd_refused),
     ("drop-in: compiled autograd refused", check_drop_in_compiled_autograd_refused),
     ("gradients readable before synchronize", check_grads_readable_before_synchronize),
