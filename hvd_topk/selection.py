@@ -64,8 +64,8 @@ def check_density(density, name="density"):
 
 def check_target_density(density):
     """``check_density`` for the density a user asks Top-K for, warning where an integer 1
-    (``TopK(1)``) most likely meant 1%: it keeps every entry, and the pairs then cost about
-    twice the dense exchange's bytes."""
+    (``TopK(1)``) most likely meant 1%: it keeps every entry, so nothing is saved (where pairs
+    are sent, each costs an index as well as its value)."""
     value = check_density(density)
     if value == 1.0 and isinstance(density, numbers.Integral):
         warnings.warn("hvd_topk: density=1 keeps every entry, so nothing is compressed; 1% is "
