@@ -9,9 +9,9 @@ steps that change it. A checkpoint says which scale its residuals are in, so a r
 another set-up (a scaler, or none) converts them (``adopt``).
 """
 
-import numbers
-
 import torch
+
+from hvd_topk.selection import is_number
 
 
 def check_grad_scaler(grad_scaler, optimizer=None):
@@ -32,8 +32,7 @@ def check_grad_scaler(grad_scaler, optimizer=None):
 
 def is_loss_scale(value):
     """A checkpoint's ``residual_scale``: None (true units) or a finite number > 0."""
-    return value is None or (not isinstance(value, bool) and isinstance(value, numbers.Real)
-                             and 0 < value < float("inf"))
+    return value is None or (is_number(value) and 0 < value < float("inf"))
 
 
 class ResidualScale:

@@ -36,7 +36,6 @@ would count it and apply the weight decay), so its bias correction runs one step
 """
 
 import math
-import numbers
 import os
 import sys
 import warnings
@@ -44,7 +43,7 @@ import warnings
 import torch
 
 from hvd_topk import variance_sketch
-from hvd_topk.selection import check_flag, check_integer, check_number
+from hvd_topk.selection import check_flag, check_integer, check_number, is_number
 
 
 class _CheckedGroups(torch.optim.Optimizer):
@@ -820,7 +819,7 @@ def _check_adam_options(options):
     lr, betas, eps, weight_decay = (options[k] for k in ("lr", "betas", "eps", "weight_decay"))
     _check_nonnegative(lr=lr, eps=eps, weight_decay=weight_decay)
     if not isinstance(betas, (tuple, list)) or len(betas) != 2 or \
-            not all(isinstance(b, numbers.Real) and not isinstance(b, bool) for b in betas):
+            not all(is_number(b) for b in betas):
         raise TypeError(f"betas must be a pair of numbers (beta1, beta2), got {betas!r}")
     if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
         raise ValueError(f"betas must be in [0, 1), got {betas}")

@@ -42,13 +42,16 @@ def k_for(numel, density):
     return min(numel, max(1, int(round(density * numel))))
 
 
-def check_number(value, name):
-    """``value`` as a float, or TypeError naming ``name`` when it is not a real number.
+def is_number(value):
+    """Whether ``value`` is a real number (numpy's included), not a bool: Python counts
+    ``True``/``False`` as integers, and ``density=True`` would silently mean 1.0."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Real)
 
-    ``True``/``False`` are refused although Python counts them as integers (``density=True``
-    would silently mean 1.0), and so are strings (``"0.01"`` is a typo for a number here).
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+
+def check_number(value, name):
+    """``value`` as a float, or TypeError naming ``name`` when it is not a real number
+    (``is_number``: strings too, ``"0.01"`` being a typo for a number here)."""
+    if not is_number(value):
         raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
     return float(value)
 
