@@ -403,8 +403,9 @@ class Codec:
         ``TopK(fp16_values=True)`` into fp32 tensors, each widened exactly as it is added): one
         sequential write over the destinations, chunk by chunk (each rank's ascending pairs
         added into a zeroed chunk in L1, each value scaled as it is added), no separate zeroing
-        pass. Torch ops: zero, ``index_add_`` rank after rank, then each touched sum scaled
-        once (``scatter_add_ranks`` says why)."""
+        pass. Torch ops: zero, ``index_add_`` rank after rank (into float32 for 16-bit tensors,
+        rounded once at the end), then each touched sum scaled once (``scatter_add_ranks`` says
+        why)."""
         values, indices = layout.unpack(gathered, world)
         kernel = _SCATTER.get((values.dtype, dests[0].dtype))
         if (kernel is not None and not torch.is_tensor(mul) and _rows_alike(values, indices)
@@ -418,12 +419,16 @@ class Codec:
                 raise RuntimeError(f"{outside} received pairs point outside the buffer or out of order: "
                                    f"{RANKS_DISAGREE}.{STEPS_DISAGREE}")
             return
-        if len(dests) == 1:
+        # 16-bit tensors take several ranks' values summed in float32 and rounded once, as the
+        # sparse allreduce and the dense exchange do: added into bf16 one rank at a time,
+        # 1 + 2**-8 - 1 over three ranks rounds to 0 where the average is 2**-8 / 3
+        total = residual_dtype(dests[0].dtype) if values.shape[0] > 1 else dests[0].dtype
+        if len(dests) == 1 and total == dests[0].dtype:
             flat = dests[0].zero_()
         else:
-            flat = torch.zeros(int(bounds[-1]), dtype=dests[0].dtype, device=dests[0].device)
+            flat = torch.zeros(int(bounds[-1]), dtype=total, device=dests[0].device)
         scatter_add_ranks(flat, values, indices, div=div, mul=mul)
-        if len(dests) > 1:
+        if flat is not dests[0]:
             edges = bounds.tolist()
             for d, b, e in zip(dests, edges, edges[1:]):
                 d.copy_(flat[b:e])

@@ -14,7 +14,7 @@ import horovod.torch as hvd
 import hvd_topk
 from harness import (DEVICE, assert_same_on_all_ranks, check_unnamed_allreduce_between_backward_and_step, gather,
                      raises, run, step_and_check_same)
-from reference import k_of, sparse_allreduce
+from reference import bfloat16_mean_rounded_once, k_of, nearly_cancelling, sparse_allreduce
 
 
 def check_allreduce():
@@ -54,6 +54,13 @@ def check_allreduce():
     out = hvd.allreduce(t, compression=hvd_topk.TopK(density=0.05), op=hvd.Sum, name="ar.bf16")
     ref = sparse_allreduce(gather(t.float().cpu().numpy()), 0.05, average=False)
     np.testing.assert_allclose(out.float().cpu().numpy(), ref, rtol=2e-2, atol=1e-2)
+    # bf16 values that nearly cancel across ranks: summed in float32 and rounded once, as the
+    # dense allreduce does (added into bf16 one rank at a time, 3 ranks' sum read 0).
+    t = torch.zeros(2000, dtype=torch.bfloat16, device=DEVICE)
+    t[0] = nearly_cancelling(rank, hvd.size())
+    out = hvd.allreduce(t, compression=hvd_topk.TopK(density=0.0005), name="ar.bf16.cancel")
+    want = bfloat16_mean_rounded_once([nearly_cancelling(r, hvd.size()) for r in range(hvd.size())])
+    assert float(out[0]) == want and not out[1:].any(), (float(out[0]), want)
     # Large tensors go through the native kernel (sampled and exact) straight into the message.
     for method in ("exact", "sampled"):
         t = torch.randn(300_000, generator=gen).to(DEVICE)

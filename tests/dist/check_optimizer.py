@@ -18,7 +18,8 @@ import hvd_topk
 from hvd_topk import native
 from harness import DEVICE, assert_same_on_all_ranks, gather, raises, raw_then_synchronize, run, step_and_check_same
 from nets import Net
-from reference import ErrorFeedbackReference, dgc_density, k_of, part_pieces, sparse_allreduce
+from reference import (ErrorFeedbackReference, bfloat16_mean_rounded_once, dgc_density, k_of, nearly_cancelling,
+                       part_pieces, sparse_allreduce)
 
 
 def batch(step, rank, n=24, part=None):
@@ -1486,6 +1487,23 @@ def check_bf16_model_counted_against_dense_fp32():
     assert stats["bytes_dense"] == 2 * 4 * n and stats["bytes_sent"] == stats["bytes_dense"], (n, stats)
 
 
+def check_bf16_gradients_that_cancel(exchange):
+    """bf16 gradients whose ranks' values nearly cancel: the average is summed in float32 and
+    rounded to bf16 once, on every exchange (the allgather's decode added each rank's values into
+    the bf16 gradient in turn: at 3 ranks 1 + 2**-8 - 1 read 0 where the mean is 2**-8 / 3)."""
+    p = torch.nn.Parameter(torch.zeros(2000, dtype=torch.bfloat16, device=DEVICE))
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD([p], lr=0.0), named_parameters=[("w", p)],
+                                        compression=hvd_topk.TopK(density=0.0005), exchange=exchange,
+                                        hierarchical=False, min_numel=1)
+    g = torch.zeros(2000, device=DEVICE)
+    g[0] = nearly_cancelling(hvd.rank(), hvd.size())
+    opt.zero_grad()
+    (p.float() * g).sum().backward()
+    opt.step()
+    want = bfloat16_mean_rounded_once([nearly_cancelling(r, hvd.size()) for r in range(hvd.size())])
+    assert float(p.grad[0]) == want and not p.grad[1:].any(), (exchange, float(p.grad[0]), want)
+
+
 def check_elastic_second_restore_without_a_commit():
     """Horovod elastic: a failure, ``state.restore()``, more steps, a second failure before the
     next commit and ``state.restore()`` again: the optimizer's state is the commit's, bitwise
@@ -1596,6 +1614,9 @@ CHECKS = [
     ("zero_grad with a bucket not launched refused", check_zero_grad_with_a_bucket_not_launched_refused),
     ("stepping the wrapped optimizer: the error names it", check_stepping_the_wrapped_optimizer_is_named),
     ("a bf16 model is counted against dense fp32", check_bf16_model_counted_against_dense_fp32),
+    ("bf16 gradients that nearly cancel: summed in float32, rounded once (allgather)",
+     lambda: check_bf16_gradients_that_cancel("allgather")),
+    ("bf16 gradients that nearly cancel, sparse allreduce", lambda: check_bf16_gradients_that_cancel("sparse_allreduce")),
     ("elastic: a second restore without a commit brings back the commit's state",
      check_elastic_second_restore_without_a_commit),
     ("a second synchronize() before step() changes nothing", check_second_synchronize_changes_nothing),

@@ -57,6 +57,20 @@ def round_bfloat16(x):
     return bits.astype(np.uint32).view(np.float32)
 
 
+def nearly_cancelling(rank, size):
+    """One value per rank whose sum is small next to its terms: 1 on rank 0, -1 on the last
+    rank, 2**-8 on the others (all exact in bfloat16). Added into bfloat16 one rank at a time,
+    1 + 2**-8 rounds back to 1 (ties to even) and the sum of three ranks' values reads 0."""
+    return 1.0 if rank == 0 else -1.0 if rank == size - 1 else 2.0 ** -8
+
+
+def bfloat16_mean_rounded_once(per_rank):
+    """The mean of exact bfloat16 values summed in float64, divided in float32 and rounded to
+    bfloat16 once: what a 16-bit gradient's average is under the dense and sparse exchanges."""
+    mean = np.float32(np.sum(np.asarray(per_rank, dtype=np.float64))) / np.float32(len(per_rank))
+    return float(round_bfloat16(np.array([mean], dtype=np.float32))[0])
+
+
 def to_value_dtype(values, value_dtype):
     """``values`` (float32) as the wire carries them in ``value_dtype`` (a numpy dtype, or
     ``"bfloat16"``), back in float32."""
