@@ -244,7 +244,10 @@ class Codec:
         self.dense_fp16 = bool(fp16_values or compact)
 
     def value_dtype(self, dtype):
-        return torch.float16 if self.fp16_values else dtype
+        """What a pair's value of a ``dtype`` gradient travels in: float16 with ``fp16_values``
+        for wider gradients; 16-bit gradients keep their own dtype, already 2 bytes (float16
+        would only narrow bfloat16's range to 65504)."""
+        return torch.float16 if self.fp16_values and dtype.itemsize > 2 else dtype
 
     def pair_itemsizes(self, plan):
         """``(value, index)`` bytes a pair counts for in the cost model (whether a bucket goes

@@ -268,7 +268,9 @@ class TopK(Compressor, metaclass=_FixedOptions):
         method: ``"sampled"`` (default: threshold from a sample, one pass, exactly k entries,
             >= 95% of the true top-k) or ``"exact"`` (the same set as ``torch.topk``); see
             ``hvd_topk.selection``.
-        fp16_values: send values as float16 (halves the value bytes); in
+        fp16_values: send values as float16 (halves the value bytes; float16 and bfloat16
+            gradients' pairs already carry their own 2 bytes and are left so, except in the
+            sparse allreduce's sum, which Horovod cannot do in bfloat16); in
             ``hvd_topk.DistributedOptimizer`` a bucket sent dense is then sent in float16 too.
             float16 holds magnitudes up to 65504: a larger value arrives as inf. With error
             feedback what float16 rounds off a sent value stays in its residual.

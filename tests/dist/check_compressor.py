@@ -61,6 +61,13 @@ def check_allreduce():
     out = hvd.allreduce(t, compression=hvd_topk.TopK(density=0.0005), name="ar.bf16.cancel")
     want = bfloat16_mean_rounded_once([nearly_cancelling(r, hvd.size()) for r in range(hvd.size())])
     assert float(out[0]) == want and not out[1:].any(), (float(out[0]), want)
+    # fp16_values over bf16: the values stay bf16 (2 bytes either way), so 1e5 does not arrive as inf.
+    t = torch.zeros(2000, dtype=torch.bfloat16, device=DEVICE)
+    t[0] = 1e5 * (rank + 1)
+    out = hvd.allreduce(t, compression=hvd_topk.TopK(density=0.0005, fp16_values=True), name="ar.bf16.fp16v")
+    want = bfloat16_mean_rounded_once([float(torch.tensor(1e5 * (r + 1), dtype=torch.bfloat16))
+                                       for r in range(hvd.size())])
+    assert float(out[0]) == want and not out[1:].any(), (float(out[0]), want)
     # Large tensors go through the native kernel (sampled and exact) straight into the message.
     for method in ("exact", "sampled"):
         t = torch.randn(300_000, generator=gen).to(DEVICE)

@@ -1504,6 +1504,25 @@ def check_bf16_gradients_that_cancel(exchange):
     assert float(p.grad[0]) == want and not p.grad[1:].any(), (exchange, float(p.grad[0]), want)
 
 
+def check_bf16_gradients_with_fp16_values(exchange):
+    """``TopK(fp16_values=True)`` over bf16 gradients: the allgather's values travel as bf16
+    (already 2 bytes), so one beyond float16's 65504 arrives as the ranks' mean, not inf (they
+    went as float16). The sparse allreduce's are summed by Horovod, which has no bfloat16: they
+    still go as float16 (2 bytes, not float32's 4), as api.md says."""
+    p = torch.nn.Parameter(torch.zeros(2000, dtype=torch.bfloat16, device=DEVICE))
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD([p], lr=0.0), named_parameters=[("w", p)],
+                                        compression=hvd_topk.TopK(density=0.0005, fp16_values=True),
+                                        exchange=exchange, hierarchical=False, min_numel=1)
+    sent = [float(torch.tensor(1e5 * (r + 1), dtype=torch.bfloat16)) for r in range(hvd.size())]
+    g = torch.zeros(2000, device=DEVICE)
+    g[0] = sent[hvd.rank()]
+    opt.zero_grad()
+    (p.float() * g).sum().backward()
+    opt.step()
+    want = bfloat16_mean_rounded_once(sent)
+    assert float(p.grad[0]) == want and not p.grad[1:].any(), (exchange, float(p.grad[0]), want)
+
+
 def check_elastic_second_restore_without_a_commit():
     """Horovod elastic: a failure, ``state.restore()``, more steps, a second failure before the
     next commit and ``state.restore()`` again: the optimizer's state is the commit's, bitwise
@@ -1617,6 +1636,8 @@ CHECKS = [
     ("bf16 gradients that nearly cancel: summed in float32, rounded once (allgather)",
      lambda: check_bf16_gradients_that_cancel("allgather")),
     ("bf16 gradients that nearly cancel, sparse allreduce", lambda: check_bf16_gradients_that_cancel("sparse_allreduce")),
+    ("bf16 gradients with fp16_values: beyond float16's range, not inf (allgather)",
+     lambda: check_bf16_gradients_with_fp16_values("allgather")),
     ("elastic: a second restore without a commit brings back the commit's state",
      check_elastic_second_restore_without_a_commit),
     ("a second synchronize() before step() changes nothing", check_second_synchronize_changes_nothing),
