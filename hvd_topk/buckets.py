@@ -7,7 +7,8 @@ entries are zeroed there. Without error feedback, and for the dense bucket of sm
 it is a staging copy of this step's gradients. With DGC momentum correction a second buffer
 (``momentum``) holds ``u``, in every bucket. A residual of 16-bit parameters is float32
 (``codec.residual_dtype``). Buffers are allocated on first use and live as long as the
-optimizer, so the hot path allocates nothing.
+optimizer: the native (CPU) path allocates nothing per step; the torch-ops path (CUDA, float64)
+still makes temporaries inside torch calls (the non-finite wipe's mask, a decode's zeroed sum).
 
 Buckets are planned identically on every rank (same order, same members), which is what lets
 every rank name and size its messages alike.
@@ -103,6 +104,7 @@ class Bucket:
         self.current = None    # this step's BucketStep, from the first fold
         self.inflight = None   # the exchange in flight (``hvd_topk.inflight``), launch to decode
         self._plans = {}       # (density, scope, value dtype) -> codec.Plan
+        self._segment_sizes = {}  # segment edges -> their sizes on the device (``wipe``)
         self._message = None   # reused send buffer
         self._acc_views = None  # each member's part of ``acc``, shaped like its parameter
         self._folder = None    # codec.SegmentFolder over ``acc`` (a non-selecting rank's fold)
@@ -340,11 +342,24 @@ class Bucket:
         if bad.dim() == 0:
             mask, count = bad, bad.to(torch.int64) * len(self.members)
         else:
-            sizes = torch.tensor([b - a for a, b in zip(edges, edges[1:])], device=bad.device)
-            mask, count = bad.repeat_interleave(sizes, output_size=edges[-1] - edges[0]), bad.sum()
+            mask, count = bad.repeat_interleave(self._sizes_on(edges, bad.device),
+                                                output_size=edges[-1] - edges[0]), bad.sum()
         for flat in flats:
             flat.masked_fill_(mask, 0)
         return count
+
+    def _sizes_on(self, edges, device):
+        """The segments' sizes as a tensor on ``device``, made once per set of edges: built from
+        a list at each step it was a blocking host-to-device copy inside the backward hook that
+        launches the bucket (as ``selection._SegmentConstants`` says of its own)."""
+        key = (tuple(edges), device)
+        sizes = self._segment_sizes.get(key)
+        if sizes is None:
+            if len(self._segment_sizes) > 64:  # a long warm-up: keep memory bounded, as the plans
+                self._segment_sizes.clear()
+            sizes = self._segment_sizes[key] = torch.tensor([b - a for a, b in zip(edges, edges[1:])],
+                                                            device=device)
+        return sizes
 
     def hand_over(self, mode, shard=None, decay=1.0):
         """Move the residual between the full buffer and the shard when the step's exchange

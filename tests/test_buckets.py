@@ -71,6 +71,21 @@ def test_fold_with_dgc_momentum_correction():
     assert bucket.acc.tolist() == [2.5, -2.0]
 
 
+def test_wipe_zeroes_the_flagged_segments_by_hand():
+    """Per-segment flags as a device tensor (the torch-ops path): the flagged segments' entries
+    are zeroed, the others kept; again with other flags and other edges (each set's sizes are
+    made once and reused)."""
+    ps = params((3,), (2,), (4,))
+    (bucket,) = make_buckets(ps, names_of(ps), min_numel=1, fusion_bytes=1 << 20)
+    for edges, flags, zeroed in (([0, 4, 6, 9], [False, True, False], range(4, 6)),
+                                 ([0, 4, 6, 9], [True, False, True], [*range(0, 4), *range(6, 9)]),
+                                 ([0, 2, 9], [True, False], range(0, 2))):
+        bucket.acc = torch.arange(1.0, 10.0)
+        count = bucket.wipe(torch.tensor(flags), edges, (bucket.acc,))
+        want = [0.0 if i in zeroed else float(i + 1) for i in range(9)]
+        assert bucket.acc.tolist() == want and int(count) == sum(flags), (edges, flags)
+
+
 def test_fold_takes_a_channels_last_gradient_in_logical_order():
     ps = params((2, 3, 2, 2))
     (bucket,) = make_buckets(ps, names_of(ps), min_numel=1, fusion_bytes=1 << 20)
