@@ -15,7 +15,6 @@ every rank name and size its messages alike.
 """
 
 import dataclasses
-import math
 from typing import NamedTuple
 
 import torch
@@ -400,7 +399,8 @@ def make_buckets(params, names, min_numel, fusion_bytes, groups=None, error_feed
     Sparse buckets hold floating-point tensors of at least ``min_numel`` elements, in reverse
     registration order (roughly the order backward produces gradients), filled up to
     ``fusion_bytes`` each, one dtype/device per bucket. ``groups`` overrides the filling: an int
-    (that many buckets) or a list of parameter lists (one bucket each; unlisted parameters are
+    (that many buckets, split as Horovod splits them; fewer where there are fewer tensors, more
+    where one holds several dtypes) or a list of parameter lists (one bucket each; unlisted parameters are
     bucketed as usual). The small tensors form one dense bucket per dtype/device, last.
     ``error_feedback``: the sparse buckets keep residuals (``Bucket``'s ``residual``).
     """
@@ -412,8 +412,10 @@ def make_buckets(params, names, min_numel, fusion_bytes, groups=None, error_feed
     if isinstance(groups, int) and not isinstance(groups, bool):
         check_integer(groups, "groups", 1)
         ordered = list(reversed(eligible))
-        per = math.ceil(len(ordered) / groups) if ordered else 1
-        plans = [ordered[i:i + per] for i in range(0, len(ordered), per)]
+        # Horovod's split (horovod.common.util.split_list): sizes differ by at most one
+        d, r = divmod(len(ordered), groups)
+        plans = [ordered[i * d + min(i, r):(i + 1) * d + min(i + 1, r)] for i in range(groups)]
+        plans = [plan for plan in plans if plan]
         ordered = []
     elif groups is not None:
         if not isinstance(groups, (list, tuple)) or not all(isinstance(g, (list, tuple)) for g in groups):

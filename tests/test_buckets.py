@@ -34,6 +34,10 @@ def test_buckets_split_by_dtype_and_groups_override():
     assert [[m.name for m in b.members] for b in buckets] == [["p2"], ["p1", "p0"]]
     assert [[m.name for m in b.members] for b in make_buckets(ps, names_of(ps), 100, 1 << 20, groups=3)] == \
         [["p2"], ["p1"], ["p0"]]
+    # an int: that many buckets, sizes as Horovod's split_list gives them (10 into 6: 2,2,2,2,1,1)
+    ten = params(*[(200,)] * 10)
+    assert [len(b.members) for b in make_buckets(ten, names_of(ten), 100, 1 << 20, groups=6)] == [2, 2, 2, 2, 1, 1]
+    assert [len(b.members) for b in make_buckets(ten, names_of(ten), 100, 1 << 20, groups=12)] == [1] * 10
     listed = make_buckets(ps, names_of(ps), 100, 1 << 20, groups=[[ps[0]]])
     assert [[m.name for m in b.members] for b in listed] == [["p0"], ["p2"], ["p1"]]
     with pytest.raises(ValueError, match="more than once"):
