@@ -5,7 +5,8 @@
 the step counter and the rank and world size it belongs to. Residuals are per rank: a rank
 that loads another rank's section (or one saved by another world size) starts from zero
 residuals, with a warning. Names are matched exactly, or after dropping ``torch.compile``'s
-``_orig_mod.`` components, so a checkpoint of the plain model loads into a compiled one.
+``_orig_mod.`` components and DDP's leading ``module.`` (``plain_name``), so a checkpoint of the
+plain model loads into a compiled or wrapped one.
 
 Loading is all or nothing: ``check_inner`` and ``check`` read the whole checkpoint (the inner
 optimizer's per-parameter state and this section) against the optimizer before anything is

@@ -20,7 +20,8 @@ Tuning (what the papers and our runs say; docs/adamw.md has the measurements):
   drift further apart; with small per-rank batches keep it small (4-32).
 - ``outer_lr`` 1.0 with ``outer_momentum`` 0 averages the replicas' sent change (plain local
   SGD / SparseLoCo); DiLoCo uses 0.7 with Nesterov momentum 0.9 (``nesterov=True``).
-- ``density``: per synchronisation, so at equal bytes it can be H times the per-step recipe's.
+- the density (``compression=hvd_topk.TopK(density=...)``): per synchronisation, so at equal
+  bytes it can be H times the per-step recipe's.
 - ``warmup_steps`` of the outer optimizer count synchronisations, not steps.
 """
 

@@ -35,6 +35,7 @@ dense start ends (docs/adamw.md has the measured settings). Before ``freeze_step
 would count it and apply the weight decay), so its bias correction runs one step behind.
 """
 
+import inspect
 import math
 import os
 import sys
@@ -65,6 +66,13 @@ class _CheckedGroups(torch.optim.Optimizer):
     def add_param_group(self, param_group):
         if isinstance(param_group, dict):
             self._check_options({**self.defaults, **param_group})
+            params = param_group.get("params")
+            for p in [params] if torch.is_tensor(params) else params if isinstance(params, (list, tuple)) else ():
+                if torch.is_tensor(p) and p.is_complex():
+                    # (squaring a complex gradient is not |g|^2: the moments would be wrong)
+                    raise TypeError(f"hvd_topk.{type(self).__name__} does not take complex parameters "
+                                    f"(got {p.dtype}, shape {tuple(p.shape)}); nor do Horovod's collectives "
+                                    "or the DDP hook: train torch.view_as_real of them")
         super().add_param_group(param_group)
 
     def load_state_dict(self, state_dict):
@@ -74,6 +82,7 @@ class _CheckedGroups(torch.optim.Optimizer):
             if isinstance(group, dict):
                 self._check_options({**self.defaults, **group})
         super().load_state_dict(state_dict)
+        self._drop_adams_options()
         # every option present afterwards (a group saved by another optimizer, or before an
         # option existed, failed at the next step with a KeyError)
         without = []
@@ -87,10 +96,41 @@ class _CheckedGroups(torch.optim.Optimizer):
             warnings.warn(f"hvd_topk.{type(self).__name__}: the checkpoint's param groups lack "
                           f"{', '.join(without)}: taken as {', '.join(f'{k}={self.LOADED_WITHOUT[k]!r}' for k in without)}, "
                           "what a checkpoint written before these options existed was trained with. If it is "
-                          "another optimizer's (torch.optim.AdamW's), set them in param_groups after loading "
-                          "(hvd_topk.DistributedOptimizer does so itself for a checkpoint without its 'hvd_topk' "
-                          "section, keeping the values it was built with).",
+                          "another optimizer's (torch.optim.AdamW's), write them into the checkpoint's "
+                          "param_groups before loading (set after, they are refused: the state was made "
+                          "without them), or load it through hvd_topk.DistributedOptimizer, which keeps the "
+                          "values it was built with.",
                           stacklevel=2)
+
+
+    def _drop_adams_options(self):
+        """Take out of the loaded groups torch's Adam/AdamW options this optimizer does not have
+        (``amsgrad``, ``foreach``, ``fused``, ...: a dense AdamW run's checkpoint moving to the
+        recipe). Left in, they travel on in later checkpoints, and ``hvd.broadcast_optimizer_state``
+        after a load on rank 0 alone failed on the other ranks (``KeyError: 'amsgrad.0'``).
+        ``amsgrad`` or ``maximize`` on asked for what this optimizer does not do: warned (the
+        others choose torch's kernels)."""
+        asked = set()
+        for group in self.param_groups:
+            for key in [k for k in group if k in _ADAM_OPTIONS and k not in self._options]:
+                if group.pop(key) and key in ("amsgrad", "maximize"):
+                    asked.add(key)
+        if asked:
+            warnings.warn(f"hvd_topk.{type(self).__name__}: the checkpoint was trained with "
+                          f"{' and '.join(f'{k}=True' for k in sorted(asked))}; {type(self).__name__} has no "
+                          "such option and goes on without it", stacklevel=3)
+
+
+def _adam_denominator(exp_avg_sq, bias_correction2, eps):
+    """``sqrt(v / bias_correction2) + eps``, in the order of operations torch's AdamW uses (so
+    FrozenVarianceAdamW before its freeze, and LocalAdamW on one rank, are torch's AdamW bit for
+    bit)."""
+    return (exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(eps)
+
+
+# the options of torch's Adam and AdamW (``_CheckedGroups._drop_adams_options``)
+_ADAM_OPTIONS = frozenset(name for cls in (torch.optim.Adam, torch.optim.AdamW)
+                          for name in inspect.signature(cls).parameters if name != "params")
 
 
 class FrozenVarianceAdamW(_CheckedGroups):
@@ -140,6 +180,8 @@ class FrozenVarianceAdamW(_CheckedGroups):
                         # weight decay would part this rank's weights from rank 0's); a real first
                         # gradient of zeros would only have decayed p
                         continue
+                if "bias_correction2" not in state:  # torch AdamW's state: its variance took every step
+                    state["bias_correction2"] = 1 - beta2 ** max(int(state["step"]), 1)
                 state["step"] += 1
                 step = int(state["step"])
                 p.mul_(1 - lr * group["weight_decay"])
@@ -151,7 +193,7 @@ class FrozenVarianceAdamW(_CheckedGroups):
                     if step == freeze:
                         unseen += int((exp_avg_sq == 0).sum())
                         total += exp_avg_sq.numel()
-                denom = (exp_avg_sq.sqrt() / state["bias_correction2"] ** 0.5).add_(eps)
+                denom = _adam_denominator(exp_avg_sq, state["bias_correction2"], eps)
                 p.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1 ** step))
         if total and unseen > total // 2 and not self._warned:
             self._warned = True
@@ -323,9 +365,12 @@ class LocalAdamW(_ExchangedUpdates):
         if options["signal"] not in LocalAdamW.SIGNALS:
             raise ValueError(f"signal must be one of {LocalAdamW.SIGNALS}, got {options['signal']!r}")
         buckets = options.get("variance_sketch", 0)
-        if buckets != "auto" and (isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 0):
-            raise ValueError(f"variance_sketch must be 'auto' or an integer >= 0 (numbers a tensor; 0: off), "
-                             f"got {buckets!r}")
+        if not (isinstance(buckets, str) and buckets == "auto"):
+            try:
+                check_integer(buckets, "variance_sketch", 0)
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"variance_sketch must be 'auto' or an integer >= 0 (numbers a tensor; "
+                                  f"0: off), got {buckets!r}") from None
         if buckets not in ("auto", 0) and not options["global_variance"]:
             raise ValueError("variance_sketch rescales global_variance's estimate: it needs global_variance=True")
 
@@ -419,7 +464,7 @@ class LocalAdamW(_ExchangedUpdates):
                 _calibrate(state, denom, beta2)
             denom = denom.sqrt_().add_(group["eps"])
         else:
-            denom = (exp_avg_sq.sqrt() / (1 - beta2 ** step) ** 0.5).add_(group["eps"])
+            denom = _adam_denominator(exp_avg_sq, 1 - beta2 ** step, group["eps"])
         torch.div(exp_avg, denom, out=grad).div_(1 - beta1 ** step)
         if group.get("lr_in_residual", False):
             grad.mul_(group["lr"])

@@ -175,6 +175,65 @@ def test_another_optimizers_checkpoint_takes_the_missing_options():
     assert (group["lr_in_residual"], group["global_variance"], group["signal"], group["variance_sketch"]) == \
         (False, False, "mean", 0), group
 
+
+def test_adamws_checkpoint_into_frozen_variance_past_its_freeze():
+    """AdamW's state after 3 steps into FrozenVarianceAdamW(freeze_step=2): the variance AdamW
+    kept (3 steps of it) is frozen with its own bias correction (a KeyError before: AdamW has no
+    'bias_correction2'). Truth: numpy AdamW whose variance stops after step 3."""
+    p0, gs = np.random.default_rng(12).standard_normal((7, 5)), grads(6)
+    first, dense = run(lambda ps: torch.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD), p0, gs[:3])
+    p = torch.nn.Parameter(torch.tensor(first))
+    frozen = FrozenVarianceAdamW([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, freeze_step=2)
+    frozen.load_state_dict(dense.state_dict())
+    for g in gs[3:]:
+        p.grad = torch.tensor(g)
+        frozen.step()
+    np.testing.assert_allclose(p.detach().numpy(), numpy_adamw(p0, gs, freeze=3), rtol=1e-12, atol=1e-14)
+
+
+def test_adamws_own_options_left_out_of_a_loaded_checkpoint():
+    """torch AdamW's options that hvd_topk's optimizers lack (amsgrad, foreach, ...) are not kept
+    in their param groups (they went on into every later checkpoint, and
+    hvd.broadcast_optimizer_state after a load on rank 0 alone failed on the other ranks);
+    amsgrad=True, which they do not do, warns. The advice of the missing-options warning works:
+    options written into the checkpoint before loading are taken, and the state is completed."""
+    p = torch.nn.Parameter(torch.randn(5))
+    dense = torch.optim.AdamW([p], lr=LR, amsgrad=True)
+    p.grad = torch.randn(5)
+    dense.step()
+    saved = dense.state_dict()
+    assert "amsgrad" in saved["param_groups"][0] and "foreach" in saved["param_groups"][0]
+    for make in (lambda ps: LocalAdamW(ps, lr=LR), lambda ps: DeMo(ps, lr=LR),
+                 lambda ps: FrozenVarianceAdamW(ps, lr=LR)):
+        opt = make([torch.nn.Parameter(p.detach().clone())])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.load_state_dict(copy.deepcopy(saved))
+        assert any("trained with amsgrad=True" in str(w.message) for w in caught), [str(w.message) for w in caught]
+        assert not {"amsgrad", "foreach", "fused", "maximize", "capturable"} & set(opt.param_groups[0]), \
+            opt.param_groups[0]
+        assert "amsgrad" not in opt.state_dict()["param_groups"][0]
+    local = LocalAdamW([torch.nn.Parameter(p.detach().clone())], lr=LR)
+    with pytest.warns(UserWarning, match="write them into the checkpoint's param_groups before loading"):
+        local.load_state_dict(copy.deepcopy(saved))
+    written = copy.deepcopy(saved)
+    for group in written["param_groups"]:
+        group.update(lr_in_residual=True, global_variance=True)
+    local = LocalAdamW([q := torch.nn.Parameter(p.detach().clone())], lr=LR)
+    local.load_state_dict(written)
+    local.transform_local_gradient(q, torch.randn(5), ranks=2)  # refused when set after loading
+    assert "grad_mean" in local.state[q]
+
+
+@pytest.mark.parametrize("make", [lambda ps: LocalAdamW(ps), lambda ps: DeMo(ps), lambda ps: FrozenVarianceAdamW(ps)])
+def test_complex_parameters_refused(make):
+    """Squaring a complex gradient is not |g|^2: refused, at construction and in a group added later."""
+    with pytest.raises(TypeError, match="does not take complex parameters.*view_as_real"):
+        make([torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))])
+    opt = make([torch.nn.Parameter(torch.zeros(3))])
+    with pytest.raises(TypeError, match="does not take complex parameters"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))]})
+
 def test_local_adamw_group_flags_checked():
     for name in ("lr_in_residual", "global_variance"):
         with pytest.raises(TypeError, match=f"{name} must be True or False, got 'yes'"):
@@ -437,16 +496,21 @@ def test_local_adamw_variance_sketch_auto_is_256_from_6_ranks():
     assert loaded.sketch_layout(8) == []
 
 
-@pytest.mark.parametrize("kwargs,match", [({"variance_sketch": -1},
-                                           "variance_sketch must be 'auto' or an integer >= 0"),
-                                          ({"variance_sketch": 2.5}, "variance_sketch must be 'auto' or an integer"),
-                                          ({"variance_sketch": True}, "variance_sketch must be 'auto' or an integer"),
-                                          ({"variance_sketch": "on"}, "variance_sketch must be 'auto' or an integer"),
-                                          ({"variance_sketch": 8, "global_variance": False},
-                                           "it needs global_variance=True")])
-def test_local_adamw_variance_sketch_refused(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"variance_sketch": -1}, ValueError, "variance_sketch must be 'auto' or an integer >= 0"),
+    ({"variance_sketch": 2.5}, TypeError, "variance_sketch must be 'auto' or an integer"),
+    ({"variance_sketch": True}, TypeError, "variance_sketch must be 'auto' or an integer"),
+    ({"variance_sketch": "on"}, TypeError, "variance_sketch must be 'auto' or an integer"),
+    ({"variance_sketch": 8, "global_variance": False}, ValueError, "it needs global_variance=True")])
+def test_local_adamw_variance_sketch_refused(kwargs, error, match):
+    """A value of the wrong type is a TypeError, one out of range a ValueError (api.md's rule)."""
+    with pytest.raises(error, match=match):
         LocalAdamW([torch.nn.Parameter(torch.zeros(2))], **kwargs)
+
+
+def test_local_adamw_variance_sketch_takes_a_numpy_integer():
+    p = torch.nn.Parameter(torch.zeros(2))
+    assert LocalAdamW([p], variance_sketch=np.int64(16)).param_groups[0]["variance_sketch"] == 16
 
 
 def test_local_adamw_lr_changed_after_backward_warns():

@@ -1335,34 +1335,66 @@ def check_inner_resume(make_inner, changed, **options):
 
 
 
-def check_dense_adamw_checkpoint_into_the_recipe():
-    """A dense AdamW run (stock Horovod) checkpointed at step 3 and continued with the recipe:
-    LocalAdamW's options that checkpoint lacks keep the values the recipe was built with (they
-    were read as off before, in silence: lr_in_residual, global_variance), with a warning naming
-    them. Truth: the same checkpoint with those options written into its param groups by hand,
-    loaded into the same recipe, bitwise at step 6."""
+RECIPE_OPTIONS = {"lr_in_residual": True, "global_variance": True, "signal": "mean", "variance_sketch": "auto"}
+
+
+def dense_adamw_checkpoint():
+    """Model and optimizer state of a dense AdamW run (stock Horovod) after 3 steps."""
     torch.manual_seed(0)
     dense_model = Net().to(DEVICE)
     dense = hvd.DistributedOptimizer(torch.optim.AdamW(dense_model.parameters(), lr=0.01, betas=(0.0, 0.95),
                                                        weight_decay=0.1),
                                      named_parameters=dense_model.named_parameters())
     train(dense_model, dense, 3)
-    saved = copy.deepcopy({"model": dense_model.state_dict(), "opt": dense.state_dict()})
-    built = {"lr_in_residual": True, "global_variance": True, "signal": "mean", "variance_sketch": "auto"}
+    return copy.deepcopy({"model": dense_model.state_dict(), "opt": dense.state_dict()})
+
+
+def recipe_from(model_state, checkpoint, load=True, broadcast=False):
+    """The recipe (LocalAdamW at 5%) built over ``model_state``, ``checkpoint`` loaded where
+    ``load`` (this rank), then broadcast from rank 0 if asked, trained 3 steps from step 3:
+    model, optimizer and the load's warnings."""
+    torch.manual_seed(1)
+    model = Net().to(DEVICE)
+    model.load_state_dict(model_state)
+    opt = hvd_topk.DistributedOptimizer(hvd_topk.LocalAdamW(model.parameters(), lr=0.01, betas=(0.0, 0.95),
+                                                            weight_decay=0.1, **RECIPE_OPTIONS),
+                                        named_parameters=model.named_parameters(), exchange="allgather",
+                                        min_numel=500, compression=hvd_topk.TopK(density=0.05))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if load:
+            opt.load_state_dict(copy.deepcopy(checkpoint))
+    if broadcast:
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+    train(model, opt, 3, start=3)
+    return model, opt, [str(w.message) for w in caught]
+
+
+def check_dense_adamw_checkpoint_on_rank_0_broadcast():
+    """The dense AdamW checkpoint loaded into the recipe on rank 0 alone, then
+    ``hvd.broadcast_optimizer_state`` (Horovod's pattern): torch AdamW's own group options
+    (``amsgrad``, ``foreach``, ...) are left out at the load, so the broadcast finds the same
+    keys on every rank (the others raised ``KeyError: 'amsgrad.0'``). Truth: the same checkpoint
+    loaded on every rank, bitwise after 3 steps."""
+    saved = dense_adamw_checkpoint()
+    model, opt, _ = recipe_from(saved["model"], saved["opt"], load=hvd.rank() == 0, broadcast=True)
+    assert not any(k in g for g in opt.param_groups for k in ("amsgrad", "foreach", "fused")), opt.param_groups[0]
+    want, _, _ = recipe_from(saved["model"], saved["opt"])
+    for (name, a), b in zip(model.named_parameters(), want.parameters()):
+        assert torch.equal(a, b), f"{name} differs from the run that loaded on every rank"
+
+
+def check_dense_adamw_checkpoint_into_the_recipe():
+    """A dense AdamW run (stock Horovod) checkpointed at step 3 and continued with the recipe:
+    LocalAdamW's options that checkpoint lacks keep the values the recipe was built with (they
+    were read as off before, in silence: lr_in_residual, global_variance), with a warning naming
+    them. Truth: the same checkpoint with those options written into its param groups by hand,
+    loaded into the same recipe, bitwise at step 6."""
+    saved = dense_adamw_checkpoint()
+    built = RECIPE_OPTIONS
 
     def recipe(checkpoint):
-        torch.manual_seed(1)
-        model = Net().to(DEVICE)
-        model.load_state_dict(saved["model"])
-        opt = hvd_topk.DistributedOptimizer(hvd_topk.LocalAdamW(model.parameters(), lr=0.01, betas=(0.0, 0.95),
-                                                                weight_decay=0.1, **built),
-                                            named_parameters=model.named_parameters(), exchange="allgather",
-                                            min_numel=500, compression=hvd_topk.TopK(density=0.05))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            opt.load_state_dict(copy.deepcopy(checkpoint))
-        train(model, opt, 3, start=3)
-        return model, opt, [str(w.message) for w in caught]
+        return recipe_from(saved["model"], checkpoint)
 
     model, opt, said = recipe(saved["opt"])
     assert any(re.search(r"lack lr_in_residual, global_variance, signal, variance_sketch .*keep the values", s)
@@ -1653,6 +1685,7 @@ CHECKS = [
     ("LocalAdamW: Adam per rank, updates exchanged", check_local_adamw),
     ("LocalAdamW: checkpoint resume", check_local_adamw_resume),
     ("a dense AdamW checkpoint into the recipe: LocalAdamW's options as built", check_dense_adamw_checkpoint_into_the_recipe),
+    ("a dense AdamW checkpoint into the recipe on rank 0, then broadcast", check_dense_adamw_checkpoint_on_rank_0_broadcast),
     ("an LR scheduler on the user's optimizer after a load", check_scheduler_on_the_inner_optimizer_after_load),
     ("LocalAdamW: a checkpoint on rank 0 alone, broadcast (lag1, sketch)", check_local_adamw_broadcast_from_rank_0),
     ("LocalAdamW: bf16 resume with the variance sketch", check_local_adamw_resume_bf16),
