@@ -61,12 +61,13 @@ class BucketLayout:
         self.plans = {}     # density -> codec plan
         self.messages = {}  # (purpose, bytes) -> reusable uint8 buffer
 
-    def dense_scratch(self, purpose, numel):
-        """A reusable buffer of the small tensors' dtype, reallocated when its size changes."""
+    def dense_scratch(self, purpose, numel, dtype=None):
+        """A reusable buffer of the small tensors' dtype (or ``dtype``), reallocated when its
+        size changes."""
+        dtype = dtype or self.dense_buffer.dtype
         buf = self._dense_scratch.get(purpose)
-        if buf is None or buf.numel() != numel:
-            buf = self._dense_scratch[purpose] = torch.empty(numel, dtype=self.dense_buffer.dtype,
-                                                             device=self.dense_buffer.device)
+        if buf is None or buf.numel() != numel or buf.dtype != dtype:
+            buf = self._dense_scratch[purpose] = torch.empty(numel, dtype=dtype, device=self.dense_buffer.device)
         return buf
 
     def folder(self, codec):
@@ -185,7 +186,10 @@ def average_dense(state, layout, buffer):
     Two ranks gather each other's tensors: the bytes of an allreduce. With more, a gather would
     bring in P-1 copies, so each rank sums one chunk of every rank's tensors, in rank order (an
     all-to-all, waited for here so that the next collective, too, starts from the hook in bucket
-    order), and the summed chunks are gathered: 2 (P-1)/P of their bytes, as an allreduce."""
+    order), and the summed chunks are gathered: 2 (P-1)/P of their bytes, as an allreduce.
+    16-bit tensors' chunks are summed, gathered and divided in float32 and rounded once in
+    ``finish`` (added in bf16 one rank at a time, 1 + 2**-8 - 1 read 0 at 3 ranks); at two ranks
+    the one bf16 addition already rounds the exact sum once, and the division by 2 is exact."""
     copy_all([layout.dense_buffer[a:b] for a, b in _edges([layout.spans[i][1] for i in layout.dense])],
              layout.segments(buffer, layout.dense))
     state._stats["bytes_sent"] += layout.dense_numel * buffer.element_size()
@@ -205,10 +209,11 @@ def average_dense(state, layout, buffer):
     received = layout.dense_scratch("received", world * chunk)
     dist.all_to_all_single(received, send, group=group)
     rows = received.view(world, chunk)  # every rank's copy of this rank's chunk, in rank order
-    mine = layout.dense_scratch("chunk", chunk).copy_(rows[0])
+    wide = residual_dtype(received.dtype)  # float32 for 16-bit tensors
+    mine = layout.dense_scratch("chunk", chunk, wide).copy_(rows[0])
     for row in rows[1:]:
         mine.add_(row)
-    gathered = layout.dense_scratch("gathered", world * chunk)
+    gathered = layout.dense_scratch("gathered", world * chunk, wide)
     return all_gather(gathered, mine, group, async_op=True).get_future()
 
 
@@ -240,10 +245,10 @@ def finish(buffer, layout, world):
         if world == 2:
             rows = layout.dense_scratch("gathered", world * n).view(world, n)
             total.copy_(rows[0]).add_(rows[1])
-        elif world > 2:  # the summed chunks, gathered
-            total.copy_(layout.dense_scratch("gathered", world * _chunk(n, world))[:n])
-        if world > 1:
             total.div_(world)
+        elif world > 2:  # the summed chunks, gathered (float32 for 16-bit tensors: rounded once here)
+            summed = layout.dense_scratch("gathered", world * _chunk(n, world), residual_dtype(total.dtype))[:n]
+            total.copy_(summed.div_(world))
         copy_all(layout.segments(buffer, layout.dense),
                  [total[a:b] for a, b in _edges([layout.spans[i][1] for i in layout.dense])])
     return buffer

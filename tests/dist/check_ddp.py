@@ -28,7 +28,8 @@ from expect import raises
 import nets
 from nets import Net, sixteen_bit_checks
 from native_switch import loaded, native_off
-from reference import ErrorFeedbackReference, dgc_density, expect_16bit_step, k_of
+from reference import (ErrorFeedbackReference, bfloat16_mean_rounded_once, dgc_density, expect_16bit_step, k_of,
+                       nearly_cancelling)
 from torchrun_harness import assert_same_on_all_ranks, gather, run
 
 MIN_NUMEL = 500  # the three weights (3840, 960, 960 elements) sparse; the biases dense
@@ -208,6 +209,33 @@ def check_16bit_residuals(dtype, exchange):
         assert residual.dtype == torch.float32, f"{where}: the residual is {residual.dtype}"
         expect_16bit_step(ref, rank, exchange, step, density, every, host(model.weight.grad.float()),
                           host(residual.float()), bf16, where)
+
+
+def check_bf16_values_that_cancel(exchange):
+    """A bf16 model whose ranks' gradients nearly cancel (1, 2**-8, -1 at 3 ranks): the sparse
+    tensor and the small one (a bias, summed in rank order by the hook, not Top-K) both average
+    to the float64 sum rounded to bf16 once (the small tensors' chunks were summed in bf16 one
+    rank at a time: 1 + 2**-8 - 1 read 0 at 3 ranks)."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(4096, dtype=torch.bfloat16, device=DEVICE))
+            self.b = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16, device=DEVICE))
+
+        def forward(self, g):
+            return (self.w * g).sum() + (self.b * g[:8]).sum()
+
+    model = Model()
+    ddp = DDP(model)
+    hvd_topk.ddp.register(ddp, hvd_topk.ddp.TopKState(density=0.01, exchange=exchange,
+                                                      named_parameters=model.named_parameters()))
+    ddp(torch.full((4096,), nearly_cancelling(rank, size), dtype=torch.bfloat16, device=DEVICE)).backward()
+    want = bfloat16_mean_rounded_once([nearly_cancelling(r, size) for r in range(size)])
+    got = {name: float(p.grad[0]) for name, p in model.named_parameters()}
+    assert got == {"w": want, "b": want}, (exchange, got, want)
+    assert_same_on_all_ranks(host(model.b.grad.float()), "the small tensor's average")
 
 
 def check_alone(steps=3, density=0.05):
@@ -1284,6 +1312,9 @@ CHECKS = [
     ("static_graph, gradient_as_bucket_view", lambda: check_reference(
         bucket_cap_mb=0.005, ddp_kwargs={"static_graph": True, "gradient_as_bucket_view": True})),
     ("bf16 autocast", lambda: check_reference(amp=True)),
+    ("bf16 values that nearly cancel: the small tensors too, rounded once (allgather)",
+     lambda: check_bf16_values_that_cancel("allgather")),
+    ("bf16 values that nearly cancel, dense exchange", lambda: check_bf16_values_that_cancel("dense")),
     *sixteen_bit_checks("16-bit residuals are float32", check_16bit_residuals),
     ("GradScaler: residuals follow loss-scale changes, resume without a scaler", check_grad_scaler),
     ("torch.compile of the DDP model", lambda: check_reference(compiled=True)),
