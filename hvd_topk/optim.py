@@ -61,11 +61,12 @@ class _CheckedGroups(torch.optim.Optimizer):
         # the options this optimizer defines: torch adds keys of its own to ``defaults`` later
         # ("differentiable", on every load_state_dict), which no group should be given
         self._options = tuple(defaults)
-        super().__init__(params, defaults)
+        super().__init__(params, _python_numbers(defaults))
 
     def add_param_group(self, param_group):
         if isinstance(param_group, dict):
             self._check_options({**self.defaults, **param_group})
+            param_group = _python_numbers(param_group)
             params = param_group.get("params")
             for p in [params] if torch.is_tensor(params) else params if isinstance(params, (list, tuple)) else ():
                 if torch.is_tensor(p) and p.is_complex():
@@ -102,7 +103,6 @@ class _CheckedGroups(torch.optim.Optimizer):
                           "values it was built with.",
                           stacklevel=2)
 
-
     def _drop_adams_options(self):
         """Take out of the loaded groups torch's Adam/AdamW options this optimizer does not have
         (``amsgrad``, ``foreach``, ``fused``, ...: a dense AdamW run's checkpoint moving to the
@@ -119,6 +119,19 @@ class _CheckedGroups(torch.optim.Optimizer):
             warnings.warn(f"hvd_topk.{type(self).__name__}: the checkpoint was trained with "
                           f"{' and '.join(f'{k}=True' for k in sorted(asked))}; {type(self).__name__} has no "
                           "such option and goes on without it", stacklevel=3)
+
+
+def _python_numbers(options):
+    """``options`` with numpy scalars (an ``lr`` or ``betas`` computed with numpy) as Python
+    numbers, inside tuples too: a checkpoint holding numpy objects is refused by ``torch.load``'s
+    default ``weights_only=True``."""
+    def plain(value):
+        if isinstance(value, tuple):
+            return tuple(plain(v) for v in value)
+        if is_number(value) and type(value) not in (int, float) and hasattr(value, "item"):  # (np.float64 is a float)
+            return value.item()
+        return value
+    return {key: plain(value) for key, value in options.items()}
 
 
 def _adam_denominator(exp_avg_sq, bias_correction2, eps):

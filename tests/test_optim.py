@@ -513,6 +513,19 @@ def test_local_adamw_variance_sketch_takes_a_numpy_integer():
     assert LocalAdamW([p], variance_sketch=np.int64(16)).param_groups[0]["variance_sketch"] == 16
 
 
+@pytest.mark.parametrize("make", [lambda ps, **kw: LocalAdamW(ps, **kw), lambda ps, **kw: FrozenVarianceAdamW(ps, **kw)])
+def test_numpy_options_saved_as_python_numbers(make, tmp_path):
+    """Options given as numpy scalars (lr, betas; in the constructor or a group added later) are
+    kept as Python numbers, so the checkpoint loads with torch.load's default weights_only=True
+    (which refuses numpy objects; torch's own AdamW keeps them as given)."""
+    opt = make([torch.nn.Parameter(torch.zeros(2))], lr=np.float32(1e-3), betas=(np.float32(0.5), np.float64(0.9)))
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], "lr": np.float64(2e-3)})
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    groups = torch.load(tmp_path / "opt.pt")["param_groups"]
+    assert [type(g["lr"]) for g in groups] == [float, float] and groups[1]["lr"] == 2e-3
+    assert [type(b) for b in groups[0]["betas"]] == [float, float] and groups[0]["betas"] == (0.5, 0.9)
+
+
 def test_local_adamw_lr_changed_after_backward_warns():
     """lr_in_residual multiplies each update by the rate when its gradient arrives (backward()):
     a loop that changes the rate before step() is told once (before 2026-12-05 the step ran at
