@@ -118,9 +118,10 @@ _fallbacks = {"count": 0, "warned": False}
 _fallback_lock = threading.Lock()
 
 
-# Horovod's functions that call a compressor (for the tensor's name, only the single-tensor ones:
-# a grouped call's ``name`` names the group)
+# Horovod's functions that call a compressor (for the tensor's name, the single-tensor ones; a
+# grouped call's ``name`` names the group, and its i-th tensor is named ``<name>.<i>`` here)
 _ALLREDUCES = ("allreduce", "allreduce_async")
+_GROUPED_ALLREDUCE = "grouped_allreduce"
 _COMPRESSING_CALLS = (*_ALLREDUCES, "grouped_allreduce", "grouped_allreduce_async", "reducescatter",
                       "grouped_reducescatter")
 
@@ -134,14 +135,15 @@ class CallerContext(NamedTuple):
     exchanged: bool = False  # (9) Horovod's optimizer already exchanged this gradient this step
 
 
-def caller_context(max_depth=6):
-    """(1, 2, 7) Name, process set and reduction of the tensor being compressed, read in one walk
+def caller_context(max_depth=6, tensor=None):
+    """(1, 2, 7) Name, process set and reduction of ``tensor``, being compressed, read in one walk
     over up to ``max_depth`` frames above the compressor's caller (frame 2 from here is
     ``compress``'s caller).
 
-    - The name: Horovod's optimizer (``self._parameter_names`` and the parameter ``p``) or
-      ``hvd.allreduce(..., name=...)``; None when neither is found (the caller then names the
-      tensor by call order and calls ``count_name_fallback``).
+    - The name: Horovod's optimizer (``self._parameter_names`` and the parameter ``p``),
+      ``hvd.allreduce(..., name=...)``, or ``hvd.grouped_allreduce(tensors, name=...)``'s name
+      and ``tensor``'s place among ``tensors``; None when none is found (the caller then names
+      the tensor by call order and calls ``count_name_fallback``).
     - The process set: Horovod's optimizer's ``self.process_set`` or the ``process_set`` argument
       of the compressing call; the global set when the frames do not say.
     - The reduction: ``("optimizer", self.op)``, ``(call, op)`` for the compressing call, or
@@ -173,6 +175,10 @@ def caller_context(max_depth=6):
                 exchanged = getattr(owner, "_synchronized", False) is True and _in_synchronize(frame, owner)
         if name is None and call in _ALLREDUCES and isinstance(local.get("name"), str):
             name = local["name"]
+        if name is None and call == _GROUPED_ALLREDUCE and isinstance(local.get("name"), str):
+            place = next((i for i, t in enumerate(local.get("tensors") or ()) if t is tensor), None)
+            if place is not None:
+                name = f"{local['name']}.{place}"
         if call in _COMPRESSING_CALLS:
             if process_set is None and "process_set" in local:
                 process_set = local["process_set"]

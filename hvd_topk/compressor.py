@@ -76,10 +76,15 @@ COMPILED_AUTOGRAD_ERROR = (
 
 
 MORE_THAN_DENSE = (
-    "{self} sends {sent} bytes of pairs for a tensor of {dense} bytes: at this density each entry's index "
-    "costs more than leaving it out saves, and this drop-in path has no dense fallback. Pass Horovod's "
-    "compression=hvd.Compression.none (or fp16), a lower density, or use hvd_topk.DistributedOptimizer, "
-    "which sends such tensors dense. (Warned once per TopK.)")
+    "{self} over {world} ranks: each rank receives {received} bytes of the others' pairs for a tensor a "
+    "ring allreduce moves in {dense} bytes: at this density each entry's index costs more than leaving it "
+    "out saves (the allgather pays from about 2/P of the entries on), and this drop-in path has no dense "
+    "fallback. Pass Horovod's compression=hvd.Compression.none (or fp16), a lower density, or use "
+    "hvd_topk.DistributedOptimizer, which sends such tensors dense. (Warned once per TopK.)")
+NOT_DIFFERENTIABLE = (
+    "{self}: hvd.allreduce of a tensor that requires grad: with this compressor the result is not "
+    "differentiable (Top-K is not; the pairs travel outside autograd), so no gradient flows back to the "
+    "input through it. Compress with hvd.Compression.none (or fp16) where it must. (Warned once per TopK.)")
 
 
 # Held around encoding: a TopK's plans (one per tensor size) share a value scratch, and the native
@@ -263,8 +268,9 @@ class TopK(Compressor, metaclass=_FixedOptions):
 
     Args (read-only attributes afterwards: build another ``TopK`` for other settings):
         density: fraction of entries to send, in (0, 1]. A pair costs two entries' bytes (an
-            index beside the value): from about 0.5 on this drop-in sends more than the tensor
-            itself and warns once.
+            index beside the value), and every rank receives the P - 1 others' pairs: from about
+            2/P on (0.5 at 2 ranks, 0.25 at 8) this drop-in moves more bytes than a ring
+            allreduce of the tensor and warns once.
         method: ``"sampled"`` (default: threshold from a sample, one pass, exactly k entries,
             >= 95% of the true top-k) or ``"exact"`` (the same set as ``torch.topk``); see
             ``hvd_topk.selection``.
@@ -299,6 +305,8 @@ class TopK(Compressor, metaclass=_FixedOptions):
         self._rounds = {}  # (process set id, ranks) -> _Round (and the names this instance uses there)
         self._lock = threading.Lock()
         self._warned_bytes = False
+        self._warned_grad = False
+        self._probes = {}  # (rank, device) -> the probe, cloned for each tensor
 
     # Fixed once built: the codec and the per-shape plans are made from them, and
     # hvd_topk.DistributedOptimizer copies them when it is built; a change would apply to some
@@ -329,7 +337,10 @@ class TopK(Compressor, metaclass=_FixedOptions):
     def compress(self, tensor):
         if not tensor.is_floating_point() or tensor.numel() == 0:
             return tensor, None
-        caller = caller_context()
+        caller = caller_context(tensor=tensor)
+        if tensor.requires_grad and torch.is_grad_enabled() and not self._warned_grad:
+            self._warned_grad = True
+            warnings.warn(NOT_DIFFERENTIABLE.format(self=self), stacklevel=3)
         if isinstance(tensor, torch.nn.Parameter):
             # Horovod's Adasum optimizer compresses the parameter itself, with no op in sight; a
             # parameter handed to hvd.allreduce (a call in the frames) is a tensor like any other
@@ -357,13 +368,17 @@ class TopK(Compressor, metaclass=_FixedOptions):
             self._codec.encode(tensor.reshape(-1), plan, message)
         if self.compact:  # a buffer per tensor: several are in flight at once
             message = plan.compact().pack(message, out=False)
-        # (by the density, not this tensor: k >= 1 makes a pair cost more than a tensor of one or two entries)
-        if not self._warned_bytes and message.numel() * self.density > plan.count * tensor.element_size():
-            self._warned_bytes = True
-            warnings.warn(MORE_THAN_DENSE.format(self=self, sent=message.numel(), dense=numel * tensor.element_size()),
-                          stacklevel=2)
         t1 = time.perf_counter()
         process_set = caller.process_set
+        world = process_set.size()
+        # by the density, not this tensor (k >= 1 makes a pair cost more than a tensor of one or two
+        # entries): the allgather's (P-1) messages into a rank against a ring's 2 (P-1)/P n b
+        if not self._warned_bytes and world > 1 and \
+                message.numel() * self.density * world > 2 * plan.count * tensor.element_size():
+            self._warned_bytes = True
+            warnings.warn(MORE_THAN_DENSE.format(self=self, world=world, received=(world - 1) * message.numel(),
+                                                 dense=round(2 * (world - 1) / world * numel * tensor.element_size())),
+                          stacklevel=2)
         with self._lock:
             rnd = self._round_of(process_set)
             if caller.name:
@@ -375,11 +390,20 @@ class TopK(Compressor, metaclass=_FixedOptions):
             for stale in rnd.add(job):
                 if stale.slot is not None:
                     rnd.names.give_back(stale.slot)
-        rank = float(process_set.rank())
-        probe = torch.tensor([1.0, rank, rank * rank], dtype=torch.float32, device=tensor.device)
+        probe = self._probe(process_set.rank(), tensor.device)
         self._stats.add(elements_total=numel, bytes_dense=numel * DENSE_FP32_BYTES,
                         bytes_sent=probe.numel() * probe.element_size(), time_selection_s=t1 - t0)
         return probe, (job, rnd)
+
+    def _probe(self, rank, device):
+        """A fresh ``[1, rank, rank**2]`` for Horovod to reduce in place, cloned from one made once
+        per rank and device (made from a list at every call, on a GPU it was a blocking
+        host-to-device copy inside each backward hook)."""
+        made = self._probes.get((rank, device))
+        if made is None:
+            made = self._probes[(rank, device)] = torch.tensor([1.0, rank, rank * rank], dtype=torch.float32,
+                                                               device=device)
+        return made.clone()
 
     def _plan(self, numel, dtype):
         plan = self._plans.get((numel, dtype))

@@ -14,6 +14,7 @@ import horovod.torch as hvd
 import hvd_topk
 from harness import (DEVICE, assert_same_on_all_ranks, check_unnamed_allreduce_between_backward_and_step, gather,
                      raises, run, step_and_check_same)
+from hvd_topk._horovod import name_fallbacks
 from reference import bfloat16_mean_rounded_once, k_of, nearly_cancelling, sparse_allreduce
 
 
@@ -382,6 +383,46 @@ def check_unnamed_grouped_allreduce():
                                        rtol=1e-6, atol=1e-7, err_msg=f"call {call}, tensor {i}")
 
 
+def check_named_grouped_allreduce():
+    """``hvd.grouped_allreduce(tensors, name="g", compression=TopK)``: the group's name and each
+    tensor's place name its allgathers (it fell back to call order, warning the user, who had
+    named the group, that no name was given); the results against numpy, every rank alike."""
+    gen = torch.Generator().manual_seed(17 + hvd.rank())
+    tensors = [torch.randn(400 + 100 * i, generator=gen).to(DEVICE) for i in range(4)]
+    before = name_fallbacks()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = hvd.grouped_allreduce(tensors, name="check.named_group", compression=hvd_topk.TopK(density=0.02))
+    assert name_fallbacks() == before, (before, name_fallbacks())
+    assert not any("found no name" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    for i, (t, out) in enumerate(zip(tensors, outs)):
+        np.testing.assert_allclose(out.cpu().numpy(), sparse_allreduce(gather(t.cpu().numpy()), 0.02),
+                                   rtol=1e-6, atol=1e-7, err_msg=f"tensor {i}")
+
+
+def check_drop_in_warnings():
+    """Two warnings a drop-in user needs. (1) A density at which the allgather moves more bytes
+    into a rank than a ring allreduce of the tensor, (P-1) k 8 > 2 (P-1)/P n 4, i.e. above 2/P:
+    0.4 warns from 3 ranks on, not at 2 (it compared one message with the tensor: 0.5 at any P).
+    (2) An allreduce of a tensor that requires grad: the result carries no gradient back."""
+    def warned(density, x, name):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = hvd.allreduce(x, compression=hvd_topk.TopK(density=density), name=name)
+        return out, [str(w.message) for w in caught]
+
+    _, said = warned(0.4, torch.randn(1000, device=DEVICE), "check.warn.0.4")
+    assert any("costs more than leaving it out saves" in s for s in said) == (hvd.size() >= 3), said
+    _, said = warned(0.2, torch.randn(1000, device=DEVICE), "check.warn.0.2")
+    assert not any("costs more than leaving it out saves" in s for s in said), said
+    x = torch.randn(50, device=DEVICE, requires_grad=True)
+    out, said = warned(0.1, x, "check.warn.grad")
+    assert any("the result is not differentiable" in s for s in said), said
+    assert not out.requires_grad
+    _, said = warned(0.1, x.detach(), "check.warn.nograd")
+    assert not any("not differentiable" in s for s in said), said
+
+
 class _AllreduceInBackward(torch.autograd.Function):
     """The identity, whose backward allreduces (a stand-in for ``hvd.SyncBatchNorm``, which is
     GPU-only)."""
@@ -452,6 +493,8 @@ CHECKS = [
     # last: a failure here leaves Horovod stalled for the checks after it
     ("a collective inside backward, rank 1's graph without the head", check_collective_in_backward_with_a_branch),
     ("an unnamed grouped_allreduce, one rank late", check_unnamed_grouped_allreduce),
+    ("a named grouped_allreduce names each tensor", check_named_grouped_allreduce),
+    ("drop-in warnings: density above 2/P, a tensor that requires grad", check_drop_in_warnings),
     ("horovod optimizer: an unnamed allreduce between backward() and step()",
      lambda: check_unnamed_allreduce_between_backward_and_step(
          lambda model: hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
