@@ -86,6 +86,23 @@ from horovod.torch import optimizer as _horovod_optimizer  # noqa: E402
 OPTIMIZER_MODULE = _horovod_optimizer.DistributedOptimizer.__module__
 
 
+def version_warning(version):
+    """The warning for a Horovod other than ``CHECKED_VERSION`` (None for that one): the private
+    details above were checked against it, and some would fail silently if they changed."""
+    if version == CHECKED_VERSION:
+        return None
+    return (f"hvd_topk was checked with Horovod {CHECKED_VERSION}; this is Horovod {version}. It relies on "
+            "details of Horovod's internals (listed in hvd_topk/_horovod.py: the parameter names read from "
+            "Horovod's frames, the optimizer module broadcast_optimizer_state tests, the wrapped optimizer's "
+            "attributes, the reduction op, the synchronized flag) that may differ in this version; run "
+            "`make test` here before trusting a run.")
+
+
+_version_warning = version_warning(getattr(sys.modules.get("horovod"), "__version__", "?"))
+if _version_warning:
+    warnings.warn(_version_warning, stacklevel=2)
+
+
 # (4) dtype -> the dtype its dense allreduce runs in: float32 holds every bfloat16 exactly and
 # sums in more precision than bfloat16 would.
 ALLREDUCE_AS = {torch.bfloat16: torch.float32}

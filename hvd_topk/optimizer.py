@@ -93,7 +93,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
             gradient is added (a decayed accumulator, as in DeMo; 1.0 keeps everything).
         min_numel (1024): tensors with fewer elements go through a dense allreduce.
         fusion_bytes (64 MiB): dense-equivalent size of a sparse bucket.
-        dense_fallback (True): send a bucket dense when a ring allreduce moves fewer bytes than
+        dense_fallback (True): send a bucket dense when a ring allreduce moves no more bytes than
             the sparse exchange (the allgather at density >= 1/P for fp32 gradients); not below
             density 1 where the residual is DeMo's momentum (a ``residual_decay`` added to error
             feedback is no momentum: the 0.1% recipe's dense start takes the fallback).

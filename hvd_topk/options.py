@@ -49,7 +49,7 @@ class Options:
       ``"dense"`` or ``"dense_fp16"``. ``exchange_recheck_steps`` re-runs the trial that often
       (0: only when the world size changes). Pin one for quality experiments on a single
       host, where ``"auto"`` may rightly pick dense and the run then tests no compression.
-    - ``dense_fallback`` sends a bucket dense when a ring allreduce would move fewer bytes than
+    - ``dense_fallback`` sends a bucket dense when a ring allreduce would move no more bytes than
       the sparse strategy (the allgather at density >= 1/P for fp32): leave it on.
     - ``hierarchical`` (``hvd_topk.hierarchy``): a dense reduce-scatter inside each host, Top-K
       and error feedback on this rank's shard of the host's sum, the sparse exchange only
