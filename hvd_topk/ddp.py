@@ -664,7 +664,9 @@ def topk_hook(state, bucket):
     buffer = bucket.buffer()
     world = state.world_size
     params = bucket.parameters()
-    idle = exchange.unused_here(params)  # this rank's backward left them out (find_unused_parameters)
+    # this rank's backward left them out (find_unused_parameters); a joined rank ran none, and its
+    # gradients may be None (zero_grad after step), yet its residual sends (Join's zero buckets)
+    idle = set() if joined else exchange.unused_here(params)
     layout = state._layout(bucket)
     if state.optimizer is not None and not joined:
         # (a joined rank's optimizer is left alone, as torch's AdamW under plain DDP: its

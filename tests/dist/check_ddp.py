@@ -962,12 +962,14 @@ def check_join_local_adamw_leaves_the_joined_optimizer_alone(steps_of=lambda r: 
                                        err_msg=f"{name}: the last rank after Join, against its reference")
 
 
-def check_join():
+def check_join(zero_after_step=False):
     """Uneven inputs under DDP's ``Join``: rank r runs 3 + r steps; a joined rank's DDP runs the
     hook on zero buckets (its residual still sends). The truth: the same job with even inputs,
     where the ranks that have run out take steps of zero loss instead (zero gradients through
     the same hook, in the same order). The last rank to join ends bitwise where that run ends,
-    and Join leaves every rank with its parameters."""
+    and Join leaves every rank with its parameters. ``zero_after_step``: the loop calls
+    ``zero_grad(set_to_none=True)`` after ``step()``, so a joined rank's gradients are None; its
+    residual still sends (it was held back as if the rank had left those parameters out)."""
     from torch.distributed.algorithms.join import Join
     rank, size = dist.get_rank(), dist.get_world_size()
     last = 3 + size - 1
@@ -976,7 +978,14 @@ def check_join():
         model, ddp, state = build(exchange="allgather", bucket_cap_mb=0.005)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         mine = 3 + rank
-        if joined:
+        if joined and zero_after_step:
+            with Join([ddp]):
+                for step in range(mine):
+                    x, y = batch(step, rank)
+                    F.cross_entropy(ddp(x), y).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+        elif joined:
             with Join([ddp]):
                 train(ddp, opt, mine)
         else:
@@ -1339,6 +1348,7 @@ CHECKS = [
     ("non-finite gradient", check_nonfinite),
     ("non-finite gradient, LocalAdamW's moments stay finite", check_nonfinite_local_adamw),
     ("Join: uneven inputs", check_join),
+    ("Join: uneven inputs, zero_grad after step", lambda: check_join(zero_after_step=True)),
     ("Join with LocalAdamW: no false warning of a not-stepped optimizer", check_join_local_adamw_no_false_warning),
     ("Join with LocalAdamW: the joined rank's optimizer left alone", check_join_local_adamw_leaves_the_joined_optimizer_alone),
     ("bad input", check_bad_input),
