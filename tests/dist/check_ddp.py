@@ -212,10 +212,12 @@ def check_16bit_residuals(dtype, exchange):
 
 
 def check_bf16_values_that_cancel(exchange):
-    """A bf16 model whose ranks' gradients nearly cancel (1, 2**-8, -1 at 3 ranks): the sparse
-    tensor and the small one (a bias, summed in rank order by the hook, not Top-K) both average
-    to the float64 sum rounded to bf16 once (the small tensors' chunks were summed in bf16 one
-    rank at a time: 1 + 2**-8 - 1 read 0 at 3 ranks)."""
+    """A bf16 model whose ranks' gradients nearly cancel (1, 2**-8, -1 at 3 ranks): the small
+    tensor (a bias, summed in rank order by the hook, not Top-K), every element, averages to the
+    float64 sum rounded to bf16 once (its chunks were summed in bf16 one rank at a time: 1 + 2**-8
+    - 1 read 0 at 3 ranks), and so does the sparse tensor's first (selected) entry on the
+    allgather. A bucket sent dense is the process group's ring allreduce in bf16, as plain DDP's
+    (ddp.md says so): not checked here."""
     rank, size = dist.get_rank(), dist.get_world_size()
 
     class Model(torch.nn.Module):
@@ -233,8 +235,9 @@ def check_bf16_values_that_cancel(exchange):
                                                       named_parameters=model.named_parameters()))
     ddp(torch.full((4096,), nearly_cancelling(rank, size), dtype=torch.bfloat16, device=DEVICE)).backward()
     want = bfloat16_mean_rounded_once([nearly_cancelling(r, size) for r in range(size)])
-    got = {name: float(p.grad[0]) for name, p in model.named_parameters()}
-    assert got == {"w": want, "b": want}, (exchange, got, want)
+    assert model.b.grad.float().eq(want).all(), (exchange, model.b.grad.tolist(), want)
+    if exchange != "dense":
+        assert float(model.w.grad[0]) == want, (exchange, float(model.w.grad[0]), want)
     assert_same_on_all_ranks(host(model.b.grad.float()), "the small tensor's average")
 
 
