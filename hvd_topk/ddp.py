@@ -274,7 +274,12 @@ class TopKState:
             raise ValueError(f"this TopKState checkpoint has version {version}, newer than this hvd_topk's "
                              f"({STATE_VERSION}): upgrade hvd_topk to load it; nothing was loaded")
         if version != STATE_VERSION:
-            raise ValueError(f"not a hvd_topk.ddp.TopKState state_dict (version {STATE_VERSION})")
+            inside = [k for k, v in state.items() if isinstance(v, dict) and v.get("version") == STATE_VERSION] \
+                if isinstance(state, dict) else []
+            hint = (f": it holds one under {inside[0]!r}; pass checkpoint[{inside[0]!r}]" if inside else
+                    f" (got {type(state).__name__}" + (f" with keys {sorted(map(str, state))[:8]})" if isinstance(state, dict)
+                                                       else ")"))
+            raise ValueError(f"not a hvd_topk.ddp.TopKState state_dict (version {STATE_VERSION}){hint}; nothing was loaded")
         if self.names is None:
             raise ValueError("TopKState.load_state_dict() needs parameter names: build the state with "
                              "named_parameters=model.named_parameters()")

@@ -53,3 +53,21 @@ def test_a_state_holding_nan_fingerprints_alike():
     other = copy.deepcopy(state)
     other["residuals"]["w"][0] = 1.5
     assert _fingerprint(other) != _fingerprint(state)
+
+
+def test_a_whole_checkpoint_into_the_ddp_state_names_the_key_to_pass():
+    """A training checkpoint ({"model": ..., "topk": state.state_dict()}) handed whole to
+    TopKState.load_state_dict: the error names the key holding the state (it said only "not a
+    TopKState state_dict"); anything else names what it got."""
+    import pytest
+    import torch
+    import hvd_topk.ddp
+    model = torch.nn.Linear(4, 4)
+    state = hvd_topk.ddp.TopKState(density=0.01, named_parameters=model.named_parameters())
+    whole = {"model": model.state_dict(), "topk": state.state_dict()}
+    with pytest.raises(ValueError, match=r"it holds one under 'topk'; pass checkpoint\['topk'\]"):
+        state.load_state_dict(whole)
+    with pytest.raises(ValueError, match=r"got dict with keys \['a'\]"):
+        state.load_state_dict({"a": 1})
+    with pytest.raises(ValueError, match=r"got list"):
+        state.load_state_dict([1])
