@@ -60,6 +60,11 @@ class BucketLayout:
         self.error_feedback = error_feedback
         self.plans = {}     # density -> codec plan
         self.messages = {}  # (purpose, bytes) -> reusable uint8 buffer
+        # views made once, not at every step (DDP's buffer keeps its address between rebuilds)
+        edges = self.bounds.tolist()
+        self.acc_views = [self.acc[a:b] for a, b in zip(edges, edges[1:])]
+        self.dense_views = [self.dense_buffer[a:b] for a, b in _edges([spans[i][1] for i in self.dense])]
+        self._buffer_views = {}  # id(which) -> (DDP buffer's address and size, its views at ``which``)
 
     def dense_scratch(self, purpose, numel, dtype=None):
         """A reusable buffer of the small tensors' dtype (or ``dtype``), reallocated when its
@@ -88,11 +93,19 @@ class BucketLayout:
         return [_as_param(buffer[start:start + n], p) for p, (start, n) in zip(self.params, self.spans)]
 
     def segments(self, flat, which):
-        """Views of ``flat`` (DDP's buffer) at the parameters ``which`` (indices into params)."""
-        return [flat[self.spans[i][0]:self.spans[i][0] + self.spans[i][1]] for i in which]
+        """Views of ``flat`` (DDP's buffer) at the parameters ``which`` (``self.sparse`` or
+        ``self.dense``), made again only when the buffer moves (the views hold its storage, so
+        an address seen again is the same buffer)."""
+        where = (flat.data_ptr(), flat.numel(), flat.dtype)
+        made = self._buffer_views.get(id(which))
+        if made is None or made[0] != where:
+            made = self._buffer_views[id(which)] = (
+                where, [flat[self.spans[i][0]:self.spans[i][0] + self.spans[i][1]] for i in which])
+        return made[1]
 
     def acc_segments(self):
-        return [self.acc[int(a):int(b)] for a, b in zip(self.bounds, self.bounds[1:])]
+        """Each sparse parameter's part of the residual (views made once)."""
+        return self.acc_views
 
     def residual_segments(self):
         """(parameter, its residual): a flat view of ``acc`` in the order DDP lays the parameter
@@ -190,8 +203,7 @@ def average_dense(state, layout, buffer):
     16-bit tensors' chunks are summed, gathered and divided in float32 and rounded once in
     ``finish`` (added in bf16 one rank at a time, 1 + 2**-8 - 1 read 0 at 3 ranks); at two ranks
     the one bf16 addition already rounds the exact sum once, and the division by 2 is exact."""
-    copy_all([layout.dense_buffer[a:b] for a, b in _edges([layout.spans[i][1] for i in layout.dense])],
-             layout.segments(buffer, layout.dense))
+    copy_all(layout.dense_views, layout.segments(buffer, layout.dense))
     state._stats["bytes_sent"] += layout.dense_numel * buffer.element_size()
     state._stats["elements_selected"] += layout.dense_numel
     world, group, n = state.world_size, state.process_group, layout.dense_numel
@@ -249,8 +261,7 @@ def finish(buffer, layout, world):
         elif world > 2:  # the summed chunks, gathered (float32 for 16-bit tensors: rounded once here)
             summed = layout.dense_scratch("gathered", world * _chunk(n, world), residual_dtype(total.dtype))[:n]
             total.copy_(summed.div_(world))
-        copy_all(layout.segments(buffer, layout.dense),
-                 [total[a:b] for a, b in _edges([layout.spans[i][1] for i in layout.dense])])
+        copy_all(layout.segments(buffer, layout.dense), layout.dense_views)  # (total is dense_buffer)
     return buffer
 
 
