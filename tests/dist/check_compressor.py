@@ -304,21 +304,28 @@ def check_reductions_refused():
                                   r"fp16_values, compact\): build the same TopK", what="densities differ"):
         hvd.allreduce(torch.randn(2000), compression=hvd_topk.TopK(density=0.1 if odd else 0.05), name="refused.density")
     # the ops it does take still reduce (every rank took part in nothing above)
-    # (density 1: 8 bytes of pairs for each 4-byte entry, which the drop-in sends, warning once per TopK)
-    every = hvd_topk.TopK(density=1.0)
+    # (density 1: 8 bytes of pairs for each 4-byte entry, which the drop-in sends, warning once per
+    # TopK; every rank receives the P - 1 others' pairs, where a ring allreduce moves 2 (P-1)/P n 4)
+    every, fewer = hvd_topk.TopK(density=1.0), hvd_topk.TopK(density=0.4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = hvd.allreduce(torch.ones(2000), compression=every, op=hvd.Sum, name="after.sum")
         hvd.allreduce(torch.ones(2000), compression=every, op=hvd.Sum, name="after.sum.again")
-        hvd.allreduce(torch.ones(2000), compression=hvd_topk.TopK(density=0.4), name="after.fewer")  # 6.4 KB < 8 KB
+        hvd.allreduce(torch.ones(2000), compression=fewer, name="after.fewer")  # (P-1) 6.4 KB against 2 (P-1)/P 8 KB
         hvd.allreduce(torch.ones(1), compression=hvd_topk.TopK(density=0.01), name="after.one")  # k >= 1: 8 B > 4 B
     np.testing.assert_array_equal(out.cpu().numpy(), np.full(2000, float(hvd.size()), dtype=np.float32))
-    bytes_warnings = [str(w.message) for w in caught if "bytes of pairs" in str(w.message)]
-    assert bytes_warnings == [f"{every!r} sends 16000 bytes of pairs for a tensor of 8000 bytes: at this density each "
-                              "entry's index costs more than leaving it out saves, and this drop-in path has no dense "
-                              "fallback. Pass Horovod's compression=hvd.Compression.none (or fp16), a lower density, or "
-                              "use hvd_topk.DistributedOptimizer, which sends such tensors dense. (Warned once per "
-                              "TopK.)"], bytes_warnings
+    bytes_warnings = [str(w.message) for w in caught if "costs more than leaving it out saves" in str(w.message)]
+    size = hvd.size()
+
+    def told(compressor, message_bytes):
+        return (f"{compressor!r} over {size} ranks: each rank receives {(size - 1) * message_bytes} bytes of the "
+                f"others' pairs for a tensor a ring allreduce moves in {round(2 * (size - 1) / size * 8000)} bytes: at "
+                "this density each entry's index costs more than leaving it out saves (the allgather pays from about "
+                "2/P of the entries on), and this drop-in path has no dense fallback. Pass Horovod's "
+                "compression=hvd.Compression.none (or fp16), a lower density, or use hvd_topk.DistributedOptimizer, "
+                "which sends such tensors dense. (Warned once per TopK.)")
+    want = [told(every, 16000)] + ([told(fewer, 6400)] if size >= 3 else [])  # 0.4 > 2/P from 3 ranks on
+    assert bytes_warnings == want, bytes_warnings
 
 
 def check_broadcast_optimizer_state(compression):
