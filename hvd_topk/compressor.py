@@ -44,6 +44,7 @@ from typing import NamedTuple
 
 import torch
 
+from hvd_topk import costs
 from hvd_topk._horovod import caller_context, count_name_fallback, hvd, instance_name, set_key
 from hvd_topk._torch import compiled_autograd_active
 from hvd_topk.codec import Codec
@@ -371,10 +372,12 @@ class TopK(Compressor, metaclass=_FixedOptions):
         t1 = time.perf_counter()
         process_set = caller.process_set
         world = process_set.size()
-        # by the density, not this tensor (k >= 1 makes a pair cost more than a tensor of one or two
-        # entries): the allgather's (P-1) messages into a rank against a ring's 2 (P-1)/P n b
+        # the cost model's bytes into a rank, at this message's bytes a pair and by the density, not
+        # this tensor's k (k >= 1 makes a pair cost more than a tensor of one or two entries)
+        pair_bytes = message.numel() / plan.count
         if not self._warned_bytes and world > 1 and \
-                message.numel() * self.density * world > 2 * plan.count * tensor.element_size():
+                costs.allgather(world, numel, self.density * numel, pair_bytes, 0, 0) > \
+                costs.dense(world, numel, 0, 0, 0, tensor.element_size()):
             self._warned_bytes = True
             warnings.warn(MORE_THAN_DENSE.format(self=self, world=world, received=(world - 1) * message.numel(),
                                                  dense=round(2 * (world - 1) / world * numel * tensor.element_size())),
