@@ -1391,21 +1391,17 @@ def check_dense_adamw_checkpoint_into_the_recipe():
     them. Truth: the same checkpoint with those options written into its param groups by hand,
     loaded into the same recipe, bitwise at step 6."""
     saved = dense_adamw_checkpoint()
-    built = RECIPE_OPTIONS
-
-    def recipe(checkpoint):
-        return recipe_from(saved["model"], checkpoint)
-
-    model, opt, said = recipe(saved["opt"])
+    model, opt, said = recipe_from(saved["model"], saved["opt"])
     assert any(re.search(r"lack lr_in_residual, global_variance, signal, variance_sketch .*keep the values", s)
                for s in said), said
-    assert all(opt.param_groups[0][k] == v for k, v in built.items()), opt.param_groups[0]
-    by_hand = {**saved["opt"], "param_groups": [{**g, **built} for g in saved["opt"]["param_groups"]]}
-    want, _, said_by_hand = recipe(by_hand)
+    assert all(opt.param_groups[0][k] == v for k, v in RECIPE_OPTIONS.items()), opt.param_groups[0]
+    by_hand = {**saved["opt"], "param_groups": [{**g, **RECIPE_OPTIONS} for g in saved["opt"]["param_groups"]]}
+    want, _, said_by_hand = recipe_from(saved["model"], by_hand)
     assert not any("lack" in s for s in said_by_hand), said_by_hand
     for (name, a), b in zip(model.named_parameters(), want.parameters()):
         assert torch.equal(a, b), f"{name} differs from the hand-completed checkpoint's run"
     assert_same_on_all_ranks(next(model.parameters()).detach().cpu().numpy(), "parameters")
+
 
 def check_demo(normalise="sign", exchange="allgather", steps=5, density=0.05, lr=0.05, beta=0.8, wd=0.1):
     """DeMo: each rank's accumulator is beta * residual + lr_t * g (the error-feedback contract
