@@ -35,12 +35,11 @@ hierarchical exchange runs it, so both keep the wide pairs (and refuse ``compact
 import torch
 
 from hvd_topk import native
-from hvd_topk.wire import RANKS_DISAGREE
+from hvd_topk.wire import RANKS_DISAGREE, padded
 
 LEVELS = 126  # codes 1..127 span the band's log-width in 126 steps
 FLOAT32_SMALLEST = 2.0 ** -149  # the band's ends travel as float32
 FLOAT32_LARGEST = torch.finfo(torch.float32).max
-_ALIGN = 8
 
 
 class CompactPairs:
@@ -49,11 +48,10 @@ class CompactPairs:
     ``pack`` turns a wide message (``plan.layout``: int32/int64 indices and values of the
     buffer's dtype) into a compact one, feeding the rounding back into a residual; ``unpack``
     turns the allgather of compact messages back into wide ones, which ``Codec.decode`` reads.
-    ``value_itemsize`` and ``index_itemsize`` (1, and the index's bytes on average) are what
-    the cost model counts per pair.
+    ``index_itemsize`` is an index's bytes on average in the compact message (a value takes
+    one byte); the cost model does not use it: it counts a compact pair as a pair with 16-bit
+    values (``Codec.pair_itemsizes`` says why).
     """
-
-    value_itemsize = 1
 
     def __init__(self, plan):
         self.wide = plan.layout
@@ -70,7 +68,7 @@ class CompactPairs:
             edges[name] = slice(offset, offset + nbytes)
             offset += nbytes
         self._parts, self._used = edges, offset
-        self.nbytes = (offset + _ALIGN - 1) // _ALIGN * _ALIGN
+        self.nbytes = padded(offset)
         self._send = self._wide = None  # reusable buffers (one exchange of this plan at a time)
         self._device = torch.device("cpu")
         self._slots = torch.tensor(plan.slots, dtype=torch.int64)  # each segment's pairs (native)
@@ -161,8 +159,7 @@ class CompactPairs:
         band, high, low, code = self._views(gathered.view(world, self.nbytes))
         bitmap = unpack_bits(high, self.high_bits)
         if bool((bitmap.sum(dim=1) != self.count).any()):
-            raise RuntimeError("received index bitmaps do not hold the pairs sent: ranks disagree on the "
-                               "tensors being exchanged")
+            raise RuntimeError(f"received index bitmaps do not hold the pairs sent: {RANKS_DISAGREE}")
         position = bitmap.nonzero()[:, 1].view(world, self.count)  # row-major: each row in order
         index = (position - torch.arange(self.count, device=device)) << self.low_bits
         if self.low_bits:
@@ -193,8 +190,7 @@ class CompactPairs:
             p["low"].start, p["code"].start, self.count, self._slots.data_ptr(), self.segments, self.low_bits,
             values.data_ptr(), indices.data_ptr(), indices.element_size(), values.stride(0) * 4)
         if bad:
-            raise RuntimeError(f"rank {bad - 1}'s index bitmap does not hold the pairs sent: ranks disagree on "
-                               "the tensors being exchanged")
+            raise RuntimeError(f"rank {bad - 1}'s index bitmap does not hold the pairs sent: {RANKS_DISAGREE}")
 
     @staticmethod
     def _dequantise(code, band, segment):

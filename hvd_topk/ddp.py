@@ -196,7 +196,7 @@ class TopKState:
         self.device = None                      # the gradients' device, read at the first hook
         self.names = _names(named_parameters) if named_parameters is not None else None
         self.iteration = 0
-        self.layouts = {}                       # DDP bucket index -> _Layout
+        self.layouts = {}                       # DDP bucket index -> ddp_exchange.BucketLayout
         self.retired = []                       # layouts DDP replaced this step (their residuals move)
         self.pending = {}                       # name -> residual loaded before its bucket was seen
         self.model_params = set()               # ids of the parameters of the model it serves
@@ -207,7 +207,6 @@ class TopKState:
         self.checked = False
         self.family = None                      # this step's exchange family (see _begin_step)
         self.trial = None                       # exchange="auto": hvd_topk.auto.Trial, once started
-        self.trial_started = None               # the step it started at
         # statistics
         self._stats = dict(steps=0, bytes_sent=0, bytes_dense=0, elements_total=0, elements_selected=0,
                            nonfinite_resets=0)
@@ -359,7 +358,7 @@ class TopKState:
         return [(p, mine[p]) for p in params if p in mine]
 
     def _layout(self, bucket):
-        """The bucket's ``_Layout`` (made at its first step, and again when DDP rebuilt it; the
+        """The bucket's ``BucketLayout`` (made at its first step, and again when DDP rebuilt it; the
         residuals move with their parameters)."""
         params = bucket.parameters()
         layout = self.layouts.get(bucket.index())
@@ -534,7 +533,6 @@ class TopKState:
             byte_counts[family] = sum(cost for _, cost in chosen)
         self.trial = auto.Trial(auto.propose(assignments, byte_counts), self.exchange_trial_steps, self._agree,
                                 auto.left_out(self.sends_updates, momentum))
-        self.trial_started = self.iteration
 
     @property
     def sends_updates(self):

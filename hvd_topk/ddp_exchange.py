@@ -34,8 +34,8 @@ SPARSE_ALLREDUCE = _Strategy("sparse_allreduce", True, costs.sparse_allreduce)
 
 
 class BucketLayout:
-    """One DDP bucket as the hook sees it: which parameters are sparse (floating point, at least
-    ``min_numel`` elements) and where they sit in DDP's flat buffer, this bucket's residual (one
+    """One DDP bucket as the hook sees it: which parameters are sparse (at least ``min_numel``
+    elements; the hook checks the buffer's dtype once, at the first bucket) and where they sit in DDP's flat buffer, this bucket's residual (one
     flat buffer over its sparse parameters), and buffers reused every step."""
 
     def __init__(self, params, grads, buffer, min_numel, error_feedback):
@@ -103,16 +103,12 @@ class BucketLayout:
                 where, [flat[self.spans[i][0]:self.spans[i][0] + self.spans[i][1]] for i in which])
         return made[1]
 
-    def acc_segments(self):
-        """Each sparse parameter's part of the residual (views made once)."""
-        return self.acc_views
-
     def residual_segments(self):
         """(parameter, its residual): a flat view of ``acc`` in the order DDP lays the parameter
         out in its buffer (its memory order)."""
         if not self.error_feedback:
             return []
-        return [(self.params[i], seg) for i, seg in zip(self.sparse, self.acc_segments())]
+        return [(self.params[i], seg) for i, seg in zip(self.sparse, self.acc_views)]
 
     def residuals_by_element(self):
         """(parameter, its residual shaped and strided as the parameter): checkpoints hold these
@@ -173,10 +169,10 @@ def _as_param(flat, p):
     """``flat`` (``p.numel()`` elements as DDP lays ``p`` out) viewed with ``p``'s shape and
     strides: a dense parameter (channels_last too) in its memory order, any other as
     ``view(p.shape)``, as DDP's own bucket views do."""
-    return flat.as_strided(p.shape, p.stride()) if _dense(p) else flat.view(p.shape)
+    return flat.as_strided(p.shape, p.stride()) if _non_overlapping_dense(p) else flat.view(p.shape)
 
 
-def _dense(t):
+def _non_overlapping_dense(t):
     """Whether ``t``'s elements fill its memory without gaps or overlaps, in some order of its
     dimensions (torch's "non-overlapping and dense", which DDP lays out by memory order)."""
     expected = 1
@@ -288,7 +284,7 @@ def set_aside(state, layout, held, zero=True):
     then). Which parameters a rank did not use is ``unused_here``."""
     if not held:
         return _nothing
-    segments = layout.acc_segments()
+    segments = layout.acc_views
     kept = [(segments[s], segments[s].clone()) for s in held]
     for segment, _ in kept:
         if zero:
@@ -342,7 +338,7 @@ def _fold(state, layout, buffer, plan=None, message=None, seed=None):
             repasses, filled = repasses + extra, filled + fill
         Codec.finish_segments(plan, message, layout.acc.dtype, layout.acc)
         return Encoded(bad, repasses, filled)
-    accs = layout.acc_segments()
+    accs = layout.acc_views
     if not state.error_feedback:
         copy_all(accs, grads)
     else:
@@ -402,26 +398,25 @@ def exchange_sparse(state, layout, index, step, buffer, idle=()):
         return _sparse_allreduce(state, layout, parts, index, step, dests, folded_bad, put_back,
                                  held_slots(parts, held))
     _fold(state, layout, buffer)
-    if not strategy.sparse:
-        # the whole accumulator goes (a dense start): nothing stays behind but, with error
-        # feedback, what a narrower wire could not carry (float16, or 16-bit gradients' own
-        # dtype over their float32 residual), as the pairs keep their rounding
-        wire_dtype = torch.float16 if strategy is DENSE_FP16 else layout.grad_dtype
-        wire = layout.acc if wire_dtype == layout.acc.dtype else layout.acc.to(wire_dtype)
-        rounded = state.error_feedback and wire is not layout.acc
-        if rounded:  # a tensor holding inf/nan, or a value float16 overflowed, restarts from zero
-            layout.acc.sub_(wire)
-            _wipe(state, layout, _nonfinite_segments(layout))
-        state._count(strategy, bytes_sent=wire.numel() * wire.element_size(), elements_selected=layout.numel)
-        fut = _allreduce(wire, group)
+    # DENSE or DENSE_FP16: the whole accumulator goes (a dense start): nothing stays behind
+    # but, with error feedback, what a narrower wire could not carry (float16, or 16-bit
+    # gradients' own dtype over their float32 residual), as the pairs keep their rounding
+    wire_dtype = torch.float16 if strategy is DENSE_FP16 else layout.grad_dtype
+    wire = layout.acc if wire_dtype == layout.acc.dtype else layout.acc.to(wire_dtype)
+    rounded = state.error_feedback and wire is not layout.acc
+    if rounded:  # a tensor holding inf/nan, or a value float16 overflowed, restarts from zero
+        layout.acc.sub_(wire)
+        _wipe(state, layout, _nonfinite_segments(layout))
+    state._count(strategy, bytes_sent=wire.numel() * wire.element_size(), elements_selected=layout.numel)
+    fut = _allreduce(wire, group)
 
-        def dense_done(f):
-            total = f.value()[0] if isinstance(f.value(), list) else f.value()
-            copy_all(dests, [total[int(a):int(b)].to(buffer.dtype).div_(world)
-                             for a, b in zip(layout.bounds, layout.bounds[1:])])
-            if not rounded:
-                layout.acc.zero_()
-            put_back()  # after the collective has read acc
+    def dense_done(f):
+        total = f.value()[0] if isinstance(f.value(), list) else f.value()
+        copy_all(dests, [total[int(a):int(b)].to(buffer.dtype).div_(world)
+                         for a, b in zip(layout.bounds, layout.bounds[1:])])
+        if not rounded:
+            layout.acc.zero_()
+        put_back()  # after the collective has read acc
     return after(fut, dense_done, layout.acc.device)
 
 
@@ -514,7 +509,7 @@ def _sparse_allreduce(state, layout, plan, index, step, dests, folded_bad, put_b
 def _nonfinite_segments(layout):
     if bool(torch.isfinite(layout.acc).all()):
         return []
-    return [s for s, seg in enumerate(layout.acc_segments()) if not bool(torch.isfinite(seg).all())]
+    return [s for s, seg in enumerate(layout.acc_views) if not bool(torch.isfinite(seg).all())]
 
 
 def _flagged(bad):
@@ -530,7 +525,7 @@ def _wipe(state, layout, bad):
     bad = _flagged(bad)
     if not bad or not state.error_feedback:
         return
-    segments = layout.acc_segments()
+    segments = layout.acc_views
     for s in bad:
         segments[s].zero_()
     state._stats["nonfinite_resets"] += len(bad)

@@ -131,7 +131,7 @@ class TopKEngine:
         self.param_ids = [id(p) for g in param_groups for p in g["params"]]
         self.params = [p for g in param_groups for p in g["params"] if p.requires_grad]
         self.frozen = [p for g in param_groups for p in g["params"] if not p.requires_grad]
-        self.layout = parameter_layout(self.params)
+        self.param_signature = parameter_signature(self.params)
         self.names = names
         self.options = options
         self.density = compression.density
@@ -247,7 +247,7 @@ class TopKEngine:
         keep the residuals in the units of this step's gradients, and fix this step's family."""
         # before the first fold: a parameter resized in place (p.data = ...) would otherwise
         # fail inside the hooks, against buffers laid out for its old shape
-        check_parameters_unchanged(self.param_groups, self.param_ids, self.params, self.layout,
+        check_parameters_unchanged(self.param_groups, self.param_ids, self.params, self.param_signature,
                                    "hvd_topk.DistributedOptimizer")
         check_step_start(self)
         # p.grad no longer holds the last step's result (it may never have been stepped: a
@@ -480,7 +480,7 @@ class TopKEngine:
         if self.retired:
             raise RuntimeError("this hvd_topk.DistributedOptimizer was replaced by a newer one over the same "
                                "parameters, which now exchanges their gradients: step the new one")
-        check_parameters_unchanged(self.param_groups, self.param_ids, self.params, self.layout,
+        check_parameters_unchanged(self.param_groups, self.param_ids, self.params, self.param_signature,
                                    "hvd_topk.DistributedOptimizer")
         if self.ctx is None:  # no hook fired this step
             if self._holds_last_result():
@@ -714,18 +714,18 @@ def check_still_trainable(trainable, owner, because):
                 "optimizer over the trainable parameters, wrapped again).")
 
 
-def parameter_layout(params):
+def parameter_signature(params):
     """What the buffers built over ``params`` depend on: each one's shape, dtype and device."""
     return [(p.shape, p.dtype, p.device) for p in params]
 
 
-def check_parameters_unchanged(param_groups, param_ids, params, layout, owner):
+def check_parameters_unchanged(param_groups, param_ids, params, signature, owner):
     """RuntimeError if ``param_groups`` no longer hold the parameters ``owner`` was built over
     (``param_ids``, every parameter's id in order) or a trained one (``params``) changed its
-    shape, dtype or device since (``layout``): its buffers (residuals, shared copies) were made
+    shape, dtype or device since (``signature``): its buffers (residuals, shared copies) were made
     for them, and a parameter they miss would silently train on one rank only."""
     ids = [id(p) for g in param_groups for p in g["params"]]
-    if ids != param_ids or parameter_layout(params) != layout:
+    if ids != param_ids or parameter_signature(params) != signature:
         raise RuntimeError(f"the optimizer's parameters changed after {owner} was built (parameters added, "
                            "removed, replaced or resized, or moved to another dtype or device, e.g. "
                            f"model.double() or .cuda()); build the {owner.split('.')[-1]} after the model "

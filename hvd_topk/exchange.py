@@ -5,8 +5,8 @@ scaling model, the DDP hook and the tests: ``wire_bytes(world, numel, count, val
 index_bytes, dense_bytes)`` (``hvd_topk.costs``) is the bytes into one rank per exchange of a
 buffer of ``numel`` elements of which ``count`` pairs are selected (ring algorithms, the model
 Horovod's collectives follow).
-The collectives themselves are started and finished by the engine (``hvd_topk.engine``)
-through the strategies' ``start``/``finish`` helpers.
+The collectives themselves are started and finished by ``hvd_topk.inflight`` (one bucket's
+exchange in flight) through the strategies' ``start``/``finish`` helpers.
 
 ======================  ======================================================  ==============================
 strategy                what moves                                              bytes into one rank

@@ -36,7 +36,7 @@ from hvd_topk._horovod import hvd, is_horovod_distributed_optimizer, unshared_fo
 from hvd_topk._torch import AMP_SCALING_ATTRIBUTE, keep_objects
 from hvd_topk.compressor import TopK, keyword_names, unexpected_options_error
 from hvd_topk.engine import (STEP_KEY, TRIAL_KEY, check_parameters_unchanged, check_still_frozen, check_still_trainable,
-                             parameter_layout, process_set_size)
+                             parameter_signature, process_set_size)
 from hvd_topk.optimizer import ENGINE, LOCAL, DistributedOptimizer, _name_parameters, share_as_subclass
 from hvd_topk.selection import check_flag, check_integer, check_number
 from hvd_topk.stats import DENSE_FP32_BYTES
@@ -99,7 +99,7 @@ class LocalStepsState:
     (the shared weights at the last synchronisation, one per parameter, identical on every
     rank), ``outer`` (the ``hvd_topk.DistributedOptimizer`` over the anchors, with SGD at
     ``outer_lr``), ``frozen`` (``{parameter: name}`` of those with ``requires_grad=False`` when
-    it was built: they have no anchor), ``param_ids`` and ``layout`` (every parameter of the
+    it was built: they have no anchor), ``param_ids`` and ``param_signature`` (every parameter of the
     optimizer's groups, and the trained ones' shapes, dtypes and devices, when it was built: the
     anchors were made for them). Statistics: ``steps`` taken on this rank (for
     ``compression_stats``). ``inside`` (in ``step()``) and ``steps_elsewhere`` (the user's
@@ -109,7 +109,7 @@ class LocalStepsState:
         self.params, self.names, self.anchors, self.outer = params, names, anchors, outer
         self.sync_every = sync_every
         self.frozen = frozen
-        self.param_ids, self.layout = param_ids, parameter_layout(params)
+        self.param_ids, self.param_signature = param_ids, parameter_signature(params)
         self.steps = 0
         self.inside, self.steps_elsewhere = False, 0
 
@@ -248,7 +248,7 @@ class _LocalSteps(torch.optim.Optimizer):
 
     def step(self, closure=None):
         local = getattr(self, LOCAL)
-        check_parameters_unchanged(self.param_groups, local.param_ids, local.params, local.layout, "hvd_topk.LocalSteps")
+        check_parameters_unchanged(self.param_groups, local.param_ids, local.params, local.param_signature, "hvd_topk.LocalSteps")
         check_still_frozen(local.frozen.items(), "hvd_topk.LocalSteps",
                            "it has no shared copy, so its changes would never be exchanged")
         check_still_trainable(zip(local.params, local.names), "hvd_topk.LocalSteps",

@@ -27,6 +27,7 @@ import warnings
 import torch
 
 from hvd_topk import native
+from hvd_topk.wire import RANKS_DISAGREE
 
 METHODS = ("sampled", "exact")
 DEFAULT_METHOD = "sampled"
@@ -262,7 +263,7 @@ def take_native(x, indices, out, zero=False):
         out.data_ptr(), int(zero))
     if outside:
         raise IndexError(f"{outside} of {indices.numel()} positions lie outside the {x.numel()} "
-                         "entries of the buffer: ranks disagree on the tensors being exchanged")
+                         f"entries of the buffer: {RANKS_DISAGREE}")
     return out
 
 

@@ -21,6 +21,11 @@ STEPS_DISAGREE = (" With the DDP hook the ranks may also be at different steps: 
                   "on some ranks only (load each rank's own state on every rank).")
 
 
+def padded(nbytes):
+    """``nbytes`` rounded up to the alignment every message is padded to."""
+    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
 def index_dtype_for(numel):
     """int32 while every index fits, int64 beyond 2**31 - 1 elements."""
     return torch.int32 if numel < 2**31 else torch.int64
@@ -37,7 +42,7 @@ class Layout:
         index_bytes = self.count * self.index_itemsize
         value_bytes = self.count * self.value_itemsize
         used = index_bytes + value_bytes
-        self.nbytes = (used + _ALIGN - 1) // _ALIGN * _ALIGN
+        self.nbytes = padded(used)
         if _itemsize(value_dtype) > _itemsize(index_dtype):  # keep every part aligned
             self._values, self._indices = slice(0, value_bytes), slice(value_bytes, used)
         else:
@@ -72,11 +77,6 @@ class Layout:
 
     def zero_padding(self, message):
         message[self._padding].zero_()
-
-    @property
-    def row_offsets(self):
-        """Byte offsets of the values and of the indices inside one rank's block."""
-        return self._values.start, self._indices.start
 
     def unpack(self, gathered, world_size):
         """Views ``(values[world_size, count], indices[world_size, count])`` of an allgather."""
