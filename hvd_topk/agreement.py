@@ -7,6 +7,7 @@ later would be a hang, a message-size error or ranks that silently diverge.
 """
 
 import hashlib
+import numbers
 
 import torch
 
@@ -27,16 +28,23 @@ def disagreement(fields, every):
             for r in differ]
 
 
-def group_options(param_groups):
+def group_options(param_groups, leave_out=None):
     """The param groups' options (learning rate, betas, weight decay, ...) as plain values: what
     every rank must have the same of (the Horovod engine compares them at every step, through
-    its step probe; the DDP hook at its first bucket, where a ``variance_sketch`` differing would
-    make one rank's sketch exchange wait for the others' forever). A
-    one-element tensor (a tensor learning rate) counts by its value, wherever it lives."""
+    its step probe; ``LocalSteps`` at each synchronisation, leaving out its own ``hvd_topk_``
+    entries; the DDP hook at its first bucket, where a ``variance_sketch`` differing would make
+    one rank's sketch exchange wait for the others' forever). Keys starting with ``leave_out``
+    are left out.
+
+    A tensor (a tensor learning rate) counts by its values, wherever it lives (its repr names
+    its device, which differs by rank); a number, string or None by itself; any other object by
+    its type's name (its default repr names its address, which differs by rank)."""
     def plain(v):
         if torch.is_tensor(v):
-            return v.item() if v.numel() == 1 else tuple(v.shape)
+            return v.item() if v.numel() == 1 else tuple(v.flatten().tolist())
         if isinstance(v, (tuple, list)):
             return tuple(plain(x) for x in v)
-        return v if v is None or isinstance(v, (bool, int, float, str)) else type(v).__name__
-    return [sorted((k, plain(v)) for k, v in g.items() if k != "params") for g in param_groups]
+        return v if v is None or isinstance(v, (numbers.Number, str)) else type(v).__name__
+    return [sorted((k, plain(v)) for k, v in g.items()
+                   if k != "params" and not (leave_out and k.startswith(leave_out)))
+            for g in param_groups]

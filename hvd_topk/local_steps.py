@@ -72,19 +72,6 @@ def _groups_of_anchors(groups, param_groups, params, anchors):
             else group for group in groups]
 
 
-def _inner_options(param_groups):
-    """The user's optimizer's settings, group by group, as every rank must hold them (not the
-    parameters, nor LocalSteps' own entries of group 0, compared on their own). A tensor option
-    (``lr=torch.tensor(...)``, ``betas`` of tensors) by its values: its repr names its device,
-    which differs by rank."""
-    def plain(v):
-        if isinstance(v, torch.Tensor):
-            return v.tolist()
-        return type(v)(plain(x) for x in v) if isinstance(v, (tuple, list)) else v
-    return [sorted((k, plain(v)) for k, v in g.items() if k != "params" and not k.startswith("hvd_topk_"))
-            for g in param_groups]
-
-
 def _momentum_buffer(outer, anchor):
     """The outer SGD's momentum buffer of ``anchor`` (a copy), or None (no momentum, or none yet)."""
     buffer = outer.state.get(anchor, {}).get("momentum_buffer")
@@ -483,7 +470,7 @@ class _LocalSteps(torch.optim.Optimizer):
                 if local.anchors else 0.0
         outer = local.outer.param_groups[0]
         settings = agreement.digest((local.sync_every, outer["lr"], outer["momentum"], outer["nesterov"])) % 2 ** 50
-        inner = agreement.digest(_inner_options(self.param_groups)) % 2 ** 50
+        inner = agreement.digest(agreement.group_options(self.param_groups, leave_out="hvd_topk_")) % 2 ** 50
         stateful = self._has_state()
         which = agreement.digest(tuple(stateful)) % 2 ** 50  # which parameters have optimizer state here
         mine = torch.tensor([[self.param_groups[0][SYNCS_KEY], self.local_step, checksum, settings, which, inner]],

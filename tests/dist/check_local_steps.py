@@ -755,6 +755,12 @@ def check_bad_input():
     for step in range(4):  # an LR scheduler stepped alike on every rank: the same settings
         train(model, opt, 1, start=step)
         scheduler.step()
+    # An object kept in a param group (a training script's tag): compared by its type, as the
+    # Horovod engine does; its default repr names its address, which differs by rank, and the
+    # synchronisation refused it as the ranks' settings differing
+    model, opt = build(sgd(), sync_every=2)
+    opt.param_groups[0]["tag"] = type("Tag", (), {})()
+    train(model, opt, 4)
     # The optimizer passed to LocalSteps stepped instead of the returned one: nothing synchronises,
     # a warning says so (before, silence and ranks that went apart); a fresh optimizer's broadcast
     # (one step of the inner class, taken by Horovod) and training through the returned one do not warn

@@ -63,16 +63,18 @@ def check_density_mismatch():
         m, compression=hvd_topk.TopK(density=0.1 if odd else 0.01)))
 
 
-def check_options_differ(at_step):
+def check_options_differ(at_step, option="lr", mine=0.1, odd=0.2, shown=r"\('lr', 0\.[12]\)"):
     """The learning rate differing on the last rank, from the start or set there alone in mid-run:
     every rank raises at that step, where before the ranks applied different updates and drifted
-    apart silently (stock Horovod does not check either)."""
+    apart silently (stock Horovod does not check either). An option that is a tensor of several
+    entries is compared by its values (its shape alone was, and values differing went through)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
     opt = distributed(model, exchange="allgather")
+    opt.param_groups[0][option] = mine
     for step in range(at_step + 1):
         if step == at_step and hvd.rank() == last_rank():
-            opt.param_groups[0]["lr"] = 0.2
+            opt.param_groups[0][option] = odd
         opt.zero_grad()
         loss = model(torch.randn(8, 64)).square().mean()
         if step < at_step:
@@ -80,7 +82,7 @@ def check_options_differ(at_step):
             opt.step()
             continue
         with raises(RuntimeError, match=r"the ranks' optimizers have different param-group options this step "
-                                        r"\(this rank's: \[\[.*\('lr', 0\.[12]\)", what=f"lr differing at step {at_step}"):
+                                        r"\(this rank's: \[\[.*" + shown, what=f"{option} differing at step {at_step}"):
             loss.backward()
             opt.step()
 
@@ -122,6 +124,8 @@ CHECKS = [
     ("the native kernel on some ranks only, bf16 parameters", lambda: check_native_kernel_on_some_ranks(torch.bfloat16)),
     ("the learning rate, from the first step", lambda: check_options_differ(0)),
     ("the learning rate, set on one rank in mid-run", lambda: check_options_differ(2)),
+    ("a tensor option of two entries, one differing on one rank", lambda: check_options_differ(
+        1, "scale", torch.tensor([1.0, 2.0]), torch.tensor([1.0, 3.0]), r"\('scale', \(1\.0, [23]\.0\)\)")),
 ]
 
 
