@@ -355,6 +355,23 @@ def candidate_capacity(n, r, sample):
     return min(n, int((r + max(0.5 * r, 6.0 * math.sqrt(r))) * n / sample) + 16)
 
 
+def has_nonzero_static(device):
+    """Whether ``torch.nonzero_static`` has a kernel for ``device``: CPU always, CUDA from
+    torch 2.6 on (pytorch/pytorch#141838); the declared floor is 2.3."""
+    return device.type == "cpu" or torch.__version__ >= "2.6"
+
+
+def nonzero_static(mask, size):
+    """The positions of the first ``size`` true entries of the 1-D ``mask``, in order, padded
+    with -1 (``torch.nonzero_static(mask, size=size, fill_value=-1)`` flattened): a fixed size,
+    so no host sync. Where that op has no kernel for the device (CUDA before torch 2.6),
+    ``torch.nonzero`` cut or padded to ``size``, which reads the count on the host: one sync."""
+    if has_nonzero_static(mask.device):
+        return torch.nonzero_static(mask, size=size, fill_value=-1).view(-1)
+    found = torch.nonzero(mask).view(-1)[:size]
+    return torch.cat([found, found.new_full((size - found.numel(),), -1)])
+
+
 def select_sampled_torch(flat, k, seed=None):
     """Sampled top-k with torch ops only: no host synchronisation, fixed-size results."""
     n = flat.numel()
@@ -368,9 +385,9 @@ def select_sampled_torch(flat, k, seed=None):
     # assumes), then up to k equal to it. One room for ">=" let a cluster of equal magnitudes at
     # the threshold (fp16's few subnormal values, a saturated layer) fill it by position and
     # push out larger entries behind it: 0 of the true top 10,000 sent in a review's case.
-    above = torch.nonzero_static(magnitude > threshold, size=candidate_capacity(n, r, SAMPLE), fill_value=-1)
-    ties = torch.nonzero_static(magnitude == threshold, size=k, fill_value=-1)
-    candidates = torch.cat([above, ties]).view(-1)
+    above = nonzero_static(magnitude > threshold, candidate_capacity(n, r, SAMPLE))
+    ties = nonzero_static(magnitude == threshold, k)
+    candidates = torch.cat([above, ties])
     valid = candidates >= 0
     candidates = candidates.clamp_(min=0)
     keys = torch.where(valid, magnitude[candidates], -1.0)
@@ -491,9 +508,9 @@ def select_segments_torch(x, sizes, ks, method=DEFAULT_METHOD, seed=None):
     ties = []
     for s, b, e, k in c.thresholded:
         torch.gt(magnitude[b:e], threshold[s], out=mask[b:e])
-        at = torch.nonzero_static(magnitude[b:e] == threshold[s], size=k, fill_value=-1).view(-1)
+        at = nonzero_static(magnitude[b:e] == threshold[s], k)
         ties.append(torch.where(at >= 0, at + b, at))
-    cand = torch.cat([torch.nonzero_static(mask, size=c.capacity, fill_value=-1).view(-1), *ties])
+    cand = torch.cat([nonzero_static(mask, c.capacity), *ties])
     valid = cand >= 0
     cand = cand.clamp_(min=0)
     seg = torch.where(valid, torch.searchsorted(c.bounds, cand, right=True), nseg)

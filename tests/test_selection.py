@@ -215,6 +215,43 @@ def test_torch_sampled_small_k_takes_the_true_top_k(k):
         assert set((indices[300:] - 300_000).tolist()) == truth, seed
 
 
+@pytest.mark.parametrize("true_count", [0, 7, 50, 200])
+def test_nonzero_static_without_the_op_matches_numpy(monkeypatch, true_count):
+    """Where torch.nonzero_static has no kernel (CUDA before torch 2.6; emulated here on the
+    CPU) the same positions come from torch.nonzero, cut or padded with -1: numpy's flatnonzero
+    of the mask, first 50, padded. And the selection over it is the one with the op: the small-k
+    case above, draw by draw, and a bucket's segments."""
+    rng = np.random.default_rng(true_count)
+    mask = np.zeros(1000, dtype=bool)
+    mask[rng.choice(1000, true_count, replace=False)] = True
+    want = np.full(50, -1)
+    found = np.flatnonzero(mask)[:50]
+    want[:found.size] = found
+    with_op = selection.nonzero_static(torch.from_numpy(mask), 50)
+    monkeypatch.setattr(selection, "has_nonzero_static", lambda device: False)
+    without_op = selection.nonzero_static(torch.from_numpy(mask), 50)
+    np.testing.assert_array_equal(with_op.numpy(), want)
+    np.testing.assert_array_equal(without_op.numpy(), want)
+
+
+def test_selection_without_nonzero_static_is_the_same(monkeypatch):
+    """select_sampled_torch and select_segments_torch through the fallback choose what they
+    choose through torch's op (numpy's top-k at k = 10, as in the test above)."""
+    n = 500_000
+    rng = np.random.default_rng(3)
+    dense = ((rng.permutation(n) + 1) * rng.choice([-1.0, 1.0], n)).astype(np.float32)
+    x = torch.from_numpy(dense)
+    bucket = torch.cat([torch.randn(300_000, generator=torch.Generator().manual_seed(3)), x])
+    with_op = [selection.select_sampled_torch(x, 10, seed=1), selection.select_segments_torch(
+        bucket, [300_000, n], [300, 10], "sampled", seed=1)]
+    monkeypatch.setattr(selection, "has_nonzero_static", lambda device: False)
+    without_op = [selection.select_sampled_torch(x, 10, seed=1), selection.select_segments_torch(
+        bucket, [300_000, n], [300, 10], "sampled", seed=1)]
+    assert set(without_op[0][1].tolist()) == set(np.argsort(-np.abs(dense))[:10].tolist())
+    for a, b in zip(with_op, without_op):
+        for u, v in zip(a, b):
+            assert torch.equal(u, v)
+
 @needs_native
 def test_second_pass_down_to_zero_takes_the_true_top_k():
     """An embedding's residual: a few touched rows, their entries slightly more than k, the rest
