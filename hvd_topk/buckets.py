@@ -21,7 +21,7 @@ import torch
 
 from hvd_topk._horovod import allreduce_dtype
 from hvd_topk._torch import copy_all
-from hvd_topk.codec import residual_dtype, segments_in
+from hvd_topk.codec import residual_dtype, segments_in, wipe_flagged
 from hvd_topk.selection import check_integer, native_ok
 from hvd_topk.wire import index_dtype_for
 
@@ -338,14 +338,7 @@ class Bucket:
                 for flat in flats:
                     flat[edges[s]:edges[s + 1]].zero_()
             return len(bad)
-        if bad.dim() == 0:
-            mask, count = bad, bad.to(torch.int64) * len(self.members)
-        else:
-            mask, count = bad.repeat_interleave(self._sizes_on(edges, bad.device),
-                                                output_size=edges[-1] - edges[0]), bad.sum()
-        for flat in flats:
-            flat.masked_fill_(mask, 0)
-        return count
+        return wipe_flagged(flats, bad, self._sizes_on(edges, bad.device), edges[-1] - edges[0])
 
     def _sizes_on(self, edges, device):
         """The segments' sizes as a tensor on ``device``, made once per set of edges: built from

@@ -229,6 +229,21 @@ def residual_dtype(grad_dtype):
     return torch.float32 if grad_dtype in (torch.float16, torch.bfloat16) else grad_dtype
 
 
+def wipe_flagged(flats, flags, sizes, numel):
+    """Zero, in each flat buffer of ``flats`` (``numel`` entries), the segments whose flag is set:
+    ``flags`` a bool tensor with one flag per segment (the torch-ops encode's ``nonfinite``), or
+    a 0-d one for the whole buffer; ``sizes`` the segments' sizes, an int64 tensor on the flags'
+    device. On the device: the flags are never read on the host (a GPU would wait there for the
+    selection to finish). Returns how many segments were wiped, a 0-d tensor."""
+    if flags.dim() == 0:
+        mask, count = flags, flags.to(torch.int64) * sizes.numel()
+    else:
+        mask, count = flags.repeat_interleave(sizes, output_size=numel), flags.sum()
+    for flat in flats:
+        flat.masked_fill_(mask, 0)
+    return count
+
+
 class Codec:
     """Top-K selection and its wire format; ``method``, ``fp16_values`` and ``compact`` as in
     ``TopK``. With ``compact`` the plans' messages hold the buffer's own dtype (the compact form

@@ -48,7 +48,7 @@ from hvd_topk._torch import backward_running, ddp_ignored_names, still_written, 
 from hvd_topk.loss_scale import ResidualScale, check_grad_scaler, is_loss_scale
 from hvd_topk.optim import momentum_in_residual, residual_decay_of
 from hvd_topk.schedule import DEFAULT_START, DensitySchedule
-from hvd_topk.stats import DENSE_FP32_BYTES
+from hvd_topk.stats import DENSE_FP32_BYTES, CompressionStats
 from hvd_topk.selection import (NAMED_PARAMETERS_ERROR, DEFAULT_METHOD, check_target_density, check_flag, check_integer, check_number,
                                 check_residual_decay, warn_ignored, warn_momentum_sent_whole, NATIVE_IN_USE,
                                 native_in_use)
@@ -61,6 +61,10 @@ STATE_VERSION = 1
 # every torch optimizer's completed step() (fused ones move parameters without bumping their
 # version counters): what TopKState.state_dict() asks to tell "after step()" from "before"
 _OPTIMIZER_STEPS = [0]
+
+# the CompressionStats fields state.stats() reports (the others are the Horovod engine's)
+_STATS = ("steps", "bytes_sent", "bytes_dense", "elements_total", "elements_selected", "nonfinite_resets",
+          "bytes_ratio", "density")
 
 
 def _count_optimizer_step(optimizer, args, kwargs):
@@ -208,17 +212,14 @@ class TopKState:
         self.family = None                      # this step's exchange family (see _begin_step)
         self.trial = None                       # exchange="auto": hvd_topk.auto.Trial, once started
         # statistics
-        self._stats = dict(steps=0, bytes_sent=0, bytes_dense=0, elements_total=0, elements_selected=0,
-                           nonfinite_resets=0)
+        self._stats = CompressionStats()  # of its fields: _STATS
         self._by_strategy = {}
 
     # ---- statistics --------------------------------------------------------------------
     def stats(self):
         """Totals since the start (``load_state_dict`` keeps them): ``bytes_ratio`` is bytes handed
         to the network over a dense fp32 allreduce's, averaged over the whole run."""
-        out = dict(self._stats)
-        out["bytes_ratio"] = out["bytes_sent"] / out["bytes_dense"] if out["bytes_dense"] else 0.0
-        out["density"] = out["elements_selected"] / out["elements_total"] if out["elements_total"] else 0.0
+        out = {k: v for k, v in self._stats.as_dict().items() if k in _STATS}
         out["current_density"] = self.schedule.density(self.iteration)
         out["buckets_by_exchange"] = dict(self._by_strategy)
         out["world_size"] = self.world_size
@@ -228,8 +229,7 @@ class TopKState:
         return out
 
     def _count(self, strategy, **amounts):
-        for key, value in amounts.items():
-            self._stats[key] += value
+        self._stats.add(**amounts)
         self._by_strategy[strategy.name] = self._by_strategy.get(strategy.name, 0) + 1
 
     # ---- checkpoints -------------------------------------------------------------------
@@ -693,13 +693,12 @@ def topk_hook(state, bucket):
             state._drop_pending()
         state.iteration += 1
         state.steps_here += 1
-        state._stats["steps"] += 1
+        state._stats.add(steps=1)
         state._check_retired_taken()
         state.retired = []
         for index in [i for i in state.layouts if i > bucket.index()]:
             del state.layouts[index]  # DDP rebuilt into fewer buckets: their residuals moved
-    state._stats["bytes_dense"] += buffer.numel() * DENSE_FP32_BYTES
-    state._stats["elements_total"] += buffer.numel()
+    state._stats.add(bytes_dense=buffer.numel() * DENSE_FP32_BYTES, elements_total=buffer.numel())
     futures = []
     if layout.dense:  # the small tensors: a plain average
         futures.append(exchange.average_dense(state, layout, buffer))

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from hvd_topk import auto, costs
 from hvd_topk._torch import copy_all
-from hvd_topk.codec import Codec, Encoded, residual_dtype, rotating_part
+from hvd_topk.codec import Codec, Encoded, residual_dtype, rotating_part, wipe_flagged
 from hvd_topk.selection import native_ok, sample_seed
 from hvd_topk.wire import index_dtype_for
 
@@ -63,6 +63,7 @@ class BucketLayout:
         # views made once, not at every step (DDP's buffer keeps its address between rebuilds)
         edges = self.bounds.tolist()
         self.acc_views = [self.acc[a:b] for a, b in zip(edges, edges[1:])]
+        self._sizes_on = {}  # device -> the sparse parameters' sizes there (sizes_on)
         self.dense_views = [self.dense_buffer[a:b] for a, b in _edges([spans[i][1] for i in self.dense])]
         self._buffer_views = {}  # id(which) -> (DDP buffer's address and size, its views at ``which``)
 
@@ -102,6 +103,14 @@ class BucketLayout:
             made = self._buffer_views[id(which)] = (
                 where, [flat[self.spans[i][0]:self.spans[i][0] + self.spans[i][1]] for i in which])
         return made[1]
+
+    def sizes_on(self, device):
+        """The sparse parameters' sizes as an int64 tensor on ``device``, made once (for wiping
+        flagged tensors on the device)."""
+        sizes = self._sizes_on.get(device)
+        if sizes is None:
+            sizes = self._sizes_on[device] = torch.tensor(self.sizes, dtype=torch.int64, device=device)
+        return sizes
 
     def residual_segments(self):
         """(parameter, its residual): a flat view of ``acc`` in the order DDP lays the parameter
@@ -200,8 +209,7 @@ def average_dense(state, layout, buffer):
     ``finish`` (added in bf16 one rank at a time, 1 + 2**-8 - 1 read 0 at 3 ranks); at two ranks
     the one bf16 addition already rounds the exact sum once, and the division by 2 is exact."""
     copy_all(layout.dense_views, layout.segments(buffer, layout.dense))
-    state._stats["bytes_sent"] += layout.dense_numel * buffer.element_size()
-    state._stats["elements_selected"] += layout.dense_numel
+    state._stats.add(bytes_sent=layout.dense_numel * buffer.element_size(), elements_selected=layout.dense_numel)
     world, group, n = state.world_size, state.process_group, layout.dense_numel
     if world == 1:
         done = torch.futures.Future()
@@ -230,7 +238,7 @@ def average_sketches(state, optimizer, layout, device):
     the ranks; a future that hands the average to ``optimizer.absorb_sketches``. Gathered and
     summed in rank order, as ``average_dense`` is, so that a resumed job sums them as before."""
     rows = optimizer.sketch_rows(layout).to(device)
-    state._stats["bytes_sent"] += rows.numel() * rows.element_size()
+    state._stats.add(bytes_sent=rows.numel() * rows.element_size())
     world = state.world_size
     gathered = rows.new_empty(world * rows.numel())
     fut = all_gather(gathered, rows, state.process_group, async_op=True).get_future()
@@ -520,15 +528,19 @@ def _flagged(bad):
 
 
 def _wipe(state, layout, bad):
-    """The residual's tensors that held inf/nan (``bad``: their numbers) start again from zero
-    (the values still went out)."""
-    bad = _flagged(bad)
-    if not bad or not state.error_feedback:
+    """The residual's tensors that held inf/nan (``bad``: their numbers, or the torch-ops
+    encode's flags, one per tensor, wiped on the device without a host read) start again from
+    zero (the values still went out)."""
+    if not state.error_feedback:
+        return
+    if torch.is_tensor(bad):
+        wiped = wipe_flagged([layout.acc], bad, layout.sizes_on(bad.device), layout.acc.numel())
+        state._stats.add_tensor("nonfinite_resets", wiped)
         return
     segments = layout.acc_views
     for s in bad:
         segments[s].zero_()
-    state._stats["nonfinite_resets"] += len(bad)
+    state._stats.add(nonfinite_resets=len(bad))
 
 
 def after(fut, callback, device):

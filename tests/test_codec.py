@@ -380,3 +380,34 @@ def test_segment_encoder_and_encode_sample_alike_from_one_seed():
     np.testing.assert_array_equal(plan.layout.views(message_c)[1][slots].numpy(),
                                   plan.layout.views(message_a)[1][slots].numpy())
 
+
+
+def test_wipe_flagged_zeroes_the_flagged_segments_on_the_device():
+    """codec.wipe_flagged (the Horovod buckets' and the DDP hook's wipe of the torch-ops
+    encode's flags): the flagged segments of every buffer zeroed, the others untouched (numpy:
+    the same slices set to 0), the count a 0-d tensor; a 0-d flag wipes every segment. On the
+    meta device, where any host read of a tensor raises: none is made (a GPU would wait there)."""
+    sizes = [3, 5, 2, 4]
+    edges = np.cumsum([0, *sizes])
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal(14).astype(np.float32), rng.standard_normal(14).astype(np.float32)
+    flags = np.array([False, True, False, True])
+    want_a, want_b = a.copy(), b.copy()
+    for s in np.flatnonzero(flags):
+        want_a[edges[s]:edges[s + 1]] = 0
+        want_b[edges[s]:edges[s + 1]] = 0
+    ta, tb = torch.from_numpy(a.copy()), torch.from_numpy(b.copy())
+    count = codec.wipe_flagged([ta, tb], torch.from_numpy(flags), torch.tensor(sizes), 14)
+    np.testing.assert_array_equal(ta.numpy(), want_a)
+    np.testing.assert_array_equal(tb.numpy(), want_b)
+    assert count.dim() == 0 and int(count) == 2
+    whole = torch.from_numpy(a.copy())
+    assert int(codec.wipe_flagged([whole], torch.tensor(True), torch.tensor(sizes), 14)) == 4
+    assert not whole.any()
+    kept = torch.from_numpy(a.copy())
+    assert int(codec.wipe_flagged([kept], torch.tensor(False), torch.tensor(sizes), 14)) == 0
+    np.testing.assert_array_equal(kept.numpy(), a)
+    meta = torch.empty(14, device="meta")
+    codec.wipe_flagged([meta], torch.zeros(4, dtype=torch.bool, device="meta"),
+                       torch.tensor(sizes, device="meta"), 14)
+
