@@ -372,8 +372,11 @@ class Codec:
             # a position listed again (the torch-ops selection's spare slots of a short segment
             # repeat one, with value 0 from the rank that chose it) sends its value once, at the
             # first slot, or the sum would count it again at every repeat
+            # (a mask, not a list of positions: a boolean index would read its count on the host)
             ordered, order = torch.sort(where, stable=True)
-            full.index_fill_(0, order[1:][ordered[1:] == ordered[:-1]], 0)
+            again = torch.zeros_like(where, dtype=torch.bool)
+            again[order[1:]] = ordered[1:] == ordered[:-1]
+            full.masked_fill_(again, 0)
         if zero:
             x.index_fill_(0, where, 0)
         out.copy_(full)

@@ -98,10 +98,10 @@ class CompactPairs:
         lib = _native(values, residual)
         if lib is not None and self._pack_native(lib, values, indices, out, residual):
             return out
-        index = indices.long()
-        if self.count > 1 and not bool((index[1:] >= index[:-1]).all()):
-            index, order = torch.sort(index, stable=True)  # the torch-ops selection's order
-            values = values[order]
+        # in position order (the torch-ops selection's are by segment, then magnitude); sorted
+        # whatever they are, as asking whether they are would read the answer on the host
+        index, order = torch.sort(indices.long(), stable=True)
+        values = values[order]
         band, high, low, code = self._views(out.view(1, -1))
         segment = self._on(message.device)
         magnitude = values.double().abs()
@@ -220,16 +220,13 @@ def low_bits(n, k):
     return max(0, (n // k).bit_length() - 1) if k else 0
 
 
-_WEIGHTS = 1 << torch.arange(8, dtype=torch.int32)
-
-
 def pack_bits(bits):
     """``bits`` (bool, [rows, m]) as bytes, [rows, ceil(m / 8)], bit j of byte b being
     ``bits[:, 8 b + j]``."""
     pad = -bits.shape[1] % 8
     if pad:
         bits = torch.nn.functional.pad(bits, (0, pad))
-    weights = _WEIGHTS.to(bits.device)
+    weights = 1 << torch.arange(8, dtype=torch.int32, device=bits.device)  # made there: no copy to it
     return (bits.view(bits.shape[0], -1, 8).to(torch.int32) * weights).sum(dim=2).to(torch.uint8)
 
 

@@ -411,3 +411,31 @@ def test_wipe_flagged_zeroes_the_flagged_segments_on_the_device():
     codec.wipe_flagged([meta], torch.zeros(4, dtype=torch.bool, device="meta"),
                        torch.tensor(sizes, device="meta"), 14)
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fp16_values", [False, True])
+@pytest.mark.parametrize("method", ["sampled", "exact"])
+def test_torch_ops_paths_read_nothing_on_the_host(monkeypatch, dtype, fp16_values, method):
+    """What a GPU runs (the torch-ops encode, decode, take and compact pack) makes no host read
+    of a tensor: on the meta device any such read raises (bool(), float(), .tolist(), a boolean
+    index). On a GPU each would make the host wait for the kernels before it. (The meta device
+    has no random generator: the sample's draw is left to the default one there.)"""
+    real = selection._generator
+    monkeypatch.setattr(selection, "_generator",
+                        lambda device, seed=None: None if torch.device(device).type == "meta" else real(device, seed))
+    sizes, meta = [30000, 5000, 70000], "meta"
+    c = codec.Codec(method=method, fp16_values=fp16_values)
+    plan = c.plan(sizes, 0.01, "tensor", dtype, torch.int32)
+    x = torch.empty(sum(sizes), dtype=codec.residual_dtype(dtype), device=meta)
+    message = torch.empty(plan.layout.nbytes, dtype=torch.uint8, device=meta)
+    c.encode(x, plan, message, zero_sent=True, seed=3)
+    c.encode(x, plan, message, zero_sent=True, seed=3, segments=range(1, 3))
+    gathered = torch.empty(3 * plan.layout.nbytes, dtype=torch.uint8, device=meta)
+    dests = [torch.empty(n, dtype=dtype, device=meta) for n in sizes]
+    codec.Codec.decode(gathered, plan.layout, 3, dests, torch.tensor([0, 30000, 35000, 105000]), div=3.0)
+    values, indices = plan.layout.views(message)
+    codec.Codec.take(x, indices, values, zero=True)
+    if not fp16_values:
+        compact = codec.Codec(compact=True).plan(sizes, 0.01, "tensor", dtype, torch.int32)
+        wide = torch.empty(compact.layout.nbytes, dtype=torch.uint8, device=meta)
+        compact.compact().pack(wide, residual=x)
