@@ -1,0 +1,277 @@
+"""What the inner optimizers share: param groups checked wherever they come from, the base of
+the optimizers whose update is what gets exchanged (``transform_local_gradient``), Adam's
+state and checks, and what the transports ask of an inner optimizer (``momentum_in_residual``,
+``residual_decay_of``)."""
+
+import inspect
+import math
+import os
+import sys
+import warnings
+
+import torch
+
+from hvd_topk.selection import check_number, is_number
+
+
+class _CheckedGroups(torch.optim.Optimizer):
+    """An optimizer whose ``_check_options(options)`` checks one param group's options: every
+    group is checked as the constructor checks the defaults, whether it comes with the
+    constructor, ``add_param_group`` or ``load_state_dict`` (a group's own ``betas`` or
+    ``normalise`` would otherwise be used unchecked; a key a group lacks takes the default)."""
+
+    # An option a loaded group lacks: the value it was trained with where the group was written
+    # before the option existed (subclasses name those), else the constructor's.
+    LOADED_WITHOUT = {}
+
+    def __init__(self, params, defaults):
+        # the options this optimizer defines: torch adds keys of its own to ``defaults`` later
+        # ("differentiable", on every load_state_dict), which no group should be given
+        self._options = tuple(defaults)
+        super().__init__(params, _python_numbers(defaults))
+
+    def add_param_group(self, param_group):
+        if isinstance(param_group, dict):
+            self._check_options({**self.defaults, **param_group})
+            param_group = _python_numbers(param_group)
+            params = param_group.get("params")
+            for p in [params] if torch.is_tensor(params) else params if isinstance(params, (list, tuple)) else ():
+                if torch.is_tensor(p) and p.is_complex():
+                    # (squaring a complex gradient is not |g|^2: the moments would be wrong)
+                    raise TypeError(f"hvd_topk.{type(self).__name__} does not take complex parameters "
+                                    f"(got {p.dtype}, shape {tuple(p.shape)}); nor do Horovod's collectives "
+                                    "or the DDP hook: train torch.view_as_real of them")
+        super().add_param_group(param_group)
+
+    def load_state_dict(self, state_dict):
+        """As torch's, with the saved groups checked first (nothing loaded if one fails)."""
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        for group in groups if isinstance(groups, list) else ():
+            if isinstance(group, dict):
+                self._check_options({**self.defaults, **group})
+        super().load_state_dict(state_dict)
+        self._drop_adams_options()
+        # every option present afterwards (a group saved by another optimizer, or before an
+        # option existed, failed at the next step with a KeyError)
+        without = []
+        for group in self.param_groups:
+            for key in self._options:
+                if key not in group:
+                    group[key] = self.LOADED_WITHOUT.get(key, self.defaults[key])
+                    if key in self.LOADED_WITHOUT and key not in without:
+                        without.append(key)
+        if without:
+            warnings.warn(f"hvd_topk.{type(self).__name__}: the checkpoint's param groups lack "
+                          f"{', '.join(without)}: taken as {', '.join(f'{k}={self.LOADED_WITHOUT[k]!r}' for k in without)}, "
+                          "what a checkpoint written before these options existed was trained with. If it is "
+                          "another optimizer's (torch.optim.AdamW's), write them into the checkpoint's "
+                          "param_groups before loading (set after, they are refused: the state was made "
+                          "without them), or load it through hvd_topk.DistributedOptimizer, which keeps the "
+                          "values it was built with.",
+                          stacklevel=2)
+
+    def _drop_adams_options(self):
+        """Take out of the loaded groups torch's Adam/AdamW options this optimizer does not have
+        (``amsgrad``, ``foreach``, ``fused``, ...: a dense AdamW run's checkpoint moving to the
+        recipe). Left in, they travel on in later checkpoints, and ``hvd.broadcast_optimizer_state``
+        after a load on rank 0 alone failed on the other ranks (``KeyError: 'amsgrad.0'``).
+        ``amsgrad`` or ``maximize`` on asked for what this optimizer does not do: warned (the
+        others choose torch's kernels)."""
+        asked = set()
+        for group in self.param_groups:
+            for key in [k for k in group if k in _ADAM_OPTIONS and k not in self._options]:
+                if group.pop(key) and key in ("amsgrad", "maximize"):
+                    asked.add(key)
+        if asked:
+            warnings.warn(f"hvd_topk.{type(self).__name__}: the checkpoint was trained with "
+                          f"{' and '.join(f'{k}=True' for k in sorted(asked))}; {type(self).__name__} has no "
+                          "such option and goes on without it", stacklevel=3)
+
+
+def _python_numbers(options):
+    """``options`` with numpy scalars (an ``lr`` or ``betas`` computed with numpy) as Python
+    numbers, inside tuples too: a checkpoint holding numpy objects is refused by ``torch.load``'s
+    default ``weights_only=True``."""
+    def plain(value):
+        if isinstance(value, tuple):
+            return tuple(plain(v) for v in value)
+        if is_number(value) and type(value) not in (int, float) and hasattr(value, "item"):  # (np.float64 is a float)
+            return value.item()
+        return value
+    return {key: plain(value) for key, value in options.items()}
+
+
+def _adam_denominator(exp_avg_sq, bias_correction2, eps):
+    """``sqrt(v / bias_correction2) + eps``, in the order of operations torch's AdamW uses (so
+    FrozenVarianceAdamW before its freeze, and LocalAdamW on one rank, are torch's AdamW bit for
+    bit)."""
+    return (exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(eps)
+
+
+# the options of torch's Adam and AdamW (``_CheckedGroups._drop_adams_options``)
+_ADAM_OPTIONS = frozenset(name for cls in (torch.optim.Adam, torch.optim.AdamW)
+                          for name in inspect.signature(cls).parameters if name != "params")
+
+
+class _ExchangedUpdates(_CheckedGroups):
+    """An inner optimizer whose ``transform_local_gradient`` turns each gradient into an update
+    before the exchange; ``_transformed`` holds the parameters it did this step, ``_exchanged``
+    says that hvd_topk's exchange has written this step's ``p.grad``."""
+
+    _exchanged = False
+    _stepped = False  # step() ran, and no gradient has been transformed since (a second step())
+    # Whether step() moves the same for the ranks' summed updates as for their average (DeMo's
+    # normalises what was exchanged). Where it does not, op=hvd.Sum is refused: it would step P
+    # times as far, where AdamW under hvd.DistributedOptimizer(op=hvd.Sum) steps as with Average.
+    sum_invariant = False
+
+    def exchanged(self):
+        """Called by ``hvd_topk.DistributedOptimizer`` once the exchange has written ``p.grad``:
+        a gradient this rank did not transform (it ran no backward this step, or took a branch
+        without that parameter) holds the ranks' average, applied as the others are."""
+        self._exchanged = True
+
+    def _step_done(self, stepped=False):
+        """``stepped``: this step applied exchanged updates (a second ``step()`` would apply them again)."""
+        self._transformed.clear()
+        self._exchanged = False
+        self._stepped = stepped
+
+    def zero_grad(self, set_to_none=True):
+        """As torch's; also forgets which gradients were transformed (a step skipped by a
+        ``GradScaler`` leaves them marked otherwise)."""
+        self._step_done(stepped=self._stepped)
+        super().zero_grad(set_to_none=set_to_none)
+
+    def _skipped_for_nonfinite(self):
+        """Whether this step's exchanged updates hold inf/nan (a gradient overflowed on some
+        rank), and so the step is skipped, with a warning, as a ``GradScaler`` skips one (these
+        optimizers take none: their state would mix loss scales). Every rank holds the same
+        ``p.grad`` after the exchange, so every rank skips alike; the moments and the residuals
+        did not take the inf/nan in. Applied, it made every parameter NaN for good (LocalAdamW,
+        DeMo's rms) or moved entries by the sign of inf (DeMo's sign), in silence."""
+        flags = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:  # (a sparse one, nn.Embedding(sparse=True)'s: its values)
+                    values = p.grad.coalesce().values() if p.grad.is_sparse else p.grad
+                    flags.setdefault(p.grad.device, []).append(torch.isfinite(values).all())
+        if all(bool(torch.stack(f).all()) for f in flags.values()):
+            return False
+        warnings.warn(f"hvd_topk.{type(self).__name__}: this step's exchanged update holds inf/nan (a gradient "
+                      "overflowed on some rank): the step is skipped on every rank, as a GradScaler skips one",
+                      stacklevel=3)
+        self._step_done(stepped=False)
+        return True
+
+
+# hvd_topk's own frames and torch's (this file lies in hvd_topk/optim/)
+_INTERNAL = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(torch.__file__))
+
+
+def _outside_level():
+    """``warnings.warn``'s ``stacklevel`` for a warning raised by this function's caller that
+    names the first frame outside hvd_topk and torch: the user's own call (``opt.step()``),
+    however many wrappers lie between."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _group_of(optimizer, p):
+    """``p``'s param group, from a table kept on the optimizer and rebuilt when ``load_state_dict``
+    replaced the groups or ``add_param_group`` added one. (Read through the instance each time:
+    ``hvd_topk.DistributedOptimizer``'s wrapper shares the optimizer's ``__dict__`` but gets its
+    own ``param_groups`` when a checkpoint is loaded.)"""
+    groups = optimizer.param_groups
+    cached, count, table = optimizer.__dict__.get("_group_table", (None, 0, None))
+    if cached is not groups or count != len(groups):  # (the list itself, not its id: ids are reused)
+        table = {q: g for g in groups for q in g["params"]}
+        optimizer.__dict__["_group_table"] = (groups, len(groups), table)
+    return table[p]
+
+
+def _check_transformed(optimizer, p):
+    """True if ``p.grad`` is an exchanged update that ``transform_local_gradient`` made this step.
+    A gradient that skipped it means the optimizer runs outside ``hvd_topk.DistributedOptimizer``
+    (RuntimeError); an all-zero one with no state is ``hvd.broadcast_optimizer_state``'s probe
+    step (state initialised, False)."""
+    if p in optimizer._transformed:
+        return True
+    if optimizer._transformed or optimizer._exchanged:
+        # a step of hvd_topk's in which this rank had no gradient of p (a branch it did not
+        # take, or no backward at all): the exchange still wrote the ranks' average into
+        # p.grad, applied as it is
+        if not optimizer.state[p]:
+            optimizer._init_state(p)
+        return True
+    if optimizer.state[p] or p.grad.any():
+        name = type(optimizer).__name__
+        if optimizer._stepped:
+            raise RuntimeError(f"{name}.step() was called again without a new backward(): p.grad still holds the "
+                               "update the last step applied (each exchanged update is applied once); run "
+                               "backward() before each step()")
+        raise RuntimeError(f"{name} got a gradient that was not turned into an update before the exchange: "
+                           "use it only as the inner optimizer of hvd_topk.DistributedOptimizer, or with DDP "
+                           "pass it to the hook, hvd_topk.ddp.TopKState(optimizer=...) (not alone, not with "
+                           "hvd.DistributedOptimizer or a DDP model without that hook)")
+    optimizer._init_state(p)
+    return False
+
+
+def momentum_in_residual(optimizer):
+    """Whether the residual is the inner optimizer's momentum: ``hvd_topk.DeMo``'s accumulator,
+    whose decay it owns (its ``beta``; at 1.0 an undecayed sum, still its momentum). Only such a
+    residual is never sent whole by choice (``auto.MOMENTUM_NOTE``); a decay the user adds to
+    error feedback (the 0.1% recipe's, or LocalSteps') only fades unsent work, and a dense step,
+    which sends all of it, is then exact."""
+    return getattr(optimizer, "residual_decay", None) is not None
+
+
+def residual_decay_of(optimizer, residual_decay, error_feedback=True):
+    """The residual decay to use: an inner optimizer that owns it (``hvd_topk.DeMo``'s ``beta``,
+    its attribute ``residual_decay``) sets it unless the argument says otherwise."""
+    owned = getattr(optimizer, "residual_decay", None)
+    if owned is not None and owned != 1.0 and not error_feedback:
+        raise ValueError(f"{type(optimizer).__name__} keeps its momentum in the residual (beta={owned!r}), which "
+                         "error_feedback=False leaves out: pass error_feedback=True, or beta=1.0")
+    if owned is None or residual_decay == owned:
+        return residual_decay
+    if residual_decay != 1.0:
+        raise ValueError(f"residual_decay={residual_decay!r} but {type(optimizer).__name__} sets the residual "
+                         f"decay itself (beta={owned!r}); pass only one of them")
+    return owned
+
+
+def _evaluate(closure):
+    """The loss of an optimizer step's closure (torch's convention), or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def _new_adam_state(state, p):
+    """Adam's per-parameter state, as torch.optim.AdamW lays it out (``step`` a float tensor)."""
+    state["step"] = torch.zeros((), dtype=torch.float32)
+    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
+
+
+def _check_nonnegative(**values):
+    """TypeError for a value that is not a number, ValueError for one outside [0, inf)."""
+    for name, value in values.items():
+        if not 0.0 <= check_number(value, name) < math.inf:
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+def _check_adam_options(options):
+    lr, betas, eps, weight_decay = (options[k] for k in ("lr", "betas", "eps", "weight_decay"))
+    _check_nonnegative(lr=lr, eps=eps, weight_decay=weight_decay)
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2 or \
+            not all(is_number(b) for b in betas):
+        raise TypeError(f"betas must be a pair of numbers (beta1, beta2), got {betas!r}")
+    if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+        raise ValueError(f"betas must be in [0, 1), got {betas}")
