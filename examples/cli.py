@@ -7,7 +7,7 @@ import math
 import os
 from pathlib import Path
 
-from hvd_topk.selection import DENSE_EXCHANGES
+from hvd_topk.checks import DENSE_EXCHANGES
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -26,7 +26,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def usage_error_from(p, check, *args):
-    """``check(*args)`` (one of the library's checks, e.g. ``hvd_topk.selection.check_density``),
+    """``check(*args)`` (one of the library's checks, e.g. ``hvd_topk.checks.check_density``),
     its ``ValueError`` turned into ``p.error``: a usage message and exit status 2, not a traceback."""
     try:
         return check(*args)

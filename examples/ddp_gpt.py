@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from cli import (HelpFormatter, bytes_report, check_interval,  # shared by the examples: --help shows the defaults
                  refuse_topk_flags_with_dense_exchange)
 import hvd_topk.ddp
-from hvd_topk.selection import DENSE_EXCHANGES
+from hvd_topk.checks import DENSE_EXCHANGES, EXCHANGES
 from gpt_model import (GPT, add_training_arguments, add_variance_arguments, batches, check_topk_arguments,
                        check_training_arguments, dense_start_note, evaluate, load_corpus, lr_at, split)
 from hvd_topk.optim import LocalAdamW
@@ -50,7 +50,7 @@ def parse_args(argv=None):
     p.add_argument("--adam", choices=("local", "adamw"), default=None,
                    help="local: hvd_topk.LocalAdamW inside the hook (default with --hook topk); adamw: "
                         "torch.optim.AdamW after the exchange (default otherwise)")
-    p.add_argument("--exchange", choices=hvd_topk.ddp.EXCHANGES, default="allgather",
+    p.add_argument("--exchange", choices=EXCHANGES, default="allgather",
                    help="--hook topk: pinned to allgather by default (on one host auto may go dense)")
     p.add_argument("--warmup-steps", type=int, default=100, help="--hook topk: dense start over this many steps")
     p.add_argument("--warmup-density", type=float, default=1.0)

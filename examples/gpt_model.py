@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hvd_topk.optim import LocalAdamW
-from hvd_topk.selection import check_density
+from hvd_topk.checks import check_density
 
 from cli import check_interval, usage_error_from, output_path  # shared by the examples
 

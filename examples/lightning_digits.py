@@ -25,7 +25,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from cli import HelpFormatter, check_interval, usage_error_from, output_path  # shared by the examples
 import hvd_topk.ddp
-from hvd_topk.selection import check_density
+from hvd_topk.checks import check_density
 from digits_model import DigitsNet, load_digits_split
 
 

@@ -35,7 +35,7 @@ def parse_args(argv=None):
     p.add_argument("--no-error-feedback", action="store_true", help="topk-ef without error feedback")
     p.add_argument("--selection-scope", choices=("tensor", "bucket"), default="tensor",
                    help="topk-ef: k per tensor (default) or one top-k per fusion bucket")
-    p.add_argument("--exchange", choices=hvd_topk.exchange.CHOICES, default="auto",
+    p.add_argument("--exchange", choices=hvd_topk.checks.EXCHANGES, default="auto",
                    help="topk-ef: how buckets travel (default auto: a measured trial picks the "
                         "fastest of dense, allgather and sparse_allreduce)")
     p.add_argument("--hierarchical", action="store_true",
@@ -69,7 +69,7 @@ def parse_args(argv=None):
     if args.compression != "topk" and args.density != 0.01:
         p.error("--density only applies to --compression topk")
     if args.compression == "topk":
-        usage_error_from(p, hvd_topk.selection.check_density, args.density, "--density")
+        usage_error_from(p, hvd_topk.checks.check_density, args.density, "--density")
     refuse_topk_flags_with_dense_exchange(p, args, {"density": 0.01, "no_error_feedback": False,
                                                     "selection_scope": "tensor"})
     return args

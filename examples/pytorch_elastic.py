@@ -70,7 +70,7 @@ def parse_args(argv=None):
         p.error("--density only applies to --optimizer topk-ef or topk")
     if args.optimizer != "topk-ef" and args.exchange != "auto":
         p.error("--exchange only applies to --optimizer topk-ef")
-    usage_error_from(p, hvd_topk.selection.check_density, args.density, "--density")
+    usage_error_from(p, hvd_topk.checks.check_density, args.density, "--density")
     if args.fail_rank is None and args.fail_epoch != 1:
         p.error("--fail-epoch only applies with --fail-rank")
     if args.fail_rank is not None and not (args.fail_rank >= 0 and 0 <= args.fail_epoch < args.epochs):

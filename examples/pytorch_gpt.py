@@ -45,7 +45,7 @@ import horovod.torch as hvd
 from cli import (HelpFormatter, bytes_report, check_interval, output_path,  # shared by the examples: --help shows the defaults
                  refuse_topk_flags_with_dense_exchange)
 import hvd_topk
-from hvd_topk.selection import DENSE_EXCHANGES
+from hvd_topk.checks import DENSE_EXCHANGES, EXCHANGES
 # the model, data and their options, shared with ddp_gpt.py
 from gpt_model import (GPT, add_training_arguments, add_variance_arguments, batches, check_topk_arguments,
                        check_training_arguments, dense_start_note, evaluate, load_corpus, lr_at, split)
@@ -64,7 +64,7 @@ def parse_args(argv=None):
                    help="hvd.DistributedOptimizer (+ --compression) or hvd_topk.DistributedOptimizer")
     p.add_argument("--no-error-feedback", action="store_true", help="topk-ef without error feedback")
     p.add_argument("--selection-scope", choices=("tensor", "bucket"), default="tensor")
-    p.add_argument("--exchange", choices=hvd_topk.exchange.CHOICES, default="auto",
+    p.add_argument("--exchange", choices=EXCHANGES, default="auto",
                    help="topk-ef: how buckets travel (default auto: a measured trial picks)")
     p.add_argument("--warmup-steps", type=int, default=0,
                    help="topk-ef: density warm-up steps (DGC's exponential schedule from --warmup-density)")

@@ -32,8 +32,9 @@ import warnings
 
 import torch
 
+from hvd_topk.checks import SPARSE_EXCHANGES
+
 HIER = "hier_"  # prefix of the hierarchical families (hvd_topk.hierarchy)
-SPARSE = ("allgather", "sparse_allreduce")
 TRIAL_STEPS = 3  # exchange_trial_steps' default, both transports: timed steps per candidate family
 
 
@@ -85,7 +86,7 @@ def families(hierarchical_available, hierarchical_only, compact=False, fp16=Fals
     allreduce, flat or hierarchical (``UPDATES_NOTE``). With ``momentum`` (a decayed residual) no
     dense family (``MOMENTUM_NOTE``)."""
     dense = () if momentum else ("dense", "dense_fp16") if fp16 or compact else ("dense",)
-    sparse = ("allgather",) if compact or updates else SPARSE
+    sparse = ("allgather",) if compact or updates else SPARSE_EXCHANGES
     if compact:
         return dense + sparse
     hier = tuple(HIER + f for f in sparse)
@@ -251,7 +252,7 @@ def propose(assignments, byte_counts):
     for family in assignments:
         if assignments[family] in seen:
             continue
-        if family.removeprefix(HIER) in SPARSE and dense is not None and byte_counts[family] >= dense:
+        if family.removeprefix(HIER) in SPARSE_EXCHANGES and dense is not None and byte_counts[family] >= dense:
             continue
         seen.add(assignments[family])
         chosen.append(family)

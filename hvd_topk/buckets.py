@@ -22,7 +22,8 @@ import torch
 from hvd_topk._horovod import allreduce_dtype
 from hvd_topk._torch import copy_all
 from hvd_topk.codec import residual_dtype, segments_in, wipe_flagged
-from hvd_topk.selection import check_integer, native_ok
+from hvd_topk.checks import check_integer
+from hvd_topk.selection import native_ok
 from hvd_topk.wire import index_dtype_for
 
 

@@ -49,7 +49,8 @@ from hvd_topk._horovod import caller_context, count_name_fallback, hvd, instance
 from hvd_topk._torch import compiled_autograd_active
 from hvd_topk.codec import Codec
 from hvd_topk.exchange import ActiveRanks, AllgatherPairs, DenseAllreduce
-from hvd_topk.selection import DEFAULT_METHOD, check_target_density, check_flag, check_method
+from hvd_topk.checks import check_flag, check_target_density
+from hvd_topk.selection import DEFAULT_METHOD, check_method
 from hvd_topk.stats import DENSE_FP32_BYTES, CompressionStats
 from hvd_topk.wire import index_dtype_for
 

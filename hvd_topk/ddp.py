@@ -49,11 +49,10 @@ from hvd_topk.loss_scale import ResidualScale, check_grad_scaler, is_loss_scale
 from hvd_topk.optim import momentum_in_residual, residual_decay_of
 from hvd_topk.schedule import DEFAULT_START, DensitySchedule
 from hvd_topk.stats import DENSE_FP32_BYTES, CompressionStats
-from hvd_topk.selection import (NAMED_PARAMETERS_ERROR, DEFAULT_METHOD, check_target_density, check_flag, check_integer, check_number,
-                                check_residual_decay, warn_ignored, warn_momentum_sent_whole, NATIVE_IN_USE,
-                                native_in_use)
+from hvd_topk.checks import (EXCHANGES, NAMED_PARAMETERS_ERROR, check_choice, check_flag, check_integer, check_number,
+                             check_residual_decay, check_target_density, warn_ignored, warn_momentum_sent_whole)
+from hvd_topk.selection import DEFAULT_METHOD, NATIVE_IN_USE, native_in_use
 
-EXCHANGES = ("auto", "allgather", "sparse_allreduce", "dense", "dense_fp16")
 TRIAL_FROM_STEP = 2  # DDP rebuilds its buckets after its first step: measure from the third
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 STATE_VERSION = 1
@@ -166,9 +165,7 @@ class TopKState:
         # may define transform_local_gradient(param, grad, ranks) only
         self._pass_finite = optimizer is not None and "finite" in inspect.signature(
             optimizer.transform_local_gradient).parameters
-        if exchange not in EXCHANGES:
-            raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
-        self.exchange = exchange
+        self.exchange = check_choice(exchange, "exchange", EXCHANGES)
         self.exchange_trial_steps = check_integer(exchange_trial_steps, "exchange_trial_steps", 1)
         warn_ignored(exchange, 2, exchange_trial_steps=(self.exchange_trial_steps, auto.TRIAL_STEPS),
                      density=(self.density, 0.01), warmup_steps=(warmup_steps, 0),

@@ -43,7 +43,8 @@ from hvd_topk.codec import Codec
 from hvd_topk.loss_scale import ResidualScale
 from hvd_topk.planner import ExchangePlanner
 from hvd_topk.schedule import DensitySchedule
-from hvd_topk.selection import DENSE_EXCHANGES, NATIVE_IN_USE, native_in_use, native_ok, sample_seed
+from hvd_topk.checks import DENSE_EXCHANGES
+from hvd_topk.selection import NATIVE_IN_USE, native_in_use, native_ok, sample_seed
 from hvd_topk.sparse_grads import SparseGradients
 from hvd_topk.stats import DENSE_FP32_BYTES, CompressionStats
 

@@ -207,7 +207,6 @@ class ActiveRanks:
 
 
 BY_NAME = {s.name: s for s in (DenseAllreduce, DenseAllreduceFp16, AllgatherPairs, SparseAllreduce)}
-CHOICES = ("auto", *BY_NAME)
 
 
 def sparse_break_even(world_size, dense_bytes=4, value_bytes=4, index_bytes=4, strategy=AllgatherPairs):

@@ -38,7 +38,7 @@ from hvd_topk.compressor import TopK, keyword_names, unexpected_options_error
 from hvd_topk.engine import (STEP_KEY, TRIAL_KEY, check_parameters_unchanged, check_still_frozen, check_still_trainable,
                              parameter_signature, process_set_size)
 from hvd_topk.optimizer import ENGINE, LOCAL, DistributedOptimizer, _name_parameters, share_as_subclass
-from hvd_topk.selection import check_flag, check_integer, check_number
+from hvd_topk.checks import check_flag, check_integer, check_number
 from hvd_topk.stats import DENSE_FP32_BYTES
 
 STATE_KEY = checkpoint.LOCAL_STEPS_KEY  # its section of state_dict(): this rank's outer optimizer

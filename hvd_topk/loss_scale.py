@@ -11,7 +11,7 @@ another set-up (a scaler, or none) converts them (``adopt``).
 
 import torch
 
-from hvd_topk.selection import is_number
+from hvd_topk.checks import is_number
 
 
 def check_grad_scaler(grad_scaler, optimizer=None):

@@ -24,7 +24,7 @@ from hvd_topk.loss_scale import check_grad_scaler
 from hvd_topk.optim import momentum_in_residual, residual_decay_of
 from hvd_topk.options import Options
 from hvd_topk.schedule import DEFAULT_START
-from hvd_topk.selection import NAMED_PARAMETERS_ERROR, check_integer, warn_ignored, warn_momentum_sent_whole
+from hvd_topk.checks import NAMED_PARAMETERS_ERROR, check_integer, warn_ignored, warn_momentum_sent_whole
 
 ENGINE = "_hvd_topk"  # the one attribute hvd_topk adds to the user's optimizer
 LOCAL = "_hvd_topk_local"  # hvd_topk.LocalSteps' one attribute (local_steps.py), checked here too

@@ -4,10 +4,10 @@ guide (``hvd_topk.DistributedOptimizer``'s docstring points here)."""
 import dataclasses
 import numbers
 
-from hvd_topk import auto, exchange
+from hvd_topk import auto
+from hvd_topk.checks import (DENSE_EXCHANGES, EXCHANGES, check_choice, check_density, check_flag, check_integer,
+                             check_number, check_residual_decay, warn_ignored)
 from hvd_topk.schedule import DEFAULT_START
-from hvd_topk.selection import (DENSE_EXCHANGES, check_density, check_flag, check_integer, check_number,
-                                check_residual_decay, warn_ignored)
 
 SCOPES = ("tensor", "bucket")
 HIERARCHICAL = ("auto", True, False)
@@ -95,7 +95,7 @@ class Options:
         check_density(self.warmup_density, "warmup_density")
         check_residual_decay(self.residual_decay, self.error_feedback)
         check_choice(self.selection_scope, "selection_scope", SCOPES)
-        check_choice(self.exchange, "exchange", exchange.CHOICES)
+        check_choice(self.exchange, "exchange", EXCHANGES)
         # True == 1 in Python: an integer 1 or 0 would pass a plain ``in`` test
         if isinstance(self.hierarchical, numbers.Number) and not isinstance(self.hierarchical, bool):
             raise ValueError(f"hierarchical must be 'auto', True or False, got {self.hierarchical!r}")
@@ -109,9 +109,3 @@ class Options:
                                                        "selection_scope", "dense_fallback", "warmup_steps",
                                                        "warmup_density")})
 
-
-def check_choice(value, name, choices, spelled=None):
-    """``value`` if it is one of ``choices``: ValueError naming ``name`` and the choices."""
-    if value not in choices:
-        raise ValueError(f"{name} must be {spelled or f'one of {choices}'}, got {value!r}")
-    return value

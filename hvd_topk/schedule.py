@@ -2,7 +2,7 @@
 
 import warnings
 
-from hvd_topk.selection import check_density, check_integer
+from hvd_topk.checks import check_density, check_integer
 
 
 DEFAULT_START = 0.25  # warmup_density's default (DGC's first epoch)

@@ -123,3 +123,14 @@ def test_warmup_density_without_warmup_steps_warns():
     assert schedule.density(0) == 0.01
     with pytest.warns(UserWarning, match=r"warmup_density=1.0 has no effect without warmup_steps"):
         hvd_topk.ddp.TopKState(density=0.01, warmup_density=1.0)
+
+
+def test_the_exchange_names_are_the_strategies():
+    """``exchange=`` accepts ``"auto"`` and the name of every Horovod strategy, nothing else: the
+    names live in hvd_topk.checks (both transports; the DDP hook's list was a copy), the
+    strategies in hvd_topk.exchange. A strategy added without its name, or a name without a
+    strategy, fails here."""
+    from hvd_topk import checks, exchange
+    assert set(checks.EXCHANGES) == {"auto", *exchange.BY_NAME}
+    assert {n for n, s in exchange.BY_NAME.items() if s.sparse} == set(checks.SPARSE_EXCHANGES)
+    assert {n for n, s in exchange.BY_NAME.items() if not s.sparse} == set(checks.DENSE_EXCHANGES)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from hvd_topk import codec, native, selection
+from hvd_topk import checks, codec, native, selection
 from reference import k_of, topk_sparse
 from samples import needs_native, sample, segment_truth, true_topk
 
@@ -453,25 +453,25 @@ def test_k_for_matches_contract(n, density, want):
 @pytest.mark.parametrize("bad", [0, 0.0, -0.1, 1.5, float("nan"), float("inf")])
 def test_density_out_of_range_is_value_error_naming_it(bad):
     with pytest.raises(ValueError, match=re.escape(repr(bad))):
-        selection.check_density(bad)
+        checks.check_density(bad)
 
 
 @pytest.mark.parametrize("bad", ["abc", "0.5", None, True, False, [0.1]])
 def test_density_not_a_number_is_type_error_naming_it(bad):
     # bools are ints to Python, but density=True must not silently mean 1.0
     with pytest.raises(TypeError, match=r"^density must be a number, got " + re.escape(repr(bad))):
-        selection.check_density(bad)
+        checks.check_density(bad)
 
 
 def test_density_given_as_a_percentage_says_what_a_fraction_is():
     # density=5 meaning 5%: the error says how to write it
     with pytest.raises(ValueError, match=re.escape("density must be in (0, 1], got 5 (a fraction of the entries: 1% is 0.01)")):
-        selection.check_density(5)
+        checks.check_density(5)
 
 
 def test_density_accepts_numpy_and_int_numbers():
-    assert selection.check_density(np.float32(0.25)) == 0.25
-    assert selection.check_density(1) == 1.0
+    assert checks.check_density(np.float32(0.25)) == 0.25
+    assert checks.check_density(1) == 1.0
 
 
 def test_an_integer_density_of_1_warns_at_the_users_line():

@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-from hvd_topk.selection import check_number, is_number
+from hvd_topk.checks import check_number, is_number
 
 
 class _CheckedGroups(torch.optim.Optimizer):

@@ -5,7 +5,7 @@ normalised after the exchange (sign or RMS), so every rank applies the same upda
 
 import torch
 
-from hvd_topk.selection import check_number
+from hvd_topk.checks import check_number
 from hvd_topk.optim._common import (_ExchangedUpdates, _group_of, _check_transformed, _evaluate,
                                     _check_nonnegative)
 

@@ -6,7 +6,7 @@ import warnings
 
 import torch
 
-from hvd_topk.selection import check_integer
+from hvd_topk.checks import check_integer
 from hvd_topk.optim._common import (_CheckedGroups, _adam_denominator, _evaluate, _new_adam_state,
                                     _check_adam_options)
 

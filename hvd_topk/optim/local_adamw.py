@@ -8,7 +8,7 @@ import warnings
 import torch
 
 from hvd_topk import variance_sketch
-from hvd_topk.selection import check_flag, check_integer
+from hvd_topk.checks import check_flag, check_integer
 from hvd_topk.optim._common import (_ExchangedUpdates, _adam_denominator, _outside_level, _group_of,
                                     _check_transformed, _evaluate, _new_adam_state, _check_adam_options)
 
