@@ -27,7 +27,6 @@ One step, per bucket:
    same bits on every rank.
 """
 
-import dataclasses
 import time
 import warnings
 import weakref
@@ -37,14 +36,16 @@ import torch
 from hvd_topk import agreement, checkpoint, exchange, hierarchy, inflight
 from hvd_topk.agreement import group_options
 from hvd_topk._horovod import elastic_mode, hvd
-from hvd_topk._torch import compiled_autograd_active, still_written, written
+from hvd_topk._torch import still_written, written
 from hvd_topk.buckets import make_buckets
+from hvd_topk.checks import DENSE_EXCHANGES
 from hvd_topk.codec import Codec
 from hvd_topk.loss_scale import ResidualScale
 from hvd_topk.planner import ExchangePlanner
+from hvd_topk.rank_checks import (check_parameters_unchanged, check_ranks_agree, check_step_start, parameter_signature,
+                                  process_set_size)
 from hvd_topk.schedule import DensitySchedule
-from hvd_topk.checks import DENSE_EXCHANGES
-from hvd_topk.selection import NATIVE_IN_USE, native_in_use, native_ok, sample_seed
+from hvd_topk.selection import native_ok, sample_seed
 from hvd_topk.sparse_grads import SparseGradients
 from hvd_topk.stats import DENSE_FP32_BYTES, CompressionStats
 
@@ -65,11 +66,6 @@ NOTHING_TO_EXCHANGE = (
     "a change and they were NOT exchanged: write p.grad.copy_(...) or assign p.grad instead. (Warned once.)")
 STEP_KEY = "hvd_topk_step"  # in the optimizer's first param group (see TopKEngine.step)
 TRIAL_KEY = "hvd_topk_exchange_trial"  # there too: exchange="auto"'s progress (TopKEngine._follow_root)
-COMPILED_AUTOGRAD_ERROR = (
-    "hvd_topk.DistributedOptimizer does not support compiled autograd "
-    "(torch._dynamo.config.compiled_autograd = True): compiled autograd traces the gradient "
-    "hooks that start each exchange, which hvd_topk does not support. Set "
-    "torch._dynamo.config.compiled_autograd = False (torch.compile of the model can stay).")
 
 
 _OWNER = {}  # id(parameter) -> (weakref to it, weakref to the engine whose hooks it carries)
@@ -639,95 +635,3 @@ class TopKEngine:
         out["bucket_strategies"] = dict(self.used)
         return out
 
-
-# ---- checks: what would make ranks silently diverge, refused on every rank at once --------------
-def process_set_size(process_set):
-    """The optimizer's process set's size now; a clear error where it was removed
-    (``hvd.remove_process_set``: Horovod's ``size()`` is None then, and the next collective over
-    it fails with a binding error)."""
-    size = process_set.size()
-    if size is None:
-        raise RuntimeError(f"hvd_topk.DistributedOptimizer: its process set {process_set.ranks} was removed "
-                           "(hvd.remove_process_set): build a new optimizer over a registered one")
-    return size
-
-
-def check_ranks_agree(engine, compression, inner=None, grad_scaler=False):
-    """Every rank must wrap the same model with the same settings: fail on all ranks at once,
-    naming what differs (one digest per setting, allgathered once)."""
-    o = engine.options
-    settings = {
-        "the parameters (names, shapes, dtypes, order)":
-            [(engine.names[p], tuple(p.shape), str(p.dtype)) for p in engine.params],
-        # one entry per option, so that the message names the one that differs
-        **{f"TopK's {name}": getattr(compression, name) for name in ("density", "method", "fp16_values", "compact")},
-        "the inner optimizer's class": inner,
-        "grad_scaler (given or not)": grad_scaler,
-        "op": str(engine.op),
-        "gradient_predivide_factor": engine.predivide,
-        "backward_passes_per_step": engine.passes_per_step,
-        "the fusion buckets (groups, fusion_bytes, min_numel)": [[m.name for m in b.members] for b in engine.buckets],
-        **{name: getattr(o, name) for name in (f.name for f in dataclasses.fields(o))},
-        NATIVE_IN_USE: native_in_use([(b.dtype, b.device) for b in engine.buckets]),  # (16-bit: float32 residuals)
-    }
-    mine = torch.tensor([[agreement.digest(v) for v in settings.values()]], dtype=torch.int64)
-    every = hvd.allgather(mine, name=f"{engine.prefix}.check_ranks", process_set=engine.process_set)
-    lines = agreement.disagreement(list(settings), every)
-    if lines:
-        raise ValueError("hvd_topk.DistributedOptimizer: ranks disagree on the model or its settings, which would "
-                         "make them hang or silently diverge; build it with the same model and settings on every "
-                         "rank:\n  " + "\n  ".join(lines))
-
-
-def check_step_start(engine):
-    """What would make ranks silently diverge (the same on every rank, so every rank raises
-    at the same point)."""
-    if compiled_autograd_active():
-        raise RuntimeError(COMPILED_AUTOGRAD_ERROR)
-    check_still_frozen(((p, engine.names[p]) for p in engine.frozen), "hvd_topk.DistributedOptimizer",
-                       "its gradient would never be exchanged")
-    check_still_trainable(((p, engine.names[p]) for p in engine.params), "hvd_topk.DistributedOptimizer",
-                          "the exchange would still write its unsent residual into p.grad, and the optimizer "
-                          "would move it")
-
-
-def check_still_frozen(frozen, owner, because):
-    """``frozen``: (parameter, name) pairs that had ``requires_grad=False`` when ``owner`` was
-    built, and so are not exchanged (``because`` says how); one trainable now is refused."""
-    for p, name in frozen:
-        if p.requires_grad:
-            raise RuntimeError(
-                f"parameter {name!r} had requires_grad=False when {owner} was built and is trainable "
-                f"now: {because} and ranks would silently diverge. Set requires_grad=True on every "
-                f"parameter to be trained before building the {owner.split('.')[-1]}, or build a new "
-                "one after unfreezing.")
-
-
-def check_still_trainable(trainable, owner, because):
-    """``trainable``: (parameter, name) pairs that had ``requires_grad=True`` when ``owner`` was
-    built; one frozen since is refused (a plain torch optimizer would leave it alone: it gets no
-    gradient)."""
-    for p, name in trainable:
-        if not p.requires_grad:
-            raise RuntimeError(
-                f"parameter {name!r} was trainable when {owner} was built and has requires_grad=False "
-                f"now: {because}. Build a new {owner.split('.')[-1]} after freezing (a plain torch "
-                "optimizer over the trainable parameters, wrapped again).")
-
-
-def parameter_signature(params):
-    """What the buffers built over ``params`` depend on: each one's shape, dtype and device."""
-    return [(p.shape, p.dtype, p.device) for p in params]
-
-
-def check_parameters_unchanged(param_groups, param_ids, params, signature, owner):
-    """RuntimeError if ``param_groups`` no longer hold the parameters ``owner`` was built over
-    (``param_ids``, every parameter's id in order) or a trained one (``params``) changed its
-    shape, dtype or device since (``signature``): its buffers (residuals, shared copies) were made
-    for them, and a parameter they miss would silently train on one rank only."""
-    ids = [id(p) for g in param_groups for p in g["params"]]
-    if ids != param_ids or parameter_signature(params) != signature:
-        raise RuntimeError(f"the optimizer's parameters changed after {owner} was built (parameters added, "
-                           "removed, replaced or resized, or moved to another dtype or device, e.g. "
-                           f"model.double() or .cuda()); build the {owner.split('.')[-1]} after the model "
-                           "(its dtype and device included) and its param_groups are final")

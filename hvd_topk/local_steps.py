@@ -35,8 +35,9 @@ from hvd_topk import agreement, checkpoint
 from hvd_topk._horovod import hvd, is_horovod_distributed_optimizer, unshared_for_elastic
 from hvd_topk._torch import AMP_SCALING_ATTRIBUTE, keep_objects
 from hvd_topk.compressor import TopK, keyword_names, unexpected_options_error
-from hvd_topk.engine import (STEP_KEY, TRIAL_KEY, check_parameters_unchanged, check_still_frozen, check_still_trainable,
-                             parameter_signature, process_set_size)
+from hvd_topk.engine import STEP_KEY, TRIAL_KEY
+from hvd_topk.rank_checks import (check_parameters_unchanged, check_still_frozen, check_still_trainable,
+                                  parameter_signature, process_set_size)
 from hvd_topk.optimizer import ENGINE, LOCAL, DistributedOptimizer, _name_parameters, share_as_subclass
 from hvd_topk.checks import check_flag, check_integer, check_number
 from hvd_topk.stats import DENSE_FP32_BYTES
