@@ -590,7 +590,8 @@ def test_local_adamw_variance_sketch_float16_total_finite():
     """variance_sketch with float16 parameters: the estimate's total (about 100,000 x 4 here) is
     beyond float16's 65504; summed in float16 it was inf, and the next update, rescaled by
     measured / inf, was inf. Against a float32 run on the same (float16-representable) values:
-    the same total to float32's rounding, finite updates."""
+    the same total to float32's rounding, finite updates equal to float16's rounding of the
+    steps between (at most 0.18% here: a 1% error in the float16 path fails)."""
     gen = torch.Generator().manual_seed(0)
     gs = [(torch.randn(100_000, generator=gen) * 2).half() for _ in range(3)]
     totals, updates = {}, {}
@@ -607,7 +608,7 @@ def test_local_adamw_variance_sketch_float16_total_finite():
     assert np.isfinite(totals[torch.float16]) and totals[torch.float16] > 65504, totals
     np.testing.assert_allclose(totals[torch.float16], totals[torch.float32], rtol=1e-3)
     assert bool(torch.isfinite(updates[torch.float16]).all())
-    np.testing.assert_allclose(updates[torch.float16].numpy(), updates[torch.float32].numpy(), rtol=2e-2, atol=1e-6)
+    np.testing.assert_allclose(updates[torch.float16].numpy(), updates[torch.float32].numpy(), rtol=4e-3, atol=1e-6)
 
 
 def test_local_adamw_alone_is_refused():

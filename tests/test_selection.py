@@ -34,7 +34,7 @@ def test_recall_and_count_at_1m(dist, density, kernel):
         values, indices = selection.select(x, k, kernel)
     got = indices.numpy()
     truth = true_topk(x, k)
-    assert 0.9 * k <= np.unique(got).size <= 1.1 * k
+    assert got.size == k and np.unique(got).size == k  # k distinct entries (a 10% band let repeats through)
     recall = np.isin(truth, got).mean()
     assert recall >= 0.95, recall
     if kernel == "exact":
