@@ -143,6 +143,33 @@ class _ExchangedUpdates(_CheckedGroups):
         self._step_done(stepped=self._stepped)
         super().zero_grad(set_to_none=set_to_none)
 
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Apply this step's exchanged updates (``p.grad`` after the exchange): AdamW's decoupled
+        weight decay, ``p *= 1 - lr * weight_decay``, then the optimizer's own move (``_apply``).
+        Skipped on every rank where the updates hold inf/nan (``_skipped_for_nonfinite``)."""
+        loss = _evaluate(closure)
+        if self._skipped_for_nonfinite():
+            return loss
+        applied = False
+        for group in self.param_groups:
+            self._check_group(group)
+            for p in group["params"]:
+                if p.grad is None or not _check_transformed(self, p):
+                    continue
+                applied = True
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                self._apply(p, group)
+        self._step_done(stepped=applied)
+        return loss
+
+    def _check_group(self, group):
+        """Called for each param group before its updates are applied."""
+
+    def _apply(self, p, group):
+        """Move ``p`` by its exchanged update ``p.grad`` (weight decay already applied)."""
+        raise NotImplementedError
+
     def _skipped_for_nonfinite(self):
         """Whether this step's exchanged updates hold inf/nan (a gradient overflowed on some
         rank), and so the step is skipped, with a warning, as a ``GradScaler`` skips one (these

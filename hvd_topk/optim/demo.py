@@ -6,8 +6,7 @@ normalised after the exchange (sign or RMS), so every rank applies the same upda
 import torch
 
 from hvd_topk.checks import check_number
-from hvd_topk.optim._common import (_ExchangedUpdates, _group_of, _check_transformed, _evaluate,
-                                    _check_nonnegative)
+from hvd_topk.optim._common import _ExchangedUpdates, _group_of, _check_nonnegative
 
 
 class DeMo(_ExchangedUpdates):
@@ -68,29 +67,16 @@ class DeMo(_ExchangedUpdates):
     def _init_state(self, p):
         """No per-parameter state: the momentum is the engine's residual."""
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """``p *= 1 - lr * weight_decay``, then ``p -= lr * normalise(exchanged average)``; skipped
-        where the average holds inf/nan (``_skipped_for_nonfinite``)."""
-        loss = _evaluate(closure)
-        if self._skipped_for_nonfinite():
-            return loss
-        applied = False
-        for group in self.param_groups:
-            lr = group["lr"]
-            for p in group["params"]:
-                if p.grad is None or not _check_transformed(self, p):
-                    continue
-                applied = True
-                p.mul_(1 - lr * group["weight_decay"])
-                if group["normalise"] == "sign":
-                    p.add_(p.grad.sign(), alpha=-lr)
-                else:
-                    rms = _rms(p.grad)
-                    if rms > 0.0:
-                        p.add_(p.grad, alpha=-lr / rms)
-        self._step_done(stepped=applied)
-        return loss
+    def _apply(self, p, group):
+        """``p -= lr * normalise(exchanged average)``: its sign, or it over its RMS (``step()``
+        applies the weight decay first)."""
+        lr = group["lr"]
+        if group["normalise"] == "sign":
+            p.add_(p.grad.sign(), alpha=-lr)
+        else:
+            rms = _rms(p.grad)
+            if rms > 0.0:
+                p.add_(p.grad, alpha=-lr / rms)
 
 
 def _rms(grad):

@@ -10,7 +10,7 @@ import torch
 from hvd_topk import variance_sketch
 from hvd_topk.checks import check_flag, check_integer
 from hvd_topk.optim._common import (_ExchangedUpdates, _adam_denominator, _outside_level, _group_of,
-                                    _check_transformed, _evaluate, _new_adam_state, _check_adam_options)
+                                    _new_adam_state, _check_adam_options)
 
 
 class LocalAdamW(_ExchangedUpdates):
@@ -233,7 +233,7 @@ class LocalAdamW(_ExchangedUpdates):
         self._sketches.clear()  # (a step some rank sat out in hvd.join() absorbs none)
         self._lr_in_update.clear()
 
-    def _check_lr_unchanged(self, group):
+    def _check_group(self, group):
         """Warn (once) where ``group``'s learning rate changed after this step's updates were
         multiplied by it (``lr_in_residual``: in ``backward()``, as each gradient arrives): the
         step then runs at the old rate, which a loop that sets the rate between ``backward()``
@@ -311,25 +311,11 @@ class LocalAdamW(_ExchangedUpdates):
             state["sketch_sq"] = total.mul_(beta2).add_(square, alpha=1 - beta2)
             state["sketches"] = _sketch_count(state) + 1
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """``p -= lr * (the exchanged update + weight_decay * p)``, decoupled as in AdamW
-        (``p -= the exchanged update + lr * weight_decay * p`` with ``lr_in_residual``); skipped
-        where the update holds inf/nan (``_skipped_for_nonfinite``)."""
-        loss = _evaluate(closure)
-        if self._skipped_for_nonfinite():
-            return loss
-        applied = False
-        for group in self.param_groups:
-            self._check_lr_unchanged(group)
-            for p in group["params"]:
-                if p.grad is None or not _check_transformed(self, p):
-                    continue
-                applied = True
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(p.grad, alpha=-1.0 if group.get("lr_in_residual", False) else -group["lr"])
-        self._step_done(stepped=applied)
-        return loss
+    def _apply(self, p, group):
+        """``p -= lr * the exchanged update`` (``p -= the exchanged update`` with
+        ``lr_in_residual``, where it holds the rate already), after ``step()``'s decoupled weight
+        decay, as in AdamW."""
+        p.add_(p.grad, alpha=-1.0 if group.get("lr_in_residual", False) else -group["lr"])
 
 
 def _advance_lag1(state, group, grad, step):
