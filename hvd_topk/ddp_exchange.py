@@ -35,8 +35,9 @@ SPARSE_ALLREDUCE = _Strategy("sparse_allreduce", True, costs.sparse_allreduce)
 
 class BucketLayout:
     """One DDP bucket as the hook sees it: which parameters are sparse (at least ``min_numel``
-    elements; the hook checks the buffer's dtype once, at the first bucket) and where they sit in DDP's flat buffer, this bucket's residual (one
-    flat buffer over its sparse parameters), and buffers reused every step."""
+    elements; the hook checks the buffer's dtype once, at the first bucket) and where they sit
+    in DDP's flat buffer, this bucket's residual (one flat buffer over its sparse parameters),
+    and buffers reused every step."""
 
     def __init__(self, params, grads, buffer, min_numel, error_feedback):
         self.params = list(params)

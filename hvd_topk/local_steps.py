@@ -87,9 +87,9 @@ class LocalStepsState:
     (the shared weights at the last synchronisation, one per parameter, identical on every
     rank), ``outer`` (the ``hvd_topk.DistributedOptimizer`` over the anchors, with SGD at
     ``outer_lr``), ``frozen`` (``{parameter: name}`` of those with ``requires_grad=False`` when
-    it was built: they have no anchor), ``param_ids`` and ``param_signature`` (every parameter of the
-    optimizer's groups, and the trained ones' shapes, dtypes and devices, when it was built: the
-    anchors were made for them). Statistics: ``steps`` taken on this rank (for
+    it was built: they have no anchor), ``param_ids`` and ``param_signature`` (every parameter
+    of the optimizer's groups, and the trained ones' shapes, dtypes and devices, when it was
+    built: the anchors were made for them). Statistics: ``steps`` taken on this rank (for
     ``compression_stats``). ``inside`` (in ``step()``) and ``steps_elsewhere`` (the user's
     optimizer stepped outside it since) tell ``warn_stepped_elsewhere`` what happened."""
 
@@ -236,7 +236,8 @@ class _LocalSteps(torch.optim.Optimizer):
 
     def step(self, closure=None):
         local = getattr(self, LOCAL)
-        check_parameters_unchanged(self.param_groups, local.param_ids, local.params, local.param_signature, "hvd_topk.LocalSteps")
+        check_parameters_unchanged(self.param_groups, local.param_ids, local.params, local.param_signature,
+                                   "hvd_topk.LocalSteps")
         check_still_frozen(local.frozen.items(), "hvd_topk.LocalSteps",
                            "it has no shared copy, so its changes would never be exchanged")
         check_still_trainable(zip(local.params, local.names), "hvd_topk.LocalSteps",

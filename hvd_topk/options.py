@@ -108,4 +108,3 @@ class Options:
                                           for name in ("exchange_trial_steps", "exchange_recheck_steps",
                                                        "selection_scope", "dense_fallback", "warmup_steps",
                                                        "warmup_density")})
-
