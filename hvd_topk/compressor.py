@@ -376,13 +376,12 @@ class TopK(Compressor, metaclass=_FixedOptions):
         # the cost model's bytes into a rank, at this message's bytes a pair and by the density, not
         # this tensor's k (k >= 1 makes a pair cost more than a tensor of one or two entries)
         pair_bytes = message.numel() / plan.count
-        if not self._warned_bytes and world > 1 and \
-                costs.allgather(world, numel, self.density * numel, pair_bytes, 0, 0) > \
-                costs.dense(world, numel, 0, 0, 0, tensor.element_size()):
-            self._warned_bytes = True
-            warnings.warn(MORE_THAN_DENSE.format(self=self, world=world, received=(world - 1) * message.numel(),
-                                                 dense=round(2 * (world - 1) / world * numel * tensor.element_size())),
-                          stacklevel=2)
+        if not self._warned_bytes and world > 1:
+            dense = costs.dense(world, numel, 0, 0, 0, tensor.element_size())
+            if costs.allgather(world, numel, self.density * numel, pair_bytes, 0, 0) > dense:
+                self._warned_bytes = True
+                warnings.warn(MORE_THAN_DENSE.format(self=self, world=world, received=(world - 1) * message.numel(),
+                                                     dense=round(dense)), stacklevel=2)
         with self._lock:
             rnd = self._round_of(process_set)
             if caller.name:

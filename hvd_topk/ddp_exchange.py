@@ -10,6 +10,8 @@ The functions take the hook's ``TopKState`` for what it holds (codec, options, w
 this step's family, statistics).
 """
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -48,9 +50,9 @@ class BucketLayout:
         self.dense = [i for i, p in enumerate(self.params) if p.numel() < max(min_numel, 1)]
         self.spans = spans
         self.sizes = [spans[i][1] for i in self.sparse]
-        self.bounds = torch.tensor([0, *torch.tensor(self.sizes, dtype=torch.int64).cumsum(0).tolist()],
-                                   dtype=torch.int64)
-        self.numel = int(self.bounds[-1])
+        self.edges = [0, *itertools.accumulate(self.sizes)]  # each sparse parameter's [a, b) in acc
+        self.bounds = torch.tensor(self.edges, dtype=torch.int64)  # the same, for the codec
+        self.numel = self.edges[-1]
         self.dense_numel = sum(spans[i][1] for i in self.dense)
         self.grad_dtype = buffer.dtype  # the gradients', what values travel in
         # the residual (error feedback) or a staging copy
@@ -62,8 +64,7 @@ class BucketLayout:
         self.plans = {}     # density -> codec plan
         self.messages = {}  # (purpose, bytes) -> reusable uint8 buffer
         # views made once, not at every step (DDP's buffer keeps its address between rebuilds)
-        edges = self.bounds.tolist()
-        self.acc_views = [self.acc[a:b] for a, b in zip(edges, edges[1:])]
+        self.acc_views = [self.acc[a:b] for a, b in zip(self.edges, self.edges[1:])]
         self._sizes_on = {}  # device -> the sparse parameters' sizes there (sizes_on)
         self.dense_views = [self.dense_buffer[a:b] for a, b in _edges([spans[i][1] for i in self.dense])]
         self._buffer_views = {}  # id(which) -> (DDP buffer's address and size, its views at ``which``)
@@ -81,7 +82,7 @@ class BucketLayout:
         """The residual's prepared per-tensor fold (``codec.SegmentFolder``, which also reports
         inf/nan), or None where the native kernel cannot take it (a GPU, bf16)."""
         if self._folder is None and native_ok(self.acc):
-            self._folder = codec.segment_folder(self.acc, self.bounds.tolist())
+            self._folder = codec.segment_folder(self.acc, self.edges)
         return self._folder
 
     def matches(self, params):
@@ -421,8 +422,7 @@ def exchange_sparse(state, layout, index, step, buffer, idle=()):
 
     def dense_done(f):
         total = f.value()[0] if isinstance(f.value(), list) else f.value()
-        copy_all(dests, [total[int(a):int(b)].to(buffer.dtype).div_(world)
-                         for a, b in zip(layout.bounds, layout.bounds[1:])])
+        copy_all(dests, [total[a:b].to(buffer.dtype).div_(world) for a, b in zip(layout.edges, layout.edges[1:])])
         if not rounded:
             layout.acc.zero_()
         put_back()  # after the collective has read acc
