@@ -107,6 +107,27 @@ def zero_grad(opt, params):
         p.grad = None
 
 
+def worker_start(hvd):
+    """``(rank, size, say, hosts)`` once Horovod is initialised: ``say`` prints on rank 0 only,
+    ``hosts`` is every rank's host name in rank order (a row's record of where it ran)."""
+    rank, size = hvd.rank(), hvd.size()
+    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    return rank, size, say, hvd.allgather_object(os.uname().nodename)
+
+
+def hvd_topk_record(hvd_topk):
+    """Which hvd_topk made a result: its version, the file it was imported from (a snapshot or
+    the checkout) and the default compressor's settings."""
+    return {"version": getattr(hvd_topk, "__version__", None), "file": hvd_topk.__file__,
+            "default_topk": repr(hvd_topk.TopK())}
+
+
+def save_rows(path, hosts, rows, hvd_topk):
+    """A timed worker's JSON (rank 0 writes it): the hosts, the rows and ``hvd_topk_record``."""
+    Path(path).write_text(json.dumps({"hosts": hosts, "rows": rows, "hvd_topk": hvd_topk_record(hvd_topk)},
+                                     indent=1))
+
+
 def rank_sums(hvd, torch, tensors):
     """Every rank's float64 sum of ``tensors`` (parameters, exchanged gradients), rank order:
     the benchmarks' check that ranks agree after distributed steps."""

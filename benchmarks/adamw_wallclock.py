@@ -40,7 +40,6 @@ Results: benchmarks/results/training/<output-name>.{json,md} (default adamw-wall
 import argparse
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -102,9 +101,7 @@ def worker(args):
 
     torch.set_num_threads(args.threads)
     hvd.init()
-    rank, size = hvd.rank(), hvd.size()
-    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
-    names = hvd.allgather_object(os.uname().nodename)
+    rank, size, say, names = common.worker_start(hvd)
     tokens = models.inputs("gpt2-small", torch, args.pool, seed=7 + rank, batch=args.batch, context=args.context)
 
     def build(method):
@@ -150,8 +147,7 @@ def worker(args):
     rows = common.time_methods(args.gpt_methods, build, one_step, finish, args.steps,
                                interleave=args.interleave, rounds=args.rounds)
     if rank == 0 and args.out:
-        Path(args.out).write_text(json.dumps({"hosts": names, "rows": rows, "hvd_topk": {
-            "version": hvd_topk.__version__, "file": hvd_topk.__file__}}, indent=1))
+        common.save_rows(args.out, names, rows, hvd_topk)
 
 
 def worker_args(args):

@@ -66,8 +66,6 @@ Results: benchmarks/results/exchange/<output-name>.json and .md (default output-
 
 import argparse
 import gc
-import json
-import os
 import statistics
 import sys
 import time
@@ -78,8 +76,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (RESNET50_PARAMS, TOPK_METHODS, agree, check_order_arguments, common_arguments,  # noqa: E402
                      driver, forward, hvd_topk_line, inner_step, label, launch_line, loss_constants, make_optimizer,
                      method_list, order_arguments, order_line, overhead_versus, rank_sums, resnet50_shapes,
-                     run_heading, slowest_rank_ms, stats_difference, summary, time_methods, versus,
-                     warmup_steps, zero_grad)
+                     run_heading, save_rows, slowest_rank_ms, stats_difference, summary, time_methods,
+                     versus, warmup_steps, worker_start, zero_grad)
 
 GRAD_MODES = {
     "realistic": "realistic: zero_grad(set_to_none=True), forward, backward allocates fresh p.grad, "
@@ -117,12 +115,10 @@ def worker(args):
         hvd_topk.init()  # the host and cross-host process sets of the hierarchical methods
     else:
         hvd.init()
-    rank, size = hvd.rank(), hvd.size()
-    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    rank, size, say, names = worker_start(hvd)
     shapes = resnet50_shapes()
     n = sum(int(np.prod(s)) for s in shapes)
     assert len(shapes) == 161 and n == RESNET50_PARAMS, (len(shapes), n)
-    names = hvd.allgather_object(os.uname().nodename)
     say(f"P={size} on hosts {names}; counters {'ok' if _read_counters() else 'missing'}; "
         f"building {args.pool} gradient sets of {n:,} values")
     pool = loss_constants(shapes, args.pool, 1234 + rank, torch)
@@ -235,9 +231,7 @@ def worker(args):
     results = time_methods(method_list(args.methods, args.densities), build, one_step, finish, args.steps,
                            interleave=args.interleave, rounds=args.rounds)
     if rank == 0 and args.out:
-        Path(args.out).write_text(json.dumps({"hosts": names, "rows": results,
-                                              "hvd_topk": {"version": hvd_topk.__version__, "file": hvd_topk.__file__,
-                                                           "default_topk": repr(hvd_topk.TopK())}}, indent=1))
+        save_rows(args.out, names, results, hvd_topk)
 
 
 def exchange_worker_args(args):

@@ -253,8 +253,7 @@ def worker(args):
     if hvd.rank() == 0:
         Path(args.out).write_text(json.dumps({
             "models": models, "size": hvd.size(),
-            "hvd_topk": {"file": hvd_topk.__file__, "version": getattr(hvd_topk, "__version__", None),
-                         "default_topk": repr(hvd_topk.TopK())},
+            "hvd_topk": common.hvd_topk_record(hvd_topk),
             "horovod_env": {k: v for k, v in os.environ.items() if k.startswith("HOROVOD_")}}, indent=1))
 
 

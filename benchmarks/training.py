@@ -32,8 +32,6 @@ Results: benchmarks/results/training/<output-name>.json and .md (default output-
 
 import argparse
 import gc
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -52,9 +50,7 @@ def worker(args):
 
     torch.set_num_threads(args.threads)
     hvd.init()
-    rank, size = hvd.rank(), hvd.size()
-    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
-    names = hvd.allgather_object(os.uname().nodename)
+    rank, size, say, names = common.worker_start(hvd)
     batches = models.inputs("resnet50", torch, args.pool, seed=7 + rank, batch=args.batch, image_size=args.image_size)
     say(f"P={size} on hosts {names}; ResNet-50, batch {args.batch}/rank, {args.image_size}x"
         f"{args.image_size} synthetic images, {args.threads} thread(s)/rank")
@@ -115,9 +111,7 @@ def worker(args):
     rows = common.time_methods(common.method_list(args.methods, args.densities), build, one_step, finish,
                                args.steps, interleave=args.interleave, rounds=args.rounds)
     if rank == 0 and args.out:
-        Path(args.out).write_text(json.dumps({"hosts": names, "rows": rows,
-                                              "hvd_topk": {"version": hvd_topk.__version__, "file": hvd_topk.__file__,
-                                                           "default_topk": repr(hvd_topk.TopK())}}, indent=1))
+        common.save_rows(args.out, names, rows, hvd_topk)
 
 
 def worker_args(args):
