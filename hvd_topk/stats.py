@@ -57,6 +57,17 @@ class CompressionStats:
         with self._lock:
             self._tensors[name] = amount if name not in self._tensors else self._tensors[name] + amount
 
+    def __getstate__(self):
+        """Pickled and deep-copied without the lock (a lock cannot be): the DDP hook's state is
+        copied with the model (``copy.deepcopy(ddp_model)``, ``AveragedModel``) and pickled by
+        Lightning's spawn launcher."""
+        with self._lock:
+            return {"_values": dict(self._values), "_tensors": dict(self._tensors)}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def as_dict(self):
         """A snapshot with derived ratios: ``density`` achieved and ``bytes_ratio`` sent/dense."""
         with self._lock:

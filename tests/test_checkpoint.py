@@ -71,3 +71,24 @@ def test_a_whole_checkpoint_into_the_ddp_state_names_the_key_to_pass():
         state.load_state_dict({"a": 1})
     with pytest.raises(ValueError, match=r"got list"):
         state.load_state_dict([1])
+
+
+def test_the_ddp_state_pickles_and_deep_copies_with_its_statistics():
+    """DDP keeps the hook's state beside the model, so ``copy.deepcopy(ddp_model)`` (and
+    ``AveragedModel``) copies it, and Lightning's spawn launcher pickles it. Its statistics held
+    a lock, which neither can copy. The copy keeps the counts and counts on its own."""
+    import copy
+    import pickle
+
+    import torch
+    import hvd_topk.ddp
+
+    state = hvd_topk.ddp.TopKState(density=0.1)
+    state._stats.add(bytes_sent=12, bytes_dense=48)
+    state._stats.add_tensor("nonfinite_resets", torch.tensor(2))
+    for copied in (copy.deepcopy(state), pickle.loads(pickle.dumps(state))):
+        counts = copied._stats.as_dict()
+        assert (counts["bytes_sent"], counts["bytes_dense"], counts["nonfinite_resets"]) == (12, 48, 2)
+        assert counts["bytes_ratio"] == 0.25
+        copied._stats.add(bytes_sent=4)
+        assert copied._stats.as_dict()["bytes_sent"] == 16 and state._stats.as_dict()["bytes_sent"] == 12
