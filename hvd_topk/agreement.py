@@ -38,13 +38,17 @@ def group_options(param_groups, leave_out=None):
 
     A tensor (a tensor learning rate) counts by its values, wherever it lives (its repr names
     its device, which differs by rank); a number, string or None by itself; any other object by
-    its type's name (its default repr names its address, which differs by rank)."""
+    its repr (a dtype, an enum), or by its type's name where that repr is the default one, which
+    names the object's address and so differs by rank."""
     def plain(v):
         if torch.is_tensor(v):
             return v.item() if v.numel() == 1 else tuple(v.flatten().tolist())
         if isinstance(v, (tuple, list)):
             return tuple(plain(x) for x in v)
-        return v if v is None or isinstance(v, (numbers.Number, str)) else type(v).__name__
+        if v is None or isinstance(v, (numbers.Number, str)):
+            return v
+        shown = repr(v)
+        return type(v).__name__ if " at 0x" in shown else shown
     return [sorted((k, plain(v)) for k, v in g.items()
                    if k != "params" and not (leave_out and k.startswith(leave_out)))
             for g in param_groups]

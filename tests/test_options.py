@@ -134,3 +134,28 @@ def test_the_exchange_names_are_the_strategies():
     assert set(checks.EXCHANGES) == {"auto", *exchange.BY_NAME}
     assert {n for n, s in exchange.BY_NAME.items() if s.sparse} == set(checks.SPARSE_EXCHANGES)
     assert {n for n, s in exchange.BY_NAME.items() if not s.sparse} == set(checks.DENSE_EXCHANGES)
+
+
+def test_group_options_compare_objects_by_value_unless_their_repr_is_an_address():
+    """What the ranks compare of their optimizers' settings (the engine every step, LocalSteps
+    at each synchronisation, the DDP hook once): a dtype or an enum by its value (by its type's
+    name alone, bfloat16 and float32 counted as agreeing); an object with the default repr,
+    which names its address and so differs by rank, by its type; a tensor by its values."""
+    import enum
+
+    import torch
+    from hvd_topk.agreement import group_options
+
+    Tag = type("Tag", (), {})
+    Mode = enum.Enum("Mode", "A B")
+
+    def options(**group):
+        return group_options([{"params": [], **group}])
+
+    assert options(d=torch.bfloat16) != options(d=torch.float32)
+    assert options(m=Mode.A) != options(m=Mode.B)
+    assert options(m=Mode.A) == options(m=Mode.A)
+    assert options(t=Tag()) == options(t=Tag()) == [[("t", "Tag")]]
+    assert options(lr=torch.tensor(0.5)) == options(lr=0.5)
+    assert options(betas=(0.9, torch.tensor([0.5, 0.25]))) == [[("betas", (0.9, (0.5, 0.25)))]]
+    assert group_options([{"params": [], "hvd_topk_x": 1, "lr": 1}], leave_out="hvd_topk_") == [[("lr", 1)]]

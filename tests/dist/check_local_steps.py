@@ -761,6 +761,13 @@ def check_bad_input():
     model, opt = build(sgd(), sync_every=2)
     opt.param_groups[0]["tag"] = type("Tag", (), {})()
     train(model, opt, 4)
+    # ... but an object whose repr is its value (a dtype) by that value: a rank holding another
+    # one disagrees (compared by type name, bfloat16 and float32 were taken to agree)
+    model, opt = build(sgd(), sync_every=2)
+    opt.param_groups[0]["state_dtype"] = torch.float32 if hvd.rank() == last else torch.bfloat16
+    with raises(RuntimeError, match=rf"the optimizer it wraps has other settings on ranks \[{last}\] than on rank 0",
+                what=f"a dtype option differing on rank {last}"):
+        train(model, opt, 2)
     # The optimizer passed to LocalSteps stepped instead of the returned one: nothing synchronises,
     # a warning says so (before, silence and ranks that went apart); a fresh optimizer's broadcast
     # (one step of the inner class, taken by Horovod) and training through the returned one do not warn
