@@ -199,6 +199,8 @@ class TopKState:
         self.iteration = 0
         self.layouts = {}                       # DDP bucket index -> ddp_exchange.BucketLayout
         self.retired = []                       # layouts DDP replaced this step (their residuals move)
+        self.step_params = set()                # ids of the parameters of this step's buckets so far (_position)
+        self.step_buckets = 0                   # this step's buckets so far
         self.pending = {}                       # name -> residual loaded before its bucket was seen
         self.model_params = set()               # ids of the parameters of the model it serves
         self.seen_whole_model = False           # a step's last bucket has been seen
@@ -311,6 +313,7 @@ class TopKState:
             residuals = {n: t for n, t in residuals.items() if n not in nonfinite}
         rank, world = _group_rank_and_size(self.process_group)
         self.iteration = int(state["iteration"])
+        self.step_params, self.step_buckets = set(), 0  # (a step left open by static_graph: _position)
         if self.trial is not None:  # auto's trial goes on: the next step is not timed across the load
             self.trial.skip()
         for layout in self.layouts.values():
@@ -354,11 +357,53 @@ class TopKState:
         mine = dict(self.optimizer.sketch_layout(self.world_size))
         return [(p, mine[p]) for p in params if p in mine]
 
-    def _layout(self, bucket):
-        """The bucket's ``BucketLayout`` (made at its first step, and again when DDP rebuilt it; the
-        residuals move with their parameters)."""
+    def _position(self, bucket):
+        """``(index, first, last)``: the bucket's place in this step. DDP's own, except in the first
+        iteration of a ``static_graph=True`` model with buckets of several dtypes: DDP reduces them
+        after backward, each reported as index 0 and none as the last (torch 2.13's
+        ``Reducer::delay_all_reduce``). Taken as they came, each took the one before for a
+        rebuild, and from the third on residuals were dropped. So a bucket reported as the first
+        whose parameters this step has not had is the step's next bucket; such a step ends when
+        it has had every trainable parameter named by ``named_parameters=`` (without them, at the
+        next step's first bucket: nothing reads the step in between but ``state_dict()``, which
+        needs the names)."""
         params = bucket.parameters()
-        layout = self.layouts.get(bucket.index())
+        index, last, again = bucket.index(), bucket.is_last(), False
+        if index == 0 and self.step_buckets:
+            if any(id(p) in self.step_params for p in params):
+                self._end_step(self.step_buckets - 1)  # a new step; the one before never had its last bucket
+            else:
+                index, again = self.step_buckets, True
+        self.step_params.update(id(p) for p in params)
+        self.step_buckets += 1
+        if again and not last and self.names is not None:
+            last = all(id(p) in self.step_params for p in self.names if p.requires_grad)
+        return index, index == 0, last
+
+    def _end_step(self, last_index):
+        """What a step's last bucket (``last_index``: its place) closes: the model seen whole, the
+        layouts DDP replaced dropped (their residuals checked moved), the step counted."""
+        self._check_optimizer_serves_model()
+        self.seen_whole_model = True
+        # (what state_dict() compares: a parameter changed since means the step was applied)
+        self.exchanged_at = [written(p) for layout in self.layouts.values() for p in layout.params]
+        self.steps_at_exchange = _OPTIMIZER_STEPS[0]
+        if self.pending:
+            self._drop_pending()
+        self.iteration += 1
+        self.steps_here += 1
+        self._stats.add(steps=1)
+        self._check_retired_taken()
+        self.retired = []
+        for index in [i for i in self.layouts if i > last_index]:
+            del self.layouts[index]  # DDP rebuilt into fewer buckets: their residuals moved
+        self.step_params, self.step_buckets = set(), 0
+
+    def _layout(self, bucket, index, first):
+        """The bucket's ``BucketLayout`` (made at its first step, and again when DDP rebuilt it; the
+        residuals move with their parameters); ``index``, ``first``: its place (``_position``)."""
+        params = bucket.parameters()
+        layout = self.layouts.get(index)
         if layout is not None and layout.matches(params):
             return layout
         ids = {id(p) for p in params}
@@ -380,21 +425,21 @@ class TopKState:
         fresh = exchange.BucketLayout(params, bucket.gradients(), bucket.buffer(), self.min_numel,
                                       self.error_feedback)
         sources = [*self.retired, *self.layouts.values()]
-        if bucket.index() == 0:
+        if first:
             # a step's first bucket with a new layout: DDP rebuilt all of them (after its first
             # step; with static_graph=True after its second); the old ones stay until the step
             # ends, the later buckets take from them too
             self.retired, self.layouts = list(self.layouts.values()), {}
-        elif bucket.index() in self.layouts:
+        elif index in self.layouts:
             # DDP rebuilt its buckets but kept the first one (a rebuild that regroups only later
             # buckets, e.g. by dtype): the layout replaced here keeps residuals that later
             # buckets take (a parameter moved from this bucket to a later one)
-            self.retired.append(self.layouts.pop(bucket.index()))
+            self.retired.append(self.layouts.pop(index))
         for old in sources:
             fresh.take_residuals_from(old)
         if self.names is not None and self.pending:
             fresh.adopt(self.pending, self.names)
-        self.layouts[bucket.index()] = fresh
+        self.layouts[index] = fresh
         return fresh
 
     def _check_retired_taken(self):
@@ -653,11 +698,13 @@ def topk_hook(state, bucket):
     # torch's Join: a rank whose inputs ran out has its DDP run the hook on zero buckets, outside
     # any backward, to match the others' collectives; it contributes zeros (and its residual)
     joined = not backward_running()
-    if not state.checked:
+    started = state.checked
+    if not started:
         state._first_hook(bucket)
-    elif bucket.index() == 0:
+    index, first, last = state._position(bucket)
+    if first and started:
         state._check_group_unchanged()
-    if bucket.index() == 0:  # before this step folds anything: residuals into its loss scale
+    if first:  # before this step folds anything: residuals into its loss scale
         state.residual_scale.follow([state])
         if state.optimizer is not None and getattr(state.optimizer, "_transformed", None) and not joined:
             state._not_stepped()
@@ -667,7 +714,7 @@ def topk_hook(state, bucket):
     # this rank's backward left them out (find_unused_parameters); a joined rank ran none, and its
     # gradients may be None (zero_grad after step), yet its residual sends (Join's zero buckets)
     idle = set() if joined else exchange.unused_here(params)
-    layout = state._layout(bucket)
+    layout = state._layout(bucket, index, first)
     if state.optimizer is not None and not joined:
         # (a joined rank's optimizer is left alone, as torch's AdamW under plain DDP: its
         # transform of a zero gradient advanced LocalAdamW's moments, and with beta1 > 0 sent
@@ -678,29 +725,16 @@ def topk_hook(state, bucket):
             if i not in idle:  # as a plain optimizer skips a parameter without a gradient
                 state.optimizer.transform_local_gradient(p, g, world, **checked)
     step = state.iteration
-    if bucket.index() == 0:
+    if first:
         state._begin_step(step)
-    if bucket.is_last():
-        state._check_optimizer_serves_model()
-        state.seen_whole_model = True
-        # (what state_dict() compares: a parameter changed since means the step was applied)
-        state.exchanged_at = [written(p) for layout in state.layouts.values() for p in layout.params]
-        state.steps_at_exchange = _OPTIMIZER_STEPS[0]
-        if state.pending:
-            state._drop_pending()
-        state.iteration += 1
-        state.steps_here += 1
-        state._stats.add(steps=1)
-        state._check_retired_taken()
-        state.retired = []
-        for index in [i for i in state.layouts if i > bucket.index()]:
-            del state.layouts[index]  # DDP rebuilt into fewer buckets: their residuals moved
+    if last:
+        state._end_step(index)
     state._stats.add(bytes_dense=buffer.numel() * DENSE_FP32_BYTES, elements_total=buffer.numel())
     futures = []
     if layout.dense:  # the small tensors: a plain average
         futures.append(exchange.average_dense(state, layout, buffer))
     if layout.sparse:
-        futures.append(exchange.exchange_sparse(state, layout, bucket.index(), step, buffer, idle))
+        futures.append(exchange.exchange_sparse(state, layout, index, step, buffer, idle))
     sketched = state._sketched(params) if world > 1 else []
     if sketched:  # LocalAdamW(variance_sketch=B): the ranks' average of its gradient sketches
         futures.append(exchange.average_sketches(state, state.optimizer, sketched, buffer.device))

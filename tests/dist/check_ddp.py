@@ -177,6 +177,56 @@ def check_reference(exchange="allgather", bucket_cap_mb=25, steps=4, density=0.0
     return state, families
 
 
+def check_static_graph_buckets_of_several_dtypes(named=True):
+    """``DDP(static_graph=True)`` reduces its first iteration's buckets (one per dtype at least)
+    after backward, each reported to the hook as index 0 and none as the last. The hook took each
+    for a rebuild of the one before: from the third on residuals were dropped (the first
+    bucket's, here at step 1), and the step count lagged by one. Three dtypes, every step
+    against the numpy reference of error feedback; the steps counted, every residual in
+    ``state_dict()``. Without ``named``, no ``named_parameters=``: that step ends at the next
+    one's first bucket."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    density, steps = 0.05, 4
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w32 = torch.nn.Parameter(torch.zeros(1024, device=DEVICE))
+            self.w64 = torch.nn.Parameter(torch.zeros(1024, dtype=torch.float64, device=DEVICE))
+            self.b16 = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16, device=DEVICE))  # dense: averaged
+
+        def forward(self, a, b, c):
+            return (self.w32 * a).sum() + (self.w64 * b).sum().float() + (self.b16 * c).sum().float()
+
+    model = Model()
+    ddp = DDP(model, static_graph=True)
+    state = hvd_topk.ddp.TopKState(density=density, exchange="allgather", min_numel=100,
+                                   named_parameters=model.named_parameters() if named else None)
+    hvd_topk.ddp.register(ddp, state)
+    ref = ErrorFeedbackReference(size)
+    gen = torch.Generator().manual_seed(17 + rank)
+    for step in range(steps):
+        a, b = torch.randn(1024, generator=gen), torch.randn(1024, generator=gen)
+        model.zero_grad(set_to_none=True)
+        ddp(a.to(DEVICE), b.to(DEVICE, torch.float64),
+            torch.full((8,), rank + 1.0, dtype=torch.bfloat16, device=DEVICE)).backward()
+        for name, g in (("w32", a), ("w64", b)):
+            want = ref.sparse(name, np.stack(gather(host(g))), density)
+            got = host(model.get_parameter(name).grad.float())
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"step {step} {name}")
+            assert_same_on_all_ranks(got, f"step {step} {name}")
+        assert model.b16.grad.float().eq((size + 1) / 2).all(), (step, model.b16.grad.tolist())
+        assert state.iteration == step + (named or step > 0), (step, state.iteration)  # (see named)
+    assert state.stats()["steps"] == steps and state.iteration == steps, (state.stats()["steps"], state.iteration)
+    if not named:
+        return
+    residuals = state.state_dict()["residuals"]
+    assert sorted(residuals) == ["w32", "w64"], sorted(residuals)
+    for name, residual in residuals.items():
+        np.testing.assert_allclose(host(residual.float()), ref.residual[rank][name].reshape(-1), rtol=1e-5,
+                                   atol=1e-6, err_msg=f"residual {name}")
+
+
 def check_16bit_residuals(dtype, exchange):
     """16-bit parameters keep float32 residuals: step by step against the numpy reference of
     error feedback (float32 residual; each sent value rounded to the parameters' dtype, what
@@ -1321,6 +1371,8 @@ CHECKS = [
         "auto", steps=10, bucket_cap_mb=0.005, exchange_trial_steps=1, unused_at_steps=(2, 4, 6, 8),
         residual_decay=0.8, ddp_kwargs={"find_unused_parameters": True})),
     ("auto after static_graph's late rebuild: every bucket proposed", check_auto_after_a_static_graph_rebuild),
+    ("static_graph: the first iteration's buckets of three dtypes", check_static_graph_buckets_of_several_dtypes),
+    ("static_graph: the same without named_parameters", lambda: check_static_graph_buckets_of_several_dtypes(False)),
     ("static_graph, gradient_as_bucket_view", lambda: check_reference(
         bucket_cap_mb=0.005, ddp_kwargs={"static_graph": True, "gradient_as_bucket_view": True})),
     ("bf16 autocast", lambda: check_reference(amp=True)),
