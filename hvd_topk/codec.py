@@ -442,8 +442,11 @@ class Codec:
             return
         # 16-bit tensors take several ranks' values summed in float32 and rounded once, as the
         # sparse allreduce and the dense exchange do: added into bf16 one rank at a time,
-        # 1 + 2**-8 - 1 over three ranks rounds to 0 where the average is 2**-8 / 3
-        total = residual_dtype(dests[0].dtype) if values.shape[0] > 1 else dests[0].dtype
+        # 1 + 2**-8 - 1 over three ranks rounds to 0 where the average is 2**-8 / 3. So is a
+        # single row that is then scaled (the sparse allreduce's float32 sums): rounded to bf16
+        # as a sum and then divided, its mean was a unit in the last place off at 3 ranks
+        scaled = div != 1.0 or torch.is_tensor(mul) or mul != 1.0
+        total = residual_dtype(dests[0].dtype) if values.shape[0] > 1 or scaled else dests[0].dtype
         if len(dests) == 1 and total == dests[0].dtype:
             flat = dests[0].zero_()
         else:

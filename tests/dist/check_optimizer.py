@@ -19,7 +19,7 @@ from hvd_topk import native
 from harness import DEVICE, assert_same_on_all_ranks, gather, raises, raw_then_synchronize, run, step_and_check_same
 from nets import Net
 from reference import (ErrorFeedbackReference, bfloat16_mean_rounded_once, dgc_density, k_of, nearly_cancelling,
-                       part_pieces, sparse_allreduce)
+                       part_pieces, rounded_twice_apart, sparse_allreduce)
 
 
 def batch(step, rank, n=24, part=None):
@@ -1527,18 +1527,22 @@ def check_bf16_model_counted_against_dense_fp32():
 def check_bf16_gradients_that_cancel(exchange):
     """bf16 gradients whose ranks' values nearly cancel: the average is summed in float32 and
     rounded to bf16 once, on every exchange (the allgather's decode added each rank's values into
-    the bf16 gradient in turn: at 3 ranks 1 + 2**-8 - 1 read 0 where the mean is 2**-8 / 3)."""
-    p = torch.nn.Parameter(torch.zeros(2000, dtype=torch.bfloat16, device=DEVICE))
-    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD([p], lr=0.0), named_parameters=[("w", p)],
-                                        compression=hvd_topk.TopK(density=0.0005), exchange=exchange,
-                                        hierarchical=False, min_numel=1)
-    g = torch.zeros(2000, device=DEVICE)
-    g[0] = nearly_cancelling(hvd.rank(), hvd.size())
-    opt.zero_grad()
-    (p.float() * g).sum().backward()
-    opt.step()
-    want = bfloat16_mean_rounded_once([nearly_cancelling(r, hvd.size()) for r in range(hvd.size())])
-    assert float(p.grad[0]) == want and not p.grad[1:].any(), (exchange, float(p.grad[0]), want)
+    the bf16 gradient in turn: at 3 ranks 1 + 2**-8 - 1 read 0 where the mean is 2**-8 / 3). And
+    values whose sum is not exact in bf16: the sparse allreduce rounded the sum to bf16, then
+    divided it (at 3 ranks -2.046875 where the mean rounded once is -2.03125)."""
+    for value_of in (nearly_cancelling, rounded_twice_apart):
+        p = torch.nn.Parameter(torch.zeros(2000, dtype=torch.bfloat16, device=DEVICE))
+        opt = hvd_topk.DistributedOptimizer(torch.optim.SGD([p], lr=0.0), named_parameters=[("w", p)],
+                                            compression=hvd_topk.TopK(density=0.0005), exchange=exchange,
+                                            hierarchical=False, min_numel=1)
+        g = torch.zeros(2000, device=DEVICE)
+        g[0] = value_of(hvd.rank(), hvd.size())
+        opt.zero_grad()
+        (p.float() * g).sum().backward()
+        opt.step()
+        want = bfloat16_mean_rounded_once([value_of(r, hvd.size()) for r in range(hvd.size())])
+        assert float(p.grad[0]) == want and not p.grad[1:].any(), \
+            (exchange, value_of.__name__, float(p.grad[0]), want)
 
 
 def check_bf16_gradients_with_fp16_values(exchange):

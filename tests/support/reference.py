@@ -64,6 +64,14 @@ def nearly_cancelling(rank, size):
     return 1.0 if rank == 0 else -1.0 if rank == size - 1 else 2.0 ** -8
 
 
+def rounded_twice_apart(rank, size):
+    """One value per rank, exact in bfloat16, whose mean at 3 ranks is -2.03125 rounded to
+    bfloat16 once, and -2.046875 when the sum is rounded to bfloat16 first and then divided
+    (found by a search over random values; at 2 ranks halving is exact, so the two agree).
+    Ranks past the third add 0."""
+    return (-3.578125, -1.5546875, -0.98046875)[rank] if rank < 3 else 0.0
+
+
 def bfloat16_mean_rounded_once(per_rank):
     """The mean of exact bfloat16 values summed in float64, divided in float32 and rounded to
     bfloat16 once: what a 16-bit gradient's average is under the dense and sparse exchanges."""
