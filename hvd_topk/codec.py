@@ -244,6 +244,31 @@ def wipe_flagged(flats, flags, sizes, numel):
     return count
 
 
+def nonfinite_flags(flat, edges):
+    """One flag per segment ``[edges[i], edges[i+1])`` of ``flat``: whether it holds inf/nan, a
+    bool tensor on ``flat``'s device, never read on the host (a GPU would wait there for the
+    work before it)."""
+    bad = ~torch.isfinite(flat)
+    return torch.stack([bad[a:b].any() for a, b in zip(edges, edges[1:])])
+
+
+def set_flag(slot, bad):
+    """The sparse allreduce's flag: NaN into the one-value ``slot`` where ``bad`` (a bool, the
+    numbers of the tensors that held inf/nan, or a bool tensor of flags on the device, not read
+    on the host) says something held inf/nan, 0 otherwise. Summed over the ranks and added to
+    every value times 0 (``spread_flag``), it makes every rank's result NaN, so that a
+    GradScaler skips the step on every rank, even where the inf lay outside what was chosen."""
+    if torch.is_tensor(bad):
+        slot.copy_(torch.where(bad.any(), float("nan"), 0.0))
+    else:
+        slot.fill_(float("nan") if bad else 0.0)
+
+
+def spread_flag(values, slot):
+    """``values`` NaN where the summed ``slot`` (``set_flag``) is, unchanged where it is 0."""
+    values.add_(slot * 0)
+
+
 class Codec:
     """Top-K selection and its wire format; ``method``, ``fp16_values`` and ``compact`` as in
     ``TopK``. With ``compact`` the plans' messages hold the buffer's own dtype (the compact form

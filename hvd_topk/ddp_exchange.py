@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from hvd_topk import auto, costs
 from hvd_topk._torch import copy_all
-from hvd_topk.codec import Codec, Encoded, residual_dtype, rotating_part, wipe_flagged
+from hvd_topk.codec import (Codec, Encoded, nonfinite_flags, residual_dtype, rotating_part, set_flag, spread_flag,
+                            wipe_flagged)
 from hvd_topk.selection import native_ok, sample_seed
 from hvd_topk.wire import index_dtype_for
 
@@ -461,16 +462,19 @@ def _sparse_allreduce(state, layout, plan, index, step, dests, folded_bad, put_b
     ``SparseAllreduce``): this rank chooses the positions in its part of the bucket
     (``plan``: one part per rank), the parts' indices are gathered (waited for here, so that no
     collective is started from a callback), and every rank's ``acc`` there is summed with one
-    more slot flagging inf/nan anywhere. Gloo gathers equal sizes only: each part travels
-    padded to the longest (the parts differ by a few pairs: their element counts by at most
-    one, their tensor pieces' rounding of k)."""
+    more slot flagging inf/nan anywhere (``codec.set_flag``). Gloo gathers equal sizes only:
+    each part travels padded to the longest (the parts differ by a few pairs: their element
+    counts by at most one, their tensor pieces' rounding of k). ``folded_bad``: the tensors
+    the native fold found inf/nan in, or None where it did not look."""
     world, group = state.world_size, state.process_group
     message = layout.message("send", plan.layout.nbytes)
     values, indices = plan.layout.views(message)
     sums = layout.message("values", (plan.count + 1) * values.element_size()).view(values.dtype)
     led = plan.part_segments(rotating_part(state.rank, step, index, world))
-    encoded = state.codec.encode(layout.acc, plan, message, zero_sent=state.error_feedback,
-                                 seed=sample_seed(step, index), segments=led)
+    # the tensors holding inf/nan, looked for before the encode zeroes what it sends
+    bad = folded_bad if folded_bad is not None else _nonfinite_segments(layout)
+    state.codec.encode(layout.acc, plan, message, zero_sent=state.error_feedback,
+                       seed=sample_seed(step, index), segments=led)
     mine = plan.slot_range(led)
     slots = plan.slots_by_rank(step, index)
     longest = max(hi - lo for lo, hi in slots)
@@ -491,47 +495,40 @@ def _sparse_allreduce(state, layout, plan, index, step, dests, folded_bad, put_b
                 values[lo:hi].copy_(out[lo:hi])
                 if state.error_feedback:
                     Codec.feed_back(layout.acc, indices[lo:hi], out[lo:hi], values[lo:hi])
-    # the tensors that held inf/nan: where this rank selected one (sent, so zeroed already) or
-    # where one is left; each is wiped (and counted) once
-    chosen = set(_flagged(encoded.nonfinite))
-    bad = sorted({i for i, segments in enumerate(plan.member_segments) if chosen.intersection(segments)}
-                 | set(folded_bad if folded_bad is not None else _nonfinite_segments(layout)))
     _wipe(state, layout, bad)
     sums[:-1].copy_(values)
     for lo, hi in held:
         sums[lo:hi].zero_()
     put_back()
-    sums[-1] = 1.0 if bad else 0.0
+    set_flag(sums[-1:], bad)
     state._count(SPARSE_ALLREDUCE, elements_selected=plan.count,
                  bytes_sent=longest * itemsize + (plan.count + 1) * values.element_size())
     fut = _allreduce(sums, group)
 
     def summed_done(f):
-        values.copy_(sums[:-1])
+        spread_flag(values.copy_(sums[:-1]), sums[-1:])  # inf/nan on some rank: every rank's result shows it
         Codec.decode(message, plan.layout, 1, dests, layout.bounds, div=world)
-        if float(sums[-1]) > 0:  # inf/nan on some rank: every rank's result shows it
-            for d in dests:
-                d.fill_(float("nan"))
     return after(fut, summed_done, layout.acc.device)
 
 
+HOST_READS_FREE = ("cpu",)  # devices whose tensors the host reads without waiting for other work
+
+
 def _nonfinite_segments(layout):
+    """The residual's tensors that hold inf/nan: on the CPU their numbers (a read costs nothing
+    there, and the usual answer, none, then wipes nothing); elsewhere one flag per tensor on
+    the device (``codec.nonfinite_flags``), never read on the host: a GPU would wait there."""
+    if layout.acc.device.type not in HOST_READS_FREE:
+        return nonfinite_flags(layout.acc, layout.edges)
     if bool(torch.isfinite(layout.acc).all()):
         return []
     return [s for s, seg in enumerate(layout.acc_views) if not bool(torch.isfinite(seg).all())]
 
 
-def _flagged(bad):
-    """The segments an encode flagged, as a list (the torch-ops path reports a bool tensor)."""
-    if torch.is_tensor(bad):
-        return bad.nonzero().view(-1).tolist() if bad.dim() else ([0] if bool(bad) else [])
-    return bad
-
-
 def _wipe(state, layout, bad):
-    """The residual's tensors that held inf/nan (``bad``: their numbers, or the torch-ops
-    encode's flags, one per tensor, wiped on the device without a host read) start again from
-    zero (the values still went out)."""
+    """The residual's tensors that held inf/nan (``bad``: their numbers, or one flag per tensor
+    on the device, the torch-ops encode's or ``_nonfinite_segments``', wiped there without a
+    host read) start again from zero (the values still went out)."""
     if not state.error_feedback:
         return
     if torch.is_tensor(bad):

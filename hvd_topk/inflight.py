@@ -36,7 +36,7 @@ import torch
 from hvd_topk import exchange, hierarchy
 from hvd_topk._horovod import allreduce_dtype, hvd
 from hvd_topk.buckets import BucketStep
-from hvd_topk.codec import Encoded, shard_bounds
+from hvd_topk.codec import Encoded, set_flag, shard_bounds, spread_flag
 from hvd_topk.selection import sample_seed
 
 # the stages at which synchronize() advances every bucket, in this order, before decoding any
@@ -292,10 +292,7 @@ def gather_values(ctx, bucket, current, plan, residual):
         wipe = bad if current.unchecked else current.nonfinite_folds
         flats = (residual, bucket.momentum) if current.unchecked else None
         count_resets(ctx.stats, bucket.wipe(wipe, bucket.bounds.tolist(), flats))
-    if torch.is_tensor(bad):
-        values[k:].copy_(torch.where(bad, float("nan"), 0.0))
-    else:
-        values[k] = float("nan") if bad else 0.0
+    set_flag(values[k:], bad)
     return values
 
 
@@ -305,7 +302,7 @@ def sparse_allreduce_result(bucket, handle, plan, message):
     exchange.SparseAllreduce.finish(handle)
     k = plan.layout.count
     values = bucket.scratch("values", k + 1, allreduce_dtype(plan.layout.value_dtype))
-    values[:k].add_(values[k:] * 0)  # 0 when every rank was finite, NaN otherwise
+    spread_flag(values[:k], values[k:])
     sent, _ = plan.layout.views(message)
     sent.copy_(values[:k])
     return message

@@ -412,6 +412,33 @@ def test_wipe_flagged_zeroes_the_flagged_segments_on_the_device():
                        torch.tensor(sizes, device="meta"), 14)
 
 
+def test_nonfinite_flags_and_the_sparse_allreduce_flag_on_the_device():
+    """codec.nonfinite_flags (the DDP hook's look for inf/nan off the CPU): one flag per segment,
+    numpy's ``~isfinite(segment).all()``, an empty segment unflagged; set_flag writes NaN into
+    the slot where a tensor flag, a list of flagged tensors or a bool says so, 0 otherwise, and
+    spread_flag makes every value NaN after a NaN slot, leaves them as they are after 0 (numpy:
+    x + slot * 0). On the meta device, where any host read raises: none is made."""
+    edges = [0, 3, 3, 8, 10, 14]
+    x = np.arange(14, dtype=np.float32)
+    x[4], x[11], x[13] = np.inf, np.nan, -np.inf
+    want = [not np.isfinite(x[a:b]).all() for a, b in zip(edges, edges[1:])]
+    flags = codec.nonfinite_flags(torch.from_numpy(x), edges)
+    assert flags.dtype == torch.bool and flags.tolist() == want == [False, False, True, False, True]
+    for bad, nan in ((flags, True), (torch.zeros(5, dtype=torch.bool), False), ([2], True), ([], False),
+                     (True, True), (torch.tensor(False), False)):
+        slot = torch.full((1,), 7.0, dtype=torch.bfloat16)
+        codec.set_flag(slot, bad)
+        assert (bool(slot.isnan()) if nan else float(slot) == 0.0), (bad, slot)
+        values = torch.tensor([1.5, -2.0, 0.0])
+        codec.spread_flag(values, slot)
+        np.testing.assert_array_equal(values.numpy(), np.array([1.5, -2.0, 0.0]) + float(slot) * 0)
+    meta = codec.nonfinite_flags(torch.empty(14, device="meta"), edges)
+    assert meta.shape == (5,) and meta.device.type == "meta"
+    slot = torch.empty(1, device="meta")
+    codec.set_flag(slot, meta)
+    codec.spread_flag(torch.empty(3, device="meta"), slot)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("fp16_values", [False, True])
 @pytest.mark.parametrize("method", ["sampled", "exact"])

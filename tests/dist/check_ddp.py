@@ -898,13 +898,23 @@ def check_resume_fewer_sparse():
         assert state_b.pending == {} and sorted(state_b.state_dict()["residuals"]) == ["fc1.weight"]
 
 
-def check_nonfinite():
+def check_nonfinite(host_reads=True):
     """An inf in one rank's gradient reaches every rank's result (GradScaler would skip the step
     everywhere), that rank's residual is reset, and the next step is finite again. With the
     sparse allreduce the culprit is not the leader: its flag slot carries the news. With the
     dense fp16 exchange (whose residual keeps float16's rounding) an inf, and 1e5, which float16
-    cannot hold, reset the tensor's residual all the same."""
+    cannot hold, reset the tensor's residual all the same. ``host_reads=False``: the residual's
+    inf/nan looked for as on a GPU, flags on the device that the host never reads."""
     rank, size = dist.get_rank(), dist.get_world_size()
+    saved = hvd_topk.ddp_exchange.HOST_READS_FREE
+    hvd_topk.ddp_exchange.HOST_READS_FREE = saved if host_reads else ()
+    try:
+        _check_nonfinite(rank, size)
+    finally:
+        hvd_topk.ddp_exchange.HOST_READS_FREE = saved
+
+
+def _check_nonfinite(rank, size):
     for exchange, culprit, value in (("allgather", 0, float("inf")), ("sparse_allreduce", size - 1, float("inf")),
                                      ("dense_fp16", 0, float("inf")), ("dense_fp16", size - 1, 1e5)):
         model, ddp, state = build(exchange=exchange, density=0.05)
@@ -1401,6 +1411,7 @@ CHECKS = [
     ("checkpoint loaded with a larger min_numel: residuals of now-dense tensors dropped", check_resume_fewer_sparse),
     ("a checkpoint saved between backward() and step() warns", check_save_between_backward_and_step_warns),
     ("non-finite gradient", check_nonfinite),
+    ("non-finite gradient, flags kept on the device as on a GPU", lambda: check_nonfinite(host_reads=False)),
     ("non-finite gradient, LocalAdamW's moments stay finite", check_nonfinite_local_adamw),
     ("Join: uneven inputs", check_join),
     ("Join: uneven inputs, zero_grad after step", lambda: check_join(zero_after_step=True)),
