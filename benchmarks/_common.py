@@ -163,9 +163,15 @@ def trial_finished(m):
     still running: its timed steps must run the strategy it chose (the trial can retry a family,
     ``hvd_topk.auto.Trial.RETRIES``, and outlast ``AUTO_TRIAL_STEPS``)."""
     stats = getattr(m["opt"], "compression_stats", None)
-    reason = (stats() if stats is not None else {}).get("exchange_reason") or ""
+    trial_over(m["method"], stats() if stats is not None else None)
+
+
+def trial_over(name, stats):
+    """``trial_finished`` for any front end: ``stats``, the method's compression statistics
+    (``compression_stats()``, the DDP hook's ``TopKState.stats()``), or None."""
+    reason = (stats or {}).get("exchange_reason") or ""
     if reason.startswith("trial in progress"):
-        raise SystemExit(f"{m['method']}: exchange='auto' is still in its trial after the warm-up "
+        raise SystemExit(f"{name}: exchange='auto' is still in its trial after the warm-up "
                          f"({reason}); pass a larger --warmup")
 
 
@@ -179,8 +185,11 @@ def time_methods(methods, build, one_step, finish, steps, interleave=False, roun
     a run of 2026-12-04), so the order must not favour a method:
 
     - ``interleave``: every method built at once, each warmed up alone (``exchange="auto"``'s
-      trial timed without the others' steps in it), then timed step i runs each method once,
-      starting at a different one;
+      trial timed without the others' steps in it) but for its last warm-up step, which every
+      method takes in one round just before the timed steps (warmed up alone, the methods built
+      first waited through the others' warm-ups, 24 steps more for ``auto``'s trial, and their
+      first timed step ran up to twice their median: the runs of 2026-12-05, found by a
+      review), then timed step i runs each method once, starting at a different one;
     - ``rounds`` > 1 (for models too large to hold several copies, as GPT-2-small): that many
       passes over the methods, each pass starting at a different method; in each pass a method is
       built afresh, warmed up and timed for ``steps`` steps; its times are pooled over the passes
@@ -191,8 +200,11 @@ def time_methods(methods, build, one_step, finish, steps, interleave=False, roun
     if interleave:
         built = [build(method) for method in methods]
         for m in built:
-            for step in range(m["warmup"]):
+            for step in range(m["warmup"] - 1):
                 one_step(m, step)
+        for m in built:
+            if m["warmup"]:
+                one_step(m, m["warmup"] - 1)
             trial_finished(m)
         for i in range(steps):
             for m in built[i % len(built):] + built[:i % len(built)]:

@@ -209,6 +209,7 @@ def worker(args):
         for _ in range(m.warmup):
             m.step(consts[m.steps_done % args.pool])
         if m.method.startswith("topk"):
+            common.trial_over(m.method, m.state.stats())
             m.state.bytes_before_timing = m.state.stats()["bytes_sent"]
     counted = link_tx_bytes() is not None
     for i in range(args.steps):

@@ -407,13 +407,19 @@ def test_time_methods_rounds_rotate_the_order_and_pool_times():
 
 
 def test_time_methods_interleave_rotates_each_step():
+    """Each method warms up alone but for its last warm-up step, which all take in one round
+    right before the timed steps (warmed up alone, the first method waited through the others'
+    warm-ups and came to its first timed step cold); timed step i starts at a different method
+    (hand-written expectation, 3 warm-up steps each)."""
     common = _bench_module("_common")
     log, alive = [], []
     build, one_step, finish = _fake_methods(log, alive)
-    common.time_methods(["a", "b", "c"], build, one_step, finish, 3, interleave=True)
-    timed = [e[0] for e in log if e[0] != "build" and e[1] >= 1]
-    assert timed == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
-    assert [e[0] for e in log if e[0] != "build" and e[1] == 0] == ["a", "b", "c"]  # warm-ups alone, first
+    common.time_methods(["a", "b", "c"], lambda m: {**build(m), "warmup": 3}, one_step, finish, 3, interleave=True)
+    steps = [e for e in log if e[0] != "build"]
+    assert steps[:6] == [("a", 0), ("a", 1), ("b", 0), ("b", 1), ("c", 0), ("c", 1)]  # alone
+    assert steps[6:9] == [("a", 2), ("b", 2), ("c", 2)]  # the last warm-up step, one round
+    assert [m for m, _ in steps[9:]] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert [s for _, s in steps[9:]] == [3, 3, 3, 4, 4, 4, 5, 5, 5]
 
 
 def test_time_methods_refuses_to_time_autos_trial():
