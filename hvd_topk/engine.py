@@ -195,6 +195,8 @@ class TopKEngine:
         self.transform = None      # the inner optimizer's transform_local_gradient(p, grad, ranks), if any
         self.results = {}          # id(p) -> _torch.written(p.grad) at the last synchronize
         self.warned_nothing_to_exchange = False
+        self.nothing_exchanged = False  # this step's synchronize() found p.grad holding the last result
+        self.steps_repeated = 0         # step() calls that applied a result already applied (the probe carries it)
         self.inner_name = inner  # the inner optimizer's class name, for messages
         self.on_exchanged = None   # and its exchanged(), told when p.grad holds the step's result
         self.sketcher = None       # and the optimizer itself if it sketches gradients (sketch_rows)
@@ -251,7 +253,7 @@ class TopKEngine:
         # GradScaler skipped it, and the loop zeroed gradients with model.zero_grad(), which
         # the optimizer does not see): without this, a step whose buckets did not all launch
         # during backward would take the stale flag for its own exchange and skip it
-        self.synchronized = self.synchronized_for_scaler = False
+        self.synchronized = self.synchronized_for_scaler = self.nothing_exchanged = False
         if self.awaiting_inner_step:  # the last step's inner step did not run: auto must not time this one
             self.planner.skip_step()
             self.awaiting_inner_step = False
@@ -272,7 +274,8 @@ class TopKEngine:
         if self.world > 1:
             # Started before the first fold, read when the first sparse bucket launches (by
             # then it has long arrived).
-            self.active.start(self.process_set, self.step, agreement.digest(group_options(self.param_groups)))
+            self.active.start(self.process_set, self.step + self.steps_repeated,
+                              agreement.digest(group_options(self.param_groups)))
 
     def _fold(self, bucket, position, grad):
         current = bucket.current or self._begin_bucket(bucket)
@@ -456,8 +459,11 @@ class TopKEngine:
 
     def _refuse_different_steps(self):
         raise RuntimeError(
-            f"hvd_topk.DistributedOptimizer: the ranks are at different steps (this rank: {self.step}), so "
-            "their densities and messages would not match. After loading a checkpoint on one rank, "
+            f"hvd_topk.DistributedOptimizer: the ranks are at different steps (this rank: {self.step}, and "
+            f"{self.steps_repeated} step() calls without a new backward, each applying the last result again), so "
+            "their densities and messages would not match, or one rank applied an update the others did not "
+            "(step() twice after one backward: on every rank alike it only repeats the update). After loading a "
+            "checkpoint on one rank, "
             "hvd.broadcast_optimizer_state carries its step to the others, except for an optimizer "
             "without state (such as SGD without momentum), for which Horovod broadcasts nothing: load "
             "the checkpoint on every rank (and load it on all of them, or none, in mid-run).")
@@ -494,6 +500,7 @@ class TopKEngine:
                     # (not step()'s own call after GradScaler's exchange: that one is expected)
                     self.warned_nothing_to_exchange = True
                     warnings.warn(NOTHING_TO_EXCHANGE, stacklevel=3)
+                self.nothing_exchanged = not self.synchronized_for_scaler
                 self.synchronized = True
                 return
             self._begin_step()

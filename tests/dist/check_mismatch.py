@@ -87,6 +87,40 @@ def check_options_differ(at_step, option="lr", mine=0.1, odd=0.2, shown=r"\('lr'
             opt.step()
 
 
+def check_step_again_on_one_rank():
+    """step() twice after one backward on the last rank only: it applied the averaged gradient
+    twice, the others once, and the ranks drifted apart without an error (a warning on that rank
+    only). Now the next step refuses on every rank, naming the repeated step(). Twice on every
+    rank: no error, and the ranks keep the same weights (numpy truth: lr x the average, twice)."""
+    warnings = __import__("warnings")
+    for everyone in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt = distributed(model, exchange="allgather")
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(hvd.rank()))
+        for step in range(3):
+            opt.zero_grad()
+            if step == 2 and not everyone:
+                with raises(RuntimeError, match=r"1 step\(\) calls without a new backward" if hvd.rank() == last_rank()
+                            else r"the ranks are at different steps", what="step() twice on the last rank, then a step"):
+                    model(x).square().mean().backward()  # (the first bucket's launch reads the probe)
+                    opt.step()
+                break
+            model(x).square().mean().backward()
+            opt.step()
+            if step == 1 and (everyone or hvd.rank() == last_rank()):
+                before = [p.detach().clone() for p in model.parameters()]
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    opt.step()  # no backward: the same average again
+                for p, b in zip(model.parameters(), before):
+                    torch.testing.assert_close(p.detach(), b - 0.1 * p.grad, rtol=0, atol=1e-7)
+        if everyone:
+            every = hvd.allgather(torch.cat([p.detach().view(-1) for p in model.parameters()])[None])
+            assert (every == every[0]).all(), "step() twice on every rank: the ranks' weights differ"
+
+
 # Run in this order on every rank; add a check with one line.
 def check_native_kernel_on_some_ranks(dtype=torch.float32):
     """The native kernel loaded on every rank but the last (a host without a C compiler): every
@@ -106,6 +140,7 @@ def check_native_kernel_on_some_ranks(dtype=torch.float32):
 
 
 CHECKS = [
+    ("step() twice after one backward, on one rank only: refused at the next step", check_step_again_on_one_rank),
     ("shapes", lambda: expect_error(different_shapes, "shapes")),
     ("parameter count", lambda: expect_error(different_parameter_count, "parameter count")),
     ("names", lambda: expect_error(different_names, "names")),
