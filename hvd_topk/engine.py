@@ -616,6 +616,7 @@ class TopKEngine:
         """
         self.forget_step()
         self.verify_step = True
+        self.steps_repeated = 0  # the weights come from the checkpoint: what a repeat applied is gone
         # exchange="auto": measure again from here. Every rank restoring (and an elastic job's new
         # worker, whose trial has not started) then starts its trial at the same step.
         self.planner.forget_trial()
