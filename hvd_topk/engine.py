@@ -42,8 +42,8 @@ from hvd_topk.checks import DENSE_EXCHANGES
 from hvd_topk.codec import Codec
 from hvd_topk.loss_scale import ResidualScale
 from hvd_topk.planner import ExchangePlanner
-from hvd_topk.rank_checks import (check_parameters_unchanged, check_ranks_agree, check_step_start, parameter_signature,
-                                  process_set_size)
+from hvd_topk.rank_checks import (check_parameters_unchanged, check_ranks_agree, check_step_start, differing_options,
+                                  parameter_signature, process_set_size)
 from hvd_topk.schedule import DensitySchedule
 from hvd_topk.selection import native_ok, sample_seed
 from hvd_topk.sparse_grads import SparseGradients
@@ -442,9 +442,12 @@ class TopKEngine:
         self._read_probe()
 
     def _refuse_different_options(self):
+        mine = group_options(self.param_groups)
+        # which option: asked of every rank, unless one is inside hvd.join() (it answers no allgather)
+        named = "; ".join(differing_options(self, mine)) if self.active.count == self.world else ""
         raise RuntimeError(
             "hvd_topk.DistributedOptimizer: the ranks' optimizers have different param-group options this step "
-            f"(this rank's: {group_options(self.param_groups)}), so the ranks would apply different updates and "
+            f"({named + '; ' if named else ''}this rank's: {mine}), so the ranks would apply different updates and "
             "silently drift apart: build the optimizer (and any learning-rate schedule) the same on every rank, "
             "feed a schedule driven by a metric (ReduceLROnPlateau) the ranks' average of it (hvd.allreduce), "
             "and hvd.broadcast_optimizer_state(opt, root_rank=0) after loading a checkpoint on one rank.")

@@ -58,6 +58,22 @@ def check_ranks_agree(engine, compression, inner=None, grad_scaler=False):
                          "rank:\n  " + "\n  ".join(lines))
 
 
+def differing_options(engine, mine):
+    """Which param-group options (``mine``: this rank's ``agreement.group_options``) differ from
+    rank 0's, as ``disagreement`` lines naming them; asked on the step probe's error path, where
+    every rank of the process set is (the probe's sums are the same on every rank) and none is
+    inside ``hvd.join()`` (the caller makes sure: a joined rank answers no allgather). First the
+    groups' option names, then, where they agree, one digest per option."""
+    keys = torch.tensor([[agreement.digest([[k for k, _ in group] for group in mine])]], dtype=torch.int64)
+    every = hvd.allgather(keys, name=f"{engine.prefix}.option_names", process_set=engine.process_set)
+    if not bool((every == every[0]).all()):
+        return ["the number of param groups or their options' names"]
+    names = [f"param group {g}'s {k!r}" for g, group in enumerate(mine) for k, _ in group]
+    values = torch.tensor([[agreement.digest(v) for group in mine for _, v in group]], dtype=torch.int64)
+    every = hvd.allgather(values, name=f"{engine.prefix}.option_values", process_set=engine.process_set)
+    return agreement.disagreement(names, every) or []
+
+
 def check_step_start(engine):
     """What would make ranks silently diverge (the same on every rank, so every rank raises
     at the same point)."""

@@ -82,9 +82,25 @@ def check_options_differ(at_step, option="lr", mine=0.1, odd=0.2, shown=r"\('lr'
             opt.step()
             continue
         with raises(RuntimeError, match=r"the ranks' optimizers have different param-group options this step "
-                                        r"\(this rank's: \[\[.*" + shown, what=f"{option} differing at step {at_step}"):
+                                        rf"\(rank {last_rank()} differs from rank 0 in: param group 0's '{option}'; "
+                                        r"this rank's: \[\[.*" + shown, what=f"{option} differing at step {at_step}"):
             loss.backward()
             opt.step()
+
+
+def check_local_adamw_option_named():
+    """A LocalAdamW option differing on the last rank (``signal``, a param-group entry): every
+    rank refuses at the first step, and the message names the option (it printed this rank's
+    whole option list, to be compared with the other ranks' logs by eye)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    inner = hvd_topk.LocalAdamW(model.parameters(), lr=1e-3,
+                                signal="mean" if hvd.rank() == last_rank() else "mean+lag1")
+    opt = distributed(model, inner=inner, exchange="allgather")
+    with raises(RuntimeError, match=rf"\(rank {last_rank()} differs from rank 0 in: param group 0's 'signal'; "
+                                    r"this rank's: ", what="LocalAdamW's signal differing"):
+        model(torch.randn(8, 64)).square().mean().backward()
+        opt.step()
 
 
 def check_step_again_on_one_rank():
@@ -141,6 +157,7 @@ def check_native_kernel_on_some_ranks(dtype=torch.float32):
 
 CHECKS = [
     ("step() twice after one backward, on one rank only: refused at the next step", check_step_again_on_one_rank),
+    ("a LocalAdamW option differing on one rank: named", check_local_adamw_option_named),
     ("shapes", lambda: expect_error(different_shapes, "shapes")),
     ("parameter count", lambda: expect_error(different_parameter_count, "parameter count")),
     ("names", lambda: expect_error(different_names, "names")),
