@@ -572,6 +572,15 @@ class TopKEngine:
         staged, after the inner optimizer's transform) and the exchange has not finished."""
         return any(b.current is not None for b in self.buckets)
 
+    def count_repeat(self):
+        """After ``step()``'s own ``synchronize()``: where it exchanged nothing (``p.grad`` still
+        held the last result, which the inner step now applies again), count the repeat; the
+        next step's probe carries the count with the step, so a rank that repeated alone is
+        refused on every rank."""
+        if self.nothing_exchanged:
+            self.steps_repeated += 1
+            self.nothing_exchanged = False
+
     def holds_result(self):
         """``p.grad`` holds this step's exchanged result and no backward has started another."""
         return self.synchronized and not self.pending()

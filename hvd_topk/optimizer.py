@@ -363,9 +363,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               "holds the exchanged result and is used as it is.)")
             else:
                 self.synchronize()  # (nothing left to do after scaler.step's exchange)
-                if engine.nothing_exchanged:  # the last result again: the next step's probe tells the ranks
-                    engine.steps_repeated += 1
-                    engine.nothing_exchanged = False
+                engine.count_repeat()
         # a fused inner optimizer is stepped by GradScaler even after an overflow and skips inside
         # its kernel: the scaler's found_inf says so (read only while auto's trial times steps)
         found_inf = self.__dict__.get("found_inf")

@@ -4,6 +4,8 @@ Run: PYTHONPATH=.:tests/support mpirun -np 2 (or 3) python tests/dist/check_mism
 (``--list`` prints the names of its checks).
 """
 
+import warnings
+
 import torch
 
 import horovod.torch as hvd
@@ -108,7 +110,6 @@ def check_step_again_on_one_rank():
     twice, the others once, and the ranks drifted apart without an error (a warning on that rank
     only). Now the next step refuses on every rank, naming the repeated step(). Twice on every
     rank: no error, and the ranks keep the same weights (numpy truth: lr x the average, twice)."""
-    warnings = __import__("warnings")
     for everyone in (True, False):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
