@@ -422,10 +422,11 @@ def make_buckets(params, names, min_numel, fusion_bytes, groups=None, error_feed
                 if p not in names:  # (a dict keyed by the optimizer's parameters, frozen ones too)
                     what = f"a tensor of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else repr(p)
                     raise ValueError(f"groups holds {what} that is not one of the optimizer's parameters")
-            members = [p for p in group if id(p) in chosen]
-            if any(id(p) in listed for p in members) or len(set(map(id, members))) < len(members):
+            # every parameter counted, those sent dense (below min_numel) too, as Horovod does
+            if any(id(p) in listed for p in group) or len(set(map(id, group))) < len(group):
                 raise ValueError("a parameter appears more than once in groups")
-            listed.update(map(id, members))
+            listed.update(map(id, group))
+            members = [p for p in group if id(p) in chosen]
             if members:
                 plans.append(members)
         ordered = [p for p in reversed(eligible) if id(p) not in listed]

@@ -24,7 +24,7 @@ from hvd_topk.loss_scale import check_grad_scaler
 from hvd_topk.optim import momentum_in_residual, residual_decay_of
 from hvd_topk.options import Options
 from hvd_topk.schedule import DEFAULT_START
-from hvd_topk.checks import NAMED_PARAMETERS_ERROR, check_integer, warn_ignored, warn_momentum_sent_whole
+from hvd_topk.checks import NAMED_PARAMETERS_ERROR, check_integer, check_number, warn_ignored, warn_momentum_sent_whole
 
 ENGINE = "_hvd_topk"  # the one attribute hvd_topk adds to the user's optimizer
 LOCAL = "_hvd_topk_local"  # hvd_topk.LocalSteps' one attribute (local_steps.py), checked here too
@@ -76,7 +76,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
             parameter lists (one bucket each): which tensors share one packed message.
         num_groups: Horovod's deprecated spelling of ``groups=int``, kept so that calls (also
             positional ones) written for ``hvd.DistributedOptimizer`` work unchanged; it warns
-            as Horovod does.
+            as Horovod does (a ``DeprecationWarning``, without Horovod's stale "removed in v0.23.0").
         sparse_as_dense: as in Horovod: a sparse gradient (``nn.Embedding(sparse=True)``) is
             made dense, exchanged (and compressed) like any other, and handed to the inner
             optimizer sparse again. hvd_topk does this for every sparse gradient (Horovod's
@@ -198,6 +198,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                         momentum=momentum_in_residual(optimizer))
     if isinstance(optimizer, torch.optim.SparseAdam):  # it takes sparse gradients only, from the first step
         engine.sparse.always(engine.params)
+    engine.sparse.held_sparse(optimizer.state)  # an optimizer that has stepped before
     wrapped = share_as_subclass(optimizer, _DistributedOptimizer)
     setattr(wrapped, ENGINE, engine)
     # An inner optimizer that works on each rank's own gradient before the exchange (LocalAdamW)
@@ -450,6 +451,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 state_dict = {**state_dict, "param_groups": groups}
         # into the objects the user's optimizer shares (an LR scheduler built on it goes on working)
         keep_objects(self, super(self.__class__, self).load_state_dict, state_dict)
+        engine.sparse.held_sparse(self.state)
         engine.load_state_dict(ours, self.param_groups, nonfinite, step_before=step)
 
     def _amp_scaling_read(self):
@@ -512,9 +514,9 @@ def _check_horovod_arguments(op, gradient_predivide_factor, passes):
                          "deltas; use op=hvd.Average or op=hvd.Sum")
     if op not in (hvd.Average, hvd.Sum):
         raise ValueError(f"op must be hvd.Average or hvd.Sum, got {OP_NAMES.get(op, repr(op))}")
-    f = gradient_predivide_factor
-    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < float("inf"):
-        raise ValueError(f"gradient_predivide_factor must be a finite number > 0, got {f!r}")
+    f = check_number(gradient_predivide_factor, "gradient_predivide_factor")  # numpy's floats too
+    if not 0 < f < float("inf"):
+        raise ValueError(f"gradient_predivide_factor must be a finite number > 0, got {gradient_predivide_factor!r}")
     if f != 1.0 and op != hvd.Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     check_integer(passes, "backward_passes_per_step", 1)

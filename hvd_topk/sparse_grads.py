@@ -37,6 +37,17 @@ class SparseGradients:
         for p in params:
             self.sparse.setdefault(id(p), (p, 1))
 
+    def held_sparse(self, optimizer_state):
+        """Hand back sparse the gradients of the parameters whose optimizer state holds a sparse
+        tensor (SGD's momentum after a sparse gradient): a dense gradient added to it raises. A
+        checkpoint carries that state but not which gradients arrived sparse on this rank, so a
+        new optimizer loading it learns it here (a rank leaving the embedding out of its first
+        step after a resume was handed a dense gradient, and SGD raised there)."""
+        for p, state in optimizer_state.items():
+            held = [v for v in state.values() if torch.is_tensor(v) and v.is_sparse]
+            if held:
+                self.sparse.setdefault(id(p), (p, held[0].sparse_dim()))
+
     def densify(self, p):
         """Replace ``p.grad`` (sparse) by its dense form, to be exchanged like any gradient."""
         if not self.warned:

@@ -783,24 +783,36 @@ def check_set_backward_passes_per_step():
         fresh.set_backward_passes_per_step(0)
 
 
-def check_embedding_untouched_on_one_rank(inner):
+def check_embedding_untouched_on_one_rank(inner, resumed=False):
     """An embedding the last rank does not touch in a step (its gradient None there, its hook
     silent): the exchanged gradient is still handed back sparse on every rank, with the ranks'
     average in it (density 1: exactly their mean). Before, that rank alone got it dense, and
     SparseAdam (or SGD's sparse momentum) raised there and killed the job. With SparseAdam the
-    last rank skips the embedding from the very first step, before it has seen a sparse gradient."""
+    last rank skips the embedding from the very first step, before it has seen a sparse gradient.
+    ``resumed``: a new optimizer loads step 0's checkpoint before that step; SGD's momentum
+    buffer in it is sparse, and the new optimizer had not yet seen a sparse gradient (it handed
+    the last rank a dense one, which the buffer refused: "add(sparse, dense) is not supported")."""
     rank, size = hvd.rank(), hvd.size()
     torch.manual_seed(0)
     model = EmbeddingNet()
-    if inner == "sparseadam":
-        opt_inner, named = torch.optim.SparseAdam([model.emb.weight], lr=0.1), [("emb.weight", model.emb.weight)]
-        head = torch.optim.SGD(model.head.parameters(), lr=0.1)
-    else:
-        opt_inner, named, head = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), model.named_parameters(), None
-    opt = hvd_topk.DistributedOptimizer(opt_inner, named_parameters=named, compression=hvd_topk.TopK(density=1.0),
-                                        sparse_as_dense=True, min_numel=MIN_NUMEL, exchange="allgather")
+
+    def build_opt():
+        if inner == "sparseadam":
+            opt_inner, named = torch.optim.SparseAdam([model.emb.weight], lr=0.1), [("emb.weight", model.emb.weight)]
+            head = torch.optim.SGD(model.head.parameters(), lr=0.1)
+        else:
+            opt_inner, named, head = (torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
+                                      model.named_parameters(), None)
+        return hvd_topk.DistributedOptimizer(opt_inner, named_parameters=named, compression=hvd_topk.TopK(density=1.0),
+                                             sparse_as_dense=True, min_numel=MIN_NUMEL, exchange="allgather"), head
+
+    opt, head = build_opt()
     skip = 0 if inner == "sparseadam" else 1  # the step the last rank leaves the embedding out
     for step in range(3):
+        if resumed and step == skip:
+            saved = copy.deepcopy(opt.state_dict())
+            opt, head = build_opt()
+            opt.load_state_dict(saved)
         ids, y = embedding_batch(step, rank)
         use = not (rank == size - 1 and step == skip)
         shadow = copy.deepcopy(model)
@@ -880,6 +892,8 @@ CHECKS = [
      lambda: check_embedding_untouched_on_one_rank("sgd")),
     ("an embedding one rank does not touch: handed back sparse (SparseAdam, from the first step)",
      lambda: check_embedding_untouched_on_one_rank("sparseadam")),
+    ("an embedding one rank does not touch after a resume: handed back sparse (SGD's sparse momentum loaded)",
+     lambda: check_embedding_untouched_on_one_rank("sgd", resumed=True)),
     ("a sparse zero gradient left by zero_grad(set_to_none=False), the embedding unused",
      check_sparse_zero_gradient_left_by_zero_grad),
     ("bf16 dense path", check_bf16_dense_path),

@@ -627,6 +627,9 @@ def check_bad_input():
                                                      "optimizer's parameters"),
         ({"groups": [w, model.fc2.weight]}, ValueError, "got a list of Parameter"),
         ({"groups": [[w, w]]}, ValueError, "a parameter appears more than once in groups"),
+        # one below min_numel (sent dense) counted too, as Horovod refuses it
+        ({"groups": [[model.fc1.bias], [model.fc1.bias, w]]}, ValueError, "a parameter appears more than once in groups"),
+        ({"gradient_predivide_factor": "2"}, TypeError, "gradient_predivide_factor must be a number"),
         ({"named_parameters": used_up}, ValueError, "named_parameters is empty (a model.named_parameters() generator"),
     ]:
         with raises(error, match=re.escape(text), what=f"{kwargs}"):
@@ -1628,7 +1631,7 @@ CHECKS = [
     contract("compact pairs, bucket scope, residual decay", compact=True, selection_scope="bucket",
              residual_decay=0.9),
     contract("groups=2", groups=2),
-    contract("predivide=2.0", gradient_predivide_factor=2.0),
+    contract("predivide=2.0 (a numpy float32)", gradient_predivide_factor=np.float32(2.0)),
     contract("no gradient on rank 1", drop_head2_on_rank=1),
     # the ranks launch their buckets in different orders (head2's at the end of backward on rank
     # 0, in synchronize() on rank 1): no rank may wait inside backward for another's collective
