@@ -117,6 +117,8 @@ def select_native(x, k, out_indices, out_values, method=DEFAULT_METHOD, offset=0
     if fold is not None and (fold.dtype != x.dtype or fold.numel() != x.numel() or not fold.is_contiguous()
                              or fold.device != x.device):
         raise ValueError("fold must be a contiguous tensor of x's dtype, size and device")
+    if out_indices.dtype == torch.int32 and offset + x.numel() > 2 ** 31:  # (wire.index_dtype_for's rule)
+        raise ValueError(f"int32 indices cannot hold positions up to offset + n = {offset + x.numel()}: use int64")
     result = NativeResult()
     fn = native_select_function(x.dtype)
     fn(x.data_ptr(), None if fold is None else fold.data_ptr(), x.numel(), k, offset,

@@ -182,6 +182,26 @@ def test_an_all_zero_segment_and_a_single_value():
     assert values[0].tolist() == [0.0, 0.0, -0.375]
 
 
+def test_a_segment_with_nothing_finite_and_non_zero_packs_the_same_bytes_on_both_paths(monkeypatch):
+    """A band's low end with no finite non-zero value in the segment: float32's largest, on the
+    native path as on the torch path (native wrote inf; the values decoded alike)."""
+    plan = _plan([10, 10], [2, 1])
+    message = _message(plan, [0.0, -0.0, 2.5], [1, 2, 14])
+    packed = plan.compact().pack(message, out=False)
+    monkeypatch.setattr(compact, "_native", lambda *args: None)
+    assert torch.equal(packed, plan.compact().pack(message, out=False))
+    band = packed[plan.compact()._parts["band"]].view(torch.float32)
+    assert band[0].item() == np.finfo(np.float32).max and band[1].item() == 0.0
+
+
+def test_an_index_outside_the_bitmap_is_refused_not_written():
+    """Sorted pairs whose last index lies far beyond the tensor: refused (the torch path's
+    IndexError); the native pack wrote its bit past the end of the message (a review)."""
+    plan = _plan([1000], [3])
+    with pytest.raises(IndexError):
+        plan.compact().pack(_message(plan, [1.0, 2.0, 3.0], [0, 1, 1 << 20]), out=False)
+
+
 def test_a_gather_of_the_wrong_size_or_counts_is_refused():
     plan = _plan([100_000], [4])
     packed = plan.compact().pack(_message(plan, [1.0, 2.0, 3.0, 4.0], [1, 2, 3, 4]))

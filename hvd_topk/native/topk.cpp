@@ -28,6 +28,7 @@
 // build takes a second and the library works with any torch version.
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -57,12 +58,6 @@ struct Rng {  // splitmix64: tiny, good enough for picking sample positions
     return z ^ (z >> 31);
   }
 };
-
-template <typename T>
-inline float key_of(T v) {  // magnitude as the sort key; NaN sorts above everything
-  float a = std::fabs(static_cast<float>(v));
-  return a == a ? a : INFINITY;
-}
 
 template <typename T>
 inline bool finite(T v) { return std::isfinite(static_cast<double>(v)); }
@@ -128,7 +123,7 @@ struct Kth {
 
 inline Kth kth_largest(const uint32_t* keys, size_t n, int64_t k) {
   static thread_local std::vector<uint32_t> part, next;
-  static thread_local std::vector<uint32_t> hist;
+  static thread_local std::vector<uint64_t> hist;  // counts: 2^32 candidates would wrap a uint32
   const uint32_t* in = keys;
   int64_t above = 0;  // keys known to be above those still in play
   while (n >= kRadixMin) {
@@ -143,7 +138,7 @@ inline Kth kth_largest(const uint32_t* keys, size_t n, int64_t k) {
     hist.assign(((hi - lo) >> shift) + 1, 0);
     for (size_t j = 0; j < n; ++j) ++hist[(in[j] - lo) >> shift];
     int64_t bin = (int64_t)hist.size() - 1;
-    while (above + hist[bin] < k) above += hist[bin--];
+    while (above + (int64_t)hist[bin] < k) above += (int64_t)hist[bin--];
     next.clear();
     next.reserve(hist[bin]);
     for (size_t j = 0; j < n; ++j)
@@ -222,19 +217,30 @@ inline void emit(int64_t*& pos, float*& val, uint32_t bits, int64_t b, const flo
   }
 }
 
-// Generic block: collect key >= t (> t when strict), after x += g when g is given. False if a
+// The integer form of "key >= t" (or "> t" when strict) that every collecting path compares
+// with: key_bits(v) > threshold_bits(t, strict). Keys are |v|'s bits, so a denormal compares
+// right with denormals flushed to zero (torch.set_flush_denormal(True)), where a float compare
+// took it for 0 and the scalar tail missed it; t <= 0 and -inf collect everything (or every
+// non-zero).
+inline int32_t threshold_bits(float t, bool strict) {
+  if (!(t > 0.0f)) return strict ? 0 : -1;
+  int32_t tb;
+  std::memcpy(&tb, &t, 4);
+  return strict ? tb : tb - 1;
+}
+
+// Generic block: collect key > tb (threshold_bits), after x += g when g is given. False if a
 // value is not finite.
 template <typename T>
-bool collect_block(T* x, const T* g, int64_t b, int64_t e, float t, bool strict, Sink<T>& out) {
+bool collect_block(T* x, const T* g, int64_t b, int64_t e, int32_t tb, Sink<T>& out) {
   bool ok = true;
   for (int64_t i = b; i < e; ++i) {
     T v = x[i];
     if (g) x[i] = v = static_cast<T>(v + g[i]);
     ok &= finite(v);
-    float a = key_of(v);
     *out.pos = i;
     *out.val = v;
-    bool take = strict ? (a > t) : (a >= t);
+    bool take = (int32_t)key_bits(v) > tb;
     out.pos += take;
     out.val += take;
   }
@@ -340,19 +346,12 @@ inline bool collect_f32_sse2(float* x, const float* g, int64_t n, int32_t gt, Si
 }
 
 inline bool collect_f32(float* x, const float* g, int64_t n, float t, bool strict, Sink<float>& out) {
-  // Integer form of "key >= t" (or "> t"); t <= 0 and -inf collect everything (or every non-zero).
-  int32_t tb;
-  if (!(t > 0.0f)) {
-    tb = strict ? 0 : -1;
-  } else {
-    std::memcpy(&tb, &t, 4);
-    if (!strict) tb -= 1;
-  }
+  const int32_t tb = threshold_bits(t, strict);
   static const bool avx2 = __builtin_cpu_supports("avx2");
   int64_t i = 0;
   bool ok = !avx2 ? collect_f32_sse2(x, g, n, tb, out, i)
             : g ? collect_f32_avx2<true>(x, g, n, tb, out, i) : collect_f32_avx2<false>(x, g, n, tb, out, i);
-  if (i < n) ok &= collect_block(x, g, i, n, t, strict, out);
+  if (i < n) ok &= collect_block(x, g, i, n, tb, out);
   return ok;
 }
 #endif
@@ -379,7 +378,7 @@ bool collect(T* x, const T* g, int64_t n, float t, bool strict) {
     } else
 #endif
     {
-      ok &= collect_block(x, g, b, e, t, strict, out);
+      ok &= collect_block(x, g, b, e, threshold_bits(t, strict), out);
     }
     c.size += out.pos - start;
     v.size = c.size;
@@ -719,6 +718,9 @@ int64_t compact_pack_impl(const float* val, const I* idx, int64_t k, const int64
                           uint8_t* code, float* residual) {
   for (int64_t i = 1; i < k; ++i)
     if (idx[i] < idx[i - 1]) return -1;  // not sorted: the caller sorts and calls again
+  // outside the bitmap (an index < 0 or >= n): the caller's torch path refuses it by name
+  if (k > 0 && (idx[0] < 0 || ((uint64_t)idx[k - 1] >> low_bits) + (uint64_t)(k - 1) >= (uint64_t)high_bytes * 8))
+    return -1;
   std::memset(high, 0, (size_t)high_bytes);
   std::memset(low, 0, (size_t)low_bytes);
   const uint64_t mask = low_bits ? ((uint64_t)1 << low_bits) - 1 : 0;
@@ -736,7 +738,7 @@ int64_t compact_pack_impl(const float* val, const I* idx, int64_t k, const int64
         if (m > 0.0 && m < lo) lo = m;
       }
     }
-    band[2 * s] = (float)lo;
+    band[2 * s] = (float)std::min(lo, (double)FLT_MAX);  // none finite and non-zero: FLT_MAX, as compact.py
     band[2 * s + 1] = nan ? NAN : (inf ? INFINITY : (float)hi);
     const double lo_d = band[2 * s], log_lo = std::log(lo_d), width = std::log((double)band[2 * s + 1] / lo_d);
     compact_table(band[2 * s], band[2 * s + 1], table);
