@@ -183,10 +183,14 @@ class LocalAdamW(_ExchangedUpdates):
             self._step_done(stepped=False)
         if finite is None:
             finite = bool(torch.isfinite(grad).all())
+        group = _group_of(self, p)
         if not finite:
             self._transformed.add(p)
+            buckets = _sketch_buckets(group, ranks)
+            if buckets:  # a sketch of nan: the ranks' average is not absorbed on any rank (absorb_sketches)
+                self._sketches[p] = torch.full((variance_sketch.length(p.numel(), buckets),), float("nan"),
+                                               device=p.device)
             return
-        group = _group_of(self, p)
         beta1, beta2 = group["betas"]
         state = self.state[p] or self._new_state(p, group)
         if group.get("global_variance", False) != ("grad_mean" in state):

@@ -1313,6 +1313,37 @@ def check_local_adamw_resume(**options):
                        {"betas": (0.5, 0.9)}, **options)
 
 
+def check_local_adamw_sketch_of_a_skipped_step():
+    """A step where the last rank's gradient holds inf: the exchange carries it to every rank,
+    the step is skipped there, and the ranks' average sketch of that step is absorbed on no
+    rank (the docstring's rule). Before, that rank sent zeros for its sketch, the others'
+    average stayed finite and was folded into every rank's measure of |mean g|^2 with one rank
+    counted as zero. Checked against the state before the step, on every rank."""
+    rank, size = hvd.rank(), hvd.size()
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(40, 30))
+    opt = hvd_topk.DistributedOptimizer(
+        hvd_topk.LocalAdamW([w], lr=0.01, betas=(0.0, 0.95), global_variance=True, variance_sketch=16),
+        named_parameters=[("w", w)], exchange="allgather", min_numel=1, compression=hvd_topk.TopK(density=0.1))
+    gen = torch.Generator().manual_seed(10 + rank)
+    for step in range(4):
+        before = (opt.state[w].get("sketches"), copy.deepcopy(opt.state[w].get("sketch_sq")), w.detach().clone())
+        opt.zero_grad()
+        grad = torch.randn(40, 30, generator=gen)
+        if step == 2 and rank == size - 1:
+            grad[3, 4] = float("inf")
+        (w * grad).sum().backward()
+        opt.step()
+        if step == 2:
+            assert torch.equal(w.detach(), before[2]), "the step with an inf should be skipped"
+            assert opt.state[w]["sketches"] == before[0] and torch.equal(opt.state[w]["sketch_sq"], before[1]), \
+                f"rank {rank}: the skipped step's sketch was absorbed ({before[0]} -> {opt.state[w]['sketches']})"
+        else:  # one absorbed a step, none at step 2
+            assert opt.state[w]["sketches"] == step + (step < 2), (step, opt.state[w]["sketches"])
+    assert_same_on_all_ranks(w.detach().numpy(), "parameters after a skipped step")
+    assert_same_on_all_ranks(opt.state[w]["sketch_sq"].numpy(), "the sketch's measure")
+
+
 def check_inner_resume(make_inner, changed, **options):
     """The inner optimizer's state and the residuals saved at step 3 (one state per rank) and
     loaded into fresh objects, with param-group settings ``changed`` before the save (which the
@@ -1729,6 +1760,8 @@ CHECKS = [
                                skip={2: {0}}, idle={3: {1}})),
     ("LocalAdamW: variance_sketch 16 (random rows), beta1 0 then 0.5, checkpoint resume",
      lambda: check_local_adamw_resume(lr_in_residual=True, global_variance=True, variance_sketch=16)),
+    ("LocalAdamW: variance_sketch, a rank's gradient inf: the skipped step's sketch absorbed nowhere",
+     check_local_adamw_sketch_of_a_skipped_step),
     ("DeMo: sign of the exchanged average", check_demo),
     ("DeMo: rms normalisation, sparse allreduce", lambda: check_demo("rms", "sparse_allreduce")),
     ("DeMo: checkpoint resume", lambda: check_inner_resume(
