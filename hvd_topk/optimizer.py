@@ -379,9 +379,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # taken_in: a bucket not yet launched holds this step's folded gradients too (Horovod has a
         # handle per tensor from its first hook, and refuses as soon as any exists)
         if engine.mid_step():
+            # in an elastic job, most likely a reset that restored a state without this optimizer:
+            # the failed step's exchanges are still pending (TorchState's restore drops them)
+            elastic = (" In an elastic job after a reset: put this optimizer in hvd.elastic.TorchState(model=..., "
+                       "optimizer=opt), whose restore() drops the exchanges a failed worker left in flight."
+                       if elastic_mode() and engine.pending() else "")
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
                                  "optimizer.step() or optimizer.synchronize(). This is prohibited "
-                                 "as it can cause a race condition." + STEPPED_THE_INNER)
+                                 "as it can cause a race condition." + elastic + STEPPED_THE_INNER)
         engine.synchronized = False  # gradients of a synchronized but skipped step are dropped
         engine.synchronized_for_scaler = False
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)

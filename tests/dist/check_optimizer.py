@@ -5,6 +5,7 @@ Run: PYTHONPATH=.:tests/support mpirun -np 2 (or 3) python tests/dist/check_opti
 """
 
 import copy
+import os
 import re
 import warnings
 
@@ -1523,6 +1524,30 @@ def check_zero_grad_with_a_bucket_not_launched_refused():
         assert_same_on_all_ranks(p.detach().cpu().numpy(), f"after the refused zero_grad: {name}")
 
 
+def check_zero_grad_in_flight_in_an_elastic_worker_names_torch_state():
+    """In an elastic worker (``HOROVOD_ELASTIC=1``, set here after construction) a zero_grad with
+    exchanges in flight is most likely a reset whose restore left this optimizer out of
+    ``TorchState``: the refusal says so (it only spoke of a race condition; a review). Outside
+    elastic jobs the message has no such hint."""
+    torch.manual_seed(0)
+    model = Net().to(DEVICE)
+    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters(),
+                                        compression=hvd_topk.TopK(density=0.1), exchange="allgather")
+    x, y = batch(0, hvd.rank(), n=8)
+    F.cross_entropy(model(x), y).backward()
+    assert opt._hvd_topk.pending()
+    os.environ["HOROVOD_ELASTIC"] = "1"
+    try:
+        with raises(AssertionError, match=r"put this optimizer in hvd\.elastic\.TorchState", what="elastic zero_grad"):
+            opt.zero_grad()
+    finally:
+        del os.environ["HOROVOD_ELASTIC"]
+    with raises(AssertionError, match=r"race condition\. If you stepped", what="zero_grad"):
+        opt.zero_grad()
+    opt.step()
+
+
 def check_stepping_the_wrapped_optimizer_is_named():
     """Stepping the optimizer passed in (the DDP hook's pattern) instead of the one returned
     applies this rank's own gradient with no exchange; the next backward meets Horovod's error,
@@ -1706,6 +1731,8 @@ CHECKS = [
     ("a gradient beyond float16's range, dense fp16 exchange", lambda: check_nonfinite(exchange="dense_fp16", value=1e5)),
     ("bad input", check_bad_input),
     ("zero_grad with a bucket not launched refused", check_zero_grad_with_a_bucket_not_launched_refused),
+    ("zero_grad with exchanges in flight in an elastic worker: names TorchState",
+     check_zero_grad_in_flight_in_an_elastic_worker_names_torch_state),
     ("stepping the wrapped optimizer: the error names it", check_stepping_the_wrapped_optimizer_is_named),
     ("a bf16 model is counted against dense fp32", check_bf16_model_counted_against_dense_fp32),
     ("bf16 gradients that nearly cancel: summed in float32, rounded once (allgather)",
