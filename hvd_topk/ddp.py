@@ -144,8 +144,8 @@ class TopKState:
 
     Checkpoints: ``state_dict()`` holds this rank's residuals by parameter name, which needs
     ``named_parameters=model.named_parameters()``, and the loss scale they are in;
-    ``load_state_dict`` restores them (a state saved by another rank or world size restarts them
-    from zero, with a warning), converted to this run's set-up with or without a scaler.
+    ``load_state_dict`` restores them (a state saved by another rank, world size or process
+    group restarts them from zero, with a warning), converted to this run's set-up with or without a scaler.
     """
 
     def __init__(self, process_group=None, density=0.01, *, error_feedback=True, warmup_steps=0,
@@ -259,8 +259,9 @@ class TopKState:
                 residuals[self.names[p]] = residual.detach().clone(memory_format=torch.contiguous_format).view(-1)
         rank, world = (self.rank, self.world_size) if self.rank is not None or not dist.is_initialized() \
             else _group_rank_and_size(self.process_group)  # before the first step
+        members = _group_members(self.process_group) if dist.is_initialized() else None
         return {"version": STATE_VERSION, "iteration": self.iteration, "rank": rank,
-                "world_size": world, "density": self.density, "residuals": residuals,
+                "world_size": world, "group_ranks": members, "density": self.density, "residuals": residuals,
                 "residual_scale": self.residual_scale.scale}
 
     def load_state_dict(self, state):
@@ -322,6 +323,12 @@ class TopKState:
         if (state["rank"], state["world_size"]) != (rank, world):
             warnings.warn(f"hvd_topk.ddp: this state was saved by rank {state['rank']} of {state['world_size']}; "
                           f"this is rank {rank} of {world}: the residuals start from zero (the step is kept)")
+            return
+        saved_members, members = state.get("group_ranks"), _group_members(self.process_group)
+        if saved_members is not None and list(saved_members) != members:  # (absent before 2026-12-06)
+            warnings.warn(f"hvd_topk.ddp: this state was saved in the process group of global ranks "
+                          f"{list(saved_members)}; this one's are {members} (another replica's DDP): the residuals "
+                          "start from zero (the step is kept)")
             return
         self.pending = {name: t.detach().clone() for name, t in residuals.items()}
         for layout in self.layouts.values():
@@ -606,9 +613,6 @@ class TopKState:
         if not dist.is_initialized():
             raise RuntimeError("hvd_topk.ddp: torch.distributed is not initialised")
         self.rank, self.world_size = _group_rank_and_size(self.process_group)
-        if self.rank < 0:
-            raise RuntimeError("hvd_topk.ddp: this rank is not in TopKState's process_group; pass "
-                               "the group DDP uses (process_group= of DistributedDataParallel)")
         buffer = bucket.buffer()
         self.device = buffer.device
         if buffer.dtype not in DTYPES:
@@ -782,7 +786,18 @@ def _names(named_parameters):
 
 
 def _group_rank_and_size(group):
-    return dist.get_rank(group), dist.get_world_size(group)
+    """This rank's rank in ``group`` and the group's size; RuntimeError on a rank outside it."""
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise RuntimeError("hvd_topk.ddp: this rank is not in TopKState's process_group; pass "
+                           "the group DDP uses (process_group= of DistributedDataParallel)")
+    return rank, dist.get_world_size(group)
+
+
+def _group_members(group):
+    """The global ranks of ``group`` (the default group's: every rank), in group-rank order: which
+    replica a state belongs to where DDP runs on subgroups."""
+    return list(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
 
 
 __all__ = ["TopKState", "topk_hook", "register"]

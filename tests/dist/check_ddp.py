@@ -324,6 +324,38 @@ def check_alone(steps=3, density=0.05):
         assert got["steps"] == steps and got["bytes_ratio"] < 0.2, got
 
 
+def check_state_of_another_replica_group():
+    """DDP on subgroups (each rank its own replica here): a TopKState checkpoint records its
+    group's global ranks, and one saved by another group's rank of the same rank and size
+    (another replica's model) restarts the residuals from zero with a warning, as one of another
+    rank does (it loaded silently: a review). ``state_dict()`` on a rank outside the state's
+    group says so (it wrote rank -1, which nothing could load)."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    groups = [dist.new_group([r]) for r in range(size)]
+    torch.manual_seed(rank)
+    model = Net().to(DEVICE)
+    ddp = DDP(model, process_group=groups[rank])
+    state = hvd_topk.ddp.TopKState(process_group=groups[rank], density=0.05, min_numel=MIN_NUMEL,
+                                   exchange="allgather", named_parameters=model.named_parameters())
+    hvd_topk.ddp.register(ddp, state)
+    x, y = batch(0, rank)
+    F.cross_entropy(ddp(x), y).backward()
+    mine = state.state_dict()
+    assert mine["group_ranks"] == [rank], mine["group_ranks"]
+    assert any(bool(t.any()) for t in mine["residuals"].values())
+    other = {**mine, "group_ranks": [(rank + 1) % size]}  # rank 0 of 1 too, in another replica's group
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state.load_state_dict(copy.deepcopy(mine))
+        assert not caught, [str(w.message) for w in caught]
+        state.load_state_dict(other)
+    assert any("another replica's DDP" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert not any(bool(t.any()) for t in state.state_dict()["residuals"].values()), "residuals kept"
+    outside = hvd_topk.ddp.TopKState(process_group=groups[(rank + 1) % size], named_parameters=model.named_parameters())
+    with raises(RuntimeError, match="this rank is not in TopKState's process_group", what="state_dict outside"):
+        outside.state_dict()
+
+
 def check_several_buckets():
     state, _ = check_reference(bucket_cap_mb=0.005, steps=4)
     assert len(state.layouts) >= 2, f"expected several DDP buckets, got {len(state.layouts)}"
@@ -1419,6 +1451,8 @@ CHECKS = [
     ("Join with LocalAdamW: the joined rank's optimizer left alone", check_join_local_adamw_leaves_the_joined_optimizer_alone),
     ("bad input", check_bad_input),
     ("a rank alone in its group (world size 1)", check_alone),
+    ("a checkpoint of another replica's group: residuals restart, warned; a rank outside refused",
+     check_state_of_another_replica_group),
 ]
 
 
