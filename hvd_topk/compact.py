@@ -176,7 +176,7 @@ class CompactPairs:
         done = lib.hvdtk_compact_pack_f32(
             values.data_ptr(), indices.data_ptr(), indices.element_size(), self.count, self._slots.data_ptr(),
             self.segments, self.low_bits, base + p["band"].start, base + p["high"].start,
-            p["high"].stop - p["high"].start, base + p["low"].start, p["low"].stop - p["low"].start,
+            p["high"].stop - p["high"].start, self.high_bits, base + p["low"].start, p["low"].stop - p["low"].start,
             base + p["code"].start, residual.data_ptr() if residual is not None else None)
         if done < 0:
             return False

@@ -266,8 +266,8 @@ class TopKState:
 
     def load_state_dict(self, state):
         """Restore ``state_dict()``'s output: the step always; the residuals when the state was
-        saved by this rank in a job of this size (otherwise they restart from zero, with a
-        warning: each rank's residual is its own unsent work)."""
+        saved by this rank in a job of this size and in this process group (otherwise they
+        restart from zero, with a warning: each rank's residual is its own unsent work)."""
         version = state.get("version") if isinstance(state, dict) else None
         if checkpoint.is_count(version) and version > STATE_VERSION:
             raise ValueError(f"this TopKState checkpoint has version {version}, newer than this hvd_topk's "
@@ -469,7 +469,7 @@ class TopKState:
         """Once a step: the group's rank and size are read at the first hook; a job that destroyed
         its process group and initialised a smaller or larger one would send messages of the
         old size (gloo: "invalid tensor size")."""
-        now = _group_rank_and_size(self.process_group)
+        now = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)  # -1: left out now
         if now != (self.rank, self.world_size):
             raise RuntimeError(f"hvd_topk.ddp: this TopKState was first used as rank {self.rank} of "
                                f"{self.world_size} and its process group is now rank {now[0]} of {now[1]} (a new "
@@ -663,12 +663,10 @@ def register(model, state, hook=None):
         raise TypeError(f"hvd_topk.ddp.register takes the DistributedDataParallel model, got a "
                         f"{type(model).__name__}: wrap it first, DistributedDataParallel(model)")
     _check_state(state)
-    mine = state.process_group if state.process_group is not None else dist.group.WORLD
     theirs = getattr(model, "process_group", None)
-    if theirs is not None and mine is not theirs and dist.get_process_group_ranks(mine) != \
-            dist.get_process_group_ranks(theirs):
-        raise ValueError(f"TopKState's process group (ranks {dist.get_process_group_ranks(mine)}) is not the one "
-                         f"DistributedDataParallel reduces over (ranks {dist.get_process_group_ranks(theirs)}): "
+    if theirs is not None and _group_members(state.process_group) != _group_members(theirs):
+        raise ValueError(f"TopKState's process group (ranks {_group_members(state.process_group)}) is not the one "
+                         f"DistributedDataParallel reduces over (ranks {_group_members(theirs)}): "
                          "pass TopKState(process_group=model.process_group)")
     _check_covers(model, state)
     model.register_comm_hook(state, hook or topk_hook)

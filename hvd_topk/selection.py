@@ -25,7 +25,7 @@ import math
 import torch
 
 from hvd_topk import native
-from hvd_topk.wire import RANKS_DISAGREE
+from hvd_topk.wire import RANKS_DISAGREE, index_dtype_for
 
 METHODS = ("sampled", "exact")
 DEFAULT_METHOD = "sampled"
@@ -117,7 +117,7 @@ def select_native(x, k, out_indices, out_values, method=DEFAULT_METHOD, offset=0
     if fold is not None and (fold.dtype != x.dtype or fold.numel() != x.numel() or not fold.is_contiguous()
                              or fold.device != x.device):
         raise ValueError("fold must be a contiguous tensor of x's dtype, size and device")
-    if out_indices.dtype == torch.int32 and offset + x.numel() > 2 ** 31:  # (wire.index_dtype_for's rule)
+    if out_indices.dtype == torch.int32 and index_dtype_for(offset + x.numel()) != torch.int32:
         raise ValueError(f"int32 indices cannot hold positions up to offset + n = {offset + x.numel()}: use int64")
     result = NativeResult()
     fn = native_select_function(x.dtype)

@@ -194,12 +194,16 @@ def test_a_segment_with_nothing_finite_and_non_zero_packs_the_same_bytes_on_both
     assert band[0].item() == np.finfo(np.float32).max and band[1].item() == 0.0
 
 
-def test_an_index_outside_the_bitmap_is_refused_not_written():
-    """Sorted pairs whose last index lies far beyond the tensor: refused (the torch path's
-    IndexError); the native pack wrote its bit past the end of the message (a review)."""
-    plan = _plan([1000], [3])
+@pytest.mark.parametrize("last", [1 << 20, 1500])
+def test_an_index_outside_the_bitmap_is_refused_not_written(last):
+    """Sorted pairs whose last index's bit lies beyond the bitmap (far beyond the tensor, past
+    the message's end; or just past the bitmap, in its last byte's padding): refused on both
+    paths (the torch path's IndexError). The native pack wrote the first past the end of the
+    message and took the second (a review)."""
+    plan = _plan([1000], [3])  # 7 bits of bitmap in 1 byte
+    assert plan.compact().high_bits == 7
     with pytest.raises(IndexError):
-        plan.compact().pack(_message(plan, [1.0, 2.0, 3.0], [0, 1, 1 << 20]), out=False)
+        plan.compact().pack(_message(plan, [1.0, 2.0, 3.0], [0, 1, last]), out=False)
 
 
 def test_a_gather_of_the_wrong_size_or_counts_is_refused():

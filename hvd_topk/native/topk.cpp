@@ -714,12 +714,14 @@ void compact_table(float lo_f, float hi_f, double* table) {
 
 template <typename I>
 int64_t compact_pack_impl(const float* val, const I* idx, int64_t k, const int64_t* slots, int64_t nseg, int low_bits,
-                          float* band, uint8_t* high, int64_t high_bytes, uint8_t* low, int64_t low_bytes,
-                          uint8_t* code, float* residual) {
+                          float* band, uint8_t* high, int64_t high_bytes, int64_t high_bits, uint8_t* low,
+                          int64_t low_bytes, uint8_t* code, float* residual) {
   for (int64_t i = 1; i < k; ++i)
     if (idx[i] < idx[i - 1]) return -1;  // not sorted: the caller sorts and calls again
-  // outside the bitmap (an index < 0 or >= n): the caller's torch path refuses it by name
-  if (k > 0 && (idx[0] < 0 || ((uint64_t)idx[k - 1] >> low_bits) + (uint64_t)(k - 1) >= (uint64_t)high_bytes * 8))
+  // a bit outside the bitmap (a negative index, or one far beyond the tensor): the caller's torch
+  // path refuses it by name, as it does (an index at or past n whose bit still fits is the
+  // decode's to refuse, on both paths)
+  if (k > 0 && (idx[0] < 0 || ((uint64_t)idx[k - 1] >> low_bits) + (uint64_t)(k - 1) >= (uint64_t)high_bits))
     return -1;
   std::memset(high, 0, (size_t)high_bytes);
   std::memset(low, 0, (size_t)low_bytes);
@@ -859,15 +861,15 @@ int64_t hvdtk_take_f32(float* x, int64_t n, const void* idx, int index_bytes, in
 
 // Compact pairs (hvd_topk/compact.py). Pack one rank's sorted float32 pairs; with residual, add
 // what each value's rounding took back into it. Returns -1 (nothing written) when the indices
-// are not sorted.
+// are not sorted or one's bit falls outside the high_bits-long bitmap.
 int64_t hvdtk_compact_pack_f32(const float* val, const void* idx, int index_bytes, int64_t k, const int64_t* slots,
                                int64_t nseg, int low_bits, float* band, uint8_t* high, int64_t high_bytes,
-                               uint8_t* low, int64_t low_bytes, uint8_t* code, float* residual) {
+                               int64_t high_bits, uint8_t* low, int64_t low_bytes, uint8_t* code, float* residual) {
   if (index_bytes == 4)
-    return compact_pack_impl(val, (const int32_t*)idx, k, slots, nseg, low_bits, band, high, high_bytes, low,
-                             low_bytes, code, residual);
-  return compact_pack_impl(val, (const int64_t*)idx, k, slots, nseg, low_bits, band, high, high_bytes, low,
-                           low_bytes, code, residual);
+    return compact_pack_impl(val, (const int32_t*)idx, k, slots, nseg, low_bits, band, high, high_bytes, high_bits,
+                             low, low_bytes, code, residual);
+  return compact_pack_impl(val, (const int64_t*)idx, k, slots, nseg, low_bits, band, high, high_bytes, high_bits,
+                           low, low_bytes, code, residual);
 }
 
 // Unpack `world` compact rows into wide pairs (float32 values, int32/int64 indices; out_row
@@ -883,7 +885,7 @@ int64_t hvdtk_compact_unpack_f32(const uint8_t* rows, int64_t world, int64_t row
                              low_bits, val, (int64_t*)idx, out_row);
 }
 
-int hvdtk_abi_version() { return 10; }
+int hvdtk_abi_version() { return 11; }
 
 // Segmented selection in one call (a fusion bucket's tensors, k each); see segments_impl.
 // Returns the number of pairs written (the sum of min(ks[s], segment size)).
