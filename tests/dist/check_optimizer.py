@@ -1504,18 +1504,24 @@ def contract(label, **options):
 # Run in this order on every rank; add a check with one line.
 
 
-def check_zero_grad_with_a_bucket_not_launched_refused():
-    """``opt.zero_grad()`` after backward, before step, is Horovod's AssertionError also when a
-    bucket has not launched yet (an unused layer in it): its gradients are already folded into
-    the residual. Before the fix it was accepted, the fold stayed, and the next backward raised
-    a misleading "computed more than backward_passes_per_step times"."""
+def _after_one_backward(make_model):
+    """A ``make_model()`` under the optimizer (SGD, 10%, the allgather), one backward taken."""
     torch.manual_seed(0)
-    model = WithUnused().to(DEVICE)
+    model = make_model().to(DEVICE)
     opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                         named_parameters=model.named_parameters(),
                                         compression=hvd_topk.TopK(density=0.1), exchange="allgather")
     x, y = batch(0, hvd.rank(), n=8)
     F.cross_entropy(model(x), y).backward()
+    return model, opt
+
+
+def check_zero_grad_with_a_bucket_not_launched_refused():
+    """``opt.zero_grad()`` after backward, before step, is Horovod's AssertionError also when a
+    bucket has not launched yet (an unused layer in it): its gradients are already folded into
+    the residual. Before the fix it was accepted, the fold stayed, and the next backward raised
+    a misleading "computed more than backward_passes_per_step times"."""
+    model, opt = _after_one_backward(WithUnused)
     assert opt._hvd_topk.taken_in() and not opt._hvd_topk.pending()
     with raises(AssertionError, match=r"zero_grad\(\) was called after loss\.backward\(\)", what="zero_grad"):
         opt.zero_grad()
@@ -1529,13 +1535,7 @@ def check_zero_grad_in_flight_in_an_elastic_worker_names_torch_state():
     exchanges in flight is most likely a reset whose restore left this optimizer out of
     ``TorchState``: the refusal says so (it only spoke of a race condition; a review). Outside
     elastic jobs the message has no such hint."""
-    torch.manual_seed(0)
-    model = Net().to(DEVICE)
-    opt = hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                        named_parameters=model.named_parameters(),
-                                        compression=hvd_topk.TopK(density=0.1), exchange="allgather")
-    x, y = batch(0, hvd.rank(), n=8)
-    F.cross_entropy(model(x), y).backward()
+    _, opt = _after_one_backward(Net)
     assert opt._hvd_topk.pending()
     os.environ["HOROVOD_ELASTIC"] = "1"
     try:
