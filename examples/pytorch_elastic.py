@@ -9,7 +9,8 @@ discovery script says which are up:
     horovodrun -np 2 --min-np 1 --max-np 2 --network-interface lo --host-discovery-script /tmp/hosts.sh \\
         python examples/pytorch_elastic.py --epochs 4
 
-(``--network-interface lo`` lets Horovod start with one host; without it elastic Gloo waits for two.)
+(``--network-interface lo`` lets Horovod start with one host; without it elastic Gloo may wait
+for two, depending on the machine's network interfaces.)
 
 Workers can fail (``--fail-rank R --fail-epoch E``: that rank exits in the middle of a step, after
 its backward pass, once: ``--fail-marker`` records it) or come and go (change the discovery script's output while it
