@@ -290,6 +290,11 @@ class TopKState:
         for key in ("iteration", "rank", "world_size"):
             if not checkpoint.is_count(state[key], none_ok=key != "iteration"):
                 raise ValueError(f"the TopKState checkpoint has {key}={state[key]!r}, not a count; nothing was loaded")
+        members = state.get("group_ranks")  # (absent before 2026-12-06; None: saved before init_process_group)
+        if members is not None and not (isinstance(members, (list, tuple))
+                                        and all(checkpoint.is_count(r) for r in members)):
+            raise ValueError(f"the TopKState checkpoint has group_ranks={members!r}, not a list of ranks; nothing "
+                             "was loaded")
         if not is_loss_scale(state.get("residual_scale")):
             raise ValueError(f"the TopKState checkpoint has residual_scale={state['residual_scale']!r}, not a loss "
                              "scale (a finite number > 0, or None); nothing was loaded")
@@ -324,11 +329,10 @@ class TopKState:
             warnings.warn(f"hvd_topk.ddp: this state was saved by rank {state['rank']} of {state['world_size']}; "
                           f"this is rank {rank} of {world}: the residuals start from zero (the step is kept)")
             return
-        saved_members, members = state.get("group_ranks"), _group_members(self.process_group)
-        if saved_members is not None and list(saved_members) != members:  # (absent before 2026-12-06)
+        if members is not None and list(members) != _group_members(self.process_group):
             warnings.warn(f"hvd_topk.ddp: this state was saved in the process group of global ranks "
-                          f"{list(saved_members)}; this one's are {members} (another replica's DDP): the residuals "
-                          "start from zero (the step is kept)")
+                          f"{list(members)}; this one's are {_group_members(self.process_group)} (another replica's "
+                          "DDP): the residuals start from zero (the step is kept)")
             return
         self.pending = {name: t.detach().clone() for name, t in residuals.items()}
         for layout in self.layouts.values():

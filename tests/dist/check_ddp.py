@@ -343,6 +343,10 @@ def check_state_of_another_replica_group():
     mine = state.state_dict()
     assert mine["group_ranks"] == [rank], mine["group_ranks"]
     assert any(bool(t.any()) for t in mine["residuals"].values())
+    with raises(ValueError, match="group_ranks=5, not a list of ranks; nothing was loaded", what="group_ranks=5"):
+        state.load_state_dict({**mine, "group_ranks": 5})
+    assert all(torch.equal(t, state.state_dict()["residuals"][n]) for n, t in mine["residuals"].items()), \
+        "a refused checkpoint changed the residuals"
     other = {**mine, "group_ranks": [(rank + 1) % size]}  # rank 0 of 1 too, in another replica's group
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
