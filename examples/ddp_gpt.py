@@ -38,8 +38,9 @@ from cli import (HelpFormatter, bytes_report, check_interval,  # shared by the e
                  refuse_topk_flags_with_dense_exchange)
 import hvd_topk.ddp
 from hvd_topk.checks import DENSE_EXCHANGES, EXCHANGES
-from gpt_model import (GPT, add_training_arguments, add_variance_arguments, batches, check_topk_arguments,
-                       check_training_arguments, dense_start_note, evaluate, load_corpus, lr_at, split)
+from gpt_model import (GPT, add_compact_argument, add_training_arguments, add_variance_arguments, batches,
+                       check_topk_arguments, check_training_arguments, dense_start_note, evaluate, load_corpus,
+                       lr_at, split)
 from hvd_topk.optim import LocalAdamW
 
 
@@ -55,8 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup-steps", type=int, default=100, help="--hook topk: dense start over this many steps")
     p.add_argument("--warmup-density", type=float, default=1.0)
     p.add_argument("--fp16-values", action="store_true", help="--hook topk: 16-bit values")
-    p.add_argument("--compact", action="store_true",
-                   help="--hook topk: compact pairs (TopKState(compact=True)): about 2.4 bytes a pair against 6")
+    add_compact_argument(p, "--hook topk: ", "TopKState")
     add_variance_arguments(p)
     p.add_argument("--powersgd-rank", type=int, default=4, help="--hook powersgd: matrix approximation rank")
     p.add_argument("--powersgd-start", type=int, default=100,

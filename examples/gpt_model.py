@@ -162,6 +162,20 @@ def sketch_size(text):
     return value
 
 
+def add_compact_argument(p, prefix, builds):
+    """``--compact`` (``True``: 8-bit log-scale values) or ``--compact sign`` (1-bit values), both
+    GPT examples; ``prefix`` says which mode takes it, ``builds`` what it builds."""
+    def value(text):
+        if text != "sign":
+            raise argparse.ArgumentTypeError(f"nothing (8-bit values) or 'sign', got {text!r}")
+        return text
+    p.add_argument("--compact", nargs="?", const=True, default=False, type=value, metavar="sign",
+                   help=f"{prefix}compact pairs, an Elias-Fano index and an 8-bit log-scale value ({builds}(compact=True)): "
+                        "about 2.4 bytes a pair against --fp16-values' 6; '--compact sign': the value's sign alone, "
+                        f"one mean magnitude a tensor ({builds}(compact='sign')), about 1.4 bytes a pair, with error "
+                        "feedback only; the allgather or dense only")
+
+
 def add_variance_arguments(p):
     """``--adam local``'s options for the variance of the ranks' average, both GPT examples."""
     p.add_argument("--gv-signal", choices=LocalAdamW.SIGNALS, default="mean",
@@ -203,6 +217,9 @@ def check_topk_arguments(p, args):
         p.error("--fp16-values and --compact are two wire formats: choose one")
     if args.compact and args.exchange == "sparse_allreduce":
         p.error("--compact packs the allgather's pairs: use --exchange allgather or auto")
+    if args.compact == "sign" and getattr(args, "no_error_feedback", False):
+        p.error("--compact sign rounds each value to its sign times its tensor's mean magnitude, which only error "
+                "feedback makes good: leave --no-error-feedback out, or use --compact")
     usage_error_from(p, check_density, args.density, "--density")
 
 

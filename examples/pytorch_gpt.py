@@ -47,8 +47,9 @@ from cli import (HelpFormatter, bytes_report, check_interval, output_path,  # sh
 import hvd_topk
 from hvd_topk.checks import DENSE_EXCHANGES, EXCHANGES
 # the model, data and their options, shared with ddp_gpt.py
-from gpt_model import (GPT, add_training_arguments, add_variance_arguments, batches, check_topk_arguments,
-                       check_training_arguments, dense_start_note, evaluate, load_corpus, lr_at, split)
+from gpt_model import (GPT, add_compact_argument, add_training_arguments, add_variance_arguments, batches,
+                       check_topk_arguments, check_training_arguments, dense_start_note, evaluate, load_corpus,
+                       lr_at, split)
 
 
 def parse_args(argv=None):
@@ -57,9 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--density", type=float, default=0.01, help="fraction sent by topk (default 0.01)")
     p.add_argument("--fp16-values", action="store_true",
                    help="topk: values travel as float16 (TopK(fp16_values=True)); topk-ef's dense fallback is then fp16 too")
-    p.add_argument("--compact", action="store_true",
-                   help="topk: compact pairs, an Elias-Fano index and an 8-bit log-scale value (TopK(compact=True)): "
-                        "about 2.4 bytes a pair against --fp16-values' 6; the allgather or dense only")
+    add_compact_argument(p, "topk: ", "TopK")
     p.add_argument("--optimizer", choices=("horovod", "topk-ef"), default="horovod",
                    help="hvd.DistributedOptimizer (+ --compression) or hvd_topk.DistributedOptimizer")
     p.add_argument("--no-error-feedback", action="store_true", help="topk-ef without error feedback")

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from hvd_topk import native, selection
-from hvd_topk.compact import CompactPairs
+from hvd_topk.compact import CompactPairs, check_compact, value_format
 from hvd_topk.selection import k_for, native_ok
 from hvd_topk.wire import RANKS_DISAGREE, STEPS_DISAGREE, Layout
 
@@ -43,9 +43,11 @@ class Plan:
             its size; with bucket scope each part has its own top-k. The sparse allreduce cuts
             a bucket into one part per rank, each rank choosing one part's positions
             (``rotating_part``), so that every rank sends as many indices as any other.
+        compact_values: the value format of ``compact()``'s pairs (``"log"`` or ``"sign"``,
+            ``hvd_topk.compact``).
     """
 
-    def __init__(self, sizes, density, scope, value_dtype, index_dtype, parts=1):
+    def __init__(self, sizes, density, scope, value_dtype, index_dtype, parts=1, compact_values="log"):
         numel = self.numel = sum(sizes)
         self.parts = parts
         if parts == 1:
@@ -73,12 +75,13 @@ class Plan:
         self.nonfinite = torch.zeros(len(self.sizes), dtype=torch.uint8)
         self.encoders = {}   # Codec.segment_encoder's, by buffer and message
         self._values = None  # scratch for values of another dtype than the message's
+        self.compact_values = compact_values  # CompactPairs' value format
         self._compact = None  # CompactPairs, made on first use
 
     def compact(self):
         """This plan's ``hvd_topk.compact.CompactPairs`` (compact pairs), made once."""
         if self._compact is None:
-            self._compact = CompactPairs(self)
+            self._compact = CompactPairs(self, self.compact_values)
         return self._compact
 
     def part_segments(self, part):
@@ -276,6 +279,7 @@ class Codec:
 
     def __init__(self, method=selection.DEFAULT_METHOD, fp16_values=False, compact=False):
         self.method = selection.check_method(method)
+        compact = check_compact(compact)
         if fp16_values and compact:
             raise ValueError("fp16_values and compact are two wire formats: choose one (compact sends "
                              "about 2.4 bytes a pair, fp16_values 6)")
@@ -306,7 +310,7 @@ class Codec:
         return plan.compact().nbytes if self.compact else plan.layout.nbytes
 
     def plan(self, sizes, density, scope, dtype, index_dtype, parts=1):
-        return Plan(sizes, density, scope, self.value_dtype(dtype), index_dtype, parts)
+        return Plan(sizes, density, scope, self.value_dtype(dtype), index_dtype, parts, value_format(self.compact))
 
     def encode(self, x, plan, message, zero_sent=False, seed=None, segments=None):
         """Select ``plan``'s pairs of the flat buffer ``x`` into ``message`` (uint8,

@@ -1,5 +1,7 @@
-"""Compact pairs on the wire: about 2.4 bytes a pair, an Elias-Fano index and an 8-bit
-log-scale value (``TopK(compact=True)``, ``hvd_topk.ddp.TopKState(compact=True)``).
+"""Compact pairs on the wire: an Elias-Fano index and either an 8-bit log-scale value (about
+2.4 bytes a pair at 0.25%: ``TopK(compact=True)``, ``hvd_topk.ddp.TopKState(compact=True)``)
+or the value's sign alone, one magnitude a segment (about 1.4 bytes a pair at 0.43%:
+``compact="sign"``).
 
 Why: at a fixed byte budget, what decides quality under Top-K is how many entries move per step
 (docs/adamw-measurements.md, "More pairs"). A pair is otherwise an int32 index and a 16- or 32-bit value,
@@ -10,6 +12,10 @@ codec plan (n entries in the buffer, k pairs), so that it is allgathered as the 
 
     [band: float32 (lo, hi) per segment][high: k + (n >> L) + 1 bits][low: k x L bits]
     [code: uint8 per pair][padding]
+
+and with ``compact="sign"``
+
+    [scale: float32 per segment][high][low][sign: 1 bit per pair][padding]
 
 - Index (Elias-Fano, for the k sorted indices in [0, n)): each index's low L = floor(log2(n/k))
   bits travel as they are; its high part ``h_i = index_i >> L`` as a set bit at position
@@ -25,6 +31,17 @@ codec plan (n entries in the buffer, k pairs), so that it is allgathered as the 
   A segment holding inf/nan arrives non-finite, so that it still reaches the average, and
   feeds nothing back (the exchange wipes its residual). Float64 magnitudes outside float32's
   range: under 2**-149 sent as zero (kept in the residual), over its largest sent as that.
+- Value, ``compact="sign"``: the sign bit alone; every non-zero value of a segment arrives as
+  its sign times the segment's ``scale``, the mean of its non-zero magnitudes (the one number
+  that minimises the squared rounding of a sign code). Why so coarse: the recommended AdamW
+  scheme sends ``lr x`` normalised updates, whose top-k lie in a narrow band, and error
+  feedback returns each value's rounding to its residual; the 7 bits a value saved carry
+  1.7x the entries in the same bytes, which on the GPT example gained more than the rounding
+  cost (docs/adamw-measurements.md, "Sign values"). A zero value (a slot a segment with fewer
+  non-zeros than k fills up) must arrive as zero, which one bit cannot say: the pack moves it
+  onto the index of its segment's first non-zero pair, ahead of it, and the receiver reads
+  every slot whose index repeats in the next slot as zero. A segment with no non-zero value
+  has scale 0. inf/nan make the scale non-finite: the segment arrives non-finite, as above.
 - Error feedback: what the rounding took (the value minus what arrives) goes back into the
   residual at the sent positions, so nothing is lost, only sent later.
 
@@ -37,9 +54,26 @@ import torch
 from hvd_topk import native
 from hvd_topk.wire import RANKS_DISAGREE, padded
 
+VALUES = ("log", "sign")  # compact=True is "log"
+SIGN_ROUNDING = ("compact='sign' sends each value as its sign times its tensor's mean magnitude, and only error "
+                 "feedback (hvd_topk.DistributedOptimizer or the DDP hook, error_feedback=True) keeps what that "
+                 "rounding takes, in the residual")
 LEVELS = 126  # codes 1..127 span the band's log-width in 126 steps
 FLOAT32_SMALLEST = 2.0 ** -149  # the band's ends travel as float32
 FLOAT32_LARGEST = torch.finfo(torch.float32).max
+
+
+def check_compact(value):
+    """``TopK``'s and ``TopKState``'s ``compact``: ``False``, ``True`` (8-bit log-scale values)
+    or ``"sign"`` (1-bit values)."""
+    if value is not True and value is not False and value != "sign":  # not merely truthy
+        raise TypeError(f"compact must be True, False or 'sign', got {value!r}")
+    return value
+
+
+def value_format(compact):
+    """The ``CompactPairs`` value format of a ``compact`` setting (``True``: ``"log"``)."""
+    return "sign" if compact == "sign" else "log"
 
 
 class CompactPairs:
@@ -49,11 +83,16 @@ class CompactPairs:
     buffer's dtype) into a compact one, feeding the rounding back into a residual; ``unpack``
     turns the allgather of compact messages back into wide ones, which ``Codec.decode`` reads.
     ``index_itemsize`` is an index's bytes on average in the compact message (a value takes
-    one byte); the cost model does not use it: it counts a compact pair as a pair with 16-bit
-    values (``Codec.pair_itemsizes`` says why).
+    one byte, a sign-only one an eighth); the cost model does not use it: it counts a compact
+    pair as a pair with 16-bit values (``Codec.pair_itemsizes`` says why). ``values``: ``"log"``
+    (8-bit log-scale values) or ``"sign"`` (the sign and one scale a segment).
     """
 
-    def __init__(self, plan):
+    def __init__(self, plan, values="log"):
+        if values not in VALUES:
+            raise ValueError(f"values must be one of {VALUES}, got {values!r}")
+        self.values = values
+        sign = values == "sign"
         self.wide = plan.layout
         self.count = k = plan.count
         self.segments = len(plan.sizes)
@@ -63,8 +102,8 @@ class CompactPairs:
         ks = torch.tensor(plan.ks, dtype=torch.int64)
         self.segment_of_slot = torch.repeat_interleave(torch.arange(self.segments), ks)
         edges, offset = {}, 0
-        for name, nbytes in (("band", 8 * self.segments), ("high", -(-self.high_bits // 8)),
-                             ("low", -(-k * self.low_bits // 8)), ("code", k)):
+        for name, nbytes in (("band", (4 if sign else 8) * self.segments), ("high", -(-self.high_bits // 8)),
+                             ("low", -(-k * self.low_bits // 8)), ("code", -(-k // 8) if sign else k)):
             edges[name] = slice(offset, offset + nbytes)
             offset += nbytes
         self._parts, self._used = edges, offset
@@ -79,9 +118,11 @@ class CompactPairs:
         return self.segment_of_slot
 
     def _views(self, rows):
-        """(band[rows, segments, 2], high[rows, bytes], low[rows, bytes], code[rows, count])."""
+        """(band[rows, segments, 2], high[rows, bytes], low[rows, bytes], code[rows, count]);
+        sign values: (scale[rows, segments], high, low, sign bits[rows, ceil(count / 8)])."""
         p = self._parts
-        return (rows[:, p["band"]].view(torch.float32).view(rows.shape[0], self.segments, 2),
+        band = rows[:, p["band"]].view(torch.float32).view(rows.shape[0], self.segments, -1)
+        return (band[:, :, 0] if self.values == "sign" else band,
                 rows[:, p["high"]], rows[:, p["low"]], rows[:, p["code"]])
 
     def pack(self, message, residual=None, out=None):
@@ -95,15 +136,17 @@ class CompactPairs:
             out = self._send
         elif out is False:
             out = torch.empty(self.nbytes, dtype=torch.uint8, device=message.device)
-        lib = _native(values, residual)
+        lib = _native(values, residual) if self.values == "log" else None
         if lib is not None and self._pack_native(lib, values, indices, out, residual):
             return out
         # in position order (the torch-ops selection's are by segment, then magnitude); sorted
         # whatever they are, as asking whether they are would read the answer on the host
         index, order = torch.sort(indices.long(), stable=True)
         values = values[order]
-        band, high, low, code = self._views(out.view(1, -1))
         segment = self._on(message.device)
+        if self.values == "sign":
+            return self._pack_sign(values, index, segment, out, residual)
+        band, high, low, code = self._views(out.view(1, -1))
         magnitude = values.double().abs()
         finite = torch.isfinite(magnitude)
         # A float64 magnitude below float32's smallest (2**-149) would make a band end of 0: it
@@ -121,13 +164,7 @@ class CompactPairs:
         step = torch.nan_to_num_(torch.where(width == 0, 1.0, step), nan=1.0)
         level = torch.where(finite, torch.where(sent, step, 0.0), float(LEVELS + 1)).to(torch.uint8)
         code[0].copy_(level | (torch.signbit(values).to(torch.uint8) << 7))
-        slots = torch.arange(self.count, device=message.device)
-        bitmap = torch.zeros(1, self.high_bits, dtype=torch.bool, device=message.device)
-        bitmap[0, (index >> self.low_bits) + slots] = True
-        high.copy_(pack_bits(bitmap))
-        if self.low_bits:
-            shifts = torch.arange(self.low_bits, device=message.device)
-            low.copy_(pack_bits(((index.unsqueeze(1) >> shifts) & 1).bool().view(1, -1)))
+        self._pack_index(index, high, low)
         out[self._used:].zero_()
         if residual is not None and self.count:
             arrives = self._dequantise(code, band, segment.unsqueeze(0))[0].to(values.dtype)
@@ -137,6 +174,45 @@ class CompactPairs:
             keep = torch.isfinite(lost) & torch.isfinite(hi)[segment]
             residual.index_add_(0, index, torch.where(keep, lost, 0).to(residual.dtype))
         return out
+
+    def _pack_sign(self, values, index, segment, out, residual):
+        """``pack``'s sign format, from pairs sorted by index."""
+        scale, high, low, signs = self._views(out.view(1, -1))
+        device = out.device
+        magnitude = values.double().abs()
+        zero = magnitude == 0
+        nonzero = (~zero).double()
+        total = torch.zeros(self.segments, dtype=torch.float64, device=device).index_add_(0, segment, magnitude)
+        count = torch.zeros(self.segments, dtype=torch.float64, device=device).index_add_(0, segment, nonzero)
+        mean = total / count.clamp(min=1)
+        scale[0] = torch.where(torch.isfinite(mean), mean.clamp(max=FLOAT32_LARGEST), mean)
+        # zeros onto their segment's first non-zero index, ahead of it (read back as zero there)
+        none = torch.iinfo(torch.int64).max
+        first = torch.full((self.segments,), none, dtype=torch.int64, device=device)
+        first.scatter_reduce_(0, segment, torch.where(zero, none, index), "amin")
+        moved = torch.where(zero & (count[segment] > 0), first[segment], index)
+        order = torch.argsort(moved * 2 + (~zero).long(), stable=True)  # indices < 2**62
+        index, values = moved[order], values[order]
+        signs.copy_(pack_bits(torch.signbit(values).view(1, -1)))
+        self._pack_index(index, high, low)
+        out[self._used:].zero_()
+        if residual is not None and self.count:
+            arrives = self._dequantise_sign(signs, scale, segment.unsqueeze(0), index.unsqueeze(0))[0]
+            lost = values - arrives.to(values.dtype)
+            keep = torch.isfinite(lost) & torch.isfinite(scale[0].double())[segment]
+            residual.index_add_(0, index, torch.where(keep, lost, 0).to(residual.dtype))
+        return out
+
+    def _pack_index(self, index, high, low):
+        """Elias-Fano: the sorted ``index``'s high parts as a bitmap, the low bits as they are."""
+        device = index.device
+        slots = torch.arange(self.count, device=device)
+        bitmap = torch.zeros(1, self.high_bits, dtype=torch.bool, device=device)
+        bitmap[0, (index >> self.low_bits) + slots] = True
+        high.copy_(pack_bits(bitmap))
+        if self.low_bits:
+            shifts = torch.arange(self.low_bits, device=device)
+            low.copy_(pack_bits(((index.unsqueeze(1) >> shifts) & 1).bool().view(1, -1)))
 
     def unpack(self, gathered, world, out=None):
         """Wide messages (``plan.layout``, ``world`` rows) from the allgather of compact ones,
@@ -152,7 +228,7 @@ class CompactPairs:
         elif out is False:
             out = torch.zeros(world * self.wide.nbytes, dtype=torch.uint8, device=device)
         values, indices = self.wide.unpack(out, world)
-        lib = _native(values)
+        lib = _native(values) if self.values == "log" else None
         if lib is not None:
             self._unpack_native(lib, gathered, world, values, indices)
             return out
@@ -166,7 +242,11 @@ class CompactPairs:
             bits = unpack_bits(low, self.count * self.low_bits).view(world, self.count, self.low_bits)
             index |= (bits.long() << torch.arange(self.low_bits, device=device)).sum(dim=2)
         indices.copy_(index)
-        values.copy_(self._dequantise(code, band, self._on(device).unsqueeze(0)))
+        segment = self._on(device).unsqueeze(0)
+        if self.values == "sign":
+            values.copy_(self._dequantise_sign(code, band, segment, index))
+        else:
+            values.copy_(self._dequantise(code, band, segment))
         return out
 
     def _pack_native(self, lib, values, indices, out, residual):
@@ -203,6 +283,17 @@ class CompactPairs:
         magnitude = torch.where(level == 1, lo, torch.where(level == LEVELS + 1, hi, magnitude))
         magnitude = torch.where(level == 0, 0.0, magnitude)
         return torch.where(code >= 128, -magnitude, magnitude)
+
+
+    def _dequantise_sign(self, signs, scale, segment, index):
+        """What arrives (float64) for ``signs[rows, ceil(count / 8)]`` given each row's
+        ``scale[rows, segments]`` and decoded ``index[rows, count]``: a slot whose index repeats
+        in the next slot is zero."""
+        magnitude = torch.gather(scale.double(), 1, segment.expand(signs.shape[0], -1))
+        repeated = torch.zeros_like(index, dtype=torch.bool)
+        repeated[:, :-1] = index[:, :-1] == index[:, 1:]
+        magnitude = torch.where(repeated, 0.0, magnitude)
+        return torch.where(unpack_bits(signs, self.count), -magnitude, magnitude)
 
 
 def _native(values, residual=None):

@@ -2,14 +2,14 @@
 and hand-made cases: Elias-Fano indices exactly back (the first and last entry, repeated
 indices, wide gaps, every density up to 1), values within the band's rounding and the band's
 ends exact, the rounding fed back into the residual, zeros and inf/nan, several ranks in one
-gather, the message's size."""
+gather, the message's size; the same for sign values (``compact="sign"``, ``reference.sign_round_trip``)."""
 
 import numpy as np
 import pytest
 import torch
 
 from hvd_topk import codec, compact, native, wire
-from reference import compact_round_trip
+from reference import compact_round_trip, sign_round_trip
 
 
 @pytest.fixture(autouse=True, params=["native", "torch"])
@@ -229,3 +229,112 @@ def test_codec_refuses_two_wire_formats_and_counts_compact_bytes():
     assert plan.compact().index_itemsize == (5907 + 2000 * 8) / 2000 / 8
     # the cost model counts 16-bit values' pairs: compact does not change which buckets go dense
     assert c.pair_itemsizes(plan) == (2, 4)
+
+
+def _sign_plan(sizes, ks):
+    plan = _plan(sizes, ks)
+    plan.compact_values = "sign"
+    return plan
+
+
+def _arrived(plan, packed, world, n):
+    """Each rank's decoded pairs summed into a dense vector of n (what Codec.decode adds up)."""
+    values, indices = plan.layout.unpack(plan.compact().unpack(packed, world), world)
+    return [torch.zeros(n, dtype=torch.float64).index_add_(0, indices[r].long(), values[r].double()).numpy()
+            for r in range(world)]
+
+
+def test_sign_values_match_numpy_with_zeros_anywhere_in_a_segment():
+    """Every non-zero value arrives at its index as its sign times its segment's mean non-zero
+    magnitude; zeros arrive as zero, whether at their own index (an exact top-k of a tensor with
+    fewer non-zeros than k) or repeating another pair's (a sampled fill-up), first, last or
+    between, and in a segment with no non-zero value."""
+    rng = np.random.default_rng(11)
+    sizes, ks = [70_000, 5000, 40_000, 300], [140, 10, 80, 4]
+    plan = _sign_plan(sizes, ks)
+    starts = np.cumsum([0] + sizes)
+    values = (rng.standard_normal(sum(ks)) * np.exp(rng.uniform(-3, 3, sum(ks)))).astype(np.float32)
+    indices = np.concatenate([a + _spread(rng, n, k) for a, n, k in zip(starts, sizes, ks)])
+    values[[0, 7, 139]] = 0.0           # zeros at their own indices: the first, one inside, the last
+    values[140 + 3] = 0.0
+    indices[140 + 4] = indices[140 + 3]  # a fill-up: a zero repeating the next pair's index
+    values[140 + 4], values[140 + 3] = values[140 + 3], values[140 + 4]
+    values[230:234] = [0.0, -0.0, 0.0, 0.0]  # nothing non-zero in the last segment
+    want = np.zeros(sum(sizes))
+    slots = np.cumsum([0] + ks)
+    for a, b in zip(slots, slots[1:]):
+        np.add.at(want, indices[a:b], sign_round_trip(values[a:b]))
+    packed = plan.compact().pack(_message(plan, values, indices))
+    np.testing.assert_array_equal(_arrived(plan, packed, 1, sum(sizes))[0], want)
+    assert np.count_nonzero(want) == sum(ks) - 3 - 1 - 4  # every non-zero value arrived, nothing else
+
+
+def test_sign_message_size():
+    """4 bytes of scale a segment, the Elias-Fano bitmap and low bits, a bit of sign a pair."""
+    plan = _sign_plan([300_000, 1000], [8, 3])
+    c = plan.compact()
+    assert c.low_bits == 14 and c.high_bits == 30
+    assert c.nbytes == -(-(4 * 2 + 4 + -(-11 * 14 // 8) + 2) // 8) * 8
+    plan = codec.Codec(compact="sign").plan([1_000_000], 0.0043, "tensor", torch.float32, torch.int32)
+    # 4300 pairs: L = floor(log2(1M / 4300)) = 7, a bitmap of 4300 + (1M >> 7) + 1 bits
+    assert plan.compact().nbytes == -(-(4 + -(-(4300 + 7812 + 1) // 8) + -(-4300 * 7 // 8) + -(-4300 // 8)) // 8) * 8
+
+
+def test_sign_rounding_goes_back_into_the_residual():
+    """Selected from a buffer by the codec (both methods; 30 non-zeros and k = 50: zeros sent),
+    what arrives plus the residual is what the buffer held, everywhere."""
+    rng = np.random.default_rng(12)
+    n, k = 4096, 50
+    for method in ("exact", "sampled"):
+        acc = torch.zeros(n)
+        acc[torch.from_numpy(rng.choice(n, 30, replace=False))] = torch.from_numpy(
+            rng.standard_normal(30).astype(np.float32))
+        c = codec.Codec(method=method, compact="sign")
+        plan = c.plan([n], k / n, "tensor", torch.float32, torch.int32)
+        message = torch.empty(plan.layout.nbytes, dtype=torch.uint8)
+        before = acc.clone()
+        c.encode(acc, plan, message, zero_sent=True)
+        packed = plan.compact().pack(message, residual=acc)
+        arrived = _arrived(plan, packed, 1, n)[0]
+        np.testing.assert_allclose(acc.double().numpy() + arrived, before.double().numpy(), rtol=0, atol=1e-6)
+        nz = before.numpy() != 0
+        np.testing.assert_allclose(arrived[nz], sign_round_trip(before.numpy()[nz]), rtol=1e-6)
+        assert np.count_nonzero(arrived[~nz]) == 0
+
+
+def test_sign_several_ranks_in_one_gather():
+    rng = np.random.default_rng(13)
+    plan = _sign_plan([200_000], [50])
+    sent = []
+    for r in range(3):
+        values = rng.standard_normal(50).astype(np.float32) * (r + 1)
+        indices = _spread(rng, 200_000, 50)
+        sent.append((values, indices, plan.compact().pack(_message(plan, values, indices), out=False)))
+    arrived = _arrived(plan, torch.cat([p for _, _, p in sent]), 3, 200_000)
+    for r, (values, indices, _) in enumerate(sent):
+        want = np.zeros(200_000)
+        want[indices] = sign_round_trip(values)
+        np.testing.assert_array_equal(arrived[r], want)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_sign_a_segment_with_inf_or_nan_arrives_non_finite(bad):
+    plan = _sign_plan([1000, 1000], [3, 2])
+    residual = torch.zeros(2000)
+    packed = plan.compact().pack(_message(plan, [1.0, bad, -2.0, 0.5, 0.25], [1, 2, 3, 1500, 1600]),
+                                 residual=residual)
+    got, _ = plan.layout.unpack(plan.compact().unpack(packed, 1), 1)
+    assert not bool(torch.isfinite(got[0, :3]).any())
+    assert torch.equal(got[0, 3:], torch.tensor([0.375, 0.375]))  # the other segment: its mean
+    assert int(torch.count_nonzero(residual[:1000])) == 0  # nothing fed back into the bad segment
+    assert residual[1500] == 0.125 and residual[1600] == -0.125
+
+
+def test_compact_settings_are_checked():
+    for bad in (1, "yes", "Sign", None):
+        with pytest.raises(TypeError, match="compact must be True, False or 'sign'"):
+            codec.Codec(compact=bad)
+    with pytest.raises(ValueError, match="choose one"):
+        codec.Codec(fp16_values=True, compact="sign")
+    with pytest.raises(ValueError, match="values must be one of"):
+        compact.CompactPairs(_plan([10], [1]), values="sign8")

@@ -17,7 +17,7 @@ import torch
     ({"fp16_values": "no"}, TypeError, "fp16_values must be True or False, got 'no'"),
     ({"fp16_values": 1}, TypeError, "fp16_values must be True or False, got 1"),
     ({"fp16_values": None}, TypeError, "fp16_values must be True or False, got None"),
-    ({"compact": "yes"}, TypeError, "compact must be True or False, got 'yes'"),
+    ({"compact": "yes"}, TypeError, "compact must be True, False or 'sign', got 'yes'"),
     ({"compact": True, "fp16_values": True}, ValueError, "fp16_values and compact are two wire formats: choose one"),
 ])
 def test_topk_options_checked_by_type_and_range(kwargs, error, text):

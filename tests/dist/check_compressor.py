@@ -15,7 +15,8 @@ import hvd_topk
 from harness import (DEVICE, assert_same_on_all_ranks, check_unnamed_allreduce_between_backward_and_step, gather,
                      raises, run, step_and_check_same)
 from hvd_topk._horovod import name_fallbacks
-from reference import bfloat16_mean_rounded_once, k_of, nearly_cancelling, round_bfloat16, sparse_allreduce
+from reference import (bfloat16_mean_rounded_once, k_of, nearly_cancelling, round_bfloat16, sign_round_trip,
+                       sparse_allreduce)
 
 
 def check_allreduce():
@@ -432,6 +433,25 @@ def check_drop_in_warnings():
     assert not any("not differentiable" in s for s in said), said
 
 
+def check_drop_in_sign_values():
+    """``TopK(compact="sign")`` in Horovod's path: each rank's top-k arrive as its sign times
+    the mean magnitude it sends (numpy), averaged; a warning, once per instance, that the
+    rounding is lost here (no residual)."""
+    gen = torch.Generator().manual_seed(300 + hvd.rank())
+    c = hvd_topk.TopK(density=0.02, compact="sign")
+    for i in range(2):
+        t = torch.randn(3000, generator=gen).to(DEVICE)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = hvd.allreduce(t, compression=c, name=f"check.sign.{i}")
+        said = [str(w.message) for w in caught if "compact='sign'" in str(w.message)]
+        assert len(said) == (i == 0), said
+        np.testing.assert_allclose(out.cpu().numpy(), sparse_allreduce(gather(t.cpu().numpy()), 0.02,
+                                                                       round_trip=sign_round_trip),
+                                   rtol=1e-6, atol=1e-7)
+        assert_same_on_all_ranks(out.cpu().numpy(), "sign values")
+
+
 class _AllreduceInBackward(torch.autograd.Function):
     """The identity, whose backward allreduces (a stand-in for ``hvd.SyncBatchNorm``, which is
     GPU-only)."""
@@ -504,6 +524,7 @@ CHECKS = [
     ("an unnamed grouped_allreduce, one rank late", check_unnamed_grouped_allreduce),
     ("a named grouped_allreduce names each tensor", check_named_grouped_allreduce),
     ("drop-in warnings: density above 2/P, a tensor that requires grad", check_drop_in_warnings),
+    ("drop-in sign values: averaged as numpy says, a warning once", check_drop_in_sign_values),
     ("horovod optimizer: an unnamed allreduce between backward() and step()",
      lambda: check_unnamed_allreduce_between_backward_and_step(
          lambda model: hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),

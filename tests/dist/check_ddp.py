@@ -1112,7 +1112,9 @@ def check_bad_input():
                                  ({"residual_decay": 0.0}, ValueError, "residual_decay"),
                                  ({"residual_decay": 0.9, "error_feedback": False}, ValueError, "needs error_feedback"),
                                  ({"warmup_steps": -1}, ValueError, "warmup_steps"),
-                                 ({"compact": 1}, TypeError, "compact must be True or False"),
+                                 ({"compact": 1}, TypeError, "compact must be True, False or 'sign'"),
+                                 ({"compact": "sign", "error_feedback": False}, ValueError,
+                                  "compact='sign' sends each value as its sign"),
                                  ({"compact": True, "fp16_values": True}, ValueError, "choose one"),
                                  ({"compact": True, "exchange": "sparse_allreduce"}, ValueError,
                                   "compact=True packs the allgather's pairs"),
@@ -1395,6 +1397,8 @@ CHECKS = [
         "sparse_allreduce", bucket_cap_mb=0.005, fp16_values=True, residual_decay=0.8)),
     ("allgather, compact pairs, several buckets, decay", lambda: check_reference(
         bucket_cap_mb=0.005, compact=True, residual_decay=0.8)),
+    ("allgather, sign values, several buckets, decay", lambda: check_reference(
+        bucket_cap_mb=0.005, compact="sign", residual_decay=0.8)),
     ("no error feedback", lambda: check_reference(error_feedback=False)),
     ("residual decay", lambda: check_reference(residual_decay=0.8)),
     # at 90% a ring allreduce moves fewer bytes than either sparse exchange: a residual_decay added to

@@ -602,6 +602,10 @@ def check_bad_input():
          "TopK(compact=True) packs the allgather's pairs"),
         ({"compression": hvd_topk.TopK(compact=True), "hierarchical": True}, ValueError,
          "TopK(compact=True) packs the allgather's pairs"),
+        ({"compression": hvd_topk.TopK(compact="sign"), "exchange": "sparse_allreduce"}, ValueError,
+         "TopK(compact='sign') packs the allgather's pairs"),
+        ({"compression": hvd_topk.TopK(compact="sign"), "error_feedback": False}, ValueError,
+         "compact='sign' sends each value as its sign times its tensor's mean magnitude"),
     ]:
         with raises(error, match=re.escape(text), what=f"{kwargs}"):
             hvd_topk.DistributedOptimizer(sgd, **kwargs)
@@ -917,7 +921,7 @@ def check_horovod_positional_call():
 
 def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-3, wd=0.1,
                       lr_in_residual=False, residual_decay=1.0, exchange="allgather", global_variance=False,
-                      skip=None, idle=None, signal="mean", variance_sketch=0):
+                      skip=None, idle=None, signal="mean", variance_sketch=0, compact=False):
     """LocalAdamW: each rank's numpy Adam on its own gradient gives its update; the exchanged
     result is the error-feedback contract applied to those updates; the step is
     p * (1 - lr * wd) - lr * result on every rank. (A large eps: with a tiny one the first
@@ -933,7 +937,8 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-
     ``skip``: ``{step: ranks}`` whose forward leaves head2 out at that step: such a rank's
     update of head2 is zero and its moments stay (as a plain optimizer skips a parameter
     without a gradient); the exchanged result is applied all the same. ``idle``: ``{step: ranks}``
-    that run no backward at all at that step (every update of theirs zero, the result applied)."""
+    that run no backward at all at that step (every update of theirs zero, the result applied).
+    ``compact``: ``TopK(compact=...)``'s wire, rounded as the reference says."""
     rank, size = hvd.rank(), hvd.size()
     skip, idle = skip or {}, idle or {}
     torch.manual_seed(0)
@@ -942,12 +947,12 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.9, 0.95), eps=1e-
                                 lr_in_residual=lr_in_residual, global_variance=global_variance, signal=signal,
                                 variance_sketch=variance_sketch)
     opt = hvd_topk.DistributedOptimizer(inner, named_parameters=model.named_parameters(), exchange=exchange,
-                                        compression=hvd_topk.TopK(density=density), min_numel=500,
+                                        compression=hvd_topk.TopK(density=density, compact=compact), min_numel=500,
                                         residual_decay=residual_decay)
     if variance_sketch:
         assert all(p.numel() <= variance_sketch for p in model.parameters()), "the reference needs exact sketches"
     shadow = copy.deepcopy(model)
-    ref = ErrorFeedbackReference(size, decay=residual_decay)
+    ref = ErrorFeedbackReference(size, decay=residual_decay, compact=compact)
     moments = {}  # (rank, name) -> (m, v, mean, lag1, previous gradient, steps taken) in float64
     measured = {}  # name -> (EMA of |the ranks' average gradient|^2, sketches absorbed)
     last_sums = {}  # (rank, name) -> the sum of that rank's previous estimate (unrescaled)
@@ -1345,7 +1350,7 @@ def check_local_adamw_sketch_of_a_skipped_step():
     assert_same_on_all_ranks(opt.state[w]["sketch_sq"].numpy(), "the sketch's measure")
 
 
-def check_inner_resume(make_inner, changed, **options):
+def check_inner_resume(make_inner, changed, compact=False, **options):
     """The inner optimizer's state and the residuals saved at step 3 (one state per rank) and
     loaded into fresh objects, with param-group settings ``changed`` before the save (which the
     checkpoint must carry): bitwise equal at step 6 to the run that never stopped."""
@@ -1355,7 +1360,8 @@ def check_inner_resume(make_inner, changed, **options):
         return model, hvd_topk.DistributedOptimizer(make_inner(model.parameters()),
                                                     named_parameters=model.named_parameters(),
                                                     exchange="allgather", min_numel=500,
-                                                    compression=hvd_topk.TopK(density=0.05), **options)
+                                                    compression=hvd_topk.TopK(density=0.05, compact=compact),
+                                                    **options)
 
     def change(opt):
         for group in opt.param_groups:
@@ -1686,6 +1692,11 @@ CHECKS = [
              momentum_correction=0.9),
     contract("compact pairs, bucket scope, residual decay", compact=True, selection_scope="bucket",
              residual_decay=0.9),
+    contract("sign values", compact="sign"),
+    contract("sign values, small buckets, momentum correction", compact="sign", fusion_bytes=4096,
+             momentum_correction=0.9),
+    contract("sign values, bucket scope, residual decay", compact="sign", selection_scope="bucket",
+             residual_decay=0.9),
     contract("groups=2", groups=2),
     contract("predivide=2.0 (a numpy float32)", gradient_predivide_factor=np.float32(2.0)),
     contract("no gradient on rank 1", drop_head2_on_rank=1),
@@ -1726,6 +1737,7 @@ CHECKS = [
     ("the same with the sparse allreduce", lambda: check_checkpoint_mid_run_on_one_rank_refused("sparse_allreduce")),
     ("non-finite gradient", check_nonfinite),
     ("non-finite gradient, compact pairs", lambda: check_nonfinite(compact=True)),
+    ("non-finite gradient, sign values", lambda: check_nonfinite(compact="sign")),
     # the float16 wire's rounding stays in the residual, but not an inf, nor what float16 overflowed
     ("non-finite gradient, dense fp16 exchange", lambda: check_nonfinite(exchange="dense_fp16")),
     ("a gradient beyond float16's range, dense fp16 exchange", lambda: check_nonfinite(exchange="dense_fp16", value=1e5)),
@@ -1771,6 +1783,10 @@ CHECKS = [
     ("LocalAdamW: lr in the residual, decay, checkpoint resume", lambda: check_local_adamw_resume(
         lr_in_residual=True, residual_decay=0.9)),
     ("LocalAdamW: global variance", lambda: check_local_adamw(steps=5, global_variance=True)),
+    ("LocalAdamW: sign values, global variance, lr in the residual, decay", lambda: check_local_adamw(
+        steps=5, global_variance=True, lr_in_residual=True, residual_decay=0.9, compact="sign")),
+    ("LocalAdamW: sign values, decay, checkpoint resume", lambda: check_local_adamw_resume(
+        lr_in_residual=True, global_variance=True, residual_decay=0.99, compact="sign")),
     ("LocalAdamW: an inf in one rank's gradient leaves its moments finite", check_nonfinite_local_adamw),
     ("LocalAdamW: a layer rank 0 leaves out at step 1, every rank at step 2", lambda: check_local_adamw(
         steps=4, global_variance=True, lr_in_residual=True, skip={1: {0}, 2: set(range(hvd.size()))})),

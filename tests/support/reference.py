@@ -17,11 +17,15 @@ def topk_sparse(g, density):
     return out.reshape(np.shape(g)), keep
 
 
-def sparse_allreduce(per_rank, density, average=True, value_dtype=None):
-    """Sum over ranks of each rank's top-k entries (in float64), divided by ranks if average."""
+def sparse_allreduce(per_rank, density, average=True, value_dtype=None, round_trip=None):
+    """Sum over ranks of each rank's top-k entries (in float64), divided by ranks if average.
+    ``round_trip``: what the wire makes of a rank's k values (``sign_round_trip``)."""
     total = np.zeros(np.shape(per_rank[0]), dtype=np.float64)
     for g in per_rank:
-        sparse, _ = topk_sparse(g, density)
+        sparse, keep = topk_sparse(g, density)
+        if round_trip is not None:
+            flat = sparse.reshape(-1)
+            flat[keep] = round_trip(flat[keep])
         if value_dtype is not None:
             sparse = sparse.astype(value_dtype)
         total += sparse.astype(np.float64)
@@ -46,6 +50,17 @@ def compact_round_trip(values):
     arrived = np.where(level == 1, lo, np.where(level == 127, hi, lo * (hi / lo) ** ((level - 1) / 126)))
     arrived = np.where(level == 0, 0.0, arrived)
     return (np.where(np.signbit(v), -arrived, arrived)).astype(v.dtype)
+
+
+def sign_round_trip(values):
+    """What ``TopK(compact="sign")`` delivers for one segment's sent values (float32 in and
+    out): each non-zero value as its sign times the mean of the segment's non-zero magnitudes
+    (float64, rounded to float32 once), zeros as zero; numpy."""
+    v = np.asarray(values)
+    mag = np.abs(v.astype(np.float64))
+    nonzero = mag > 0
+    scale = np.float32(mag[nonzero].mean()) if nonzero.any() else np.float32(0)
+    return np.where(nonzero, np.where(np.signbit(v), -scale, scale), 0).astype(v.dtype)
 
 
 def round_bfloat16(x):
@@ -114,7 +129,8 @@ class ErrorFeedbackReference:
     whose residual is float32) each sent value is rounded to it on the wire;
     what that rounding took (float32 acc minus the float16 value, where finite) stays in the
     residual. With ``compact`` (``TopK(compact=True)``) each top-k's values arrive as
-    ``compact_round_trip`` gives them, and what that rounding took stays in the residual.
+    ``compact_round_trip`` gives them (``"sign"``: ``sign_round_trip``), and what that rounding
+    took stays in the residual.
 
     The sparse allreduce (ScaleCom's CLT-k, ``sparse_allreduce_bucket``): every rank sends its
     own acc at positions chosen part by part from one rank's top-k instead of at its own.
@@ -233,7 +249,7 @@ class ErrorFeedbackReference:
             sent = np.zeros_like(acc)
             sent[keep] = acc[keep] if self.value_dtype is None else to_value_dtype(acc[keep], self.value_dtype)
             if self.compact:
-                sent[keep] = compact_round_trip(acc[keep])
+                sent[keep] = (sign_round_trip if self.compact == "sign" else compact_round_trip)(acc[keep])
             for i, n in enumerate(names):
                 if (r, n) in (held or {}):
                     sent[edges[i]:edges[i + 1]] = 0  # an idle tensor: this rank sends nothing of it
