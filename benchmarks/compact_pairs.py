@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""What compact pairs (``TopK(compact=True)``, ``hvd_topk/compact.py``) cost per step on the CPU:
-pack (with the rounding fed back into the residual) and unpack of P ranks' messages, native
-and torch ops, against the wide message's size and the decode that follows either way.
+"""What compact pairs (``TopK(compact=True)`` and ``compact="sign"``, ``hvd_topk/compact.py``) cost
+per step on the CPU: pack (with the rounding fed back into the residual) and unpack of P ranks'
+messages, native and torch ops, against the wide message's size and the decode that follows
+either way.
 
 One bucket of a model's sparse tensors (``--model``; ResNet-50: the 76 of its 161 with >= 1024
 entries, 25.5M entries, float32; GPT-2-small: 74 of 148, 124.4M), its pairs selected by the
@@ -44,13 +45,14 @@ def main():
     print(common.summary(common.machine_info()))
     print(f"\n{args.model}'s {len(sizes)} sparse tensors in one bucket ({sum(sizes):,} fp32 entries); median of "
           f"{args.repeat} calls, one thread\n")
-    print("| density | pairs | wide bytes (fp16 values) | compact bytes | path | pack ms | unpack ms, P=2 | P=8 | "
-          "decode ms, P=2 (either format) |")
-    print("|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+    print("| values | density | pairs | wide bytes (fp16 values) | compact bytes | path | pack ms | unpack ms, P=2 | "
+          "P=8 | decode ms, P=2 (either format) |")
+    print("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|")
     gen = torch.Generator().manual_seed(0)
     residual = torch.randn(sum(sizes), generator=gen)
-    for density in (0.01, 0.0025):
-        plan = codec.Plan(sizes, density, "tensor", torch.float32, torch.int32)
+    # 8-bit values at 1% and at 0.25% (0.1%'s bytes); sign values at 0.43% (0.1%'s bytes)
+    for values, density in (("log", 0.01), ("log", 0.0025), ("sign", 0.0043)):
+        plan = codec.Plan(sizes, density, "tensor", torch.float32, torch.int32, compact_values=values)
         wide16 = codec.Plan(sizes, density, "tensor", torch.float16, torch.int32).layout.nbytes
         message = torch.empty(plan.layout.nbytes, dtype=torch.uint8)
         codec.Codec().encode(residual.clone(), plan, message, zero_sent=True)
@@ -69,7 +71,7 @@ def main():
                           for p in (2, 8)}
             finally:
                 compact._native = native
-            print(f"| {density:.2%} | {plan.count:,} | {wide16:,} | {pairs.nbytes:,} | {path} | {pack:.1f} | "
+            print(f"| {'8-bit' if values == 'log' else 'sign'} | {density:.2%} | {plan.count:,} | {wide16:,} | {pairs.nbytes:,} | {path} | {pack:.1f} | "
                   f"{unpack[2]:.1f} | {unpack[8]:.1f} | {decode:.1f} |")
 
 

@@ -136,7 +136,7 @@ class CompactPairs:
             out = self._send
         elif out is False:
             out = torch.empty(self.nbytes, dtype=torch.uint8, device=message.device)
-        lib = _native(values, residual) if self.values == "log" else None
+        lib = _native(values, residual)
         if lib is not None and self._pack_native(lib, values, indices, out, residual):
             return out
         # in position order (the torch-ops selection's are by segment, then magnitude); sorted
@@ -228,7 +228,7 @@ class CompactPairs:
         elif out is False:
             out = torch.zeros(world * self.wide.nbytes, dtype=torch.uint8, device=device)
         values, indices = self.wide.unpack(out, world)
-        lib = _native(values) if self.values == "log" else None
+        lib = _native(values)
         if lib is not None:
             self._unpack_native(lib, gathered, world, values, indices)
             return out
@@ -257,7 +257,7 @@ class CompactPairs:
             values.data_ptr(), indices.data_ptr(), indices.element_size(), self.count, self._slots.data_ptr(),
             self.segments, self.low_bits, base + p["band"].start, base + p["high"].start,
             p["high"].stop - p["high"].start, self.high_bits, base + p["low"].start, p["low"].stop - p["low"].start,
-            base + p["code"].start, residual.data_ptr() if residual is not None else None)
+            base + p["code"].start, residual.data_ptr() if residual is not None else None, self.values == "sign")
         if done < 0:
             return False
         out[self._used:].zero_()
@@ -268,7 +268,7 @@ class CompactPairs:
         bad = lib.hvdtk_compact_unpack_f32(
             gathered.data_ptr(), world, self.nbytes, p["band"].start, p["high"].start, self.high_bits,
             p["low"].start, p["code"].start, self.count, self._slots.data_ptr(), self.segments, self.low_bits,
-            values.data_ptr(), indices.data_ptr(), indices.element_size(), values.stride(0) * 4)
+            values.data_ptr(), indices.data_ptr(), indices.element_size(), values.stride(0) * 4, self.values == "sign")
         if bad:
             raise RuntimeError(f"rank {bad - 1}'s index bitmap does not hold the pairs sent: {RANKS_DISAGREE}")
 

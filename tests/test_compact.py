@@ -338,3 +338,36 @@ def test_compact_settings_are_checked():
         codec.Codec(fp16_values=True, compact="sign")
     with pytest.raises(ValueError, match="values must be one of"):
         compact.CompactPairs(_plan([10], [1]), values="sign8")
+
+
+def test_sign_native_and_torch_write_the_same_bytes_and_residual(monkeypatch):
+    """The native sign pack against the torch ops' on pairs with zeros at their own indices and
+    as fill-ups, an all-zero segment, -0.0 and int64 indices: the same message, the same
+    residual, and each path's unpack of it the same pairs."""
+    if native.library() is None:
+        pytest.skip(f"native kernel unavailable: {native.unavailable_reason()}")
+    rng = np.random.default_rng(14)
+    sizes, ks = [50_000, 3000, 800, 20_000], [60, 9, 5, 30]
+    starts = np.cumsum([0] + sizes)
+    values = rng.standard_normal(sum(ks)).astype(np.float32)
+    indices = np.concatenate([a + _spread(rng, n, k) for a, n, k in zip(starts, sizes, ks)])
+    values[[0, 30, 59, 61]] = 0.0
+    values[62] = -0.0
+    indices[63] = indices[64]
+    values[63] = 0.0  # a fill-up ahead of the pair it repeats
+    values[69:74] = 0.0  # the third segment: nothing non-zero
+    for index_dtype in (torch.int32, torch.int64):
+        plan = _sign_plan(sizes, ks)
+        plan.layout = wire.Layout(plan.count, torch.float32, index_dtype)
+        message = plan.layout.pack(torch.from_numpy(values), torch.from_numpy(indices).to(index_dtype))
+        res_native, res_torch = torch.randn(sum(sizes)), None
+        res_torch = res_native.clone()
+        native_bytes = plan.compact().pack(message, residual=res_native, out=False)
+        native_pairs = plan.compact().unpack(torch.cat([native_bytes] * 2), 2, out=False)
+        with monkeypatch.context() as m:
+            m.setattr(compact, "_native", lambda *args: None)
+            torch_bytes = plan.compact().pack(message, residual=res_torch, out=False)
+            torch_pairs = plan.compact().unpack(torch.cat([torch_bytes] * 2), 2, out=False)
+        assert torch.equal(native_bytes, torch_bytes), index_dtype
+        assert torch.equal(res_native, res_torch), index_dtype
+        assert torch.equal(native_pairs, torch_pairs), index_dtype

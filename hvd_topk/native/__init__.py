@@ -23,7 +23,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("topk.cpp")
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]
-ABI_VERSION = 11
+ABI_VERSION = 12
 
 _lock = threading.Lock()
 _lib = None
@@ -115,8 +115,8 @@ def _declare(lib):
         "hvdtk_scatter_segments_f16_f32": scatter,
         "hvdtk_take_f32": [p, i64, p, i32, i64, p, i32],
         "hvdtk_fold_f32": [p, p, i64],
-        "hvdtk_compact_pack_f32": [p, p, i32, i64, p, i64, i32, p, p, i64, i64, p, i64, p, p],
-        "hvdtk_compact_unpack_f32": [p, i64, i64, i64, i64, i64, i64, i64, i64, p, i64, i32, p, p, i32, i64],
+        "hvdtk_compact_pack_f32": [p, p, i32, i64, p, i64, i32, p, p, i64, i64, p, i64, p, p, i32],
+        "hvdtk_compact_unpack_f32": [p, i64, i64, i64, i64, i64, i64, i64, i64, p, i64, i32, p, p, i32, i64, i32],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

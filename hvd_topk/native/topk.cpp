@@ -700,7 +700,10 @@ int64_t take_dispatch(T* x, int64_t n, const void* idx, int index_bytes, int64_t
 // The layout and the rules are compact.py's (its torch-ops path is the reference for these
 // two functions): a segment's band [lo, hi] (float32), level 0 zero, 1..127 log-uniform over
 // the band (1 is lo, 127 hi, inf/nan 127), a sign bit on top; the indices' low L bits packed
-// LSB first, their high parts as bit (index >> L) + i of a bitmap.
+// LSB first, their high parts as bit (index >> L) + i of a bitmap. With `sign` (compact="sign"):
+// one float32 scale a segment (the mean of its non-zero magnitudes), a sign bit a pair (LSB
+// first), zeros moved onto the segment's first non-zero index ahead of it, and a slot whose
+// index repeats in the next slot read as zero.
 constexpr int kCompactLevels = 126;
 
 // The 128 magnitudes a segment's levels stand for, from its band as the receivers read it.
@@ -712,10 +715,54 @@ void compact_table(float lo_f, float hi_f, double* table) {
   table[127] = hi;
 }
 
+// compact="sign": each segment's scale into band[s], the sign bits into code, and the indices as
+// they travel (zeros moved) into moved; the rounding into residual. Pairs sorted by index.
+template <typename I>
+void sign_pack_values(const float* val, const I* idx, const int64_t* slots, int64_t nseg, float* band,
+                      uint8_t* code, int64_t k, I* moved, float* residual) {
+  std::memset(code, 0, (size_t)((k + 7) / 8));
+  for (int64_t s = 0; s < nseg; ++s) {
+    const int64_t a = slots[s], b = slots[s + 1];
+    double total = 0.0;
+    int64_t count = 0, first = -1;
+    for (int64_t i = a; i < b; ++i) {
+      const double m = std::fabs((double)val[i]);
+      if (m != 0.0) {  // (nan too: the scale turns non-finite)
+        total += m;
+        ++count;
+        if (first < 0) first = i;
+      }
+    }
+    const double mean = count ? total / (double)count : 0.0;
+    band[s] = std::isfinite(mean) ? (float)std::min(mean, (double)FLT_MAX) : (float)mean;
+    const double scale = band[s];
+    const bool finite = std::isfinite(scale);
+    int64_t o = a;
+    auto put = [&](int64_t i, I at) {
+      moved[o] = at;
+      if (std::signbit(val[i])) code[o >> 3] |= (uint8_t)(1u << (o & 7));
+      ++o;
+    };
+    if (count)  // zeros first, at the first non-zero's index
+      for (int64_t i = a; i < b; ++i)
+        if (val[i] == 0.0f) put(i, idx[first]);
+    for (int64_t i = a; i < b; ++i) {
+      if (count && val[i] == 0.0f) continue;
+      put(i, idx[i]);
+      if (residual && finite && val[i] != 0.0f) {
+        if (i + kAhead < b) __builtin_prefetch(residual + idx[i + kAhead], 1);
+        const float arrives = (float)(std::signbit(val[i]) ? -scale : scale);
+        const float lost = val[i] - arrives;
+        if (std::isfinite(lost)) residual[idx[i]] += lost;
+      }
+    }
+  }
+}
+
 template <typename I>
 int64_t compact_pack_impl(const float* val, const I* idx, int64_t k, const int64_t* slots, int64_t nseg, int low_bits,
                           float* band, uint8_t* high, int64_t high_bytes, int64_t high_bits, uint8_t* low,
-                          int64_t low_bytes, uint8_t* code, float* residual) {
+                          int64_t low_bytes, uint8_t* code, float* residual, bool sign) {
   for (int64_t i = 1; i < k; ++i)
     if (idx[i] < idx[i - 1]) return -1;  // not sorted: the caller sorts and calls again
   // a bit outside the bitmap (a negative index, or one far beyond the tensor): the caller's torch
@@ -726,8 +773,14 @@ int64_t compact_pack_impl(const float* val, const I* idx, int64_t k, const int64
   std::memset(high, 0, (size_t)high_bytes);
   std::memset(low, 0, (size_t)low_bytes);
   const uint64_t mask = low_bits ? ((uint64_t)1 << low_bits) - 1 : 0;
+  std::vector<I> moved;
+  if (sign) {  // (a moved index is one of the sorted ones, so the bound above holds)
+    moved.resize((size_t)k);
+    sign_pack_values(val, idx, slots, nseg, band, code, k, moved.data(), residual);
+    idx = moved.data();
+  }
   double table[128];
-  for (int64_t s = 0; s < nseg; ++s) {
+  for (int64_t s = 0; s < nseg && !sign; ++s) {
     const int64_t a = slots[s], b = slots[s + 1];
     double hi = 0.0, lo = INFINITY;
     bool nan = false, inf = false;
@@ -784,7 +837,7 @@ int64_t compact_pack_impl(const float* val, const I* idx, int64_t k, const int64
 template <typename I>
 int64_t compact_unpack_impl(const uint8_t* rows, int64_t world, int64_t row_bytes, int64_t band_at, int64_t high_at,
                             int64_t high_bits, int64_t low_at, int64_t code_at, int64_t k, const int64_t* slots,
-                            int64_t nseg, int low_bits, float* val, I* idx, int64_t out_row) {
+                            int64_t nseg, int low_bits, float* val, I* idx, int64_t out_row, bool sign) {
   const uint64_t mask = low_bits ? ((uint64_t)1 << low_bits) - 1 : 0;
   const int64_t high_bytes = (high_bits + 7) / 8;
   double table[128];
@@ -813,6 +866,17 @@ int64_t compact_unpack_impl(const uint8_t* rows, int64_t world, int64_t row_byte
         for (int b = 0; b < low_bits + shift; b += 8) bits |= (uint64_t)low[(o >> 3) + (b >> 3)] << b;
         out[j] = (I)((uint64_t)out[j] | ((bits >> shift) & mask));
       }
+    }
+    if (sign) {
+      for (int64_t s = 0; s < nseg; ++s) {
+        float scale;
+        std::memcpy(&scale, row + band_at + 4 * s, 4);
+        for (int64_t j = slots[s]; j < slots[s + 1]; ++j) {
+          const float m = (j + 1 < k && out[j] == out[j + 1]) ? 0.0f : scale;  // a repeat: zero
+          v[j] = ((code[j >> 3] >> (j & 7)) & 1) ? -m : m;
+        }
+      }
+      continue;
     }
     float bands[2];
     for (int64_t s = 0; s < nseg; ++s) {
@@ -864,12 +928,13 @@ int64_t hvdtk_take_f32(float* x, int64_t n, const void* idx, int index_bytes, in
 // are not sorted or one's bit falls outside the high_bits-long bitmap.
 int64_t hvdtk_compact_pack_f32(const float* val, const void* idx, int index_bytes, int64_t k, const int64_t* slots,
                                int64_t nseg, int low_bits, float* band, uint8_t* high, int64_t high_bytes,
-                               int64_t high_bits, uint8_t* low, int64_t low_bytes, uint8_t* code, float* residual) {
+                               int64_t high_bits, uint8_t* low, int64_t low_bytes, uint8_t* code, float* residual,
+                               int sign) {
   if (index_bytes == 4)
     return compact_pack_impl(val, (const int32_t*)idx, k, slots, nseg, low_bits, band, high, high_bytes, high_bits,
-                             low, low_bytes, code, residual);
+                             low, low_bytes, code, residual, sign != 0);
   return compact_pack_impl(val, (const int64_t*)idx, k, slots, nseg, low_bits, band, high, high_bytes, high_bits,
-                           low, low_bytes, code, residual);
+                           low, low_bytes, code, residual, sign != 0);
 }
 
 // Unpack `world` compact rows into wide pairs (float32 values, int32/int64 indices; out_row
@@ -877,15 +942,15 @@ int64_t hvdtk_compact_pack_f32(const float* val, const void* idx, int index_byte
 int64_t hvdtk_compact_unpack_f32(const uint8_t* rows, int64_t world, int64_t row_bytes, int64_t band_at,
                                  int64_t high_at, int64_t high_bits, int64_t low_at, int64_t code_at, int64_t k,
                                  const int64_t* slots, int64_t nseg, int low_bits, float* val, void* idx,
-                                 int index_bytes, int64_t out_row) {
+                                 int index_bytes, int64_t out_row, int sign) {
   if (index_bytes == 4)
     return compact_unpack_impl(rows, world, row_bytes, band_at, high_at, high_bits, low_at, code_at, k, slots, nseg,
-                               low_bits, val, (int32_t*)idx, out_row);
+                               low_bits, val, (int32_t*)idx, out_row, sign != 0);
   return compact_unpack_impl(rows, world, row_bytes, band_at, high_at, high_bits, low_at, code_at, k, slots, nseg,
-                             low_bits, val, (int64_t*)idx, out_row);
+                             low_bits, val, (int64_t*)idx, out_row, sign != 0);
 }
 
-int hvdtk_abi_version() { return 11; }
+int hvdtk_abi_version() { return 12; }
 
 // Segmented selection in one call (a fusion bucket's tensors, k each); see segments_impl.
 // Returns the number of pairs written (the sum of min(ks[s], segment size)).
