@@ -369,8 +369,8 @@ for _density, _what in (("0.19", "1.9x"), ("0.2", "2x"), ("0.25", "2.5x")):
     CONFIGS[f"gv-0.1%-lr2e-2-compact{_density}-decay0.99"] = (
         f"hvd_topk compact pairs at {_density}% ({_what} 0.1%'s pairs), the recipe at lr 2e-2, residual_decay=0.99",
         [*GV, "--density", str(float(_density) / 100), *START, "--lr", "2e-2", "--compact", "--residual-decay", "0.99"])
-# sign values (TopK(compact="sign"): the Elias-Fano index and a sign bit, one mean magnitude a
-# tensor): 0.43% moves 4.3x 0.1%'s pairs in fewer of its bytes (2808 against 2856 a step)
+# sign values (TopK(compact="sign"): the Elias-Fano index and a sign bit, one mean magnitude for
+# each tensor): 0.43% moves 4.3x 0.1%'s pairs in fewer of its bytes (2808 against 2856 a step)
 CONFIGS["gv-0.1%-lr2e-2-sign0.43-decay0.99"] = (
     "hvd_topk sign values at 0.43% (4.3x 0.1%'s pairs, compact='sign'), the recipe at lr 2e-2, residual_decay=0.99",
     [*GV, "--density", "0.0043", *START, "--lr", "2e-2", "--compact", "sign", "--residual-decay", "0.99"])

@@ -172,7 +172,7 @@ def add_compact_argument(p, prefix, builds):
     p.add_argument("--compact", nargs="?", const=True, default=False, type=value, metavar="sign",
                    help=f"{prefix}compact pairs, an Elias-Fano index and an 8-bit log-scale value ({builds}(compact=True)): "
                         "about 2.4 bytes a pair against --fp16-values' 6; '--compact sign': the value's sign alone, "
-                        f"one mean magnitude a tensor ({builds}(compact='sign')), about 1.4 bytes a pair, with error "
+                        f"one mean magnitude for each top-k ({builds}(compact='sign')), about 1.4 bytes a pair, with error "
                         "feedback only; the allgather or dense only")
 
 
@@ -218,7 +218,7 @@ def check_topk_arguments(p, args):
     if args.compact and args.exchange == "sparse_allreduce":
         p.error("--compact packs the allgather's pairs: use --exchange allgather or auto")
     if args.compact == "sign" and getattr(args, "no_error_feedback", False):
-        p.error("--compact sign rounds each value to its sign times its tensor's mean magnitude, which only error "
+        p.error("--compact sign rounds each value to its sign times the mean magnitude of its top-k, which only error "
                 "feedback makes good: leave --no-error-feedback out, or use --compact")
     usage_error_from(p, check_density, args.density, "--density")
 

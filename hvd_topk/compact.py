@@ -55,7 +55,7 @@ from hvd_topk import native
 from hvd_topk.wire import RANKS_DISAGREE, padded
 
 VALUES = ("log", "sign")  # compact=True is "log"
-SIGN_ROUNDING = ("compact='sign' sends each value as its sign times its tensor's mean magnitude, and only error "
+SIGN_ROUNDING = ("compact='sign' sends each value as its sign times the mean magnitude of its top-k (its tensor's), and only error "
                  "feedback (hvd_topk.DistributedOptimizer or the DDP hook, error_feedback=True) keeps what that "
                  "rounding takes, in the residual")
 LEVELS = 126  # codes 1..127 span the band's log-width in 126 steps
@@ -68,7 +68,7 @@ def check_compact(value):
     or ``"sign"`` (1-bit values)."""
     if value is not True and value is not False and value != "sign":  # not merely truthy
         raise TypeError(f"compact must be True, False or 'sign', got {value!r}")
-    return value
+    return "sign" if value == "sign" else value  # (a numpy string as the plain one: ranks compare reprs)
 
 
 def value_format(compact):
@@ -168,11 +168,11 @@ class CompactPairs:
         out[self._used:].zero_()
         if residual is not None and self.count:
             arrives = self._dequantise(code, band, segment.unsqueeze(0))[0].to(values.dtype)
-            lost = values - arrives
+            lost = _lost(values, arrives, residual)
             # not in a segment holding inf/nan: its residual was just wiped, and its finite values
             # all arrive as the band's low end, so nearly all of each would come back
             keep = torch.isfinite(lost) & torch.isfinite(hi)[segment]
-            residual.index_add_(0, index, torch.where(keep, lost, 0).to(residual.dtype))
+            residual.index_add_(0, index, torch.where(keep, lost, 0))
         return out
 
     def _pack_sign(self, values, index, segment, out, residual):
@@ -185,6 +185,9 @@ class CompactPairs:
         total = torch.zeros(self.segments, dtype=torch.float64, device=device).index_add_(0, segment, magnitude)
         count = torch.zeros(self.segments, dtype=torch.float64, device=device).index_add_(0, segment, nonzero)
         mean = total / count.clamp(min=1)
+        # float64 magnitudes whose sum overflows (each finite): averaged a term at a time instead
+        shares = torch.zeros_like(total).index_add_(0, segment, magnitude / count.clamp(min=1)[segment])
+        mean = torch.where(torch.isinf(total) & torch.isfinite(shares), shares, mean)
         scale[0] = torch.where(torch.isfinite(mean), mean.clamp(max=FLOAT32_LARGEST), mean)
         # zeros onto their segment's first non-zero index, ahead of it (read back as zero there)
         none = torch.iinfo(torch.int64).max
@@ -198,9 +201,9 @@ class CompactPairs:
         out[self._used:].zero_()
         if residual is not None and self.count:
             arrives = self._dequantise_sign(signs, scale, segment.unsqueeze(0), index.unsqueeze(0))[0]
-            lost = values - arrives.to(values.dtype)
+            lost = _lost(values, arrives, residual)
             keep = torch.isfinite(lost) & torch.isfinite(scale[0].double())[segment]
-            residual.index_add_(0, index, torch.where(keep, lost, 0).to(residual.dtype))
+            residual.index_add_(0, index, torch.where(keep, lost, 0))
         return out
 
     def _pack_index(self, index, high, low):
@@ -294,6 +297,13 @@ class CompactPairs:
         repeated[:, :-1] = index[:, :-1] == index[:, 1:]
         magnitude = torch.where(repeated, 0.0, magnitude)
         return torch.where(unpack_bits(signs, self.count), -magnitude, magnitude)
+
+
+def _lost(values, arrives, residual):
+    """What the wire took from each sent value: the value minus what arrives (as the receivers
+    read it, in the values' dtype), in the residual's dtype. A 16-bit value's difference from a
+    sign value's arrival, far from it, would round in 16 bits (a review: 2**-9 of it lost)."""
+    return values.to(residual.dtype) - arrives.to(values.dtype).to(residual.dtype)
 
 
 def _native(values, residual=None):

@@ -290,7 +290,7 @@ class TopK(Compressor, metaclass=_FixedOptions):
             its tensor) ** (1/252) of itself. ``"sign"``: the index and the value's sign alone,
             about 1.4 bytes a pair at 0.43% (4.3x the entries in 16-bit values' bytes at 0.1%);
             every non-zero value of a tensor arrives as its sign times the mean magnitude the
-            tensor sends: for error feedback only (``hvd_topk.DistributedOptimizer``, the DDP
+            tensor sends (of the bucket, with ``selection_scope="bucket"``): for error feedback only (``hvd_topk.DistributedOptimizer``, the DDP
             hook), which puts that rounding back into the residual. This drop-in path loses
             the rounding of either format. The allgather's format only: the optimizer
             then refuses ``exchange="sparse_allreduce"`` and ``hierarchical=True``, ``"auto"``

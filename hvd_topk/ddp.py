@@ -122,9 +122,9 @@ class TopKState:
             residual): 2.5x the entries in 16-bit values' bytes, which is what quality at a
             small byte budget depends on. ``"sign"``: the index and the value's sign, one mean
             magnitude a tensor, about 1.4 bytes a pair at 0.43% (4.3x the entries of 16-bit
-            values at 0.1%'s bytes); with error feedback only. The allgather's format: ``exchange="sparse_allreduce"`` is then
-            refused, ``"auto"`` tries the allgather and dense only, and the dense fallback runs
-            in float16.
+            values at 0.1%'s bytes); with error feedback only. The allgather's format:
+            ``exchange="sparse_allreduce"`` is then refused, ``"auto"`` tries the allgather and
+            dense only, and the dense fallback runs in float16.
         min_numel (1024): tensors with fewer elements are averaged densely (biases, norms:
             cheap and sensitive).
         residual_decay (1.0): multiply every residual by this each step before the gradient is
