@@ -55,7 +55,7 @@ from hvd_topk import native
 from hvd_topk.wire import RANKS_DISAGREE, padded
 
 VALUES = ("log", "sign")  # compact=True is "log"
-SIGN_ROUNDING = ("compact='sign' sends each value as its sign times the mean magnitude of its top-k (its tensor's), and only error "
+SIGN_ROUNDING = ("compact='sign' sends each value as its sign times the mean magnitude of its top-k, and only error "
                  "feedback (hvd_topk.DistributedOptimizer or the DDP hook, error_feedback=True) keeps what that "
                  "rounding takes, in the residual")
 LEVELS = 126  # codes 1..127 span the band's log-width in 126 steps

@@ -605,7 +605,7 @@ def check_bad_input():
         ({"compression": hvd_topk.TopK(compact="sign"), "exchange": "sparse_allreduce"}, ValueError,
          "TopK(compact='sign') packs the allgather's pairs"),
         ({"compression": hvd_topk.TopK(compact="sign"), "error_feedback": False}, ValueError,
-         "compact='sign' sends each value as its sign times its tensor's mean magnitude"),
+         "compact='sign' sends each value as its sign times the mean magnitude of its top-k"),
     ]:
         with raises(error, match=re.escape(text), what=f"{kwargs}"):
             hvd_topk.DistributedOptimizer(sgd, **kwargs)
