@@ -13,8 +13,9 @@ over AdamW), ``fp16`` (its fp16 compression), ``old`` (hvd_topk.DistributedOptim
 LocalAdamW as before 2026-11-25: own variance, lr applied at send time) and ``recipe`` (today's
 LocalAdamW: global variance, lr in the residual), both Top-K at ``--density`` with the allgather
 (pinned, as the quality runs) and no dense start: the timed steps are the steady state.
-``recipe16`` is the recipe with 16-bit values (the recommended scheme); ``compact`` the scheme at
-0.1%'s bytes (compact pairs at 0.25% whatever ``--density`` says, ``residual_decay=0.99``).
+``recipe16`` is the recipe with 16-bit values (the recommended scheme); ``compact`` and ``sign``
+the schemes at 0.1%'s bytes (compact pairs at 0.25%, sign values at 0.43%, whatever
+``--density`` says, ``residual_decay=0.99``).
 The other schemes of docs/adamw.md, as their quality runs ran them: ``demo`` (hvd_topk.DeMo,
 sign, beta 0.999, Top-K at ``--density``) and ``localsteps`` (hvd_topk.LocalSteps over AdamW,
 4 local steps, then the model change at 4 x ``--density`` with 16-bit values). A LocalSteps
@@ -52,16 +53,18 @@ import _common as common  # noqa: E402
 import _models as models  # noqa: E402  (GPT-2 small itself)
 from _models import GPT2_SMALL  # noqa: E402
 
-METHODS = ("none", "dense", "fp16", "old", "recipe", "recipe16", "compact", "demo", "localsteps")
+METHODS = ("none", "dense", "fp16", "old", "recipe", "recipe16", "compact", "sign", "demo", "localsteps")
 LABELS = {"none": "no exchange (AdamW)", "dense": "Horovod dense fp32", "fp16": "Horovod fp16",
           "old": "hvd_topk, LocalAdamW as before", "recipe": "hvd_topk, LocalAdamW recipe",
           "recipe16": "hvd_topk, the recommended scheme (the recipe, 16-bit values)",
           "compact": "hvd_topk, 0.1%'s bytes: compact pairs at 0.25%, residual_decay=0.99",
+          "sign": "hvd_topk, 0.1%'s bytes: sign values at 0.43%, residual_decay=0.99",
           "demo": "hvd_topk.DeMo (sign, beta 0.999)",
           "localsteps": "hvd_topk.LocalSteps, H=4, 4x the density, 16-bit values (mean of whole cycles)"}
-TOPK_METHODS = ("old", "recipe", "recipe16", "compact", "demo", "localsteps")
+TOPK_METHODS = ("old", "recipe", "recipe16", "compact", "sign", "demo", "localsteps")
 SYNC_EVERY = 4  # "localsteps": as its quality run (docs/adamw.md)
-COMPACT_DENSITY = 0.0025  # "compact" runs at its own density, whatever --density says (docs/adamw.md)
+# "compact" and "sign" run at their own densities, whatever --density says (docs/adamw.md)
+OWN_DENSITY = {"compact": (0.0025, True), "sign": (0.0043, "sign")}  # (density, TopK's compact)
 
 
 def make(method, model, density, hvd, hvd_topk, torch):
@@ -87,9 +90,8 @@ def make(method, model, density, hvd, hvd_topk, torch):
                                    compression=hvd_topk.TopK(density=SYNC_EVERY * density, fp16_values=True))
     new = method != "old"
     inner = hvd_topk.LocalAdamW(groups, lr=3e-4, betas=(0.0, 0.95), lr_in_residual=new, global_variance=new)
-    compact = method == "compact"
-    topk = hvd_topk.TopK(density=COMPACT_DENSITY if compact else density, fp16_values=method == "recipe16",
-                         compact=compact)
+    density, compact = OWN_DENSITY.get(method, (density, False))
+    topk = hvd_topk.TopK(density=density, fp16_values=method == "recipe16", compact=compact)
     return hvd_topk.DistributedOptimizer(inner, named_parameters=named, exchange="allgather", compression=topk,
                                          residual_decay=0.99 if compact else 1.0)
 
