@@ -287,7 +287,6 @@ class CompactPairs:
         magnitude = torch.where(level == 0, 0.0, magnitude)
         return torch.where(code >= 128, -magnitude, magnitude)
 
-
     def _dequantise_sign(self, signs, scale, segment, index):
         """What arrives (float64) for ``signs[rows, ceil(count / 8)]`` given each row's
         ``scale[rows, segments]`` and decoded ``index[rows, count]``: a slot whose index repeats
