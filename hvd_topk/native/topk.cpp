@@ -715,11 +715,30 @@ void compact_table(float lo_f, float hi_f, double* table) {
   table[127] = hi;
 }
 
+// Elias-Fano: pair i's index x as bit (x >> L) + i of the bitmap and its low L bits at i x L
+// (LSB first); into zeroed high and low.
+struct IndexWriter {
+  uint8_t* high;
+  uint8_t* low;
+  int low_bits;
+  uint64_t mask;
+  void operator()(int64_t i, uint64_t x) const {
+    const uint64_t pos = (x >> low_bits) + (uint64_t)i;
+    high[pos >> 3] |= (uint8_t)(1u << (pos & 7));
+    if (low_bits) {
+      const uint64_t o = (uint64_t)i * (uint64_t)low_bits;
+      const int shift = (int)(o & 7);
+      const uint64_t bits = (x & mask) << shift;
+      for (int b = 0; b < low_bits + shift; b += 8) low[(o >> 3) + (b >> 3)] |= (uint8_t)(bits >> b);
+    }
+  }
+};
+
 // compact="sign": each segment's scale into band[s], the sign bits into code, and the indices as
-// they travel (zeros moved) into moved; the rounding into residual. Pairs sorted by index.
+// they travel (zeros moved) to write_index; the rounding into residual. Pairs sorted by index.
 template <typename I>
 void sign_pack_values(const float* val, const I* idx, const int64_t* slots, int64_t nseg, float* band,
-                      uint8_t* code, int64_t k, I* moved, float* residual) {
+                      uint8_t* code, int64_t k, const IndexWriter& write_index, float* residual) {
   std::memset(code, 0, (size_t)((k + 7) / 8));
   for (int64_t s = 0; s < nseg; ++s) {
     const int64_t a = slots[s], b = slots[s + 1];
@@ -739,7 +758,7 @@ void sign_pack_values(const float* val, const I* idx, const int64_t* slots, int6
     const bool finite = std::isfinite(scale);
     int64_t o = a;
     auto put = [&](int64_t i, I at) {
-      moved[o] = at;
+      write_index(o, (uint64_t)at);
       if (std::signbit(val[i])) code[o >> 3] |= (uint8_t)(1u << (o & 7));
       ++o;
     };
@@ -772,15 +791,13 @@ int64_t compact_pack_impl(const float* val, const I* idx, int64_t k, const int64
     return -1;
   std::memset(high, 0, (size_t)high_bytes);
   std::memset(low, 0, (size_t)low_bytes);
-  const uint64_t mask = low_bits ? ((uint64_t)1 << low_bits) - 1 : 0;
-  std::vector<I> moved;
+  const IndexWriter write_index{high, low, low_bits, low_bits ? ((uint64_t)1 << low_bits) - 1 : 0};
   if (sign) {  // (a moved index is one of the sorted ones, so the bound above holds)
-    moved.resize((size_t)k);
-    sign_pack_values(val, idx, slots, nseg, band, code, k, moved.data(), residual);
-    idx = moved.data();
+    sign_pack_values(val, idx, slots, nseg, band, code, k, write_index, residual);
+    return 0;
   }
   double table[128];
-  for (int64_t s = 0; s < nseg && !sign; ++s) {
+  for (int64_t s = 0; s < nseg; ++s) {
     const int64_t a = slots[s], b = slots[s + 1];
     double hi = 0.0, lo = INFINITY;
     bool nan = false, inf = false;
@@ -820,17 +837,7 @@ int64_t compact_pack_impl(const float* val, const I* idx, int64_t k, const int64
       }
     }
   }
-  for (int64_t i = 0; i < k; ++i) {
-    const uint64_t x = (uint64_t)idx[i];
-    const uint64_t pos = (x >> low_bits) + (uint64_t)i;
-    high[pos >> 3] |= (uint8_t)(1u << (pos & 7));
-    if (low_bits) {
-      const uint64_t o = (uint64_t)i * (uint64_t)low_bits;
-      const int shift = (int)(o & 7);
-      const uint64_t bits = (x & mask) << shift;
-      for (int b = 0; b < low_bits + shift; b += 8) low[(o >> 3) + (b >> 3)] |= (uint8_t)(bits >> b);
-    }
-  }
+  for (int64_t i = 0; i < k; ++i) write_index(i, (uint64_t)idx[i]);
   return 0;
 }
 
