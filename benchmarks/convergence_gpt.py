@@ -426,6 +426,9 @@ CONFIGS["gv-1%-lr1.5e-2-fp16v-lag1-beta2-0.99"] = (
 CONFIGS["gv-0.1%-lr1e-2-compact0.25-decay0.99"] = (
     "hvd_topk compact pairs at 0.25% (2.5x 0.1%'s pairs), the recipe at lr 1e-2, residual_decay=0.99",
     [*GV, "--density", "0.0025", *START, "--lr", "1e-2", "--compact", "--residual-decay", "0.99"])
+CONFIGS["gv-0.1%-lr1e-2-sign0.43-decay0.99"] = (
+    "hvd_topk sign values at 0.43% (4.3x 0.1%'s pairs, compact='sign'), the recipe at lr 1e-2, residual_decay=0.99",
+    [*GV, "--density", "0.0043", *START, "--lr", "1e-2", "--compact", "sign", "--residual-decay", "0.99"])
 # 10,000-step runs at 0.1% and at 0.1%'s bytes, the dense start over the learning rate's
 # 1000-step warm-up (the long-run rule)
 CONFIGS["gv-0.1%-lr2e-2-fp16v-decay0.99-start1x1000"] = (
