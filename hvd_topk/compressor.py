@@ -3,15 +3,17 @@
 Horovod's compressor interface is ``compress(tensor) -> (tensor, ctx)``, then Horovod allreduces
 the returned tensor, then ``decompress(output, ctx)``. A dense tensor of zeros would still cost
 a full allreduce, so ``compress`` instead starts an ``hvd.allgather_async`` of the packed top-k
-pairs and hands Horovod a 3-element float32 *probe* to allreduce. ``decompress`` waits for the
+pairs and hands Horovod a 5-element float32 *probe* to allreduce. ``decompress`` waits for the
 allgather, adds every rank's pairs in rank order and scales the sum the way Horovod's allreduce
 scaled the probe, so op=Average / op=Sum / ``gradient_predivide_factor`` all come out right
 without the compressor being told which one is in use.
 
 The allgather runs on the process set Horovod reduces the tensor over (read from Horovod's
-calling frames, ``hvd_topk._horovod``). The probe holds ``[1, rank, rank**2]`` (ranks within that
-set): after the allreduce its first entry is the scale Horovod applied (1 for Average, the
-number of ranks for Sum) and the other two tell whether every rank of the set took part.
+calling frames, ``hvd_topk._horovod``). The probe holds ``[1, rank, rank**2, f, f**2]`` (ranks within
+that set, ``f`` a small integer naming the pairs' format: ``_wire_format``): after the allreduce
+its first entry is the scale Horovod applied (1 for Average, the number of ranks for Sum), the
+next two tell whether every rank of the set took part, and the last two whether every rank sends
+in this format (a message of another format can have the same size and would decode to wrong pairs).
 
 ``hvd.join()``: a joined rank answers allreduces with zeros but stops on an allgather
 (horovod#3471). So each round of compressions (``_Round``) first learns, by a one-element
@@ -236,6 +238,12 @@ class _FixedOptions(type):
         super().__setattr__(name, value)
 
 
+def _wire_format(fp16_values, compact):
+    """A small integer (1..6) naming the pairs' format on the wire, which the drop-in's probe
+    carries so that ranks with different ones refuse instead of decoding each other's bytes."""
+    return 1 + (0 if compact is False else 1 if compact is True else 2) + 3 * fp16_values
+
+
 class TopK(Compressor, metaclass=_FixedOptions):
     """Send only the ``k = max(1, round(density * n))`` largest-magnitude entries of a gradient.
 
@@ -315,6 +323,7 @@ class TopK(Compressor, metaclass=_FixedOptions):
         self._warned_grad = False
         self._warned_sign = False
         self._probes = {}  # (rank, device) -> the probe, cloned for each tensor
+        self._format = _wire_format(self.fp16_values, self.compact)
 
     # Fixed once built: the codec and the per-shape plans are made from them, and
     # hvd_topk.DistributedOptimizer copies them when it is built; a change would apply to some
@@ -409,13 +418,14 @@ class TopK(Compressor, metaclass=_FixedOptions):
         return probe, (job, rnd)
 
     def _probe(self, rank, device):
-        """A fresh ``[1, rank, rank**2]`` for Horovod to reduce in place, cloned from one made once
-        per rank and device (made from a list at every call, on a GPU it was a blocking
-        host-to-device copy inside each backward hook)."""
+        """A fresh ``[1, rank, rank**2, f, f**2]`` (``f`` this TopK's ``_wire_format``) for Horovod
+        to reduce in place, cloned from one made once per rank and device (made from a list at
+        every call, on a GPU it was a blocking host-to-device copy inside each backward hook)."""
         made = self._probes.get((rank, device))
         if made is None:
-            made = self._probes[(rank, device)] = torch.tensor([1.0, rank, rank * rank], dtype=torch.float32,
-                                                               device=device)
+            f = self._format
+            made = self._probes[(rank, device)] = torch.tensor([1.0, rank, rank * rank, f, f * f],
+                                                               dtype=torch.float32, device=device)
         return made.clone()
 
     def _plan(self, numel, dtype):
@@ -487,11 +497,12 @@ class TopK(Compressor, metaclass=_FixedOptions):
         return out.view(job.shape)
 
     def _check_probe(self, probe, size):
-        """Fail loudly if the probe shows a process set smaller than the job (once per device)."""
+        """Fail loudly if the probe shows a process set smaller than the job, or ranks whose
+        TopKs send in different formats (once per device)."""
         if probe.device.type != "cpu" and probe.device in self._probe_checked:
             return  # reading a CUDA probe costs a host sync; once is enough
         self._probe_checked.add(probe.device)
-        _, mean_rank, mean_square = (probe.double() / probe[0].double()).tolist()
+        _, mean_rank, mean_square, mean_format, mean_format_square = (probe.double() / probe[0].double()).tolist()
         want_rank = (size - 1) / 2.0
         want_square = (size - 1) * (2 * size - 1) / 6.0
         ok = (abs(mean_rank - want_rank) <= 1e-3 * max(1.0, want_rank)
@@ -502,6 +513,14 @@ class TopK(Compressor, metaclass=_FixedOptions):
                 "it over (or ranks disagree on the tensors being reduced). Pass the process set "
                 "to hvd.DistributedOptimizer(process_set=...) or hvd.allreduce(process_set=...), "
                 "or use hvd_topk.DistributedOptimizer.")
+        # every rank's format is this one only if their mean is and their spread is 0: then every
+        # rank fails, where a message of one format can have another's size and decode to wrong
+        # pairs (compact=True and "sign" for four pairs or fewer). The sums are of small integers,
+        # exact in float32; 1e-6 leaves room for the scaling's rounding and sees one rank in 1000.
+        f = self._format
+        if abs(mean_format - f) > 1e-6 * f or abs(mean_format_square - f * f) > 1e-6 * f * f:
+            raise ValueError(f"hvd_topk.TopK: the ranks' TopKs send this tensor in different formats (fp16_values or "
+                             f"compact differ; this rank's is {self!r}): build the same TopK for it on every rank")
 
     @_OnDefaultInstance
     def compression_stats(self, reset=False):

@@ -142,7 +142,7 @@ def check_optimizer(density=0.05, op=hvd.Average, predivide=1.0, groups=None, pa
     if dense:
         return
     # Statistics, recomputed by hand from the contract: per tensor k pairs of 4+4 bytes
-    # (padded to 8) plus the 12-byte probe; dense bytes are 4 per element.
+    # (padded to 8) plus the 20-byte probe (five float32); dense bytes are 4 per element.
     sizes = [p.numel() for p in model.parameters()]
     stats = compressor.compression_stats()
     assert compressor.stats() == stats  # the older name, kept as an alias
@@ -150,7 +150,7 @@ def check_optimizer(density=0.05, op=hvd.Average, predivide=1.0, groups=None, pa
     assert "steps" not in stats, stats  # it cannot know them (it was a key stuck at 0)
     assert stats["bytes_dense"] == steps * 4 * sum(sizes), stats
     assert stats["elements_selected"] == steps * sum(k_of(n, density) for n in sizes), stats
-    want_sent = steps * sum((k_of(n, density) * 8 + 7) // 8 * 8 + 12 for n in sizes)
+    want_sent = steps * sum((k_of(n, density) * 8 + 7) // 8 * 8 + 20 for n in sizes)
     assert stats["bytes_sent"] == want_sent, (stats, want_sent)
     compressor.compression_stats(reset=True)
     assert compressor.compression_stats()["bytes_sent"] == 0
@@ -306,6 +306,30 @@ def check_reductions_refused():
     with raises(ValueError, match=r"ranks disagree on the tensor being exchanged or on its TopK \(density, "
                                   r"fp16_values, compact\): build the same TopK", what="densities differ"):
         hvd.allreduce(torch.randn(2000), compression=hvd_topk.TopK(density=0.1 if odd else 0.05), name="refused.density")
+    # formats whose messages have the same size (so the allgather cannot tell): every rank refuses,
+    # where before they decoded each other's bytes as wrong pairs. Hand-checked sizes: 3 entries
+    # of 40 with 8-bit or sign values are one 8-byte block each; 3 pairs of int32 + float32
+    # (24 bytes) against 4 of int32 + float16 (4 x 6 = 24)
+    # The same TopK on every rank then sums as by hand: rank r sends (1..40) x (r + 1), whose top
+    # 3 (38, 39, 40) arrive with sign values as their mean, 39, and whose top 4 are exact in float16.
+    ranks_sum = hvd.size() * (hvd.size() + 1) / 2
+    sign_sum, fp16_sum = np.zeros(40), np.zeros(40)
+    sign_sum[37:] = 39 * ranks_sum
+    fp16_sum[36:] = np.arange(37.0, 41.0) * ranks_sum
+    for label, mine, last, want in (
+            ("compact=True against 'sign'", dict(density=3 / 40, compact=True), dict(density=3 / 40, compact="sign"),
+             sign_sum),
+            ("fp16_values against float32 values", dict(density=3 / 40), dict(density=4 / 40, fp16_values=True),
+             fp16_sum)):
+        tensor = torch.arange(1.0, 41.0) * (1 + hvd.rank())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # sign values' warning: the rounding is lost here
+            with raises(ValueError, match=r"the ranks' TopKs send this tensor in different formats \(fp16_values "
+                                          r"or compact differ; this rank's is TopK\(density=", what=label):
+                hvd.allreduce(tensor, compression=hvd_topk.TopK(**(last if odd else mine)),
+                              name=f"refused.format.{label}")
+            same = hvd.allreduce(tensor, compression=hvd_topk.TopK(**last), name=f"after.format.{label}", op=hvd.Sum)
+        np.testing.assert_array_equal(same.numpy(), want, err_msg=label)
     # the ops it does take still reduce (every rank took part in nothing above)
     # (density 1: 8 bytes of pairs for each 4-byte entry, which the drop-in sends, warning once per
     # TopK; every rank receives the P - 1 others' pairs, where a ring allreduce moves 2 (P-1)/P n 4)
