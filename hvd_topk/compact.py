@@ -71,6 +71,20 @@ def check_compact(value):
     return "sign" if value == "sign" else value  # (a numpy string as the plain one: ranks compare reprs)
 
 
+def check_compact_use(compact, exchange, error_feedback, hierarchical=None):
+    """Refuse what a ``compact`` setting cannot do: the sparse allreduce sums values on the wire
+    (and the hierarchical exchange runs it), so it keeps wide pairs; only error feedback keeps
+    what sign values round off. ``hierarchical``: the optimizer's option (``None`` where there
+    is no such option, the DDP hook)."""
+    if compact and (exchange == "sparse_allreduce" or hierarchical is True):
+        without = ", without hierarchical=True" if hierarchical is not None else ""
+        raise ValueError(f"compact={compact!r} packs the allgather's pairs; the sparse allreduce sums values on the "
+                         f"wire and keeps wide pairs: use exchange='allgather' or 'auto' (which then tries the "
+                         f"allgather and dense only){without}")
+    if compact == "sign" and not error_feedback:
+        raise ValueError(f"{SIGN_ROUNDING}: with error_feedback=False use compact=True")
+
+
 def value_format(compact):
     """The ``CompactPairs`` value format of a ``compact`` setting (``True``: ``"log"``)."""
     return "sign" if compact == "sign" else "log"

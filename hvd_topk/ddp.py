@@ -44,7 +44,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from hvd_topk import agreement, auto, checkpoint
 from hvd_topk import ddp_exchange as exchange
 from hvd_topk.codec import Codec
-from hvd_topk.compact import SIGN_ROUNDING, check_compact
+from hvd_topk.compact import check_compact, check_compact_use
 from hvd_topk._torch import backward_running, ddp_ignored_names, still_written, written
 from hvd_topk.loss_scale import ResidualScale, check_grad_scaler, is_loss_scale
 from hvd_topk.optim import momentum_in_residual, residual_decay_of
@@ -175,11 +175,7 @@ class TopKState:
                      warmup_density=(warmup_density, DEFAULT_START))
         self.fp16_values = check_flag(fp16_values, "fp16_values")
         self.compact = check_compact(compact)
-        if self.compact and exchange == "sparse_allreduce":
-            raise ValueError(f"compact={compact!r} packs the allgather's pairs; the sparse allreduce sums values on the "
-                             "wire and keeps wide pairs: use exchange='allgather' or 'auto'")
-        if self.compact == "sign" and not self.error_feedback:
-            raise ValueError(f"{SIGN_ROUNDING}: with error_feedback=False use compact=True")
+        check_compact_use(self.compact, self.exchange, self.error_feedback)
         self.min_numel = check_integer(min_numel, "min_numel", 0)
         self.residual_decay = check_residual_decay(
             residual_decay_of(optimizer, check_number(residual_decay, "residual_decay"), self.error_feedback),

@@ -40,7 +40,7 @@ from hvd_topk._torch import still_written, written
 from hvd_topk.buckets import make_buckets
 from hvd_topk.checks import DENSE_EXCHANGES
 from hvd_topk.codec import Codec
-from hvd_topk.compact import SIGN_ROUNDING
+from hvd_topk.compact import check_compact_use
 from hvd_topk.loss_scale import ResidualScale
 from hvd_topk.planner import ExchangePlanner
 from hvd_topk.rank_checks import (check_parameters_unchanged, check_ranks_agree, check_step_start, differing_options,
@@ -134,12 +134,7 @@ class TopKEngine:
         self.options = options
         self.density = compression.density
         self.codec = Codec(compression.method, compression.fp16_values, compression.compact)
-        if compression.compact and (options.exchange == "sparse_allreduce" or options.hierarchical is True):
-            raise ValueError(f"TopK(compact={compression.compact!r}) packs the allgather's pairs; the sparse allreduce sums values "
-                             "on the wire and keeps wide pairs: use exchange='allgather' or 'auto' (which then "
-                             "tries the allgather and dense only), without hierarchical=True")
-        if compression.compact == "sign" and not options.error_feedback:
-            raise ValueError(f"{SIGN_ROUNDING}: with error_feedback=False use compact=True")
+        check_compact_use(compression.compact, options.exchange, options.error_feedback, options.hierarchical)
         self.op, self.predivide = op, float(gradient_predivide_factor)
         self.passes_per_step = backward_passes_per_step
         self.process_set = process_set
