@@ -175,7 +175,8 @@ def to_target(report, args):
         reach = {}
         for config, method in ((args.old_config, "old"), (args.recipe_config, "recipe"),
                                (args.recipe_config, "recipe16"), (args.demo_config, "demo"),
-                               (args.localsteps_config, "localsteps")):
+                               (args.localsteps_config, "localsteps"), (args.compact_config, "compact"),
+                               (args.sign_config, "sign")):
             runs = [r for r in conv["runs"] if r["config"] == config]
             for key, target in targets.items():
                 got = [next((h["step"] for h in r["history"] if h["val_loss"] <= target), None) for r in runs]
@@ -225,7 +226,9 @@ def markdown(report):
                   f"Target config `{report['settings'].get('dense_config', 'dense')}`, Top-K rows from "
                   f"`{report['settings'].get('recipe_config', 'gv-1%')}` (the step time measured above for the "
                   f"recipe), DeMo's from `{report['settings'].get('demo_config', '-')}`, LocalSteps' from "
-                  f"`{report['settings'].get('localsteps_config', '-')}`, where the file has them. "
+                  f"`{report['settings'].get('localsteps_config', '-')}`, compact pairs' from "
+                  f"`{report['settings'].get('compact_config', '-')}`, sign values' from "
+                  f"`{report['settings'].get('sign_config', '-')}`, where the file has them. "
                   f"Steps to target: mean over seeds of the first validation step at or below dense's mean loss at "
                   f"step {t['steps'] // 2} ({t['targets']['N/2']:.4f}) and {t['steps']} ({t['targets']['N']:.4f}). "
                   f"Time = steps x the measured median step, plus {start:g} dense steps' extra time for the Top-K "
@@ -244,8 +247,8 @@ def markdown(report):
                         cells[(method, key)] = "-" if missing else f"not reached by every seed ({got}/{n})"
                         continue
                     sec = steps * ms[method] / 1e3
-                    if method in TOPK_METHODS:  # the dense start: fp16 with 16-bit values (its fallback)
-                        start_method = "fp16" if method in ("recipe16", "localsteps") else "dense"
+                    if method in TOPK_METHODS:  # the dense start: fp16 with 16-bit values or compact pairs
+                        start_method = "fp16" if method in ("recipe16", "localsteps", "compact", "sign") else "dense"
                         if start_method not in ms:
                             seconds[(method, key)] = None
                             cells[(method, key)] = f"needs {start_method}'s step (the dense start)"
@@ -283,6 +286,10 @@ def main(argv=None):
     ap.add_argument("--recipe-config", default="gv-1%")
     ap.add_argument("--demo-config", default="demo-1%-lr3e-2", help="the --convergence files' DeMo runs")
     ap.add_argument("--localsteps-config", default="ls4-4%-lr1e-2-fp16v", help="the --convergence files' LocalSteps runs")
+    ap.add_argument("--compact-config", default="gv-0.1%-lr2e-2-compact0.25-decay0.99",
+                    help="the --convergence files' compact-pairs runs")
+    ap.add_argument("--sign-config", default="gv-0.1%-lr2e-2-sign0.43-decay0.99",
+                    help="the --convergence files' sign-values runs")
     ap.add_argument("--start-dense-steps", type=float, default=35.5,
                     help="dense-step equivalents of the dense start (bytes of the 1000-step runs: "
                          "(6.24%% x 1000 - 2.79%% x 1000) / (100%% - 2.79%%))")
@@ -312,7 +319,8 @@ def main(argv=None):
         report["rendered_with"] = args.convergence
         report["rendered_command"] = "python benchmarks/adamw_wallclock.py " + " ".join(argv)
         report["settings"].update(dense_config=args.dense_config, recipe_config=args.recipe_config,
-                                  demo_config=args.demo_config, localsteps_config=args.localsteps_config)
+                                  demo_config=args.demo_config, localsteps_config=args.localsteps_config,
+                                  compact_config=args.compact_config, sign_config=args.sign_config)
         common.write_report(args.render_to or args.render.with_suffix(""), report, markdown(report))
         print(markdown(report))
         return
