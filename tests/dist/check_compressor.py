@@ -308,8 +308,8 @@ def check_reductions_refused():
         hvd.allreduce(torch.randn(2000), compression=hvd_topk.TopK(density=0.1 if odd else 0.05), name="refused.density")
     # formats whose messages have the same size (so the allgather cannot tell): every rank refuses,
     # where before they decoded each other's bytes as wrong pairs. Hand-checked sizes: 3 entries
-    # of 40 with 8-bit or sign values are one 8-byte block each; 3 pairs of int32 + float32
-    # (24 bytes) against 4 of int32 + float16 (4 x 6 = 24)
+    # of 40 with 8-bit values (8 + 2 + 2 + 3 bytes) or sign values (4 + 2 + 2 + 1) are both 16
+    # bytes once padded; 3 pairs of int32 + float32 (24 bytes) against 4 of int32 + float16 (4 x 6)
     # The same TopK on every rank then sums as by hand: rank r sends (1..40) x (r + 1), whose top
     # 3 (38, 39, 40) arrive with sign values as their mean, 39, and whose top 4 are exact in float16.
     ranks_sum = hvd.size() * (hvd.size() + 1) / 2
