@@ -65,6 +65,10 @@ TOPK_METHODS = ("old", "recipe", "recipe16", "compact", "sign", "demo", "localst
 SYNC_EVERY = 4  # "localsteps": as its quality run (docs/adamw.md)
 # "compact" and "sign" run at their own densities, whatever --density says (docs/adamw.md)
 OWN_DENSITY = {"compact": (0.0025, True), "sign": (0.0043, "sign")}  # (density, TopK's compact)
+# each Top-K method's runs in the --convergence files: the option naming their config
+CONVERGENCE_CONFIG = {"old": "old_config", "recipe": "recipe_config", "recipe16": "recipe_config",
+                      "demo": "demo_config", "localsteps": "localsteps_config", "compact": "compact_config",
+                      "sign": "sign_config"}
 
 
 def make(method, model, density, hvd, hvd_topk, torch):
@@ -173,11 +177,8 @@ def to_target(report, args):
             return statistics.mean(h["val_loss"] for r in dense_rows for h in r["history"] if h["step"] == step)
         targets = {"N/2": dense_at(steps // 2), "N": dense_at(steps)}
         reach = {}
-        for config, method in ((args.old_config, "old"), (args.recipe_config, "recipe"),
-                               (args.recipe_config, "recipe16"), (args.demo_config, "demo"),
-                               (args.localsteps_config, "localsteps"), (args.compact_config, "compact"),
-                               (args.sign_config, "sign")):
-            runs = [r for r in conv["runs"] if r["config"] == config]
+        for method, option in CONVERGENCE_CONFIG.items():
+            runs = [r for r in conv["runs"] if r["config"] == getattr(args, option)]
             for key, target in targets.items():
                 got = [next((h["step"] for h in r["history"] if h["val_loss"] <= target), None) for r in runs]
                 reach[(method, key)] = (statistics.mean(got) if runs and None not in got else None, len(runs),
@@ -318,9 +319,8 @@ def main(argv=None):
         report["to_target"] = to_target(report, args)
         report["rendered_with"] = args.convergence
         report["rendered_command"] = "python benchmarks/adamw_wallclock.py " + " ".join(argv)
-        report["settings"].update(dense_config=args.dense_config, recipe_config=args.recipe_config,
-                                  demo_config=args.demo_config, localsteps_config=args.localsteps_config,
-                                  compact_config=args.compact_config, sign_config=args.sign_config)
+        report["settings"].update(dense_config=args.dense_config,
+                                  **{option: getattr(args, option) for option in CONVERGENCE_CONFIG.values()})
         common.write_report(args.render_to or args.render.with_suffix(""), report, markdown(report))
         print(markdown(report))
         return
