@@ -444,6 +444,10 @@ CONFIGS["gv-0.1%-lr2e-2-compact0.25-decay0.99-start1x1000"] = (
 CONFIGS["gv-0.1%-lr2e-2-sign0.43-decay0.99-start1x1000"] = (
     "hvd_topk sign values at 0.43% (0.1%'s bytes), lr 2e-2, residual_decay=0.99, the dense start over 1000 steps",
     [*CONFIGS["gv-0.1%-lr2e-2-sign0.43-decay0.99"][1], "--warmup-steps", "1000", "--warmup-density", "1.0"])
+# the rate the README advises for 0.1%'s bytes (1.5e-2, measured at 1000 and 3000 steps) over 10,000
+CONFIGS["gv-0.1%-lr1.5e-2-sign0.43-decay0.99-start1x1000"] = (
+    "hvd_topk sign values at 0.43% (0.1%'s bytes), lr 1.5e-2, residual_decay=0.99, the dense start over 1000 steps",
+    [*CONFIGS["gv-0.1%-lr1.5e-2-sign0.43-decay0.99"][1], "--warmup-steps", "1000", "--warmup-density", "1.0"])
 CONFIGS["gv-0.1%-lr2e-2-compact0.25-decay0.99-start1x300"] = (
     "compact pairs at 0.25% (0.1%'s bytes), the dense start over the 300-step learning-rate warm-up (3000-step runs)",
     [*CONFIGS["gv-0.1%-lr2e-2-compact0.25-decay0.99"][1], "--warmup-steps", "300", "--warmup-density", "1.0"])
