@@ -507,3 +507,26 @@ def test_convergence_gpt_paired_gap_by_hand():
     assert gap["n"] == 3 and gap["mean"] == pytest.approx(0.013333, abs=1e-6)
     assert gap["high"] - gap["mean"] == pytest.approx(0.05172, abs=1e-5)
     assert cg.paired_gap(runs, "dense-lr1e-2", "dense-lr1e-2") is None
+
+
+def test_paired_gaps_across_files_by_hand(tmp_path):
+    """A scheme's runs in one file against dense AdamW's in another: seed 1 1.05/1.00 (+5%),
+    seed 2 0.98/1.00 (-2%); seed 3 has no dense run and is left out; mean +1.5%, sample sd
+    4.950%, 95% half-width 12.706 x 4.950% / sqrt(2) = 44.47%. Each file's machine is read
+    from the report beside it."""
+    pg = _bench_module("paired_gaps")
+    dense, scheme = tmp_path / "dense.json", tmp_path / "scheme.json"
+    dense.write_text(json.dumps({"runs": [{"config": "dense-lr1e-2", "seed": s, "final_val_loss": 1.0} for s in (1, 2)]}))
+    scheme.write_text(json.dumps({"runs": [{"config": "x", "seed": s, "final_val_loss": v}
+                                           for s, v in ((2, 0.98), (1, 1.05), (3, 9.0))]}))
+    dense.with_suffix(".md").write_text("# r\n\nDate (UTC): 2026-12-07 08:48 UTC  \nMachine: Box A, 2 cores; torch\n")
+    lines = pg.gaps_table((dense, "dense-lr1e-2"), [(scheme, "x")])
+    assert "Box A, 2 cores, 2026-12-07" in lines[0]
+    row = lines[-1]
+    assert "| ?, ? |" in row  # no report beside scheme.json: the machine is not guessed
+    assert "2: -2.00%, 1: +5.00%" in row and "**+1.50%** [-43.0, +46.0]" in row
+    with pytest.raises(SystemExit, match="no runs of config 'y'"):
+        pg.gaps_table((dense, "dense-lr1e-2"), [(scheme, "y")])
+    scheme.write_text(json.dumps({"runs": [{"config": "x", "seed": 1, "final_val_loss": v} for v in (1.0, 1.1)]}))
+    with pytest.raises(SystemExit, match="more than one run of a seed"):
+        pg.gaps_table((dense, "dense-lr1e-2"), [(scheme, "x")])
