@@ -507,7 +507,9 @@ def main(argv=None):
     extra = [] if args.eval_every is None else ["--eval-every", str(args.eval_every)]
     command = shlex.join(["python", "benchmarks/convergence_gpt.py", *(sys.argv[1:] if argv is None else argv)])
     code = code_fingerprint()
-    here = {"date": None, "git": machine_info().get("git"), "command": command, "code": code}
+    machine = machine_info()
+    # each run keeps where it was made, for files that reuse it (two kinds of VM give other bits)
+    here = {"date": None, "git": machine.get("git"), "machine": machine.get("cpu"), "command": command, "code": code}
     earlier, stale = earlier_runs(args.reuse, code)
     if stale:
         print(f"not reused (made by other code, or before runs recorded theirs): {', '.join(stale)}", flush=True)

@@ -1,21 +1,25 @@
 #!/usr/bin/env python
 r"""Seed-by-seed gaps between runs kept in different result files of ``convergence_gpt.py``:
-a scheme's runs from one file against dense AdamW's from another, without running anything.
+a scheme's runs from one file against dense AdamW's from another, without running anything,
+with the machine that made each run.
 
-Why: a comparison is only as good as its pairing. Two VMs give different bits for the same run
-(dense AdamW's seed 42 over 1000 steps ends at 1.2339 on one, 1.2278 on the other), so a gap
-between a scheme run on one machine and a dense run reused from another carries that
-difference. This puts any two sets of committed runs side by side, names the machine of each
-file's report, and computes the gap per seed (``loss / dense - 1``), its mean and 95% interval,
-as ``convergence_gpt.py`` does within one file.
+Why: a comparison is only as good as its pairing. Two kinds of VM made these files and give
+other bits for the same run (dense AdamW's seed 42 over 1000 steps ends at 1.2339 on an AMD EPYC
+VM, 1.2278 on an Intel Xeon one), and a file may hold runs reused from another file, made on the
+other machine. This puts two sets of committed runs side by side, seed by seed (``loss / dense -
+1``, its mean and 95% interval, as ``convergence_gpt.py`` computes within one file), and says
+for every run where it was made.
 
     .venv/bin/python benchmarks/paired_gaps.py \
         --dense benchmarks/results/gpt/convergence-gpt-np4-0.1-sign0.43-lr1.5e-2-2d75b7b-1000.json dense-lr1e-2 \
         --vs benchmarks/results/gpt/convergence-gpt-np4-0.1-1000.json gv-0.1%-lr2e-2-fp16v-decay0.99
 
-The machine is the one its file's report (the ``.md`` beside the ``.json``) names: the machine
-that wrote the report, which ran every run of that file not reused from another (a reused run
-names its source file in ``made``, where recorded).
+Where a run was made: a run not reused was made by the job that wrote its file, on the machine
+its ``meta`` names (the ``.md`` report beside it where ``meta`` lacks it). A reused run made
+since 2026-12-07 names its machine in ``made``; one made since 2026-12-05 names its source file
+there, which, if it sits beside this one, is followed to the run with the same config, seed,
+steps, ranks and loss. Older reused runs say "source not recorded": their machine is unknown,
+not the file's.
 """
 
 import argparse
@@ -28,9 +32,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convergence_gpt import paired_gap  # noqa: E402
 
 
+def read(path):
+    """A result file's JSON (``SystemExit`` naming the file if it cannot be read or has no runs)."""
+    try:
+        saved = json.loads(Path(path).read_text())
+        saved["runs"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"{path}: not a convergence_gpt.py result file ({type(e).__name__}: {e})") from None
+    return saved
+
+
 def load(path, config):
-    """The runs of ``config`` in the result file ``path`` (``SystemExit`` naming what is missing)."""
-    runs = [r for r in json.loads(Path(path).read_text())["runs"] if r["config"] == config]
+    """The runs of ``config`` in the result file ``path``, one per seed."""
+    runs = [r for r in read(path)["runs"] if r.get("config") == config]
     if not runs:
         raise SystemExit(f"{path}: no runs of config {config!r}")
     seeds = [r["seed"] for r in runs]
@@ -40,33 +54,72 @@ def load(path, config):
     return runs
 
 
-def report_machine(path):
-    """``(machine, date)`` named by the report beside ``path`` (``PATH.md``), or ``("?", "?")``."""
-    md = Path(path).with_suffix(".md")
-    text = md.read_text() if md.exists() else ""
-    machine = re.search(r"^Machine: ([^;\n]+)", text, re.M)
-    date = re.search(r"^Date \(UTC\): (\S+)", text, re.M)
-    return (machine.group(1).strip() if machine else "?", date.group(1) if date else "?")
+def file_machine(path):
+    """``"CPU, DATE"`` of the job that wrote ``path``: its ``meta``, else the report beside it."""
+    meta = read(path).get("meta", {})
+    cpu, date = meta.get("machine", {}).get("cpu"), meta.get("date")
+    if not (cpu and date):
+        md = Path(path).with_suffix(".md")
+        text = md.read_text() if md.exists() else ""
+        found_cpu = re.search(r"^Machine: ([^,;\n]+)", text, re.M)
+        found_date = re.search(r"^Date \(UTC\): (\S+)", text, re.M)
+        cpu = cpu or (found_cpu.group(1).strip() if found_cpu else "?")
+        date = date or (found_date.group(1) if found_date else "?")
+    return f"{cpu}, {date.split()[0]}"
+
+
+def made_on(path, run, depth=0):
+    """Where ``run`` of the file ``path`` was made (see the module's docstring)."""
+    if not run.get("reused"):
+        return file_machine(path)
+    made = run.get("made") or {}
+    if made.get("machine") and made.get("date"):  # recorded by the run itself (since 2026-12-07)
+        return f"{made['machine']}, {made['date'].split()[0]}"
+    source = made.get("file")
+    if not source:
+        return "reused, source not recorded"
+    source_path = Path(path).parent / source
+    key = lambda r: (r.get("config"), r.get("seed"), r.get("steps"), r.get("ranks"), r.get("final_val_loss"))
+    if source_path.exists() and depth < 8:
+        for r in read(source_path)["runs"]:
+            if key(r) == key(run):
+                return made_on(source_path, r, depth + 1)
+    when = f", made {made['date'].split()[0]}" if made.get("date") else ""
+    return f"reused from {source}{when}, not found beside it"
 
 
 def gaps_table(dense, others):
     """Markdown lines: each of ``others`` (``(path, config)``) against ``dense`` (``(path, config)``),
-    seed by seed, with each file's machine and date."""
+    seed by seed, with where each run was made."""
     dense_runs = load(*dense)
-    dense_machine, dense_date = report_machine(dense[0])
-    lines = [f"Against `{dense[1]}` of `{Path(dense[0]).name}` ({dense_machine}, {dense_date}).", "",
-             "| configuration | file | its machine, date | per seed | paired mean [95%] |",
-             "|---|---|---|---|---:|"]
+    by_seed = {r["seed"]: r for r in dense_runs}
+    lines = []
     for path, config in others:
-        runs = [dict(r, config="x") for r in load(path, config)] + [dict(r, config="dense") for r in dense_runs]
-        gap = paired_gap(runs, "x", "dense")
+        runs = load(path, config)
+        for r in runs:
+            d = by_seed.get(r["seed"])
+            if d is not None and (r.get("steps"), r.get("ranks")) != (d.get("steps"), d.get("ranks")):
+                raise SystemExit(f"{path}: {config!r} seed {r['seed']} ran {r.get('steps')} steps on {r.get('ranks')} "
+                                 f"ranks, the dense run {d.get('steps')} on {d.get('ranks')}: not a pair")
+        pairs = [r for r in runs if r["seed"] in by_seed]
+        gap = paired_gap([dict(r, config="x") for r in pairs] + [dict(r, config="dense") for r in dense_runs], "x", "dense")
         if gap is None:
             raise SystemExit(f"{path}: {config!r} shares no seed with the dense runs")
-        seeds = [r["seed"] for r in runs if r["config"] == "x" and r["seed"] in {d["seed"] for d in dense_runs}]
-        per_seed = ", ".join(f"{s}: {100 * g:+.2f}%" for s, g in zip(seeds, gap["per_seed"]))
-        machine, date = report_machine(path)
-        lines.append(f"| `{config}` | `{Path(path).name}` | {machine}, {date} | {per_seed} | "
-                     f"**{100 * gap['mean']:+.2f}%** [{100 * gap['low']:+.1f}, {100 * gap['high']:+.1f}] |")
+        interval = f" [{100 * gap['low']:+.1f}, {100 * gap['high']:+.1f}]" if gap["n"] > 1 else ""
+        lines += [f"`{config}` (`{Path(path).name}`) against `{dense[1]}` (`{Path(dense[0]).name}`): "
+                  f"**{100 * gap['mean']:+.2f}%**{interval}, {gap['n']} seeds", "",
+                  "| seed | loss | made on | dense loss | made on | gap |", "|---:|---:|---|---:|---|---:|"]
+        crossed = []
+        for r, g in zip(pairs, gap["per_seed"]):
+            d = by_seed[r["seed"]]
+            here, there = made_on(path, r), made_on(dense[0], d)
+            unknown = here.startswith("reused") or there.startswith("reused")
+            if unknown or here.split(",")[0] != there.split(",")[0]:
+                crossed.append(str(r["seed"]))
+            lines.append(f"| {r['seed']} | {r['final_val_loss']:.4f} | {here} | {d['final_val_loss']:.4f} | {there} | "
+                         f"{100 * g:+.2f}% |")
+        lines += ["", f"Seeds whose two runs were not made on the same kind of machine (or not known to be): "
+                      f"{', '.join(crossed) or 'none'}.", ""]
     return lines
 
 

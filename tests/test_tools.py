@@ -510,23 +510,36 @@ def test_convergence_gpt_paired_gap_by_hand():
 
 
 def test_paired_gaps_across_files_by_hand(tmp_path):
-    """A scheme's runs in one file against dense AdamW's in another: seed 1 1.05/1.00 (+5%),
-    seed 2 0.98/1.00 (-2%); seed 3 has no dense run and is left out; mean +1.5%, sample sd
-    4.950%, 95% half-width 12.706 x 4.950% / sqrt(2) = 44.47%. Each file's machine is read
-    from the report beside it."""
+    """A scheme's runs in one file against dense AdamW's in another, paired by seed, not by
+    position: seed 1 1.05 / 1.00 (+5%), seed 2 0.931 / 0.95 (-2%); seed 3 has no dense run and is
+    left out; mean +1.5%, sample sd 4.950%, 95% half-width 12.706 x 4.950% / sqrt(2) = 44.47%.
+    Where each run was made: its file's meta; a reused run is followed to its source file."""
     pg = _bench_module("paired_gaps")
-    dense, scheme = tmp_path / "dense.json", tmp_path / "scheme.json"
-    dense.write_text(json.dumps({"runs": [{"config": "dense-lr1e-2", "seed": s, "final_val_loss": 1.0} for s in (1, 2)]}))
-    scheme.write_text(json.dumps({"runs": [{"config": "x", "seed": s, "final_val_loss": v}
-                                           for s, v in ((2, 0.98), (1, 1.05), (3, 9.0))]}))
-    dense.with_suffix(".md").write_text("# r\n\nDate (UTC): 2026-12-07 08:48 UTC  \nMachine: Box A, 2 cores; torch\n")
+    dense, scheme, source = tmp_path / "dense.json", tmp_path / "scheme.json", tmp_path / "source.json"
+    meta = lambda cpu, date: {"machine": {"cpu": cpu}, "date": date}
+    run = lambda c, s, v, **kw: {"config": c, "seed": s, "final_val_loss": v, "steps": 1000, "ranks": 2, **kw}
+    source.write_text(json.dumps({"meta": meta("Box B", "2026-11-27 10:00 UTC"), "runs": [run("dense-lr1e-2", 2, 0.95)]}))
+    dense.write_text(json.dumps({"meta": meta("Box A", "2026-12-07 08:48 UTC"), "runs": [
+        run("dense-lr1e-2", 1, 1.0), run("dense-lr1e-2", 2, 0.95, reused=True, made={"file": "source.json"})]}))
+    scheme.write_text(json.dumps({"meta": meta("Box A", "2026-11-29 16:12 UTC"), "runs": [
+        run("x", 2, 0.931), run("x", 1, 1.05, reused=True), run("x", 3, 9.0)]}))
     lines = pg.gaps_table((dense, "dense-lr1e-2"), [(scheme, "x")])
-    assert "Box A, 2 cores, 2026-12-07" in lines[0]
-    row = lines[-1]
-    assert "| ?, ? |" in row  # no report beside scheme.json: the machine is not guessed
-    assert "2: -2.00%, 1: +5.00%" in row and "**+1.50%** [-43.0, +46.0]" in row
+    assert "**+1.50%** [-43.0, +46.0], 2 seeds" in lines[0]
+    rows = [line for line in lines if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert rows == ["| 2 | 0.9310 | Box A, 2026-11-29 | 0.9500 | Box B, 2026-11-27 | -2.00% |",
+                    "| 1 | 1.0500 | reused, source not recorded | 1.0000 | Box A, 2026-12-07 | +5.00% |"]
+    assert any(line.endswith("machine (or not known to be): 2, 1.") for line in lines)
+    scheme.write_text(json.dumps({"runs": [run("x", 2, 0.95, reused=True)]}))
+    source.write_text(json.dumps({"runs": [run("dense-lr1e-2", 2, 0.95, reused=True)]}))
+    unknown_both = pg.gaps_table((source, "dense-lr1e-2"), [(scheme, "x")])  # two unknowns are no match
+    assert any(line.endswith("machine (or not known to be): 2.") for line in unknown_both)
     with pytest.raises(SystemExit, match="no runs of config 'y'"):
         pg.gaps_table((dense, "dense-lr1e-2"), [(scheme, "y")])
-    scheme.write_text(json.dumps({"runs": [{"config": "x", "seed": 1, "final_val_loss": v} for v in (1.0, 1.1)]}))
+    with pytest.raises(SystemExit, match="not a convergence_gpt.py result file"):
+        pg.gaps_table((tmp_path / "missing.json", "dense-lr1e-2"), [(scheme, "x")])
+    scheme.write_text(json.dumps({"runs": [run("x", 1, 1.0, steps=3000)]}))
+    with pytest.raises(SystemExit, match="ran 3000 steps on 2 ranks, the dense run 1000 on 2: not a pair"):
+        pg.gaps_table((dense, "dense-lr1e-2"), [(scheme, "x")])
+    scheme.write_text(json.dumps({"runs": [run("x", 1, v) for v in (1.0, 1.1)]}))
     with pytest.raises(SystemExit, match="more than one run of a seed"):
         pg.gaps_table((dense, "dense-lr1e-2"), [(scheme, "x")])
