@@ -88,9 +88,25 @@ def made_on(path, run, depth=0):
     return f"reused from {source}{when}, not found beside it"
 
 
-def gaps_table(dense, others):
+def along_the_run(pairs, by_seed, steps):
+    """Markdown lines: the mean over seeds of the gap at each validation step of ``steps`` (from the
+    runs' histories; "n/a" where a run has no evaluation at that step)."""
+    cells = []
+    for step in steps:
+        gaps = []
+        for r in pairs:
+            mine = {h["step"]: h["val_loss"] for h in r.get("history", [])}
+            dense = {h["step"]: h["val_loss"] for h in by_seed[r["seed"]].get("history", [])}
+            gaps.append(mine[step] / dense[step] - 1 if step in mine and step in dense else None)
+        known = [g for g in gaps if g is not None]
+        cells.append(f"{100 * sum(known) / len(known):+.1f}%" if len(known) == len(gaps) else "n/a")
+    return ["| step | " + " | ".join(str(s) for s in steps) + " |", "|---|" + "---:|" * len(steps),
+            "| gap, mean over seeds | " + " | ".join(cells) + " |", ""]
+
+
+def gaps_table(dense, others, at=()):
     """Markdown lines: each of ``others`` (``(path, config)``) against ``dense`` (``(path, config)``),
-    seed by seed, with where each run was made."""
+    seed by seed, with where each run was made; with ``at``, the gap along the run at those steps."""
     dense_runs = load(*dense)
     by_seed = {r["seed"]: r for r in dense_runs}
     lines = []
@@ -120,6 +136,8 @@ def gaps_table(dense, others):
                          f"{100 * g:+.2f}% |")
         lines += ["", f"Seeds whose two runs were not made on the same kind of machine (or not known to be): "
                       f"{', '.join(crossed) or 'none'}.", ""]
+        if at:
+            lines += along_the_run(pairs, by_seed, at)
     return lines
 
 
@@ -129,8 +147,10 @@ def main(argv=None):
                     help="the runs compared against (dense AdamW)")
     ap.add_argument("--vs", nargs=2, action="append", required=True, metavar=("JSON", "CONFIG"),
                     help="runs to compare (repeat the option for several)")
+    ap.add_argument("--at", type=int, nargs="+", default=[], metavar="STEP",
+                    help="also the gap along the run at these validation steps")
     args = ap.parse_args(argv)
-    print("\n".join(gaps_table(tuple(args.dense), [tuple(v) for v in args.vs])))
+    print("\n".join(gaps_table(tuple(args.dense), [tuple(v) for v in args.vs], args.at)))
 
 
 if __name__ == "__main__":
