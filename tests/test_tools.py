@@ -529,15 +529,16 @@ def test_paired_gaps_across_files_by_hand(tmp_path):
     assert rows == ["| 2 | 0.9310 | Box A, 2026-11-29 | 0.9500 | Box B, 2026-11-27 | -2.00% |",
                     "| 1 | 1.0500 | reused, source not recorded | 1.0000 | Box A, 2026-12-07 | +5.00% |"]
     assert any(line.endswith("machine (or not known to be): 2, 1.") for line in lines)
-    # along the run: at step 10 seed 1 is 1.10 / 1.00 (+10%), seed 2 0.90 / 1.00 (-10%): mean 0.0%;
-    # at step 20 seed 2 has no evaluation, so no mean
+    # along the run: at step 10 seed 1 is 1.10 / 1.00 (+10%), seed 2 0.60 / 0.50 (+20%): the mean
+    # of the seeds' gaps is +15.0% (the gap of the means, 1.70 / 1.50, would be +13.3%); at step
+    # 20 seed 2 has no evaluation, so no mean
     history = lambda *points: [{"step": s, "val_loss": v} for s, v in points]
-    dense.write_text(json.dumps({"runs": [run("dense-lr1e-2", s, 1.0, history=history((10, 1.0), (20, 1.0)))
-                                          for s in (1, 2)]}))
+    dense.write_text(json.dumps({"runs": [run("dense-lr1e-2", 1, 1.0, history=history((10, 1.0), (20, 1.0))),
+                                          run("dense-lr1e-2", 2, 1.0, history=history((10, 0.5), (20, 1.0)))]}))
     scheme.write_text(json.dumps({"runs": [run("x", 1, 1.0, history=history((10, 1.10), (20, 1.3))),
-                                           run("x", 2, 1.0, history=history((10, 0.90)))]}))
+                                           run("x", 2, 1.0, history=history((10, 0.60)))]}))
     along = pg.gaps_table((dense, "dense-lr1e-2"), [(scheme, "x")], at=(10, 20))
-    assert "| gap, mean over seeds | +0.0% | n/a |" in along
+    assert "| gap, mean over seeds | +15.0% | n/a |" in along
     scheme.write_text(json.dumps({"runs": [run("x", 2, 0.95, reused=True)]}))
     source.write_text(json.dumps({"runs": [run("dense-lr1e-2", 2, 0.95, reused=True)]}))
     unknown_both = pg.gaps_table((source, "dense-lr1e-2"), [(scheme, "x")])  # two unknowns are no match
