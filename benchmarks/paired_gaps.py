@@ -42,9 +42,21 @@ def read(path):
     return saved
 
 
-def load(path, config):
+def reader():
+    """``read``, each file parsed once (a table reads a file per run it names: its meta, a source)."""
+    parsed = {}
+
+    def read_once(path):
+        key = str(Path(path).resolve())
+        if key not in parsed:
+            parsed[key] = read(path)
+        return parsed[key]
+    return read_once
+
+
+def load(path, config, read_file=read):
     """The runs of ``config`` in the result file ``path``, one per seed."""
-    runs = [r for r in read(path)["runs"] if r.get("config") == config]
+    runs = [r for r in read_file(path)["runs"] if r.get("config") == config]
     if not runs:
         raise SystemExit(f"{path}: no runs of config {config!r}")
     seeds = [r["seed"] for r in runs]
@@ -54,9 +66,10 @@ def load(path, config):
     return runs
 
 
-def file_machine(path):
-    """``"CPU, DATE"`` of the job that wrote ``path``: its ``meta``, else the report beside it."""
-    meta = read(path).get("meta", {})
+def file_machine(path, read_file=read):
+    """``(cpu, date)`` of the job that wrote ``path``: its ``meta``, else the report beside it
+    ("?" for what neither says)."""
+    meta = read_file(path).get("meta", {})
     cpu, date = meta.get("machine", {}).get("cpu"), meta.get("date")
     if not (cpu and date):
         md = Path(path).with_suffix(".md")
@@ -65,27 +78,28 @@ def file_machine(path):
         found_date = re.search(r"^Date \(UTC\): (\S+)", text, re.M)
         cpu = cpu or (found_cpu.group(1).strip() if found_cpu else "?")
         date = date or (found_date.group(1) if found_date else "?")
-    return f"{cpu}, {date.split()[0]}"
+    return cpu, date.split()[0]
 
 
-def made_on(path, run, depth=0):
-    """Where ``run`` of the file ``path`` was made (see the module's docstring)."""
+def made_on(path, run, read_file=read, depth=0):
+    """Where ``run`` of the file ``path`` was made (see the module's docstring): ``(cpu, date)``,
+    or ``(None, why it is not known)``."""
     if not run.get("reused"):
-        return file_machine(path)
+        return file_machine(path, read_file)
     made = run.get("made") or {}
     if made.get("machine") and made.get("date"):  # recorded by the run itself (since 2026-12-07)
-        return f"{made['machine']}, {made['date'].split()[0]}"
+        return made["machine"], made["date"].split()[0]
     source = made.get("file")
     if not source:
-        return "reused, source not recorded"
+        return None, "reused, source not recorded"
     source_path = Path(path).parent / source
     key = lambda r: (r.get("config"), r.get("seed"), r.get("steps"), r.get("ranks"), r.get("final_val_loss"))
     if source_path.exists() and depth < 8:
-        for r in read(source_path)["runs"]:
+        for r in read_file(source_path)["runs"]:
             if key(r) == key(run):
-                return made_on(source_path, r, depth + 1)
+                return made_on(source_path, r, read_file, depth + 1)
     when = f", made {made['date'].split()[0]}" if made.get("date") else ""
-    return f"reused from {source}{when}, not found beside it"
+    return None, f"reused from {source}{when}, not found beside it"
 
 
 def along_the_run(pairs, by_seed, steps):
@@ -107,11 +121,12 @@ def along_the_run(pairs, by_seed, steps):
 def gaps_table(dense, others, at=()):
     """Markdown lines: each of ``others`` (``(path, config)``) against ``dense`` (``(path, config)``),
     seed by seed, with where each run was made; with ``at``, the gap along the run at those steps."""
-    dense_runs = load(*dense)
+    read_file = reader()
+    dense_runs = load(*dense, read_file)
     by_seed = {r["seed"]: r for r in dense_runs}
     lines = []
     for path, config in others:
-        runs = load(path, config)
+        runs = load(path, config, read_file)
         for r in runs:
             d = by_seed.get(r["seed"])
             if d is not None and (r.get("steps"), r.get("ranks")) != (d.get("steps"), d.get("ranks")):
@@ -128,12 +143,12 @@ def gaps_table(dense, others, at=()):
         crossed = []
         for r, g in zip(pairs, gap["per_seed"]):
             d = by_seed[r["seed"]]
-            here, there = made_on(path, r), made_on(dense[0], d)
-            unknown = here.startswith("reused") or there.startswith("reused")
-            if unknown or here.split(",")[0] != there.split(",")[0]:
+            (cpu, here), (dense_cpu, there) = made_on(path, r, read_file), made_on(dense[0], d, read_file)
+            if cpu is None or cpu != dense_cpu:  # an unknown machine is no match, not even for another unknown
                 crossed.append(str(r["seed"]))
-            lines.append(f"| {r['seed']} | {r['final_val_loss']:.4f} | {here} | {d['final_val_loss']:.4f} | {there} | "
-                         f"{100 * g:+.2f}% |")
+            label = lambda cpu, what: what if cpu is None else f"{cpu}, {what}"
+            lines.append(f"| {r['seed']} | {r['final_val_loss']:.4f} | {label(cpu, here)} | {d['final_val_loss']:.4f} | "
+                         f"{label(dense_cpu, there)} | {100 * g:+.2f}% |")
         lines += ["", f"Seeds whose two runs were not made on the same kind of machine (or not known to be): "
                       f"{', '.join(crossed) or 'none'}.", ""]
         if at:
