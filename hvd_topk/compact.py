@@ -72,15 +72,19 @@ def check_compact(value):
 
 
 def check_compact_use(compact, exchange, error_feedback, hierarchical=None):
-    """Refuse what a ``compact`` setting cannot do: the sparse allreduce sums values on the wire
-    (and the hierarchical exchange runs it), so it keeps wide pairs; only error feedback keeps
+    """Refuse what a ``compact`` setting cannot do: the sparse allreduce sums values on the wire,
+    so it keeps wide pairs, and the hierarchical exchange is not built for them; only error feedback keeps
     what sign values round off. ``hierarchical``: the optimizer's option (``None`` where there
     is no such option, the DDP hook)."""
-    if compact and (exchange == "sparse_allreduce" or hierarchical is True):
+    if compact and exchange == "sparse_allreduce":
         without = ", without hierarchical=True" if hierarchical is not None else ""
         raise ValueError(f"compact={compact!r} packs the allgather's pairs; the sparse allreduce sums values on the "
                          f"wire and keeps wide pairs: use exchange='allgather' or 'auto' (which then tries the "
                          f"allgather and dense only){without}")
+    if compact and hierarchical is True:
+        raise ValueError(f"compact={compact!r} packs the flat allgather's pairs; the hierarchical exchange (dense "
+                         f"inside a host, then an allgather or the sparse allreduce across hosts) keeps wide pairs: "
+                         f"pass hierarchical='auto' (which steps aside for compact pairs) or False")
     if compact == "sign" and not error_feedback:
         raise ValueError(f"{SIGN_ROUNDING}: with error_feedback=False use compact=True")
 
