@@ -48,6 +48,7 @@ import torch
 
 from hvd_topk import costs
 from hvd_topk._horovod import caller_context, count_name_fallback, hvd, instance_name, set_key
+from hvd_topk._stack import outside_level
 from hvd_topk._torch import compiled_autograd_active
 from hvd_topk.codec import Codec
 from hvd_topk.exchange import ActiveRanks, AllgatherPairs, DenseAllreduce
@@ -357,11 +358,11 @@ class TopK(Compressor, metaclass=_FixedOptions):
         caller = caller_context(tensor=tensor)
         if tensor.requires_grad and torch.is_grad_enabled() and not self._warned_grad:
             self._warned_grad = True
-            warnings.warn(NOT_DIFFERENTIABLE.format(self=self), stacklevel=3)
+            warnings.warn(NOT_DIFFERENTIABLE.format(self=self), stacklevel=outside_level())
         if self.compact == "sign" and not self._warned_sign:
             self._warned_sign = True
             warnings.warn(f"{SIGN_ROUNDING}; here (Horovod's own optimizer, hvd.allreduce) it is lost: use compact=True, or "
-                          "hvd_topk.DistributedOptimizer", stacklevel=3)
+                          "hvd_topk.DistributedOptimizer", stacklevel=outside_level())
         if isinstance(tensor, torch.nn.Parameter):
             # Horovod's Adasum optimizer compresses the parameter itself, with no op in sight; a
             # parameter handed to hvd.allreduce (a call in the frames) is a tensor like any other
@@ -400,7 +401,7 @@ class TopK(Compressor, metaclass=_FixedOptions):
             if costs.allgather(world, numel, self.density * numel, pair_bytes, 0, 0) > dense:
                 self._warned_bytes = True
                 warnings.warn(MORE_THAN_DENSE.format(self=self, world=world, received=(world - 1) * message.numel(),
-                                                     dense=round(dense)), stacklevel=2)
+                                                     dense=round(dense)), stacklevel=outside_level())
         with self._lock:
             rnd = self._round_of(process_set)
             if caller.name:

@@ -548,6 +548,7 @@ def test_local_adamw_lr_changed_after_backward_warns():
                          f"gradient arrives, in backward(), so this step's update ran at 0.5 (its weight decay at 0.25). "
                          f"Set the rate before backward() "
                          f"(torch's LR schedulers do: scheduler.step() after optimizer.step())."] if told else []), said
+        assert all(w.filename == __file__ for w in caught), [(w.filename, w.lineno) for w in caught]  # opt.step()'s line
         # the same gradient every step: m_hat / sqrt(v_hat) = sign(g), applied at backward()'s rate
         np.testing.assert_allclose((p - before).detach().numpy(), -lr_backward * np.sign([2.0, -3.0, 4.0]))
 

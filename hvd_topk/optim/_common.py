@@ -5,8 +5,6 @@ state and checks, and what the transports ask of an inner optimizer (``momentum_
 
 import inspect
 import math
-import os
-import sys
 import warnings
 
 import torch
@@ -190,20 +188,6 @@ class _ExchangedUpdates(_CheckedGroups):
                       stacklevel=3)
         self._step_done(stepped=False)
         return True
-
-
-# hvd_topk's own frames and torch's (this file lies in hvd_topk/optim/)
-_INTERNAL = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(torch.__file__))
-
-
-def _outside_level():
-    """``warnings.warn``'s ``stacklevel`` for a warning raised by this function's caller that
-    names the first frame outside hvd_topk and torch: the user's own call (``opt.step()``),
-    however many wrappers lie between."""
-    frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _group_of(optimizer, p):

@@ -8,8 +8,9 @@ import warnings
 import torch
 
 from hvd_topk import variance_sketch
+from hvd_topk._stack import outside_level
 from hvd_topk.checks import check_flag, check_integer
-from hvd_topk.optim._common import (_ExchangedUpdates, _adam_denominator, _outside_level, _group_of,
+from hvd_topk.optim._common import (_ExchangedUpdates, _adam_denominator, _group_of,
                                     _new_adam_state, _check_adam_options)
 
 
@@ -252,7 +253,7 @@ class LocalAdamW(_ExchangedUpdates):
             f"{used} to {group['lr']}): with lr_in_residual=True each update is multiplied by the rate when its "
             f"gradient arrives, in backward(), so this step's update ran at {used} (its weight decay at {group['lr']}). "
             "Set the rate before backward() (torch's "
-            "LR schedulers do: scheduler.step() after optimizer.step()).", stacklevel=_outside_level())
+            "LR schedulers do: scheduler.step() after optimizer.step()).", stacklevel=outside_level())
 
     def _entry_signs_of(self, p):
         """``p``'s fixed entry signs for the sketch (made at first use, not checkpointed: the

@@ -5,6 +5,7 @@ Run: PYTHONPATH=.:tests/support mpirun -np 2 (or 3) python tests/dist/check_comp
 """
 
 import copy
+import inspect
 import warnings
 
 import numpy as np
@@ -438,11 +439,13 @@ def check_drop_in_warnings():
     """Two warnings a drop-in user needs. (1) A density at which the allgather moves more bytes
     into a rank than a ring allreduce of the tensor, (P-1) k 8 > 2 (P-1)/P n 4, i.e. above 2/P:
     0.4 warns from 3 ranks on, not at 2 (it compared one message with the tensor: 0.5 at any P).
-    (2) An allreduce of a tensor that requires grad: the result carries no gradient back."""
+    (2) An allreduce of a tensor that requires grad: the result carries no gradient back.
+    Each points at the user's call (this file), not at Horovod's or torch's lines."""
     def warned(density, x, name):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             out = hvd.allreduce(x, compression=hvd_topk.TopK(density=density), name=name)
+        assert all(w.filename == __file__ for w in caught), [(w.filename, w.lineno) for w in caught]
         return out, [str(w.message) for w in caught]
 
     _, said = warned(0.4, torch.randn(1000, device=DEVICE), "check.warn.0.4")
@@ -460,7 +463,8 @@ def check_drop_in_warnings():
 def check_drop_in_sign_values():
     """``TopK(compact="sign")`` in Horovod's path: each rank's top-k arrive as its sign times
     the mean magnitude it sends (numpy), averaged; a warning, once per instance, that the
-    rounding is lost here (no residual)."""
+    rounding is lost here (no residual), pointing at the user's line: the ``hvd.allreduce``
+    call, and through Horovod's optimizer the ``loss.backward()`` whose hooks compress."""
     gen = torch.Generator().manual_seed(300 + hvd.rank())
     c = hvd_topk.TopK(density=0.02, compact="sign")
     for i in range(2):
@@ -470,10 +474,24 @@ def check_drop_in_sign_values():
             out = hvd.allreduce(t, compression=c, name=f"check.sign.{i}")
         said = [str(w.message) for w in caught if "compact='sign'" in str(w.message)]
         assert len(said) == (i == 0), said
+        assert all(w.filename == __file__ for w in caught), [(w.filename, w.lineno) for w in caught]
         np.testing.assert_allclose(out.cpu().numpy(), sparse_allreduce(gather(t.cpu().numpy()), 0.02,
                                                                        round_trip=sign_round_trip),
                                    rtol=1e-6, atol=1e-7)
         assert_same_on_all_ranks(out.cpu().numpy(), "sign values")
+    model = torch.nn.Linear(64, 32).to(DEVICE)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                                   compression=hvd_topk.TopK(density=0.02, compact="sign"))
+    loss = model(torch.randn(8, 64, device=DEVICE)).square().sum()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1  # the next line, which the warning should name
+        loss.backward()
+        opt.synchronize()
+    where = [(w.filename, w.lineno) for w in caught if "compact='sign'" in str(w.message)]
+    assert where == [(__file__, line)], where
+    with opt.skip_synchronize():
+        opt.step()
 
 
 class _AllreduceInBackward(torch.autograd.Function):
