@@ -32,6 +32,7 @@ import warnings
 
 import torch
 
+from hvd_topk._stack import outside_level
 from hvd_topk.checks import SPARSE_EXCHANGES
 
 HIER = "hier_"  # prefix of the hierarchical families (hvd_topk.hierarchy)
@@ -218,7 +219,7 @@ class Trial:
         self.choice = min(families, key=lambda f: (medians[f], families.index(f)))
         self.decided_at = step
         if all(m == float("inf") for m in medians.values()):
-            warnings.warn(f"hvd_topk: exchange='auto' {self.reason()}", stacklevel=2)
+            warnings.warn(f"hvd_topk: exchange='auto' {self.reason()}", stacklevel=outside_level())
         return True
 
     def reason(self):

@@ -5,6 +5,8 @@ the options each of them ignores."""
 import numbers
 import warnings
 
+from hvd_topk._stack import outside_level
+
 # the exchange= names both transports accept ("auto" measures and keeps the fastest)
 SPARSE_EXCHANGES = ("allgather", "sparse_allreduce")
 DENSE_EXCHANGES = ("dense", "dense_fp16")
@@ -41,7 +43,7 @@ def check_target_density(density):
     value = check_density(density)
     if value == 1.0 and isinstance(density, numbers.Integral):
         warnings.warn("hvd_topk: density=1 keeps every entry, so nothing is compressed; 1% is "
-                      "density=0.01 (pass 1.0 to mean every entry and silence this)", stacklevel=3)
+                      "density=0.01 (pass 1.0 to mean every entry and silence this)", stacklevel=outside_level())
     return value
 
 
@@ -71,7 +73,7 @@ AUTO_ONLY = ("exchange_trial_steps", "exchange_recheck_steps")  # options of exc
 SPARSE_ONLY = ("selection_scope", "dense_fallback", "density", "warmup_steps", "warmup_density")
 
 
-def warn_ignored(exchange_choice, stacklevel=2, **given):
+def warn_ignored(exchange_choice, **given):
     """Warn once where options set away from their defaults (``name=(value, default)``) have no
     effect with this ``exchange``: the trial's with a forced exchange, a sparse bucket's with a
     dense one. Both transports' options call it (here: no Horovod import)."""
@@ -80,10 +82,10 @@ def warn_ignored(exchange_choice, stacklevel=2, **given):
         or (name in SPARSE_ONLY and exchange_choice in DENSE_EXCHANGES))]
     if ignored:
         warnings.warn(f"{', '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no effect with "
-                      f"exchange={exchange_choice!r}", stacklevel=stacklevel + 1)
+                      f"exchange={exchange_choice!r}", stacklevel=outside_level())
 
 
-def warn_momentum_sent_whole(exchange_choice, momentum, stacklevel=2):
+def warn_momentum_sent_whole(exchange_choice, momentum):
     """Warn where a pinned dense exchange runs over a residual that is the inner optimizer's
     momentum (``optim.momentum_in_residual``: DeMo's accumulator): allowed, as ``"auto"``'s note
     offers, but it sends the momentum whole and zeroes it every step."""
@@ -91,7 +93,7 @@ def warn_momentum_sent_whole(exchange_choice, momentum, stacklevel=2):
         warnings.warn(f"exchange={exchange_choice!r} over DeMo sends its accumulator (its momentum, the residual) "
                       "whole every step and zeroes it: DeMo then has no momentum, and its sign step moves every "
                       "entry. Leave exchange='auto' (which does not offer dense over DeMo) or pin 'allgather' for "
-                      "DeMo as published.", stacklevel=stacklevel + 1)
+                      "DeMo as published.", stacklevel=outside_level())
 
 
 # both transports' named_parameters= (DistributedOptimizer, LocalSteps, TopKState)

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from hvd_topk._stack import outside_level
 from hvd_topk import agreement, auto, checkpoint
 from hvd_topk import ddp_exchange as exchange
 from hvd_topk.codec import Codec
@@ -170,7 +171,7 @@ class TopKState:
             optimizer.transform_local_gradient).parameters
         self.exchange = check_choice(exchange, "exchange", EXCHANGES)
         self.exchange_trial_steps = check_integer(exchange_trial_steps, "exchange_trial_steps", 1)
-        warn_ignored(exchange, 2, exchange_trial_steps=(self.exchange_trial_steps, auto.TRIAL_STEPS),
+        warn_ignored(exchange, exchange_trial_steps=(self.exchange_trial_steps, auto.TRIAL_STEPS),
                      density=(self.density, 0.01), warmup_steps=(warmup_steps, 0),
                      warmup_density=(warmup_density, DEFAULT_START))
         self.fp16_values = check_flag(fp16_values, "fp16_values")
@@ -252,7 +253,7 @@ class TopKState:
                           "this checkpoint, which does the step again, counts it twice. Save after optimizer.step(). "
                           "(No torch optimizer has stepped and no parameter has changed since the step's exchange; if "
                           "your own update writes parameters through .data, or a GradScaler skipped the step, the "
-                          "checkpoint is fine.)", stacklevel=2)
+                          "checkpoint is fine.)", stacklevel=outside_level())
         # (copies: a loss-scale change rescales the pending ones in place before they are placed)
         residuals = {name: t.detach().clone() for name, t in self.pending.items()}
         for layout in self.layouts.values():
@@ -516,7 +517,7 @@ class TopKState:
             warnings.warn(f"hvd_topk.ddp: TopKState(optimizer=...)'s {type(self.optimizer).__name__} was not stepped "
                           "after the last exchange: p.grad holds its updates, which only its own step() applies "
                           "(another optimizer's step() takes them for gradients). Step that optimizer; to skip a "
-                          "step, call its zero_grad()", stacklevel=2)
+                          "step, call its zero_grad()", stacklevel=outside_level())
         self.optimizer._step_done(stepped=False)
 
     def _check_optimizer_owns(self, params):

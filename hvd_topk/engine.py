@@ -36,6 +36,7 @@ import torch
 from hvd_topk import agreement, checkpoint, exchange, hierarchy, inflight
 from hvd_topk.agreement import group_options
 from hvd_topk._horovod import elastic_mode, hvd
+from hvd_topk._stack import outside_level
 from hvd_topk._torch import still_written, written
 from hvd_topk.buckets import make_buckets
 from hvd_topk.checks import DENSE_EXCHANGES
@@ -174,7 +175,7 @@ class TopKEngine:
                 f"({carried}): a checkpoint loaded into the optimizer before wrapping it, or an earlier wrapper. "
                 "A new wrapper starts at step 0 with zero error-feedback residuals (torch's load_state_dict "
                 "ignores the checkpoint's 'hvd_topk' section). To resume, load the checkpoint into the "
-                "hvd_topk.DistributedOptimizer itself.", stacklevel=4)
+                "hvd_topk.DistributedOptimizer itself.", stacklevel=outside_level())
         # param-group options from the start: hvd.broadcast_optimizer_state expects the same keys everywhere
         self.step = 0
         self.expected_step = 0  # where this rank's counter should be: it moved otherwise if not (_follow_root)
@@ -500,7 +501,7 @@ class TopKEngine:
                 if not (self.warned_nothing_to_exchange or self.synchronized_for_scaler):
                     # (not step()'s own call after GradScaler's exchange: that one is expected)
                     self.warned_nothing_to_exchange = True
-                    warnings.warn(NOTHING_TO_EXCHANGE, stacklevel=3)
+                    warnings.warn(NOTHING_TO_EXCHANGE, stacklevel=outside_level())
                 self.nothing_exchanged = not self.synchronized_for_scaler
                 self.synchronized = True
                 return

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 
 import torch
 
+from hvd_topk._stack import outside_level
 from hvd_topk import agreement, checkpoint
 from hvd_topk._horovod import hvd, is_horovod_distributed_optimizer, unshared_for_elastic
 from hvd_topk._torch import AMP_SCALING_ATTRIBUTE, keep_objects
@@ -125,7 +126,7 @@ def warn_stepped_elsewhere(optimizer, local):
             return
         local.steps_elsewhere += 1
         if local.steps_elsewhere == ELSEWHERE_ALLOWED + 1:
-            warnings.warn(STEPPED_ELSEWHERE.format(n=local.steps_elsewhere), stacklevel=3)
+            warnings.warn(STEPPED_ELSEWHERE.format(n=local.steps_elsewhere), stacklevel=outside_level())
     weakref.finalize(local, optimizer.register_step_post_hook(hook).remove)
 
 
@@ -190,7 +191,7 @@ def LocalSteps(optimizer, named_parameters=None, *, sync_every, compression=TopK
             "earlier LocalSteps over it): dropped, and a new period starts from the model as it is (at a "
             "synchronisation every rank's is the same; mid-period they differ, and the first synchronisation "
             "says so). To resume a checkpoint, load it into the optimizer LocalSteps returns: "
-            "opt = hvd_topk.LocalSteps(inner, ...); opt.load_state_dict(checkpoint)", stacklevel=2)
+            "opt = hvd_topk.LocalSteps(inner, ...); opt.load_state_dict(checkpoint)", stacklevel=outside_level())
     names = _name_parameters(optimizer.param_groups, named_parameters)
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     # requires_grad so that the outer optimizer exchanges them; they never enter autograd
@@ -380,7 +381,7 @@ class _LocalSteps(torch.optim.Optimizer):
             # not model changes, so they cannot seed the outer optimizer's
             warnings.warn("this checkpoint was written by hvd_topk.DistributedOptimizer: its error-feedback "
                           "residuals (unsent gradients) do not carry over to LocalSteps and are dropped; "
-                          "the inner optimizer's state is loaded and a new period starts", stacklevel=2)
+                          "the inner optimizer's state is loaded and a new period starts", stacklevel=outside_level())
             state_dict["param_groups"] = [{k: v for k, v in g.items() if k not in (STEP_KEY, TRIAL_KEY)}
                                           for g in state_dict["param_groups"]]
         keep_objects(self, super(self.__class__, self).load_state_dict, state_dict)

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
+from hvd_topk._stack import outside_level
 from hvd_topk._horovod import (OPTIMIZER_MODULE, elastic_mode, hvd, instance_name, is_horovod_distributed_optimizer,
                               unshared_for_elastic)
 from hvd_topk._torch import AMP_SCALING_ATTRIBUTE, keep_objects, keep_step_unhooked, unscaled_already
@@ -151,9 +152,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                       "(a LocalSteps checkpoint loaded into it before wrapping, or an earlier LocalSteps over it): "
                       "dropped. The model is taken as it is, one rank's replica if LocalSteps was mid-period: "
                       "hvd.broadcast_parameters(model.state_dict(), root_rank=0) brings the ranks together. "
-                      "A LocalSteps checkpoint loads into LocalSteps. " + checkpoint.LOCAL_STEPS_CONVERSION, stacklevel=2)
+                      "A LocalSteps checkpoint loads into LocalSteps. " + checkpoint.LOCAL_STEPS_CONVERSION,
+                      stacklevel=outside_level())
     if num_groups != 0:  # as Horovod 0.28.1 does
-        warnings.warn("Parameter `num_groups` has been replaced by `groups`", DeprecationWarning, stacklevel=2)
+        warnings.warn("Parameter `num_groups` has been replaced by `groups`", DeprecationWarning,
+                      stacklevel=outside_level())
         if groups is None:
             groups = num_groups
     residual_decay = residual_decay_of(optimizer, residual_decay, error_feedback)
@@ -165,10 +168,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                       exchange_recheck_steps=exchange_recheck_steps, hierarchical=hierarchical,
                       residual_decay=residual_decay)
     compression = _resolve_compression(compression)
-    warn_ignored(exchange, 2, density=(compression.density, TopK.DEFAULT_DENSITY))
+    warn_ignored(exchange, density=(compression.density, TopK.DEFAULT_DENSITY))
     warn_momentum_sent_whole(exchange, momentum_in_residual(optimizer))
     if groups is not None and fusion_bytes != Options.fusion_bytes:
-        warnings.warn(f"fusion_bytes has no effect with groups={groups!r}: groups decides the buckets", stacklevel=2)
+        warnings.warn(f"fusion_bytes has no effect with groups={groups!r}: groups decides the buckets",
+                      stacklevel=outside_level())
     _check_horovod_arguments(op, gradient_predivide_factor, backward_passes_per_step)
     if not isinstance(process_set, hvd.ProcessSet):
         raise TypeError(f"process_set must be a horovod ProcessSet (hvd.global_process_set, hvd.add_process_set(...)), "
@@ -185,7 +189,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                          "gradients are summed, so hvd.DistributedOptimizer(AdamW, op=hvd.Sum) trains as with "
                          "Average). Use op=hvd.Average, the default.")
     if error_feedback and isinstance(optimizer, ADAPTIVE):
-        warnings.warn(ADAM_WARNING.format(_adaptive_name(type(optimizer))), stacklevel=2)
+        warnings.warn(ADAM_WARNING.format(_adaptive_name(type(optimizer))), stacklevel=outside_level())
     if momentum_correction:
         check_single_momentum(optimizer)
     names = _name_parameters(optimizer.param_groups, named_parameters)
@@ -235,10 +239,11 @@ def check_single_momentum(optimizer):
     if hasattr(optimizer, "transform_local_gradient"):
         warnings.warn(f"momentum_correction with {name}: it exchanges each rank's update, whose residual already "
                       "carries the past (a momentum on top of error feedback's measured to hurt, docs/adamw.md); "
-                      "leave momentum_correction at 0", stacklevel=3)
+                      "leave momentum_correction at 0", stacklevel=outside_level())
     elif any(g.get("momentum", 0) or g.get("betas", (0.0,))[0] for g in optimizer.param_groups):
         warnings.warn(f"momentum_correction applies momentum before compression; {name}'s own momentum (SGD's "
-                      "momentum, Adam's beta1) should be 0 (DGC), or momentum is applied twice", stacklevel=3)
+                      "momentum, Adam's beta1) should be 0 (DGC), or momentum is applied twice",
+                      stacklevel=outside_level())
 
 
 def share_as_subclass(optimizer, methods):
@@ -443,7 +448,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             warnings.warn(f"hvd_topk: this checkpoint has no 'hvd_topk' section but its param groups hold "
                           f"hvd_topk's step counter ({carried}): it was saved through a plain torch optimizer. "
                           f"The run goes on from step {carried} (the density warm-up too); the error-feedback "
-                          "residuals start from zero.", stacklevel=2)
+                          "residuals start from zero.", stacklevel=outside_level())
             step = carried
         if ours is None and "param_groups" in state_dict:
             groups, taken = checkpoint.fill_options(state_dict["param_groups"], self.param_groups, self.defaults)
@@ -452,7 +457,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               f"optimizer, such as torch.optim.AdamW): they keep the values this "
                               f"{type(self).__name__} was built with. Its other options (lr, betas, weight decay, "
                               "...) come from the checkpoint, as torch's load_state_dict does: set them in "
-                              "param_groups after loading to change them.", stacklevel=2)
+                              "param_groups after loading to change them.", stacklevel=outside_level())
                 state_dict = {**state_dict, "param_groups": groups}
         # into the objects the user's optimizer shares (an LR scheduler built on it goes on working)
         keep_objects(self, super(self.__class__, self).load_state_dict, state_dict)

@@ -104,7 +104,7 @@ class Options:
             raise ValueError(f"hierarchical=True sends sparse pairs across hosts, exchange={self.exchange!r} every "
                              "bucket dense: pass one or the other")
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        warn_ignored(self.exchange, 4, **{name: (getattr(self, name), defaults[name])
+        warn_ignored(self.exchange, **{name: (getattr(self, name), defaults[name])
                                           for name in ("exchange_trial_steps", "exchange_recheck_steps",
                                                        "selection_scope", "dense_fallback", "warmup_steps",
                                                        "warmup_density")})

@@ -2,6 +2,7 @@
 
 import warnings
 
+from hvd_topk._stack import outside_level
 from hvd_topk.checks import check_density, check_integer
 
 
@@ -24,11 +25,11 @@ class DensitySchedule:
         if not self.warmup_steps and start != DEFAULT_START:
             warnings.warn(f"warmup_density={start!r} has no effect without warmup_steps: the density is "
                           f"{self.target!r} from the first step (a dense start is warmup_steps=N, "
-                          "warmup_density=1.0)", stacklevel=3)
+                          "warmup_density=1.0)", stacklevel=outside_level())
         elif self.warmup_steps and start <= self.target:
             warnings.warn(f"warmup_density={start!r} is not above the density {self.target!r}: the warm-up over "
                           f"{self.warmup_steps} steps does nothing (a dense start is warmup_density=1.0)",
-                          stacklevel=3)
+                          stacklevel=outside_level())
         self.start = max(start, self.target)
 
     def density(self, step):

@@ -13,6 +13,8 @@ import warnings
 
 import torch
 
+from hvd_topk._stack import outside_level
+
 
 class SparseGradients:
     """The parameters whose gradient is handed back sparse.
@@ -56,7 +58,7 @@ class SparseGradients:
                           "nn.Embedding(sparse=True)); it is exchanged as with sparse_as_dense=True: "
                           "densified, compressed by Top-K with error feedback, and handed back sparse. "
                           "Pass sparse_as_dense=True to hvd_topk.DistributedOptimizer to say so and "
-                          "silence this warning.", stacklevel=3)
+                          "silence this warning.", stacklevel=outside_level())
         self.sparse[id(p)] = (p, p.grad.sparse_dim())
         p.grad = p.grad.to_dense()
 

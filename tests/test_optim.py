@@ -210,6 +210,7 @@ def test_adamws_own_options_left_out_of_a_loaded_checkpoint():
             warnings.simplefilter("always")
             opt.load_state_dict(copy.deepcopy(saved))
         assert any("trained with amsgrad=True" in str(w.message) for w in caught), [str(w.message) for w in caught]
+        assert all(w.filename == __file__ for w in caught), [(w.filename, w.lineno) for w in caught]  # load's line
         assert not {"amsgrad", "foreach", "fused", "maximize", "capturable"} & set(opt.param_groups[0]), \
             opt.param_groups[0]
         assert "amsgrad" not in opt.state_dict()["param_groups"][0]

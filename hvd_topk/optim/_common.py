@@ -9,6 +9,7 @@ import warnings
 
 import torch
 
+from hvd_topk._stack import outside_level
 from hvd_topk.checks import check_number, is_number
 
 
@@ -66,7 +67,7 @@ class _CheckedGroups(torch.optim.Optimizer):
                           "param_groups before loading (set after, they are refused: the state was made "
                           "without them), or load it through hvd_topk.DistributedOptimizer, which keeps the "
                           "values it was built with.",
-                          stacklevel=2)
+                          stacklevel=outside_level())
 
     def _drop_adams_options(self):
         """Take out of the loaded groups torch's Adam/AdamW options this optimizer does not have
@@ -83,7 +84,7 @@ class _CheckedGroups(torch.optim.Optimizer):
         if asked:
             warnings.warn(f"hvd_topk.{type(self).__name__}: the checkpoint was trained with "
                           f"{' and '.join(f'{k}=True' for k in sorted(asked))}; {type(self).__name__} has no "
-                          "such option and goes on without it", stacklevel=3)
+                          "such option and goes on without it", stacklevel=outside_level())
 
 
 def _python_numbers(options):
@@ -185,7 +186,7 @@ class _ExchangedUpdates(_CheckedGroups):
             return False
         warnings.warn(f"hvd_topk.{type(self).__name__}: this step's exchanged update holds inf/nan (a gradient "
                       "overflowed on some rank): the step is skipped on every rank, as a GradScaler skips one",
-                      stacklevel=3)
+                      stacklevel=outside_level())
         self._step_done(stepped=False)
         return True
 

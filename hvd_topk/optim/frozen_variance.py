@@ -6,6 +6,7 @@ import warnings
 
 import torch
 
+from hvd_topk._stack import outside_level
 from hvd_topk.checks import check_integer
 from hvd_topk.optim._common import (_CheckedGroups, _adam_denominator, _evaluate, _new_adam_state,
                                     _check_adam_options)
@@ -78,5 +79,5 @@ class FrozenVarianceAdamW(_CheckedGroups):
             warnings.warn(f"FrozenVarianceAdamW froze its variance with {unseen:,} of {total:,} entries "
                           "never having seen a gradient: they will take steps of lr * momentum / eps. "
                           "Freeze after a dense warm-up (DistributedOptimizer(..., warmup_steps=N, "
-                          "warmup_density=1.0) with freeze_step=N).", stacklevel=2)
+                          "warmup_density=1.0) with freeze_step=N).", stacklevel=outside_level())
         return loss
