@@ -486,6 +486,14 @@ CONFIGS.update(DDP_CONFIGS)
 DEFAULT = ["dense", "fp16", "ef-1%", "noef-1%", "ef-0.1%", "noef-0.1%"]
 FROZEN = ["dense", "dense-fv", "fv-1%", "fv-0.1%", "fv-noef-0.1%"]  # --configs for convergence-gpt-frozen-variance
 
+# sign values at 1%'s bytes (4.3%: 1%'s pairs with 16-bit values cost 6 bytes, a sign pair about
+# 1.4): screened 2026-12-07 at 1000 steps, seed 42, against the 1% recipe (docs/adamw-measurements.md)
+for _lr in ("5e-3", "7e-3", "1e-2", "1.5e-2"):
+    for _decay in ("0.99", "1.0"):
+        CONFIGS[f"gv-1%bytes-lr{_lr}-sign4.3-decay{_decay}"] = (
+            f"hvd_topk sign values at 4.3% (1%'s bytes, compact='sign'), the recipe at lr {_lr}, residual_decay={_decay}",
+            [*GV, "--density", "0.043", *START, "--lr", _lr, "--compact", "sign", "--residual-decay", _decay])
+
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
