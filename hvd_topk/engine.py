@@ -66,6 +66,13 @@ NOTHING_TO_EXCHANGE = (
     "average of it would change nothing (a synchronize() after step() to flush, or step() again without "
     "backward()). If you wrote gradients by hand through p.grad.data.copy_(...), PyTorch does not count that as "
     "a change and they were NOT exchanged: write p.grad.copy_(...) or assign p.grad instead. (Warned once.)")
+GRAD_CHANGED = (
+    "hvd_topk.DistributedOptimizer: p.grad of {names} was changed in place or replaced after backward() handed it "
+    "to the exchange and before synchronize() (gradient clipping before step()?): this rank's gradient was "
+    "already taken in during backward(), so the change does not reach the exchanged result (as under Horovod, "
+    "in silence there). {fix} (Warned once.)")
+CLIP_AFTER_SYNCHRONIZE = ("To clip the ranks' averaged gradient, as with Horovod: opt.synchronize(); "
+                          "torch.nn.utils.clip_grad_norm_(...); with opt.skip_synchronize(): opt.step().")
 STEP_KEY = "hvd_topk_step"  # in the optimizer's first param group (see TopKEngine.step)
 TRIAL_KEY = "hvd_topk_exchange_trial"  # there too: exchange="auto"'s progress (TopKEngine._follow_root)
 
@@ -193,6 +200,9 @@ class TopKEngine:
         self.sparse = SparseGradients(names, options.sparse_as_dense)
         self.transform = None      # the inner optimizer's transform_local_gradient(p, grad, ranks), if any
         self.results = {}          # id(p) -> _torch.written(p.grad) at the last synchronize
+        self.taken = {}            # id(p) -> _torch.written(p.grad) as this step's hook took it in
+        self.warned_grad_changed = False  # GRAD_CHANGED was said (once)
+        self.warned_update_changed = False  # and the optimizer's warning of an update changed after synchronize
         self.warned_nothing_to_exchange = False
         self.nothing_exchanged = False  # this step's synchronize() found p.grad holding the last result
         self.steps_repeated = 0         # step() calls that applied a result already applied (the probe carries it)
@@ -236,6 +246,8 @@ class TopKEngine:
                 self.transform(p, grad, self.world)
             bucket, position = self.place[key]
             self._fold(bucket, position, grad)
+            if not self.warned_grad_changed:
+                self.taken[key] = written(grad)
             if bucket.complete():
                 self._launch(bucket)
 
@@ -253,6 +265,7 @@ class TopKEngine:
         # the optimizer does not see): without this, a step whose buckets did not all launch
         # during backward would take the stale flag for its own exchange and skip it
         self.synchronized = self.synchronized_for_scaler = self.nothing_exchanged = False
+        self.taken = {}
         if self.awaiting_inner_step:  # the last step's inner step did not run: auto must not time this one
             self.planner.skip_step()
             self.awaiting_inner_step = False
@@ -506,6 +519,7 @@ class TopKEngine:
                 self.synchronized = True
                 return
             self._begin_step()
+        self._check_grads_as_taken()
         for bucket in self.buckets:
             if bucket.inflight is None:
                 self._launch(bucket)
@@ -539,6 +553,29 @@ class TopKEngine:
         self.results = {id(p): written(p.grad) for p in self.params if p.grad is not None}
         if self.on_exchanged is not None:
             self.on_exchanged()
+
+    def _check_grads_as_taken(self):
+        """Warn once where a ``p.grad`` the hooks took in this step was changed since (clipped,
+        scaled, zeroed or replaced before ``step()``): the exchange already holds the gradient
+        as backward() left it. PyTorch counts in-place changes in ``_version``."""
+        taken, self.taken = self.taken, {}
+        if self.warned_grad_changed:
+            return
+        changed = [p for p in self.params if id(p) in taken and not still_written(taken[id(p)], p.grad)]
+        if changed:
+            self.warned_grad_changed = True
+            names = ", ".join(repr(self.names[p]) for p in changed[:3]) + (
+                f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+            fix = (f"Over {self.inner_name}, p.grad after synchronize() holds the ranks' averaged update, not a "
+                   "gradient: do not clip it." if self.transform is not None else CLIP_AFTER_SYNCHRONIZE)
+            warnings.warn(GRAD_CHANGED.format(names=names, fix=fix), stacklevel=outside_level())
+
+    def update_changed(self):
+        """After ``synchronize()`` over an optimizer whose exchanged result is an update
+        (``LocalAdamW``, ``DeMo``): the names of the parameters whose ``p.grad`` was changed
+        since (clipped?), for the optimizer's warning."""
+        return [self.names[p] for p in self.params
+                if id(p) in self.results and not still_written(self.results[id(p)], p.grad)]
 
     def _exchange_sketches(self):
         """``LocalAdamW(variance_sketch=B)``: average the step's gradient sketches over the ranks

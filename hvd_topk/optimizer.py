@@ -370,6 +370,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             else:
                 self.synchronize()  # (nothing left to do after scaler.step's exchange)
                 engine.count_repeat()
+        if engine.transform is not None and not engine.warned_update_changed:
+            _warn_update_changed(engine)
         # a fused inner optimizer is stepped by GradScaler even after an overflow and skips inside
         # its kernel: the scaler's found_inf says so (read only while auto's trial times steps)
         found_inf = self.__dict__.get("found_inf")
@@ -542,6 +544,21 @@ def _check_no_duplicates(param_groups, named_parameters):
             raise ValueError(f"the optimizer holds a parameter twice (shape {tuple(p.shape)}, position {i} in its "
                              "param_groups): list each parameter once, in one param group")
         seen.add(id(p))
+
+
+def _warn_update_changed(engine):
+    """Over ``LocalAdamW`` or ``DeMo``: warn once where ``p.grad``, the ranks' averaged update
+    after ``synchronize()``, was changed before the inner step (clipped, as a dense AdamW loop
+    does): that shrinks or bends the step every rank agreed on."""
+    changed = engine.update_changed()
+    if changed:
+        engine.warned_update_changed = True
+        names = ", ".join(map(repr, changed[:3])) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+        warnings.warn(f"hvd_topk.DistributedOptimizer over {engine.inner_name}: p.grad of {names} was changed between "
+                      "synchronize() and the step (gradient clipping?). Over it p.grad holds the ranks' averaged "
+                      "update (its own normalised step), not a gradient, so the change alters the step every rank "
+                      "agreed on; it needs no clipping (the recipe's results ran without). (Warned once.)",
+                      stacklevel=outside_level())
 
 
 def _name_parameters(param_groups, named_parameters):

@@ -312,6 +312,72 @@ def check_step_after_synchronize_without_skip():
         assert_same_on_all_ranks(p.detach().numpy(), f"synchronize, clip, step: {name}")
 
 
+def _changed_gradient_run(inner, pattern, exchange="allgather", steps=3):
+    """Train ``Net`` ``steps`` steps over SGD or LocalAdamW; ``pattern``: "plain" (backward,
+    step), "clip before step" (clip_grad_norm_ between backward() and step()) or "clip after
+    synchronize" (Horovod's: synchronize, clip, step inside skip_synchronize). Returns the
+    model and the messages of hvd_topk's changed-gradient warnings."""
+    torch.manual_seed(0)
+    model = Net()
+    inner_opt = (hvd_topk.LocalAdamW(model.parameters(), lr=1e-2, betas=(0.0, 0.95)) if inner == "LocalAdamW"
+                 else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    opt = hvd_topk.DistributedOptimizer(inner_opt, named_parameters=model.named_parameters(), min_numel=MIN_NUMEL,
+                                        exchange=exchange)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            x, y = batch(step, hvd.rank())
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            if pattern == "clip before step":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+                opt.step()
+            elif pattern == "clip after synchronize":
+                opt.synchronize()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+                with opt.skip_synchronize():
+                    opt.step()
+            else:
+                opt.step()
+    return model, [str(w.message) for w in caught if "p.grad of" in str(w.message)]
+
+
+def check_clipping_before_step_warns(inner, exchange):
+    """``clip_grad_norm_`` between ``backward()`` and ``step()``, no ``synchronize()`` first (a
+    dense loop's habit): the hooks took each rank's gradient in during backward, so the
+    clipping never reaches the exchange. Truth: the same run without the clipping, whose
+    weights these equal bit for bit; and one warning on every rank (not one a step), naming a
+    parameter and the fix for the inner optimizer."""
+    clipped, said = _changed_gradient_run(inner, "clip before step", exchange)
+    plain, quiet = _changed_gradient_run(inner, "plain", exchange)
+    assert quiet == [], quiet
+    assert len(said) == 1, said
+    assert "'fc1.weight'" in said[0] and "changed" in said[0], said[0]
+    fix = "do not clip it" if inner == "LocalAdamW" else "opt.skip_synchronize()"
+    assert fix in said[0], said[0]
+    for (name, p), q in zip(clipped.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), f"{inner}, {exchange}: {name} differs from the run without clipping"
+        assert_same_on_all_ranks(p.detach().numpy(), f"{inner}, {exchange}, clipped before step: {name}")
+
+
+def check_clipping_an_update_warns():
+    """Over ``LocalAdamW`` ``p.grad`` after ``synchronize()`` is the ranks' averaged update:
+    clipping it there (Horovod's pattern for gradients) changes the step every rank agreed on,
+    and one warning on every rank says so. Over SGD the same pattern clips the averaged
+    gradient, as under Horovod, and is not warned of; a plain LocalAdamW loop is not either.
+    Truth for the warned run: its weights differ from the unclipped run's (the clipping was
+    applied, on every rank alike)."""
+    clipped, said = _changed_gradient_run("LocalAdamW", "clip after synchronize")
+    plain, quiet = _changed_gradient_run("LocalAdamW", "plain")
+    assert quiet == [], quiet
+    assert len(said) == 1 and "over LocalAdamW" in said[0] and "'fc1.weight'" in said[0], said
+    assert not torch.equal(clipped.fc1.weight, plain.fc1.weight), "the clipping was not applied"
+    for name, p in clipped.named_parameters():
+        assert_same_on_all_ranks(p.detach().numpy(), f"LocalAdamW, clipped after synchronize: {name}")
+    _, sgd_said = _changed_gradient_run("SGD", "clip after synchronize")
+    assert sgd_said == [], sgd_said
+
+
 def check_horovod_unfrozen_parameter_diverges():
     """What Horovod does (dense, and the drop-in TopK): the unfrozen parameter is trained on
     local gradients only, so ranks differ. Backs the README's cells for Horovod."""
@@ -883,6 +949,15 @@ CHECKS = [
     ("step() again without a backward, LocalAdamW: refused", lambda: check_stepped_again_without_backward("LocalAdamW")),
     ("step() again without a backward, DeMo: refused", lambda: check_stepped_again_without_backward("DeMo")),
     ("step() after synchronize() without skip_synchronize", check_step_after_synchronize_without_skip),
+    ("clip_grad_norm_ before step(), SGD, allgather: no effect, warned once",
+     lambda: check_clipping_before_step_warns("SGD", "allgather")),
+    ("clip_grad_norm_ before step(), SGD, sparse allreduce: no effect, warned once",
+     lambda: check_clipping_before_step_warns("SGD", "sparse_allreduce")),
+    ("clip_grad_norm_ before step(), SGD, dense: no effect, warned once",
+     lambda: check_clipping_before_step_warns("SGD", "dense")),
+    ("clip_grad_norm_ before step(), LocalAdamW, allgather: no effect, warned once",
+     lambda: check_clipping_before_step_warns("LocalAdamW", "allgather")),
+    ("clip_grad_norm_ of LocalAdamW's update after synchronize(): warned once", check_clipping_an_update_warns),
     ("sparse_as_dense", check_sparse_as_dense),
     ("sparse_as_dense, two sparse embeddings", lambda: check_sparse_as_dense(second=True)),
     ("sparse gradient without sparse_as_dense: densified, one warning",
