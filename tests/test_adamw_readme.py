@@ -78,10 +78,17 @@ if hvd.rank() == 0:
 
 def test_readme_quickstart_runs_under_mpirun(tmp_path):
     """The Quickstart runs as written, with three training steps appended (each rank its own
-    batches): the ranks end with the same parameters, bit for bit (every rank's hash, gathered)."""
+    batches): the ranks end with the same parameters, bit for bit (every rank's hash, gathered),
+    and its print names a strategy and a share of dense's bytes."""
     script = tmp_path / "train.py"
     script.write_text("import hashlib\n" + readme_python_block("Quickstart") + QUICKSTART_CHECK)
     proc = run_mpi(2, str(script), timeout=240)
     check = re.search(r"parameter hashes (\w+) (\w+)", proc.stdout)
     assert check, proc.stdout
     assert check.group(1) == check.group(2), "the ranks' parameters differ"
+    # its own print: the exchange auto chose, one of the strategies, and bytes between none and
+    # a dense fp32 run's (the trial's dense steps included)
+    said = re.search(r"(\w+) ([0-9.]+)% of dense's bytes", proc.stdout)
+    assert said, proc.stdout
+    assert said.group(1) in ("dense", "dense_fp16", "allgather", "sparse_allreduce"), said.group(0)
+    assert 0 < float(said.group(2)) <= 100, said.group(0)
