@@ -36,6 +36,7 @@ waits for its parts' index gather inside the hook for the same reason.
 
 import inspect
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,7 @@ from hvd_topk.compact import check_compact, check_compact_use
 from hvd_topk._torch import backward_running, ddp_ignored_names, still_written, written
 from hvd_topk.loss_scale import ResidualScale, check_grad_scaler, is_loss_scale
 from hvd_topk.optim import momentum_in_residual, residual_decay_of
+from hvd_topk.optim._common import ADAPTIVE, ADAPTIVE_WHY, adaptive_name
 from hvd_topk.schedule import DEFAULT_START, DensitySchedule
 from hvd_topk.stats import DENSE_FP32_BYTES, CompressionStats
 from hvd_topk.checks import (EXCHANGES, NAMED_PARAMETERS_ERROR, check_choice, check_flag, check_integer, check_number,
@@ -68,8 +70,36 @@ _STATS = ("steps", "bytes_sent", "bytes_dense", "elements_total", "elements_sele
           "bytes_ratio", "density")
 
 
+# TopKStates with error feedback and no optimizer=: a torch Adam stepping their parameters is warned
+# of once (the hook never sees the optimizer; _warn_adaptive_behind_hook)
+_PLAIN_STATES = weakref.WeakSet()
+_ADAPTIVE_CHECKED = weakref.WeakSet()  # the torch Adam-family optimizers already looked at
+
+
 def _count_optimizer_step(optimizer, args, kwargs):
     _OPTIMIZER_STEPS[0] += 1
+    if _PLAIN_STATES and isinstance(optimizer, ADAPTIVE) and optimizer not in _ADAPTIVE_CHECKED:
+        _warn_adaptive_behind_hook(optimizer)
+
+
+def _warn_adaptive_behind_hook(optimizer):
+    """Warn once where ``optimizer`` (torch's Adam family) steps parameters whose gradients a
+    ``TopKState`` compresses with error feedback and no ``optimizer=``: Adam behind error
+    feedback trains worse (``hvd_topk.optim._common.ADAPTIVE_WHY``). Looked at after its first
+    step whose parameters some state has seen in a bucket."""
+    mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    seen = [state for state in _PLAIN_STATES if state.layouts]
+    if not seen:
+        return  # no bucket exchanged yet: look again at the next step
+    _ADAPTIVE_CHECKED.add(optimizer)
+    if any(mine & {id(p) for layout in state.layouts.values() for p in layout.params} for state in seen):
+        warnings.warn(
+            f"hvd_topk.ddp: the DDP hook compresses with error feedback the gradients {adaptive_name(type(optimizer))} "
+            f"steps, which trains worse than dense ({ADAPTIVE_WHY}). The recipe: inner = hvd_topk.LocalAdamW("
+            "model.parameters(), lr, betas=(0.0, 0.95), weight_decay=...); state = hvd_topk.ddp.TopKState(density=0.01, "
+            "fp16_values=True, optimizer=inner, warmup_steps=100, warmup_density=1.0, exchange=\"allgather\"); "
+            "inner.step() (README.md, 'Transformers with AdamW'; docs/ddp.md). (Warned once.)",
+            stacklevel=outside_level())
 
 
 register_optimizer_step_post_hook(_count_optimizer_step)
@@ -165,6 +195,8 @@ class TopKState:
                             f"(hvd_topk.LocalAdamW, hvd_topk.DeMo), got {type(optimizer).__name__}")
         self.optimizer = optimizer
         self._warned_not_stepped = False
+        if self.error_feedback and optimizer is None:
+            _PLAIN_STATES.add(self)
         # LocalAdamW's finite= (the hook checks a bucket at once); an optimizer of the user's own
         # may define transform_local_gradient(param, grad, ranks) only
         self._pass_finite = optimizer is not None and "finite" in inspect.signature(

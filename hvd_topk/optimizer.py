@@ -23,6 +23,7 @@ from hvd_topk.checkpoint import STATE_KEY
 from hvd_topk.engine import STEP_KEY, STEPPED_THE_INNER, TopKEngine
 from hvd_topk.loss_scale import check_grad_scaler
 from hvd_topk.optim import momentum_in_residual, residual_decay_of
+from hvd_topk.optim._common import ADAPTIVE, ADAPTIVE_WHY, adaptive_name
 from hvd_topk.options import Options
 from hvd_topk.schedule import DEFAULT_START
 from hvd_topk.checks import NAMED_PARAMETERS_ERROR, check_integer, check_number, warn_ignored, warn_momentum_sent_whole
@@ -30,25 +31,13 @@ from hvd_topk.checks import NAMED_PARAMETERS_ERROR, check_integer, check_number,
 ENGINE = "_hvd_topk"  # the one attribute hvd_topk adds to the user's optimizer
 LOCAL = "_hvd_topk_local"  # hvd_topk.LocalSteps' one attribute (local_steps.py), checked here too
 
-# torch's adaptive optimizers (and their subclasses): each divides by a running second moment,
-# which error feedback's late bursts inflate (hvd_topk.LocalAdamW runs Adam before the exchange)
-ADAPTIVE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax)
 ADAM_WARNING = (
     "hvd_topk.DistributedOptimizer: Top-K with error feedback in front of {0} trains "
-    "worse than dense (Adam normalises error feedback's late bursts away: +10.8% validation loss at 300 "
-    "steps, +32.7% at 1000, on docs/adamw.md's GPT). The recipe: inner = hvd_topk.LocalAdamW(params, lr, betas=(0.0, 0.95), "
+    "worse than dense (" + ADAPTIVE_WHY + "). The recipe: inner = hvd_topk.LocalAdamW(params, lr, betas=(0.0, 0.95), "
     "weight_decay=...), wrapped as hvd_topk.DistributedOptimizer(inner, named_parameters, "
     "compression=hvd_topk.TopK(density=0.01, fp16_values=True), warmup_steps=100, warmup_density=1.0, "
     "exchange=\"allgather\") "
     "(README.md, 'Transformers with AdamW').")
-
-
-def _adaptive_name(cls):
-    """``torch.optim.AdamW``, or a subclass as ``MyAdam (a torch.optim.AdamW)``."""
-    if cls in ADAPTIVE:
-        return f"torch.optim.{cls.__name__}"
-    base = next(c for c in cls.__mro__ if c in ADAPTIVE)
-    return f"{cls.__name__} (a torch.optim.{base.__name__})"
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
@@ -189,7 +178,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                          "gradients are summed, so hvd.DistributedOptimizer(AdamW, op=hvd.Sum) trains as with "
                          "Average). Use op=hvd.Average, the default.")
     if error_feedback and isinstance(optimizer, ADAPTIVE):
-        warnings.warn(ADAM_WARNING.format(_adaptive_name(type(optimizer))), stacklevel=outside_level())
+        warnings.warn(ADAM_WARNING.format(adaptive_name(type(optimizer))), stacklevel=outside_level())
     if momentum_correction:
         check_single_momentum(optimizer)
     names = _name_parameters(optimizer.param_groups, named_parameters)

@@ -13,6 +13,21 @@ from hvd_topk._stack import outside_level
 from hvd_topk.checks import check_number, is_number
 
 
+# torch's adaptive optimizers (and their subclasses): each divides by a running second moment,
+# which error feedback's late bursts inflate (LocalAdamW runs Adam before the exchange)
+ADAPTIVE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax)
+ADAPTIVE_WHY = ("Adam normalises error feedback's late bursts away: +10.8% validation loss at 300 steps, +32.7% "
+                "at 1000, on docs/adamw.md's GPT")
+
+
+def adaptive_name(cls):
+    """``torch.optim.AdamW``, or a subclass as ``MyAdam (a torch.optim.AdamW)``."""
+    if cls in ADAPTIVE:
+        return f"torch.optim.{cls.__name__}"
+    base = next(c for c in cls.__mro__ if c in ADAPTIVE)
+    return f"{cls.__name__} (a torch.optim.{base.__name__})"
+
+
 class _CheckedGroups(torch.optim.Optimizer):
     """An optimizer whose ``_check_options(options)`` checks one param group's options: every
     group is checked as the constructor checks the defaults, whether it comes with the

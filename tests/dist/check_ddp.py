@@ -909,6 +909,41 @@ def check_save_between_backward_and_step_warns():
     assert not saved_warnings(), "after a fused AdamW's step()"
 
 
+def check_plain_adam_behind_hook_warns():
+    """torch's Adam family stepping parameters the hook compresses with error feedback and no
+    ``optimizer=`` (the configuration that ends +32.7% on docs/adamw.md's GPT): one warning on
+    every rank, after its first step, naming the LocalAdamW recipe (the hook never sees the
+    optimizer; Horovod's front end warns at construction). SGD, Adam without error feedback,
+    and an Adam over a model the hook does not serve are not warned of."""
+    def warned(make_opt, **state_kwargs):
+        model, ddp, state = build(density=0.05, exchange="allgather", **state_kwargs)
+        opt = make_opt(model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train(ddp, opt, 3)
+        return [str(w.message) for w in caught if "the DDP hook compresses" in str(w.message)]
+
+    class MyAdam(torch.optim.Adam):
+        pass
+
+    got = warned(lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert len(got) == 1 and "gradients torch.optim.AdamW steps" in got[0] and "optimizer=inner" in got[0], got
+    got = warned(lambda model: MyAdam(model.parameters(), lr=1e-3))
+    assert len(got) == 1 and "MyAdam (a torch.optim.Adam)" in got[0], got
+    assert warned(lambda model: torch.optim.SGD(model.parameters(), lr=0.1)) == []
+    assert warned(lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3), error_feedback=False) == []
+    other = Net()  # not behind the hook: its own gradients, no DDP
+    adam = torch.optim.AdamW(other.parameters(), lr=1e-3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            x, y = batch(step, dist.get_rank())
+            adam.zero_grad(set_to_none=True)
+            F.cross_entropy(other(x), y).backward()
+            adam.step()
+    assert not [w for w in caught if "the DDP hook compresses" in str(w.message)], "an Adam the hook does not serve"
+
+
 def check_resume_fewer_sparse():
     """A checkpoint loaded with a larger min_numel (1000: fc2 and head2, 960 elements each, go
     dense): their saved residuals are dropped with a warning naming them, at the end of the first
@@ -1450,6 +1485,7 @@ CHECKS = [
     ("checkpoint resume into torch.compile's parameter names", lambda: check_resume(compiled_names=True)),
     ("checkpoint loaded with a larger min_numel: residuals of now-dense tensors dropped", check_resume_fewer_sparse),
     ("a checkpoint saved between backward() and step() warns", check_save_between_backward_and_step_warns),
+    ("torch's Adam behind the hook with error feedback warns once", check_plain_adam_behind_hook_warns),
     ("non-finite gradient", check_nonfinite),
     ("non-finite gradient, flags kept on the device as on a GPU", lambda: check_nonfinite(host_reads=False)),
     ("non-finite gradient, LocalAdamW's moments stay finite", check_nonfinite_local_adamw),
