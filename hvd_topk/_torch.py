@@ -53,12 +53,21 @@ Checked against torch 2.13 (``CHECKED_VERSION``). Each private detail relied on:
    what the last one wrote (with a warning). A write through ``.data`` does not bump the
    counter: ``p.grad.data = g`` is seen by its storage (the record keeps the data pointer),
    ``p.grad.data.copy_(g)`` is not (the warning names it). If the counter goes, every tensor
-   counts as changed (no refusal: the behaviour before the checks).
+   counts as changed (no refusal: the behaviour before the checks; the warnings of a ``p.grad``
+   changed after the exchange took it, or before the step applied it, would then fire once in vain).
 9. ``ddp_ignored_names``: the names of the parameters ``DistributedDataParallel`` does not
    reduce (``_set_params_and_buffers_to_ignore_for_model``, ``delay_all_reduce_named_params``),
    read from its ``parameters_to_ignore`` set (torch 2.13). ``hvd_topk.ddp.register`` leaves
    them out of what ``named_parameters=`` and ``optimizer=`` must cover. If the attribute goes,
    the set is empty, and such a parameter is asked for there as any other.
+10. ``after_backward``: runs a function once the current backward has finished *and* DDP has
+   written ``p.grad``, through ``torch.autograd.Variable._execution_engine.queue_callback``
+   (torch 2.13; DDP's and FSDP's Python code use it). DDP's reducer queues its end-of-backward
+   work (which copies each bucket's result into ``p.grad``) when the last bucket is ready, after
+   the hooks ran; final callbacks run in order, and one queued while they run comes after those
+   queued before, so a callback that queues the function from the first bucket's hook lands
+   after the reducer's. The DDP hook then records ``p.grad`` as written, to tell a clipping of
+   ``LocalAdamW``'s update before its step. If the call goes, nothing is recorded and nothing warned.
 """
 
 import sys
@@ -141,6 +150,15 @@ def ddp_ignored_names(model):
     """The names of ``model``'s (a ``DistributedDataParallel``) parameters it does not reduce
     (see the module docstring, 9)."""
     return set(getattr(model, "parameters_to_ignore", ()) or ())
+
+
+def after_backward(function):
+    """Run ``function()`` after this backward's final callbacks, DDP's among them (see the
+    module docstring, 10). Only inside a backward; elsewhere (or without the call) nothing."""
+    engine = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
+    queue = getattr(engine, "queue_callback", None)
+    if queue is not None and backward_running():
+        queue(lambda: queue(function))
 
 
 def written(tensor):

@@ -47,10 +47,10 @@ from hvd_topk import agreement, auto, checkpoint
 from hvd_topk import ddp_exchange as exchange
 from hvd_topk.codec import Codec
 from hvd_topk.compact import check_compact, check_compact_use
-from hvd_topk._torch import backward_running, ddp_ignored_names, still_written, written
+from hvd_topk._torch import after_backward, backward_running, ddp_ignored_names, still_written, written
 from hvd_topk.loss_scale import ResidualScale, check_grad_scaler, is_loss_scale
 from hvd_topk.optim import momentum_in_residual, residual_decay_of
-from hvd_topk.optim._common import ADAPTIVE, ADAPTIVE_WHY, adaptive_name
+from hvd_topk.optim._common import ADAPTIVE, ADAPTIVE_WHY, UPDATE_CHANGED, adaptive_name, named_few
 from hvd_topk.schedule import DEFAULT_START, DensitySchedule
 from hvd_topk.stats import DENSE_FP32_BYTES, CompressionStats
 from hvd_topk.checks import (EXCHANGES, NAMED_PARAMETERS_ERROR, check_choice, check_flag, check_integer, check_number,
@@ -80,6 +80,21 @@ def _count_optimizer_step(optimizer, args, kwargs):
     _OPTIMIZER_STEPS[0] += 1
     if _PLAIN_STATES and isinstance(optimizer, ADAPTIVE) and optimizer not in _ADAPTIVE_CHECKED:
         _warn_adaptive_behind_hook(optimizer)
+
+
+def _check_updates_unchanged(state):
+    """``optimizer=``'s step pre-hook: warn once where ``p.grad``, the ranks' averaged update DDP
+    wrote after backward, was changed before the step (clipped, as a dense AdamW loop does)."""
+    if state is None or not state.updates_written:
+        return
+    written_, state.updates_written = state.updates_written, None
+    changed = [p for p, record in written_ if not still_written(record, p.grad)]
+    if changed and not state._warned_update_changed:
+        state._warned_update_changed = True
+        names = named_few(state.names.get(p, f"a {tuple(p.shape)} parameter") for p in changed) if state.names else \
+            f"{len(changed)} of the model's parameters"
+        warnings.warn(UPDATE_CHANGED.format(front="hvd_topk.ddp", inner=type(state.optimizer).__name__,
+                                            names=names, when="backward()"), stacklevel=outside_level())
 
 
 def _warn_adaptive_behind_hook(optimizer):
@@ -197,6 +212,11 @@ class TopKState:
         self._warned_not_stepped = False
         if self.error_feedback and optimizer is None:
             _PLAIN_STATES.add(self)
+        self.updates_written = None  # [(p, _torch.written(p.grad))] once DDP wrote this step's updates
+        self._warned_update_changed = False
+        if optimizer is not None:  # its step checks that p.grad is still the update DDP wrote
+            state = weakref.ref(self)
+            optimizer.register_step_pre_hook(lambda opt, args, kwargs: _check_updates_unchanged(state()))
         # LocalAdamW's finite= (the hook checks a bucket at once); an optimizer of the user's own
         # may define transform_local_gradient(param, grad, ranks) only
         self._pass_finite = optimizer is not None and "finite" in inspect.signature(
@@ -539,6 +559,12 @@ class TopKState:
                                  f"(shape {tuple(p.shape)}) of a DDP bucket: pass the DDP model's own "
                                  "model.named_parameters(), all of them")
 
+    def _note_updates_written(self):
+        """After this backward, once DDP has written the step's updates into ``p.grad``: a record
+        of each, for the optimizer's step to tell whether it was changed since (clipped)."""
+        self.updates_written = [(p, written(p.grad)) for layout in self.layouts.values() for p in layout.params
+                                if p.grad is not None]
+
     def _not_stepped(self):
         """A new step's first bucket while ``optimizer=`` still holds the last step's updates
         (LocalAdamW, DeMo: neither its ``step()`` nor its ``zero_grad()`` ran since): another
@@ -748,6 +774,9 @@ def topk_hook(state, bucket):
         state.residual_scale.follow([state])
         if state.optimizer is not None and getattr(state.optimizer, "_transformed", None) and not joined:
             state._not_stepped()
+        if state.optimizer is not None and not joined and not state._warned_update_changed:
+            state.updates_written = None
+            after_backward(state._note_updates_written)
     buffer = bucket.buffer()
     world = state.world_size
     params = bucket.parameters()

@@ -43,6 +43,7 @@ from hvd_topk.checks import DENSE_EXCHANGES
 from hvd_topk.codec import Codec
 from hvd_topk.compact import check_compact_use
 from hvd_topk.loss_scale import ResidualScale
+from hvd_topk.optim._common import named_few
 from hvd_topk.planner import ExchangePlanner
 from hvd_topk.rank_checks import (check_parameters_unchanged, check_ranks_agree, check_step_start, differing_options,
                                   parameter_signature, process_set_size)
@@ -564,8 +565,7 @@ class TopKEngine:
         changed = [p for p in self.params if id(p) in taken and not still_written(taken[id(p)], p.grad)]
         if changed:
             self.warned_grad_changed = True
-            names = ", ".join(repr(self.names[p]) for p in changed[:3]) + (
-                f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+            names = named_few(self.names[p] for p in changed)
             fix = (f"Over {self.inner_name}, p.grad after synchronize() holds the ranks' averaged update, not a "
                    "gradient: do not clip it." if self.transform is not None else CLIP_AFTER_SYNCHRONIZE)
             warnings.warn(GRAD_CHANGED.format(names=names, fix=fix), stacklevel=outside_level())

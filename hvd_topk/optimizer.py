@@ -23,7 +23,7 @@ from hvd_topk.checkpoint import STATE_KEY
 from hvd_topk.engine import STEP_KEY, STEPPED_THE_INNER, TopKEngine
 from hvd_topk.loss_scale import check_grad_scaler
 from hvd_topk.optim import momentum_in_residual, residual_decay_of
-from hvd_topk.optim._common import ADAPTIVE, ADAPTIVE_WHY, adaptive_name
+from hvd_topk.optim._common import ADAPTIVE, ADAPTIVE_WHY, UPDATE_CHANGED, adaptive_name, named_few
 from hvd_topk.options import Options
 from hvd_topk.schedule import DEFAULT_START
 from hvd_topk.checks import NAMED_PARAMETERS_ERROR, check_integer, check_number, warn_ignored, warn_momentum_sent_whole
@@ -542,11 +542,8 @@ def _warn_update_changed(engine):
     changed = engine.update_changed()
     if changed:
         engine.warned_update_changed = True
-        names = ", ".join(map(repr, changed[:3])) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
-        warnings.warn(f"hvd_topk.DistributedOptimizer over {engine.inner_name}: p.grad of {names} was changed between "
-                      "synchronize() and the step (gradient clipping?). Over it p.grad holds the ranks' averaged "
-                      "update (its own normalised step), not a gradient, so the change alters the step every rank "
-                      "agreed on; it needs no clipping (the recipe's results ran without). (Warned once.)",
+        warnings.warn(UPDATE_CHANGED.format(front="hvd_topk.DistributedOptimizer", inner=engine.inner_name,
+                                            names=named_few(changed), when="synchronize()"),
                       stacklevel=outside_level())
 
 

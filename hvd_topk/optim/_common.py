@@ -16,6 +16,20 @@ from hvd_topk.checks import check_number, is_number
 # torch's adaptive optimizers (and their subclasses): each divides by a running second moment,
 # which error feedback's late bursts inflate (LocalAdamW runs Adam before the exchange)
 ADAPTIVE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax)
+# p.grad changed between the exchange's writing the ranks' averaged update (LocalAdamW, DeMo) and
+# the step that applies it: a dense loop's gradient clipping, which here shrinks the agreed step
+UPDATE_CHANGED = ("{front} over {inner}: p.grad of {names} was changed between {when} and the step (gradient "
+                  "clipping?). Over it p.grad holds the ranks' averaged update (its own normalised step), not a "
+                  "gradient, so the change alters the step every rank agreed on; it needs no clipping (the "
+                  "recipe's results ran without). (Warned once.)")
+
+
+def named_few(names):
+    """``'a', 'b', 'c' and 2 more``: a warning's list of parameters."""
+    names = list(names)
+    return ", ".join(map(repr, names[:3])) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 ADAPTIVE_WHY = ("Adam normalises error feedback's late bursts away: +10.8% validation loss at 300 steps, +32.7% "
                 "at 1000, on docs/adamw.md's GPT")
 

@@ -944,6 +944,44 @@ def check_plain_adam_behind_hook_warns():
     assert not [w for w in caught if "the DDP hook compresses" in str(w.message)], "an Adam the hook does not serve"
 
 
+def _local_adamw_clipped(clip, view):
+    """Three steps of the LocalAdamW recipe through the hook, ``clip``: ``clip_grad_norm_``
+    between backward() and the step; ``view``: DDP's ``gradient_as_bucket_view``. The model and
+    the messages of the changed-update warning."""
+    torch.manual_seed(0)
+    model = Net().to(DEVICE)
+    ddp = DDP(model, bucket_cap_mb=0.005, gradient_as_bucket_view=view)
+    inner = hvd_topk.LocalAdamW(model.parameters(), lr=1e-2, betas=(0.0, 0.95))
+    state = hvd_topk.ddp.TopKState(density=0.05, optimizer=inner, exchange="allgather", min_numel=MIN_NUMEL,
+                                   named_parameters=model.named_parameters())
+    hvd_topk.ddp.register(ddp, state)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            x, y = batch(step, dist.get_rank())
+            inner.zero_grad(set_to_none=True)
+            F.cross_entropy(ddp(x), y).backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            inner.step()
+    return model, [str(w.message) for w in caught if "was changed between backward()" in str(w.message)]
+
+
+def check_clipping_local_adamw_update_warns(view):
+    """Over LocalAdamW, after backward ``p.grad`` holds the ranks' averaged update, which DDP
+    wrote there (a copy, or the bucket itself with ``gradient_as_bucket_view``): a dense loop's
+    ``clip_grad_norm_`` before the step alters the step every rank agreed on. One warning on every
+    rank, naming a parameter; the plain loop is not warned of. Truth for the clipped run: its
+    weights differ from the plain run's (the clipping was applied), alike on every rank."""
+    clipped, said = _local_adamw_clipped(True, view)
+    plain, quiet = _local_adamw_clipped(False, view)
+    assert quiet == [], quiet
+    assert len(said) == 1 and "over LocalAdamW" in said[0] and "'fc1.weight'" in said[0], said
+    assert not torch.equal(clipped.fc1.weight, plain.fc1.weight), "the clipping was not applied"
+    for name, p in clipped.named_parameters():
+        assert_same_on_all_ranks(p.detach().cpu().numpy(), f"clipped LocalAdamW update: {name}")
+
+
 def check_resume_fewer_sparse():
     """A checkpoint loaded with a larger min_numel (1000: fc2 and head2, 960 elements each, go
     dense): their saved residuals are dropped with a warning naming them, at the end of the first
@@ -1486,6 +1524,10 @@ CHECKS = [
     ("checkpoint loaded with a larger min_numel: residuals of now-dense tensors dropped", check_resume_fewer_sparse),
     ("a checkpoint saved between backward() and step() warns", check_save_between_backward_and_step_warns),
     ("torch's Adam behind the hook with error feedback warns once", check_plain_adam_behind_hook_warns),
+    ("clip_grad_norm_ of LocalAdamW's update before its step warns once",
+     lambda: check_clipping_local_adamw_update_warns(view=False)),
+    ("clip_grad_norm_ of LocalAdamW's update before its step warns once, gradient_as_bucket_view",
+     lambda: check_clipping_local_adamw_update_warns(view=True)),
     ("non-finite gradient", check_nonfinite),
     ("non-finite gradient, flags kept on the device as on a GPU", lambda: check_nonfinite(host_reads=False)),
     ("non-finite gradient, LocalAdamW's moments stay finite", check_nonfinite_local_adamw),
