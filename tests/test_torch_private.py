@@ -49,3 +49,26 @@ def test_still_written_sees_in_place_changes_and_replacements():
     record = written(grad)
     grad.zero_()
     assert not still_written(record, grad)
+
+
+def test_after_backward_runs_after_the_backwards_own_final_callbacks():
+    """``_torch.after_backward``: queued from inside a backward (a gradient hook), the function
+    runs once, after the backward's final callbacks queued before it and those they queue (DDP's
+    reducer writes p.grad in one), and before ``backward()`` returns; outside a backward, never."""
+    from hvd_topk._torch import after_backward
+
+    engine = torch.autograd.Variable._execution_engine
+    order = []
+    x = torch.ones(3, requires_grad=True)
+
+    def hook(grad):
+        engine.queue_callback(lambda: order.append("queued before"))  # as DDP's reducer
+        after_backward(lambda: order.append("after_backward"))
+        engine.queue_callback(lambda: order.append("queued after"))
+        return grad
+
+    x.register_hook(hook)
+    (x * 2).sum().backward()
+    assert order == ["queued before", "queued after", "after_backward"], order
+    after_backward(lambda: order.append("outside"))
+    assert order[-1] == "after_backward", order
