@@ -158,7 +158,10 @@ def after_backward(function):
     engine = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
     queue = getattr(engine, "queue_callback", None)
     if queue is not None and backward_running():
-        queue(lambda: queue(function))
+        try:
+            queue(lambda: queue(function))
+        except RuntimeError:  # not inside a backward after all (backward_running's fallback)
+            pass
 
 
 def written(tensor):

@@ -53,8 +53,9 @@ from hvd_topk.optim import momentum_in_residual, residual_decay_of
 from hvd_topk.optim._common import ADAPTIVE, ADAPTIVE_WHY, UPDATE_CHANGED, adaptive_name, named_few
 from hvd_topk.schedule import DEFAULT_START, DensitySchedule
 from hvd_topk.stats import DENSE_FP32_BYTES, CompressionStats
-from hvd_topk.checks import (EXCHANGES, NAMED_PARAMETERS_ERROR, check_choice, check_flag, check_integer, check_number,
-                             check_residual_decay, check_target_density, warn_ignored, warn_momentum_sent_whole)
+from hvd_topk.checks import (DENSE_EXCHANGES, EXCHANGES, NAMED_PARAMETERS_ERROR, check_choice, check_flag,
+                             check_integer, check_number, check_residual_decay, check_target_density, warn_ignored,
+                             warn_momentum_sent_whole)
 from hvd_topk.selection import DEFAULT_METHOD, NATIVE_IN_USE, native_in_use
 
 TRIAL_FROM_STEP = 2  # DDP rebuilds its buckets after its first step: measure from the third
@@ -101,20 +102,24 @@ def _warn_adaptive_behind_hook(optimizer):
     """Warn once where ``optimizer`` (torch's Adam family) steps parameters whose gradients a
     ``TopKState`` compresses with error feedback and no ``optimizer=``: Adam behind error
     feedback trains worse (``hvd_topk.optim._common.ADAPTIVE_WHY``). Looked at after its first
-    step whose parameters some state has seen in a bucket."""
+    step whose parameters some state has seen in a bucket; looked at again while a state has
+    seen none. Tensors that always travel dense (under ``min_numel``) hold nothing back."""
     mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    seen = [state for state in _PLAIN_STATES if state.layouts]
-    if not seen:
-        return  # no bucket exchanged yet: look again at the next step
-    _ADAPTIVE_CHECKED.add(optimizer)
-    if any(mine & {id(p) for layout in state.layouts.values() for p in layout.params} for state in seen):
+    states = list(_PLAIN_STATES)
+    seen = [state for state in states if state.layouts]
+    held_back = {id(layout.params[i]) for state in seen for layout in state.layouts.values() for i in layout.sparse}
+    if mine & held_back:
+        _ADAPTIVE_CHECKED.add(optimizer)
         warnings.warn(
-            f"hvd_topk.ddp: the DDP hook compresses with error feedback the gradients {adaptive_name(type(optimizer))} "
-            f"steps, which trains worse than dense ({ADAPTIVE_WHY}). The recipe: inner = hvd_topk.LocalAdamW("
-            "model.parameters(), lr, betas=(0.0, 0.95), weight_decay=...); state = hvd_topk.ddp.TopKState(density=0.01, "
-            "fp16_values=True, optimizer=inner, warmup_steps=100, warmup_density=1.0, exchange=\"allgather\"); "
+            f"hvd_topk.ddp: the DDP hook compresses with error feedback the gradients that "
+            f"{adaptive_name(type(optimizer))} applies, which trains worse than dense ({ADAPTIVE_WHY}). "
+            "The recipe: inner = hvd_topk.LocalAdamW(model.parameters(), lr, betas=(0.0, 0.95), weight_decay=...); "
+            "state = hvd_topk.ddp.TopKState(density=0.01, fp16_values=True, optimizer=inner, warmup_steps=100, "
+            "warmup_density=1.0, exchange=\"allgather\"); "
             "inner.step() (README.md, 'Transformers with AdamW'; docs/ddp.md). (Warned once.)",
             stacklevel=outside_level())
+    elif len(seen) == len(states):  # every state has seen its buckets: none serves this optimizer
+        _ADAPTIVE_CHECKED.add(optimizer)
 
 
 register_optimizer_step_post_hook(_count_optimizer_step)
@@ -210,13 +215,15 @@ class TopKState:
                             f"(hvd_topk.LocalAdamW, hvd_topk.DeMo), got {type(optimizer).__name__}")
         self.optimizer = optimizer
         self._warned_not_stepped = False
-        if self.error_feedback and optimizer is None:
-            _PLAIN_STATES.add(self)
+        if self.error_feedback and optimizer is None and exchange not in DENSE_EXCHANGES:
+            _PLAIN_STATES.add(self)  # (a pinned dense exchange holds nothing back)
         self.updates_written = None  # [(p, _torch.written(p.grad))] once DDP wrote this step's updates
         self._warned_update_changed = False
-        if optimizer is not None:  # its step checks that p.grad is still the update DDP wrote
+        register = getattr(optimizer, "register_step_pre_hook", None)  # (a torch optimizer's)
+        if register is not None:  # its step checks that p.grad is still the update DDP wrote
             state = weakref.ref(self)
-            optimizer.register_step_pre_hook(lambda opt, args, kwargs: _check_updates_unchanged(state()))
+            handle = register(lambda opt, args, kwargs: _check_updates_unchanged(state()))
+            weakref.finalize(self, handle.remove)
         # LocalAdamW's finite= (the hook checks a bucket at once); an optimizer of the user's own
         # may define transform_local_gradient(param, grad, ranks) only
         self._pass_finite = optimizer is not None and "finite" in inspect.signature(
@@ -774,9 +781,13 @@ def topk_hook(state, bucket):
         state.residual_scale.follow([state])
         if state.optimizer is not None and getattr(state.optimizer, "_transformed", None) and not joined:
             state._not_stepped()
-        if state.optimizer is not None and not joined and not state._warned_update_changed:
-            state.updates_written = None
-            after_backward(state._note_updates_written)
+        state.updates_written = None
+    if last and state.optimizer is not None and not joined and not state._warned_update_changed \
+            and not getattr(state.optimizer, "sum_invariant", False):  # (DeMo: a common factor changes nothing)
+        # from the last bucket: the reducer queues its write of p.grad in this same call, into the
+        # same backward's callbacks (the first bucket may come in a nested backward: reentrant
+        # activation checkpointing), and after_backward lands after it
+        after_backward(state._note_updates_written)
     buffer = bucket.buffer()
     world = state.world_size
     params = bucket.parameters()

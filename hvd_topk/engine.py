@@ -68,10 +68,11 @@ NOTHING_TO_EXCHANGE = (
     "backward()). If you wrote gradients by hand through p.grad.data.copy_(...), PyTorch does not count that as "
     "a change and they were NOT exchanged: write p.grad.copy_(...) or assign p.grad instead. (Warned once.)")
 GRAD_CHANGED = (
-    "hvd_topk.DistributedOptimizer: p.grad of {names} was changed in place or replaced after backward() handed it "
-    "to the exchange and before synchronize() (gradient clipping before step()?): this rank's gradient was "
-    "already taken in during backward(), so the change does not reach the exchanged result (as under Horovod, "
-    "in silence there). {fix} (Warned once.)")
+    "hvd_topk.DistributedOptimizer: p.grad of {names} was written to or replaced after backward() handed it to "
+    "the exchange and before synchronize() (gradient clipping before step()?): this rank's gradient was already "
+    "taken in during backward() (but for a bucket still waiting at synchronize() for a gradient this rank did not "
+    "compute), so the change does not reach the exchanged result (as under Horovod, in silence there). {fix} "
+    "(Warned once.)")
 CLIP_AFTER_SYNCHRONIZE = ("To clip the ranks' averaged gradient, as with Horovod: opt.synchronize(); "
                           "torch.nn.utils.clip_grad_norm_(...); with opt.skip_synchronize(): opt.step().")
 STEP_KEY = "hvd_topk_step"  # in the optimizer's first param group (see TopKEngine.step)

@@ -26,7 +26,8 @@ from hvd_topk.optim import momentum_in_residual, residual_decay_of
 from hvd_topk.optim._common import ADAPTIVE, ADAPTIVE_WHY, UPDATE_CHANGED, adaptive_name, named_few
 from hvd_topk.options import Options
 from hvd_topk.schedule import DEFAULT_START
-from hvd_topk.checks import NAMED_PARAMETERS_ERROR, check_integer, check_number, warn_ignored, warn_momentum_sent_whole
+from hvd_topk.checks import (DENSE_EXCHANGES, NAMED_PARAMETERS_ERROR, check_integer, check_number, warn_ignored,
+                             warn_momentum_sent_whole)
 
 ENGINE = "_hvd_topk"  # the one attribute hvd_topk adds to the user's optimizer
 LOCAL = "_hvd_topk_local"  # hvd_topk.LocalSteps' one attribute (local_steps.py), checked here too
@@ -177,7 +178,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=TopK,
                          "a step as many times as long as there are ranks (AdamW's own step does not grow when "
                          "gradients are summed, so hvd.DistributedOptimizer(AdamW, op=hvd.Sum) trains as with "
                          "Average). Use op=hvd.Average, the default.")
-    if error_feedback and isinstance(optimizer, ADAPTIVE):
+    if error_feedback and isinstance(optimizer, ADAPTIVE) and exchange not in DENSE_EXCHANGES:  # (dense: nothing held)
         warnings.warn(ADAM_WARNING.format(adaptive_name(type(optimizer))), stacklevel=outside_level())
     if momentum_correction:
         check_single_momentum(optimizer)
@@ -359,7 +360,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             else:
                 self.synchronize()  # (nothing left to do after scaler.step's exchange)
                 engine.count_repeat()
-        if engine.transform is not None and not engine.warned_update_changed:
+        # (not DeMo: its normalisation ignores a common factor, such as clipping's)
+        if engine.transform is not None and not engine.warned_update_changed \
+                and not getattr(self, "sum_invariant", False):
             _warn_update_changed(engine)
         # a fused inner optimizer is stepped by GradScaler even after an overflow and skips inside
         # its kernel: the scaler's found_inf says so (read only while auto's trial times steps)

@@ -18,10 +18,10 @@ from hvd_topk.checks import check_number, is_number
 ADAPTIVE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax)
 # p.grad changed between the exchange's writing the ranks' averaged update (LocalAdamW, DeMo) and
 # the step that applies it: a dense loop's gradient clipping, which here shrinks the agreed step
-UPDATE_CHANGED = ("{front} over {inner}: p.grad of {names} was changed between {when} and the step (gradient "
-                  "clipping?). Over it p.grad holds the ranks' averaged update (its own normalised step), not a "
-                  "gradient, so the change alters the step every rank agreed on; it needs no clipping (the "
-                  "recipe's results ran without). (Warned once.)")
+UPDATE_CHANGED = ("{front} over {inner}: p.grad of {names} was written to between {when} and the step (gradient "
+                  "clipping? torch's clip_grad_norm_ multiplies in place even under its limit). Over it p.grad holds "
+                  "the ranks' averaged update (its own normalised step), not a gradient, so clipping may alter the "
+                  "step every rank agreed on; it needs no clipping (the recipe's results ran without). (Warned once.)")
 
 
 def named_few(names):

@@ -346,17 +346,22 @@ def check_clipping_before_step_warns(inner, exchange):
     """``clip_grad_norm_`` between ``backward()`` and ``step()``, no ``synchronize()`` first (a
     dense loop's habit): the hooks took each rank's gradient in during backward, so the
     clipping never reaches the exchange. Truth: the same run without the clipping, whose
-    weights these equal bit for bit; and one warning on every rank (not one a step), naming a
+    weights these equal bit for bit (over a dense allreduce to rounding: Horovod's fusion at 3
+    ranks sums in an order timing picks), where a clip to 1e-3 would move them far; and one warning on every rank (not one a step), naming a
     parameter and the fix for the inner optimizer."""
     clipped, said = _changed_gradient_run(inner, "clip before step", exchange)
     plain, quiet = _changed_gradient_run(inner, "plain", exchange)
     assert quiet == [], quiet
     assert len(said) == 1, said
-    assert "'fc1.weight'" in said[0] and "changed" in said[0], said[0]
+    assert "'fc1.weight'" in said[0] and "written to or replaced" in said[0], said[0]
     fix = "do not clip it" if inner == "LocalAdamW" else "opt.skip_synchronize()"
     assert fix in said[0], said[0]
     for (name, p), q in zip(clipped.named_parameters(), plain.parameters()):
-        assert torch.equal(p, q), f"{inner}, {exchange}: {name} differs from the run without clipping"
+        if exchange == "dense":  # at 3 ranks Horovod's fused ring sums in an order timing picks: not bitwise
+            np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=1e-5, atol=1e-7,
+                                       err_msg=f"{inner}, {exchange}: {name} differs from the run without clipping")
+        else:
+            assert torch.equal(p, q), f"{inner}, {exchange}: {name} differs from the run without clipping"
         assert_same_on_all_ranks(p.detach().numpy(), f"{inner}, {exchange}, clipped before step: {name}")
 
 

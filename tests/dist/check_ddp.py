@@ -916,7 +916,7 @@ def check_plain_adam_behind_hook_warns():
     optimizer; Horovod's front end warns at construction). SGD, Adam without error feedback,
     and an Adam over a model the hook does not serve are not warned of."""
     def warned(make_opt, **state_kwargs):
-        model, ddp, state = build(density=0.05, exchange="allgather", **state_kwargs)
+        model, ddp, state = build(**{"density": 0.05, "exchange": "allgather", **state_kwargs})
         opt = make_opt(model)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -927,11 +927,15 @@ def check_plain_adam_behind_hook_warns():
         pass
 
     got = warned(lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3))
-    assert len(got) == 1 and "gradients torch.optim.AdamW steps" in got[0] and "optimizer=inner" in got[0], got
+    assert len(got) == 1 and "gradients that torch.optim.AdamW applies" in got[0] and "optimizer=inner" in got[0], got
     got = warned(lambda model: MyAdam(model.parameters(), lr=1e-3))
     assert len(got) == 1 and "MyAdam (a torch.optim.Adam)" in got[0], got
     assert warned(lambda model: torch.optim.SGD(model.parameters(), lr=0.1)) == []
     assert warned(lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3), error_feedback=False) == []
+    assert warned(lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3), exchange="dense") == []
+    served, ddp, state = build(density=0.05, exchange="allgather")  # a state that has seen its buckets,
+    train(ddp, torch.optim.SGD(served.parameters(), lr=0.1), 1)      # alive while an unrelated Adam steps
+    assert state.layouts
     other = Net()  # not behind the hook: its own gradients, no DDP
     adam = torch.optim.AdamW(other.parameters(), lr=1e-3)
     with warnings.catch_warnings(record=True) as caught:
@@ -964,7 +968,7 @@ def _local_adamw_clipped(clip, view):
             if clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
             inner.step()
-    return model, [str(w.message) for w in caught if "was changed between backward()" in str(w.message)]
+    return model, [str(w.message) for w in caught if "was written to between backward()" in str(w.message)]
 
 
 def check_clipping_local_adamw_update_warns(view):
