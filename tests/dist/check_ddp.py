@@ -909,6 +909,22 @@ def check_save_between_backward_and_step_warns():
     assert not saved_warnings(), "after a fused AdamW's step()"
 
 
+def _messages_of_steps(forward, opt, steps, clip=None):
+    """The warnings' messages of ``steps`` training steps (``forward`` the model or its DDP
+    wrapper, ``opt`` stepped); ``clip``: parameters to ``clip_grad_norm_`` to 1e-3 between
+    backward() and the step."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            x, y = batch(step, dist.get_rank())
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(forward(x), y).backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(clip, 1e-3)
+            opt.step()
+    return [str(w.message) for w in caught]
+
+
 def check_plain_adam_behind_hook_warns():
     """torch's Adam family stepping parameters the hook compresses with error feedback and no
     ``optimizer=`` (the configuration that ends +32.7% on docs/adamw.md's GPT): one warning on
@@ -937,15 +953,8 @@ def check_plain_adam_behind_hook_warns():
     train(ddp, torch.optim.SGD(served.parameters(), lr=0.1), 1)      # alive while an unrelated Adam steps
     assert state.layouts
     other = Net()  # not behind the hook: its own gradients, no DDP
-    adam = torch.optim.AdamW(other.parameters(), lr=1e-3)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(2):
-            x, y = batch(step, dist.get_rank())
-            adam.zero_grad(set_to_none=True)
-            F.cross_entropy(other(x), y).backward()
-            adam.step()
-    assert not [w for w in caught if "the DDP hook compresses" in str(w.message)], "an Adam the hook does not serve"
+    said = _messages_of_steps(other, torch.optim.AdamW(other.parameters(), lr=1e-3), 2)
+    assert not [m for m in said if "the DDP hook compresses" in m], "an Adam the hook does not serve"
 
 
 def _local_adamw_clipped(clip, view):
@@ -959,16 +968,8 @@ def _local_adamw_clipped(clip, view):
     state = hvd_topk.ddp.TopKState(density=0.05, optimizer=inner, exchange="allgather", min_numel=MIN_NUMEL,
                                    named_parameters=model.named_parameters())
     hvd_topk.ddp.register(ddp, state)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(3):
-            x, y = batch(step, dist.get_rank())
-            inner.zero_grad(set_to_none=True)
-            F.cross_entropy(ddp(x), y).backward()
-            if clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
-            inner.step()
-    return model, [str(w.message) for w in caught if "was written to between backward()" in str(w.message)]
+    said = _messages_of_steps(ddp, inner, 3, clip=list(model.parameters()) if clip else None)
+    return model, [m for m in said if "was written to between backward()" in m]
 
 
 def check_clipping_local_adamw_update_warns(view):
