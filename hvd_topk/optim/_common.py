@@ -21,7 +21,8 @@ ADAPTIVE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.
 UPDATE_CHANGED = ("{front} over {inner}: p.grad of {names} was written to between {when} and the step (gradient "
                   "clipping? torch's clip_grad_norm_ multiplies in place even under its limit). Over it p.grad holds "
                   "the ranks' averaged update (its own normalised step), not a gradient, so clipping may alter the "
-                  "step every rank agreed on; it needs no clipping (the recipe's results ran without). (Warned once.)")
+                  "step every rank agreed on; it needs no clipping (the recipe's results ran without; clipped to "
+                  "norm 1.0 it ended +27.1% on docs/adamw.md's GPT). (Warned once.)")
 
 
 def named_few(names):
