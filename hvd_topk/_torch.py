@@ -64,9 +64,10 @@ Checked against torch 2.13 (``CHECKED_VERSION``). Each private detail relied on:
    written ``p.grad``, through ``torch.autograd.Variable._execution_engine.queue_callback``
    (torch 2.13; DDP's and FSDP's Python code use it). DDP's reducer queues its end-of-backward
    work (which copies each bucket's result into ``p.grad``) when the last bucket is ready, after
-   the hooks ran; final callbacks run in order, and one queued while they run comes after those
-   queued before, so a callback that queues the function from the first bucket's hook lands
-   after the reducer's. The DDP hook then records ``p.grad`` as written, to tell a clipping of
+   the last bucket's hook ran; final callbacks run in order, and one queued while they run comes
+   after those queued before, so a callback that queues the function from that hook lands after
+   the reducer's (the DDP hook calls it from the step's last bucket: the first may come in a
+   nested backward, under reentrant activation checkpointing, whose callbacks run earlier). The DDP hook then records ``p.grad`` as written, to tell a clipping of
    ``LocalAdamW``'s update before its step. If the call goes, nothing is recorded and nothing warned.
 """
 

@@ -16,23 +16,16 @@ from hvd_topk.checks import check_number, is_number
 # torch's adaptive optimizers (and their subclasses): each divides by a running second moment,
 # which error feedback's late bursts inflate (LocalAdamW runs Adam before the exchange)
 ADAPTIVE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax)
-# p.grad changed between the exchange's writing the ranks' averaged update (LocalAdamW, DeMo) and
-# the step that applies it: a dense loop's gradient clipping, which here shrinks the agreed step
+ADAPTIVE_WHY = ("Adam normalises error feedback's late bursts away: +10.8% validation loss at 300 steps, +32.7% "
+                "at 1000, on docs/adamw.md's GPT")
+# p.grad changed between the exchange's writing the ranks' averaged update (LocalAdamW; not DeMo,
+# whose normalisation ignores a common factor) and the step that applies it: a dense loop's
+# gradient clipping, which here shrinks the agreed step
 UPDATE_CHANGED = ("{front} over {inner}: p.grad of {names} was written to between {when} and the step (gradient "
                   "clipping? torch's clip_grad_norm_ multiplies in place even under its limit). Over it p.grad holds "
                   "the ranks' averaged update (its own normalised step), not a gradient, so clipping may alter the "
                   "step every rank agreed on; it needs no clipping (the recipe's results ran without; clipped to "
                   "norm 1.0 it ended +27.1% on docs/adamw.md's GPT). (Warned once.)")
-
-
-def named_few(names):
-    """``'a', 'b', 'c' and 2 more``: a warning's list of parameters."""
-    names = list(names)
-    return ", ".join(map(repr, names[:3])) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-
-ADAPTIVE_WHY = ("Adam normalises error feedback's late bursts away: +10.8% validation loss at 300 steps, +32.7% "
-                "at 1000, on docs/adamw.md's GPT")
 
 
 def adaptive_name(cls):
@@ -41,6 +34,12 @@ def adaptive_name(cls):
         return f"torch.optim.{cls.__name__}"
     base = next(c for c in cls.__mro__ if c in ADAPTIVE)
     return f"{cls.__name__} (a torch.optim.{base.__name__})"
+
+
+def named_few(names):
+    """``'a', 'b', 'c' and 2 more``: a warning's list of parameters."""
+    names = list(names)
+    return ", ".join(map(repr, names[:3])) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 class _CheckedGroups(torch.optim.Optimizer):
