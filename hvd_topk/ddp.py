@@ -40,89 +40,26 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from hvd_topk._stack import outside_level
-from hvd_topk import agreement, auto, checkpoint
+from hvd_topk import auto, checkpoint, ddp_checkpoint, ddp_checks
 from hvd_topk import ddp_exchange as exchange
 from hvd_topk.codec import Codec
 from hvd_topk.compact import check_compact, check_compact_use
-from hvd_topk._torch import after_backward, backward_running, ddp_ignored_names, still_written, written
-from hvd_topk.loss_scale import ResidualScale, check_grad_scaler, is_loss_scale
+from hvd_topk._torch import after_backward, backward_running, written
+from hvd_topk.loss_scale import ResidualScale, check_grad_scaler
 from hvd_topk.optim import momentum_in_residual, residual_decay_of
-from hvd_topk.optim._common import ADAPTIVE, ADAPTIVE_WHY, UPDATE_CHANGED, adaptive_name, named_few
 from hvd_topk.schedule import DEFAULT_START, DensitySchedule
 from hvd_topk.stats import DENSE_FP32_BYTES, CompressionStats
-from hvd_topk.checks import (DENSE_EXCHANGES, EXCHANGES, NAMED_PARAMETERS_ERROR, check_choice, check_flag,
-                             check_integer, check_number, check_residual_decay, check_target_density, warn_ignored,
-                             warn_momentum_sent_whole)
-from hvd_topk.selection import DEFAULT_METHOD, NATIVE_IN_USE, native_in_use
+from hvd_topk.checks import (DENSE_EXCHANGES, EXCHANGES, check_choice, check_flag, check_integer, check_number,
+                             check_residual_decay, check_target_density, warn_ignored, warn_momentum_sent_whole)
+from hvd_topk.selection import DEFAULT_METHOD
 
 TRIAL_FROM_STEP = 2  # DDP rebuilds its buckets after its first step: measure from the third
-DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-STATE_VERSION = 1
-
-# every torch optimizer's completed step() (fused ones move parameters without bumping their
-# version counters): what TopKState.state_dict() asks to tell "after step()" from "before"
-_OPTIMIZER_STEPS = [0]
 
 # the CompressionStats fields state.stats() reports (the others are the Horovod engine's)
 _STATS = ("steps", "bytes_sent", "bytes_dense", "elements_total", "elements_selected", "nonfinite_resets",
           "bytes_ratio", "density")
-
-
-# TopKStates with error feedback and no optimizer=: a torch Adam stepping their parameters is warned
-# of once (the hook never sees the optimizer; _warn_adaptive_behind_hook)
-_PLAIN_STATES = weakref.WeakSet()
-_ADAPTIVE_CHECKED = weakref.WeakSet()  # the torch Adam-family optimizers already looked at
-
-
-def _count_optimizer_step(optimizer, args, kwargs):
-    _OPTIMIZER_STEPS[0] += 1
-    if _PLAIN_STATES and isinstance(optimizer, ADAPTIVE) and optimizer not in _ADAPTIVE_CHECKED:
-        _warn_adaptive_behind_hook(optimizer)
-
-
-def _check_updates_unchanged(state):
-    """``optimizer=``'s step pre-hook: warn once where ``p.grad``, the ranks' averaged update DDP
-    wrote after backward, was changed before the step (clipped, as a dense AdamW loop does)."""
-    if state is None or not state.updates_written:
-        return
-    written_, state.updates_written = state.updates_written, None
-    changed = [p for p, record in written_ if not still_written(record, p.grad)]
-    if changed and not state._warned_update_changed:
-        state._warned_update_changed = True
-        names = named_few(state.names.get(p, f"a {tuple(p.shape)} parameter") for p in changed) if state.names else \
-            f"{len(changed)} of the model's parameters"
-        warnings.warn(UPDATE_CHANGED.format(front="hvd_topk.ddp", inner=type(state.optimizer).__name__,
-                                            names=names, when="backward()"), stacklevel=outside_level())
-
-
-def _warn_adaptive_behind_hook(optimizer):
-    """Warn once where ``optimizer`` (torch's Adam family) steps parameters whose gradients a
-    ``TopKState`` compresses with error feedback and no ``optimizer=``: Adam behind error
-    feedback trains worse (``hvd_topk.optim._common.ADAPTIVE_WHY``). Looked at after its first
-    step whose parameters some state has seen in a bucket; looked at again while a state has
-    seen none. Tensors that always travel dense (under ``min_numel``) hold nothing back."""
-    mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    states = list(_PLAIN_STATES)
-    seen = [state for state in states if state.layouts]
-    held_back = {id(layout.params[i]) for state in seen for layout in state.layouts.values() for i in layout.sparse}
-    if mine & held_back:
-        _ADAPTIVE_CHECKED.add(optimizer)
-        warnings.warn(
-            f"hvd_topk.ddp: the DDP hook compresses with error feedback the gradients that "
-            f"{adaptive_name(type(optimizer))} applies, which trains worse than dense ({ADAPTIVE_WHY}). "
-            "The recipe: inner = hvd_topk.LocalAdamW(model.parameters(), lr, betas=(0.0, 0.95), weight_decay=...); "
-            "state = hvd_topk.ddp.TopKState(density=0.01, fp16_values=True, optimizer=inner, warmup_steps=100, "
-            "warmup_density=1.0, exchange=\"allgather\"); "
-            "inner.step() (README.md, 'Transformers with AdamW'; docs/ddp.md). (Warned once.)",
-            stacklevel=outside_level())
-    elif len(seen) == len(states):  # every state has seen its buckets: none serves this optimizer
-        _ADAPTIVE_CHECKED.add(optimizer)
-
-
-register_optimizer_step_post_hook(_count_optimizer_step)
 
 
 class TopKState:
@@ -216,13 +153,13 @@ class TopKState:
         self.optimizer = optimizer
         self._warned_not_stepped = False
         if self.error_feedback and optimizer is None and exchange not in DENSE_EXCHANGES:
-            _PLAIN_STATES.add(self)  # (a pinned dense exchange holds nothing back)
+            ddp_checks.PLAIN_STATES.add(self)  # (a pinned dense exchange holds nothing back)
         self.updates_written = None  # [(p, _torch.written(p.grad))] once DDP wrote this step's updates
         self._warned_update_changed = False
         register = getattr(optimizer, "register_step_pre_hook", None)  # (a torch optimizer's)
         if register is not None:  # its step checks that p.grad is still the update DDP wrote
             state = weakref.ref(self)
-            handle = register(lambda opt, args, kwargs: _check_updates_unchanged(state()))
+            handle = register(lambda opt, args, kwargs: ddp_checks.check_updates_unchanged(state()))
             weakref.finalize(self, handle.remove)
         # LocalAdamW's finite= (the hook checks a bucket at once); an optimizer of the user's own
         # may define transform_local_gradient(param, grad, ranks) only
@@ -246,17 +183,10 @@ class TopKState:
         check_grad_scaler(grad_scaler, optimizer)
         self.residual_scale = ResidualScale(grad_scaler)  # the loss scale the residuals are kept in
         # internal
-        # (dist.new_group gives the ranks outside the group a sentinel: the first hook says so)
-        if process_group is not None and not isinstance(process_group, dist.ProcessGroup) and \
-                process_group is not dist.GroupMember.NON_GROUP_MEMBER:
-            number = isinstance(process_group, (int, float)) and not isinstance(process_group, bool)
-            raise TypeError("process_group must be None (the default group) or a torch.distributed process "
-                            f"group (dist.new_group(...), model.process_group), got {process_group!r}"
-                            + (" (the density is a keyword argument: TopKState(density=...))" if number else ""))
-        self.process_group = process_group
+        self.process_group = ddp_checks.check_process_group(process_group)
         self.world_size = self.rank = None       # read at the first hook (the group exists by then)
         self.device = None                      # the gradients' device, read at the first hook
-        self.names = _names(named_parameters) if named_parameters is not None else None
+        self.names = ddp_checks.names_of(named_parameters) if named_parameters is not None else None
         self.iteration = 0
         self.layouts = {}                       # DDP bucket index -> ddp_exchange.BucketLayout
         self.retired = []                       # layouts DDP replaced this step (their residuals move)
@@ -266,7 +196,7 @@ class TopKState:
         self.model_params = set()               # ids of the parameters of the model it serves
         self.seen_whole_model = False           # a step's last bucket has been seen
         self.exchanged_at = []                  # _torch.written(p) for every parameter at the last step's last bucket
-        self.steps_at_exchange = 0              # torch optimizers' steps (_OPTIMIZER_STEPS) then
+        self.steps_at_exchange = 0              # torch optimizers' steps (ddp_checks.OPTIMIZER_STEPS) then
         self.steps_here = 0                     # steps this object has served (a loaded one: since the load)
         self.checked = False
         self.family = None                      # this step's exchange family (see _begin_step)
@@ -299,109 +229,16 @@ class TopKState:
         Call it after ``optimizer.step()`` (or before this step's ``backward()``). In between,
         this step's unsent gradient is already in the residuals, and a run resumed from the
         checkpoint, which does this step again, counts it twice: that warns (no torch optimizer
-        has stepped, ``_OPTIMIZER_STEPS``, and no parameter has changed since the step's last
+        has stepped, ``ddp_checks.OPTIMIZER_STEPS``, and no parameter has changed since the step's last
         bucket). It is not refused, as the Horovod optimizer refuses it, because the hook does
         not know the user's optimizer: a step a ``GradScaler`` skipped changes nothing either."""
-        if self.names is None:
-            raise ValueError("TopKState.state_dict() needs parameter names: build the state with "
-                             "named_parameters=model.named_parameters()")
-        if self.exchanged_at and _OPTIMIZER_STEPS[0] == self.steps_at_exchange \
-                and all(still_written(record, record[0]()) for record in self.exchanged_at):
-            warnings.warn("TopKState.state_dict() was called after this step's backward and before optimizer.step(): "
-                          "this rank's unsent gradient of the step is already in the residuals, so a run resumed from "
-                          "this checkpoint, which does the step again, counts it twice. Save after optimizer.step(). "
-                          "(No torch optimizer has stepped and no parameter has changed since the step's exchange; if "
-                          "your own update writes parameters through .data, or a GradScaler skipped the step, the "
-                          "checkpoint is fine.)", stacklevel=outside_level())
-        # (copies: a loss-scale change rescales the pending ones in place before they are placed)
-        residuals = {name: t.detach().clone() for name, t in self.pending.items()}
-        for layout in self.layouts.values():
-            for p, residual in layout.residuals_by_element():
-                residuals[self.names[p]] = residual.detach().clone(memory_format=torch.contiguous_format).view(-1)
-        rank, world = (self.rank, self.world_size) if self.rank is not None or not dist.is_initialized() \
-            else _group_rank_and_size(self.process_group)  # before the first step
-        members = _group_members(self.process_group) if dist.is_initialized() else None
-        return {"version": STATE_VERSION, "iteration": self.iteration, "rank": rank,
-                "world_size": world, "group_ranks": members, "density": self.density, "residuals": residuals,
-                "residual_scale": self.residual_scale.scale}
+        return ddp_checkpoint.save(self)
 
     def load_state_dict(self, state):
         """Restore ``state_dict()``'s output: the step always; the residuals when the state was
         saved by this rank in a job of this size and in this process group (otherwise they
         restart from zero, with a warning: each rank's residual is its own unsent work)."""
-        version = state.get("version") if isinstance(state, dict) else None
-        if checkpoint.is_count(version) and version > STATE_VERSION:
-            raise ValueError(f"this TopKState checkpoint has version {version}, newer than this hvd_topk's "
-                             f"({STATE_VERSION}): upgrade hvd_topk to load it; nothing was loaded")
-        if version != STATE_VERSION:
-            inside = [k for k, v in state.items() if isinstance(v, dict) and v.get("version") == STATE_VERSION] \
-                if isinstance(state, dict) else []
-            hint = (f": it holds one under {inside[0]!r}; pass checkpoint[{inside[0]!r}]" if inside else
-                    f" (got {type(state).__name__}" + (f" with keys {sorted(map(str, state))[:8]})" if isinstance(state, dict)
-                                                       else ")"))
-            raise ValueError(f"not a hvd_topk.ddp.TopKState state_dict (version {STATE_VERSION}){hint}; nothing was loaded")
-        if self.names is None:
-            raise ValueError("TopKState.load_state_dict() needs parameter names: build the state with "
-                             "named_parameters=model.named_parameters()")
-        # checked whole before anything is applied: a checkpoint that does not fit changes nothing
-        missing = [k for k in ("iteration", "rank", "world_size", "residuals") if k not in state]
-        if missing:
-            raise ValueError(f"the TopKState checkpoint lacks {missing} (truncated, or written by something "
-                             "else); nothing was loaded")
-        for key in ("iteration", "rank", "world_size"):
-            if not checkpoint.is_count(state[key], none_ok=key != "iteration"):
-                raise ValueError(f"the TopKState checkpoint has {key}={state[key]!r}, not a count; nothing was loaded")
-        members = state.get("group_ranks")  # (absent before 2026-12-06; None: saved before init_process_group)
-        if members is not None and not (isinstance(members, (list, tuple))
-                                        and all(checkpoint.is_count(r) for r in members)):
-            raise ValueError(f"the TopKState checkpoint has group_ranks={members!r}, not a list of ranks; nothing "
-                             "was loaded")
-        if not is_loss_scale(state.get("residual_scale")):
-            raise ValueError(f"the TopKState checkpoint has residual_scale={state['residual_scale']!r}, not a loss "
-                             "scale (a finite number > 0, or None); nothing was loaded")
-        saved = state["residuals"]
-        if not isinstance(saved, dict) or not all(isinstance(n, str) and torch.is_tensor(t) and t.is_floating_point()
-                                                  for n, t in saved.items()):
-            raise ValueError("the TopKState checkpoint's 'residuals' is not a dict of floating-point tensors by "
-                             "parameter name; nothing was loaded")
-        sizes = {name: p.numel() for p, name in self.names.items()}
-        # names as saved, or equal once torch.compile's "_orig_mod." components are removed
-        residuals, unknown = checkpoint.match_names(saved, sizes)
-        if unknown:
-            raise ValueError(f"the checkpoint holds residuals of parameters this model does not have: {unknown[:5]}")
-        wrong = [f"{n} ({t.numel()} elements, the parameter has {sizes[n]})"
-                 for n, t in residuals.items() if t.numel() != sizes[n]]
-        if wrong:
-            raise ValueError(f"the checkpoint's residuals do not fit this model's parameters: {wrong[:5]}")
-        nonfinite = sorted(n for n, t in residuals.items() if not bool(torch.isfinite(t).all()))
-        if nonfinite:  # as the Horovod optimizer does: a residual of an overflow would spread it
-            warnings.warn(f"hvd_topk.ddp: the checkpoint's residuals of {nonfinite[:5]} held inf/nan (saved after "
-                          "an overflow?): those start from zero")
-            residuals = {n: t for n, t in residuals.items() if n not in nonfinite}
-        rank, world = _group_rank_and_size(self.process_group)
-        self.iteration = int(state["iteration"])
-        self.step_params, self.step_buckets = set(), 0  # (a step left open by static_graph: _position)
-        if self.trial is not None:  # auto's trial goes on: the next step is not timed across the load
-            self.trial.skip()
-        for layout in self.layouts.values():
-            layout.clear()
-        self.pending = {}
-        if (state["rank"], state["world_size"]) != (rank, world):
-            warnings.warn(f"hvd_topk.ddp: this state was saved by rank {state['rank']} of {state['world_size']}; "
-                          f"this is rank {rank} of {world}: the residuals start from zero (the step is kept)")
-            return
-        if members is not None and list(members) != _group_members(self.process_group):
-            warnings.warn(f"hvd_topk.ddp: this state was saved in the process group of global ranks "
-                          f"{list(members)}; this one's are {_group_members(self.process_group)} (another replica's "
-                          "DDP): the residuals start from zero (the step is kept)")
-            return
-        self.pending = {name: t.detach().clone() for name, t in residuals.items()}
-        for layout in self.layouts.values():
-            layout.adopt(self.pending, self.names)
-        # in the loss scale they were saved in (None: true units), whatever the set-up now
-        self.residual_scale.adopt(state.get("residual_scale"), [self])
-        if self.seen_whole_model:
-            self._drop_pending()
+        ddp_checkpoint.load(self, state)
 
     def rescale(self, factor):
         """Multiply every residual by ``factor`` (``hvd_topk.loss_scale.ResidualScale``): the
@@ -455,17 +292,17 @@ class TopKState:
     def _end_step(self, last_index):
         """What a step's last bucket (``last_index``: its place) closes: the model seen whole, the
         layouts DDP replaced dropped (their residuals checked moved), the step counted."""
-        self._check_optimizer_serves_model()
+        ddp_checks.check_optimizer_serves_model(self.optimizer, self.model_params)
         self.seen_whole_model = True
         # (what state_dict() compares: a parameter changed since means the step was applied)
         self.exchanged_at = [written(p) for layout in self.layouts.values() for p in layout.params]
-        self.steps_at_exchange = _OPTIMIZER_STEPS[0]
+        self.steps_at_exchange = ddp_checks.OPTIMIZER_STEPS[0]
         if self.pending:
             self._drop_pending()
         self.iteration += 1
         self.steps_here += 1
         self._stats.add(steps=1)
-        self._check_retired_taken()
+        ddp_checks.check_retired_taken(self)
         self.retired = []
         for index in [i for i in self.layouts if i > last_index]:
             del self.layouts[index]  # DDP rebuilt into fewer buckets: their residuals moved
@@ -478,22 +315,11 @@ class TopKState:
         layout = self.layouts.get(index)
         if layout is not None and layout.matches(params):
             return layout
-        ids = {id(p) for p in params}
-        unseen = [p for p in params if id(p) not in self.model_params]
-        if self.seen_whole_model and unseen and (self.names is None or any(p not in self.names for p in unseen)):
-            # layouts are per DDP bucket index: a second model's buckets would take the first
-            # model's places, and its residuals would be dropped. Parameters named by
-            # named_parameters= are this model's: it was wrapped again (a new DDP after some of
-            # its parameters began to require gradients), and residuals follow their parameters.
-            raise RuntimeError("hvd_topk.ddp: this TopKState already serves another DDP model (a bucket "
-                               "holds parameters it has not seen, not among its named_parameters=); build one "
-                               "TopKState per DistributedDataParallel model. To carry it over to this model "
-                               "re-wrapped (after unfreezing parameters), build the state with "
-                               "named_parameters=model.named_parameters(), which names frozen ones too")
-        self.model_params |= ids
-        self._check_supported(bucket, params)
-        self._check_named(params)
-        self._check_optimizer_owns(params)
+        ddp_checks.check_one_model(self, params)
+        self.model_params |= {id(p) for p in params}
+        ddp_checks.check_supported(bucket, params, self.names)
+        ddp_checks.check_named(params, self.names)
+        ddp_checks.check_optimizer_owns(self.optimizer, params, self.names)
         fresh = exchange.BucketLayout(params, bucket.gradients(), bucket.buffer(), self.min_numel,
                                       self.error_feedback)
         sources = [*self.retired, *self.layouts.values()]
@@ -514,58 +340,6 @@ class TopKState:
         self.layouts[index] = fresh
         return fresh
 
-    def _check_retired_taken(self):
-        """At a step's last bucket: every trainable parameter of a layout DDP replaced this step
-        is in one of the new layouts (its residual moved there). One that is not belongs to
-        another DDP model whose buckets this state took for a rebuild (a state shared by two
-        models, both named by ``named_parameters=``): its residual would be dropped."""
-        if not self.retired:  # (most steps: no layout replaced)
-            return
-        taken = {id(p) for layout in self.layouts.values() for p in layout.params}
-        left = [p for old in self.retired for p in old.params if p.requires_grad and id(p) not in taken]
-        if left:
-            names = ", ".join(sorted(self.names.get(p, "?") for p in left)[:3]) if self.names else "unnamed"
-            raise RuntimeError("hvd_topk.ddp: this TopKState serves two DDP models (this step's buckets left out "
-                               f"{len(left)} trainable parameters it had served, e.g. {names}): their residuals "
-                               "would be dropped at every turn. Build one TopKState per DistributedDataParallel "
-                               "model")
-
-    def _check_group_unchanged(self):
-        """Once a step: the group's rank and size are read at the first hook; a job that destroyed
-        its process group and initialised a smaller or larger one would send messages of the
-        old size (gloo: "invalid tensor size")."""
-        now = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)  # -1: left out now
-        if now != (self.rank, self.world_size):
-            raise RuntimeError(f"hvd_topk.ddp: this TopKState was first used as rank {self.rank} of "
-                               f"{self.world_size} and its process group is now rank {now[0]} of {now[1]} (a new "
-                               "init_process_group?): build a new TopKState for the new group; load_state_dict() "
-                               "keeps the step and restarts the residuals from zero, with a warning")
-
-    def _check_supported(self, bucket, params):
-        """Complex parameters (DDP reduces them as their real view, twice the elements the layout
-        would cover: half of each gradient would go unaveraged) and sparse gradients
-        (``nn.Embedding(sparse=True)``: DDP hands the hook a sparse tensor) are refused here."""
-        for i, p in enumerate(params):
-            if p.is_complex():
-                name = (self.names or {}).get(p, f"#{i} of its DDP bucket")
-                raise TypeError(f"hvd_topk.ddp: parameter {name!r} is complex ({p.dtype}); the hook "
-                                "supports real floating-point parameters only (keep such a parameter as "
-                                "torch.view_as_real of a real one)")
-        if bucket.buffer().layout != torch.strided or any(g.layout != torch.strided for g in bucket.gradients()):
-            raise TypeError("hvd_topk.ddp: a DDP bucket holds sparse gradients (nn.Embedding(sparse=True) or "
-                            "similar); the hook compresses dense gradients only: use sparse=False")
-
-    def _check_named(self, params):
-        """``named_parameters=`` names what checkpoints hold: one parameter of the model it lacks
-        (another model's, or part of this one's) would otherwise fail only at ``state_dict()``."""
-        if self.names is None:
-            return
-        for i, p in enumerate(params):
-            if p not in self.names:
-                raise ValueError(f"hvd_topk.ddp: TopKState(named_parameters=...) does not name parameter #{i} "
-                                 f"(shape {tuple(p.shape)}) of a DDP bucket: pass the DDP model's own "
-                                 "model.named_parameters(), all of them")
-
     def _note_updates_written(self):
         """After this backward, once DDP has written the step's updates into ``p.grad``: a record
         of each, for the optimizer's step to tell whether it was changed since (clipped)."""
@@ -584,37 +358,6 @@ class TopKState:
                           "(another optimizer's step() takes them for gradients). Step that optimizer; to skip a "
                           "step, call its zero_grad()", stacklevel=outside_level())
         self.optimizer._step_done(stepped=False)
-
-    def _check_optimizer_owns(self, params):
-        """``optimizer=`` transforms every gradient of the model: one it does not hold (a second
-        optimizer's parameter) would otherwise fail deep in it, naming nothing."""
-        if self.optimizer is None:
-            return
-        owned = {id(q) for g in self.optimizer.param_groups for q in g["params"]}
-        for i, p in enumerate(params):
-            if id(p) not in owned:
-                name = (self.names or {}).get(p, f"#{i} of its DDP bucket")
-                raise ValueError(f"hvd_topk.ddp: TopKState(optimizer=...) transforms every gradient of the model, and "
-                                 f"parameter {name!r} (shape {tuple(p.shape)}) is not in that optimizer: give "
-                                 f"{type(self.optimizer).__name__} every parameter of the DDP model (one param group "
-                                 "each, with their own lr or weight_decay, where they need other settings)")
-
-    def _check_optimizer_serves_model(self):
-        """At each step's last bucket: ``optimizer=`` applies an exchanged update to each of its
-        parameters, and one outside the DDP model's buckets (a learnable temperature kept apart,
-        a parameter DDP ignores, one added by ``add_param_group`` or unfrozen after DDP was
-        built) would have its own raw gradient applied as one, at no learning rate, each rank
-        its own (before 2026-12-05 in silence; after the first step until 2026-12-06)."""
-        if self.optimizer is None:
-            return
-        for i, p in enumerate(q for g in self.optimizer.param_groups for q in g["params"]):
-            if p.requires_grad and id(p) not in self.model_params:
-                raise ValueError(
-                    f"hvd_topk.ddp: TopKState(optimizer=...)'s {type(self.optimizer).__name__} holds parameter #{i} "
-                    f"(shape {tuple(p.shape)}), which is not in the DDP model's buckets: its step() would apply that "
-                    "parameter's own gradient as if it were the exchanged update. Give it only the DDP model's "
-                    "parameters (another optimizer for the others); a parameter unfrozen after DDP was built is "
-                    "not in them either: wrap the model in DDP again (the state carries over with named_parameters=)")
 
     def _begin_step(self, step):
         """At a step's first bucket: this step's exchange family. Under ``"auto"`` the measured
@@ -676,40 +419,13 @@ class TopKState:
         return medians.cpu() / self.world_size
 
     def _first_hook(self, bucket):
-        """Once: the group, and a check that every rank wraps the same model with the same
-        settings and step (fails on every rank with one message naming what differs, where a
-        difference would make the exchange hang or fail on a message size; a process group that
-        is not DDP's is caught here only where the first buckets differ: ``register`` compares
-        the groups themselves)."""
+        """Once: the group, the gradients' device, and the check that every rank has the same
+        settings (``ddp_checks.check_settings_agree``)."""
         if not dist.is_initialized():
             raise RuntimeError("hvd_topk.ddp: torch.distributed is not initialised")
-        self.rank, self.world_size = _group_rank_and_size(self.process_group)
-        buffer = bucket.buffer()
-        self.device = buffer.device
-        if buffer.dtype not in DTYPES:
-            raise TypeError(f"hvd_topk.ddp: gradients of dtype {buffer.dtype} are not supported "
-                            f"(supported: {', '.join(str(d) for d in DTYPES)})")
-        settings = {
-            "the first bucket's parameters (a different model, or a TopKState process_group that is not the one "
-            "DDP reduces over)": ([tuple(p.shape) for p in bucket.parameters()], str(buffer.dtype)),
-            "density": self.density, "method": self.codec.method, "fp16_values": self.fp16_values,
-            "compact": self.compact, "error_feedback": self.error_feedback, "residual_decay": self.residual_decay,
-            "warmup_steps": self.schedule.warmup_steps, "warmup_density": self.schedule.start,
-            "exchange": self.exchange, "exchange_trial_steps": self.exchange_trial_steps,
-            "min_numel": self.min_numel,
-            "optimizer= (its class and param-group options)": None if self.optimizer is None else
-            (type(self.optimizer).__qualname__, agreement.group_options(self.optimizer.param_groups)),
-            "grad_scaler (given or not)": self.residual_scale.scaler is not None,
-            "the step (a checkpoint loaded on some ranks only?)": self.iteration,
-            NATIVE_IN_USE: native_in_use([(exchange.acc_dtype(buffer.dtype, self.error_feedback), buffer.device)]),
-        }
-        mine = torch.tensor([agreement.digest(v) for v in settings.values()], dtype=torch.int64, device=buffer.device)
-        every = torch.empty(self.world_size * len(settings), dtype=torch.int64, device=buffer.device)
-        exchange.all_gather(every, mine, self.process_group)
-        lines = agreement.disagreement(list(settings), every.view(self.world_size, len(settings)).cpu())
-        if lines:
-            raise RuntimeError("hvd_topk.ddp: ranks disagree on the model or TopKState's settings, which would make "
-                               "the exchange hang or fail; build the same on every rank:\n  " + "\n  ".join(lines))
+        self.rank, self.world_size = ddp_checks.group_rank_and_size(self.process_group)
+        self.device = bucket.buffer().device
+        ddp_checks.check_settings_agree(self, bucket)
         self.checked = True
 
 
@@ -735,32 +451,14 @@ def register(model, state, hook=None):
                         f"{type(model).__name__}: wrap it first, DistributedDataParallel(model)")
     _check_state(state)
     theirs = getattr(model, "process_group", None)
-    if theirs is not None and _group_members(state.process_group) != _group_members(theirs):
-        raise ValueError(f"TopKState's process group (ranks {_group_members(state.process_group)}) is not the one "
-                         f"DistributedDataParallel reduces over (ranks {_group_members(theirs)}): "
-                         "pass TopKState(process_group=model.process_group)")
-    _check_covers(model, state)
+    if theirs is not None:
+        mine, theirs = ddp_checks.group_members(state.process_group), ddp_checks.group_members(theirs)
+        if mine != theirs:
+            raise ValueError(f"TopKState's process group (ranks {mine}) is not the one DistributedDataParallel "
+                             f"reduces over (ranks {theirs}): pass TopKState(process_group=model.process_group)")
+    ddp_checks.check_covers(model, state)
     model.register_comm_hook(state, hook or topk_hook)
     return state
-
-
-def _check_covers(model, state):
-    """``register``'s check that ``named_parameters=`` names, and ``optimizer=`` holds, every
-    trainable parameter of ``model``, naming the first few it lacks."""
-    ignored = ddp_ignored_names(model)  # (DDP does not reduce them: the hook never sees them)
-    trainable = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad and n not in ignored]
-    lacking = {}
-    if state.names is not None:
-        lacking["TopKState(named_parameters=...) does not name"] = [n for n, p in trainable if p not in state.names]
-    if state.optimizer is not None:
-        held = {id(q) for g in state.optimizer.param_groups for q in g["params"]}
-        lacking["TopKState(optimizer=...) does not hold"] = [n for n, p in trainable if id(p) not in held]
-    for what, names in lacking.items():
-        if names:
-            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-            raise ValueError(f"hvd_topk.ddp.register: {what} {len(names)} of the model's trainable parameters "
-                             f"({shown}): pass it the whole model's, named_parameters=model.named_parameters() or "
-                             "LocalAdamW(model.parameters()), built from the model DDP wraps")
 
 
 def topk_hook(state, bucket):
@@ -776,7 +474,7 @@ def topk_hook(state, bucket):
         state._first_hook(bucket)
     index, first, last = state._position(bucket)
     if first and started:
-        state._check_group_unchanged()
+        ddp_checks.check_group_unchanged(state)
     if first:  # before this step folds anything: residuals into its loss scale
         state.residual_scale.follow([state])
         if state.optimizer is not None and getattr(state.optimizer, "_transformed", None) and not joined:
@@ -839,41 +537,6 @@ def topk_hook(state, bucket):
             out.set_exception(error)
     torch.futures.collect_all(futures).add_done_callback(done)
     return out
-
-
-def _names(named_parameters):
-    """``{parameter: name}`` from ``model.named_parameters()``, or a clear error."""
-    try:
-        pairs = list(named_parameters)
-    except TypeError:
-        pairs = None
-    if pairs is None or not all(isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
-               and isinstance(pair[1], torch.Tensor) for pair in pairs):
-        raise TypeError(NAMED_PARAMETERS_ERROR)
-    holders = {}  # name -> the parameters under it: checkpoints key the residuals by name
-    for n, p in pairs:
-        holders.setdefault(n, {})[id(p)] = p
-    clashes = sorted(n for n, held in holders.items() if len(held) > 1)
-    if clashes:
-        raise ValueError("named_parameters gives one name to different parameters (their residuals would "
-                         f"overwrite each other in a checkpoint): {', '.join(clashes)}; pass "
-                         "model.named_parameters() of the whole model, whose names are unique")
-    return {p: n for n, p in pairs}
-
-
-def _group_rank_and_size(group):
-    """This rank's rank in ``group`` and the group's size; RuntimeError on a rank outside it."""
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise RuntimeError("hvd_topk.ddp: this rank is not in TopKState's process_group; pass "
-                           "the group DDP uses (process_group= of DistributedDataParallel)")
-    return rank, dist.get_world_size(group)
-
-
-def _group_members(group):
-    """The global ranks of ``group`` (the default group's: every rank), in group-rank order: which
-    replica a state belongs to where DDP runs on subgroups."""
-    return list(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
 
 
 __all__ = ["TopKState", "topk_hook", "register"]
