@@ -9,7 +9,8 @@ instead of Horovod, and a DDP communication hook: none, PyTorch's fp16 or PowerS
 
 With ``--hook topk`` the two lines that matter are in ``make_hook``::
 
-    state = hvd_topk.ddp.TopKState(density=0.01, optimizer=inner, warmup_steps=100, warmup_density=1.0)
+    state = hvd_topk.ddp.TopKState(density=0.01, optimizer=inner, warmup_steps=100, warmup_density=1.0,
+                                   exchange="allgather", named_parameters=model.named_parameters())
     hvd_topk.ddp.register(model, state)   # model.register_comm_hook(state, hvd_topk.ddp.topk_hook), checked
 
 where ``inner = hvd_topk.LocalAdamW(...)`` (``--adam local``, the default with ``--hook topk``):

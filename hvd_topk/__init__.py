@@ -1,4 +1,4 @@
-"""hvd_topk: Top-K gradient compression for Horovod + PyTorch.
+"""hvd_topk: Top-K gradient compression for PyTorch, under Horovod or as a DDP communication hook.
 
 - ``hvd_topk.TopK``: a Horovod ``Compressor``; ``hvd.DistributedOptimizer(opt,
   compression=hvd_topk.TopK)`` exchanges only the top 1% of each gradient (no error feedback).
@@ -14,6 +14,8 @@
   good over short runs only.
 - ``hvd_topk.init()``: ``hvd.init()`` plus the host and cross-host process sets that the
   hierarchical exchange needs (``hierarchical=`` of the optimizer).
+- ``hvd_topk.ddp``: the same compression as a PyTorch DDP communication hook for ``torchrun``
+  users (``TopKState``, ``register``; no Horovod needed; ``LocalAdamW`` and ``DeMo`` work there).
 """
 
 import importlib as _importlib
@@ -50,6 +52,8 @@ def __getattr__(name):
 
 
 def __dir__():
-    # without Horovod its names stay out: help(hvd_topk) and inspect.getmembers would meet their ImportError
-    lazy = _LAZY if _importlib_util.find_spec("horovod") is not None else ()
+    # without Horovod its names stay out: help(hvd_topk) and inspect.getmembers would meet their ImportError;
+    # the inner optimizers (hvd_topk.optim, DDP's optimizer=) need none
+    lazy = _LAZY if _importlib_util.find_spec("horovod") is not None else \
+        [n for n, module in _LAZY.items() if module == "hvd_topk.optim"]
     return sorted([n for n in [*globals(), *lazy] if not n.startswith("_") or n.startswith("__")])

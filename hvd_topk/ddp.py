@@ -5,6 +5,7 @@ Spelled as PyTorch's PowerSGD hook is::
     import hvd_topk.ddp
     state = hvd_topk.ddp.TopKState(process_group=None, density=0.01)
     model.register_comm_hook(state, hvd_topk.ddp.topk_hook)
+    # or hvd_topk.ddp.register(model, state): the same, after checking the group and the names
 
 No Horovod: the collectives are ``torch.distributed``'s (gloo or NCCL). Everything else is
 hvd_topk's own: the codec and native selection kernel (``hvd_topk.codec``), the density warm-up

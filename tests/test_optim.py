@@ -149,9 +149,10 @@ def test_numpy_betas_taken_as_numbers(make):
 def test_another_optimizers_checkpoint_takes_the_missing_options():
     """A checkpoint of torch.optim.AdamW (a dense run moving on) loads into each hvd_topk
     optimizer and steps: options it lacks take the constructor's values (a KeyError at the next
-    step before), except LocalAdamW's own, which a group saved without them was trained
-    without. FrozenVarianceAdamW that never freezes, resumed from AdamW's state, goes on as
-    AdamW goes on."""
+    step before), LocalAdamW's own too (as hvd_topk.DistributedOptimizer fills them, and the DDP
+    hook loads it directly: before 2026-12-07 they were taken as an old LocalAdamW checkpoint's,
+    all off); the betas come from the checkpoint, and the warning says so. FrozenVarianceAdamW
+    that never freezes, resumed from AdamW's state, goes on as AdamW goes on."""
     p0, gs = np.random.default_rng(11).standard_normal((7, 5)), grads(6)
     adamw = lambda ps: torch.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)  # noqa: E731
     whole, _ = run(adamw, p0, gs)
@@ -167,13 +168,18 @@ def test_another_optimizers_checkpoint_takes_the_missing_options():
     demo = DeMo([torch.nn.Parameter(torch.tensor(first))], lr=LR, normalise="rms")
     demo.load_state_dict(dense.state_dict())
     assert demo.param_groups[0]["normalise"] == "rms"
-    local = LocalAdamW([torch.nn.Parameter(torch.tensor(first))], lr=LR)
-    with pytest.warns(UserWarning, match=r"lack lr_in_residual, global_variance, signal, variance_sketch: taken as "
-                                         r"lr_in_residual=False, .*another optimizer's"):
+    local = LocalAdamW([q := torch.nn.Parameter(torch.tensor(first))], lr=LR, signal="mean+lag1", variance_sketch=0)
+    with pytest.warns(UserWarning, match=r"another optimizer's .* lacks lr_in_residual, global_variance, signal, "
+                                         r"variance_sketch: they keep the values this LocalAdamW was built with.*"
+                                         r"betas \(0\.9, 0\.95\) from the checkpoint, where this LocalAdamW was "
+                                         r"built with \(0\.0, 0\.999\)"):
         local.load_state_dict(dense.state_dict())
     group = local.param_groups[0]
     assert (group["lr_in_residual"], group["global_variance"], group["signal"], group["variance_sketch"]) == \
-        (False, False, "mean", 0), group
+        (True, True, "mean+lag1", 0), group
+    assert group["betas"] == BETAS == (0.9, 0.95)
+    local.transform_local_gradient(q, torch.tensor(gs[3]), ranks=2)  # the state completed for global_variance
+    assert {"grad_mean", "grad_lag1"} <= set(local.state[q]), sorted(local.state[q])
 
 
 def test_adamws_checkpoint_into_frozen_variance_past_its_freeze():
@@ -214,9 +220,6 @@ def test_adamws_own_options_left_out_of_a_loaded_checkpoint():
         assert not {"amsgrad", "foreach", "fused", "maximize", "capturable"} & set(opt.param_groups[0]), \
             opt.param_groups[0]
         assert "amsgrad" not in opt.state_dict()["param_groups"][0]
-    local = LocalAdamW([torch.nn.Parameter(p.detach().clone())], lr=LR)
-    with pytest.warns(UserWarning, match="write them into the checkpoint's param_groups before loading"):
-        local.load_state_dict(copy.deepcopy(saved))
     written = copy.deepcopy(saved)
     for group in written["param_groups"]:
         group.update(lr_in_residual=True, global_variance=True)

@@ -72,48 +72,70 @@ class _CheckedGroups(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def load_state_dict(self, state_dict):
-        """As torch's, with the saved groups checked first (nothing loaded if one fails)."""
+        """As torch's, with the saved groups checked first (nothing loaded if one fails). An
+        option a loaded group lacks is filled in (every option present afterwards: a group saved
+        by another optimizer, or before an option existed, failed at the next step with a
+        KeyError): from ``LOADED_WITHOUT``, what a checkpoint of this optimizer written before the
+        option existed was trained with, or, where the checkpoint is another optimizer's (torch
+        Adam's own options in its groups: a dense AdamW run moving to the recipe, which has no
+        residuals whose units an option must match), the value this optimizer was built with, as
+        ``hvd_topk.DistributedOptimizer`` does for it (``checkpoint.fill_options``); the DDP hook
+        loads it directly."""
         groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         for group in groups if isinstance(groups, list) else ():
             if isinstance(group, dict):
                 self._check_options({**self.defaults, **group})
+        built = [dict(g) for g in self.param_groups]  # (torch matches the groups by position)
         super().load_state_dict(state_dict)
-        self._drop_adams_options()
-        # every option present afterwards (a group saved by another optimizer, or before an
-        # option existed, failed at the next step with a KeyError)
-        without = []
-        for group in self.param_groups:
+        foreign = self._drop_adams_options() - {"differentiable"}  # (torch may add that one itself)
+        without, kept = [], []
+        for group, was in zip(self.param_groups, built):
             for key in self._options:
-                if key not in group:
+                if key in group:
+                    continue
+                if foreign:
+                    group[key] = was.get(key, self.defaults[key])
+                    kept += [key] if key not in kept else []
+                else:
                     group[key] = self.LOADED_WITHOUT.get(key, self.defaults[key])
-                    if key in self.LOADED_WITHOUT and key not in without:
-                        without.append(key)
+                    without += [key] if key in self.LOADED_WITHOUT and key not in without else []
+        name = type(self).__name__
+        if kept:
+            betas = [(g["betas"], was["betas"]) for g, was in zip(self.param_groups, built)
+                     if "betas" in was and tuple(g["betas"]) != tuple(was["betas"])]
+            warnings.warn(f"hvd_topk.{name}: the checkpoint is another optimizer's (its param groups hold torch "
+                          f"Adam's {', '.join(sorted(foreign))}) and lacks {', '.join(kept)}: they keep the values "
+                          f"this {name} was built with. Its other options (lr, betas, weight decay, ...) come from "
+                          "the checkpoint, as torch's load_state_dict does: set them in param_groups after loading "
+                          "to change them" + (f" (betas {tuple(betas[0][0])} from the checkpoint, where this {name} "
+                                              f"was built with {tuple(betas[0][1])})" if betas else "") + ".",
+                          stacklevel=outside_level())
         if without:
-            warnings.warn(f"hvd_topk.{type(self).__name__}: the checkpoint's param groups lack "
+            warnings.warn(f"hvd_topk.{name}: the checkpoint's param groups lack "
                           f"{', '.join(without)}: taken as {', '.join(f'{k}={self.LOADED_WITHOUT[k]!r}' for k in without)}, "
                           "what a checkpoint written before these options existed was trained with. If it is "
-                          "another optimizer's (torch.optim.AdamW's), write them into the checkpoint's "
-                          "param_groups before loading (set after, they are refused: the state was made "
-                          "without them), or load it through hvd_topk.DistributedOptimizer, which keeps the "
-                          "values it was built with.",
+                          "another optimizer's, write them into the checkpoint's param_groups before loading (set "
+                          "after, they are refused: the state was made without them).",
                           stacklevel=outside_level())
 
     def _drop_adams_options(self):
         """Take out of the loaded groups torch's Adam/AdamW options this optimizer does not have
         (``amsgrad``, ``foreach``, ``fused``, ...: a dense AdamW run's checkpoint moving to the
-        recipe). Left in, they travel on in later checkpoints, and ``hvd.broadcast_optimizer_state``
-        after a load on rank 0 alone failed on the other ranks (``KeyError: 'amsgrad.0'``).
-        ``amsgrad`` or ``maximize`` on asked for what this optimizer does not do: warned (the
-        others choose torch's kernels)."""
-        asked = set()
+        recipe), and return the names found. Left in, they travel on in later checkpoints, and
+        ``hvd.broadcast_optimizer_state`` after a load on rank 0 alone failed on the other ranks
+        (``KeyError: 'amsgrad.0'``). ``amsgrad`` or ``maximize`` on asked for what this optimizer
+        does not do: warned (the others choose torch's kernels)."""
+        asked, found = set(), set()
         for group in self.param_groups:
             for key in [k for k in group if k in _ADAM_OPTIONS and k not in self._options]:
+                found.add(key)
                 if group.pop(key) and key in ("amsgrad", "maximize"):
                     asked.add(key)
         if asked:
             warnings.warn(f"hvd_topk.{type(self).__name__}: the checkpoint was trained with "
                           f"{' and '.join(f'{k}=True' for k in sorted(asked))}; {type(self).__name__} has no "
                           "such option and goes on without it", stacklevel=outside_level())
+        return found
 
 
 def _python_numbers(options):

@@ -28,16 +28,19 @@ class LocalAdamW(_ExchangedUpdates):
     momentum on top of it delays the update once more; measured, both a beta1 of 0.9 and a
     momentum applied after the exchange trained worse (docs/adamw.md).
 
-    Use it only as the inner optimizer of ``hvd_topk.DistributedOptimizer``, which hands it each
-    rank's gradient through ``transform_local_gradient`` (its hook for this); with
+    Use it only as the inner optimizer of ``hvd_topk.DistributedOptimizer`` (Horovod) or of
+    ``hvd_topk.ddp.TopKState(optimizer=...)`` (torchrun + DDP), which hand it each rank's
+    gradient through ``transform_local_gradient`` (its hook for this); with
     ``warmup_steps=100, warmup_density=1.0`` it starts (nearly) dense, which helped. After
-    ``synchronize()``, ``p.grad`` holds the averaged update, so do not clip it. No GradScaler
-    (fp16 loss scaling would mix scales in the moments; use bf16 autocast). Each rank's
-    ``exp_avg_sq`` follows its own gradients, so the moments differ between ranks (the
-    parameters do not): they hold one rank's batch noise, not the global batch's, which
-    ``global_variance`` corrects for. ``state_dict()`` holds this rank's moments;
-    ``hvd.broadcast_optimizer_state`` gives every rank rank 0's (every state entry the options
-    need is made with the state, so a fresh rank takes part in every broadcast).
+    ``synchronize()`` (Horovod) or ``backward()`` (DDP), ``p.grad`` holds the averaged update,
+    so do not clip it. No GradScaler (fp16 loss scaling would mix scales in the moments; use
+    bf16 autocast). Each rank's ``exp_avg_sq`` follows its own gradients, so the moments differ
+    between ranks (the parameters do not): they hold one rank's batch noise, not the global
+    batch's, which ``global_variance`` corrects for. ``state_dict()`` holds this rank's moments:
+    save one file per rank, as the residuals are (a resume that loads rank 0's moments on every
+    rank is not the run it continues); ``hvd.broadcast_optimizer_state`` gives every rank rank
+    0's (every state entry the options need is made with the state, so a fresh rank takes part
+    in every broadcast).
 
     Args: as ``torch.optim.AdamW`` (decoupled weight decay, bias-corrected moments), but
     ``betas`` defaults to ``(0.0, 0.999)``, and:
@@ -56,8 +59,8 @@ class LocalAdamW(_ExchangedUpdates):
             and the average of P of them is no better than one rank training alone. With
             this option ``v`` is replaced by ``mean^2 + (v - mean^2) / P``, where ``mean`` is an
             EMA of the gradient with ``beta2``'s horizon (the signal) and ``v - mean^2`` the
-            noise; P is the number of ranks ``hvd_topk.DistributedOptimizer`` averages over
-            (it passes it with each gradient). No communication; one more buffer per parameter.
+            noise; P is the number of ranks the exchange averages over (``hvd_topk.DistributedOptimizer``
+            or the DDP hook passes it with each gradient). No communication; one more buffer per parameter.
         signal ("mean"): how ``global_variance`` tells signal from noise. ``"mean"``: the signal
             is ``mean^2``, as above. ``"mean+lag1"``: the larger of ``mean^2`` and ``-lag1``,
             with ``lag1`` an EMA (``beta2``) of ``g_t * g_{t-1}``, this rank's gradient times its

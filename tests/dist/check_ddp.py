@@ -877,6 +877,55 @@ def check_resume(bucket_cap_mb=0.005, compiled_names=False, **state_kwargs):
     assert state_c.iteration == 3 and all(float(r.abs().sum()) == 0 for r in state_c.state_dict()["residuals"].values())
 
 
+def check_resume_local_adamw():
+    """The AdamW recipe through the hook (``LocalAdamW``, 16-bit values, a dense start over 2
+    steps, a cosine learning rate), saved after step 3's ``step()`` as docs/ddp.md says (the
+    model, the inner optimizer, its scheduler and the state, one file per rank) and loaded into
+    fresh objects (a new DDP, back at its initial buckets): bitwise equal at step 7 to the run
+    that never stopped, on every rank (truth: that run). The moments are each rank's own (they
+    differ between the ranks: rank 0's file loaded everywhere would not continue the run)."""
+    rank = dist.get_rank()
+
+    def fresh(seed=0):
+        torch.manual_seed(seed)
+        model = Net().to(DEVICE)
+        ddp = DDP(model, bucket_cap_mb=0.005)
+        inner = hvd_topk.LocalAdamW(model.parameters(), lr=1e-2, betas=(0.0, 0.95), weight_decay=0.1)
+        state = hvd_topk.ddp.TopKState(density=0.05, fp16_values=True, optimizer=inner, warmup_steps=2,
+                                       warmup_density=1.0, exchange="allgather", min_numel=MIN_NUMEL,
+                                       named_parameters=model.named_parameters())
+        hvd_topk.ddp.register(ddp, state)
+        return model, ddp, inner, torch.optim.lr_scheduler.CosineAnnealingLR(inner, T_max=7), state
+
+    def run(ddp, inner, schedule, steps, start=0):
+        for step in range(start, start + steps):
+            x, y = batch(step, rank)
+            inner.zero_grad(set_to_none=True)
+            F.cross_entropy(ddp(x), y).backward()
+            inner.step()
+            schedule.step()
+
+    model, ddp, inner, schedule, state = fresh()
+    run(ddp, inner, schedule, 7)
+    model_b, ddp_b, inner_b, schedule_b, state_b = fresh()
+    run(ddp_b, inner_b, schedule_b, 3)
+    saved = copy.deepcopy({"model": model_b.state_dict(), "opt": inner_b.state_dict(),
+                           "schedule": schedule_b.state_dict(), "topk": state_b.state_dict()})
+    mine = saved["opt"]["state"][0]["exp_avg_sq"].sum().double().cpu().reshape(1)
+    moments = torch.empty(dist.get_world_size(), dtype=torch.float64)
+    dist.all_gather_into_tensor(moments, mine)
+    assert len(set(moments.tolist())) == dist.get_world_size(), f"the ranks' moments are alike: {moments.tolist()}"
+    model_c, ddp_c, inner_c, schedule_c, state_c = fresh(123)
+    model_c.load_state_dict(saved["model"])
+    inner_c.load_state_dict(saved["opt"])
+    schedule_c.load_state_dict(saved["schedule"])
+    state_c.load_state_dict(saved["topk"])
+    run(ddp_c, inner_c, schedule_c, 4, start=3)
+    for (name, a), c in zip(model.named_parameters(), model_c.parameters()):
+        assert torch.equal(a, c), f"LocalAdamW resume: {name} differs (max {float((a - c).abs().max())})"
+        assert torch.equal(inner.state[a]["exp_avg_sq"], inner_c.state[c]["exp_avg_sq"]), f"{name}'s moments"
+
+
 def check_save_between_backward_and_step_warns():
     """``TopKState.state_dict()`` after a step's backward and before ``optimizer.step()``: the
     step's unsent gradient is in the residuals already, and a resume that does the step again
@@ -1526,6 +1575,8 @@ CHECKS = [
     ("checkpoint resume, several buckets", check_resume),
     ("checkpoint resume, one bucket, decay", lambda: check_resume(bucket_cap_mb=25, residual_decay=0.9)),
     ("checkpoint resume into torch.compile's parameter names", lambda: check_resume(compiled_names=True)),
+    ("checkpoint resume of the LocalAdamW recipe (16-bit values, dense start, cosine), one file per rank",
+     check_resume_local_adamw),
     ("checkpoint loaded with a larger min_numel: residuals of now-dense tensors dropped", check_resume_fewer_sparse),
     ("a checkpoint saved between backward() and step() warns", check_save_between_backward_and_step_warns),
     ("torch's Adam behind the hook with error feedback warns once", check_plain_adam_behind_hook_warns),
