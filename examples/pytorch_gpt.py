@@ -298,12 +298,13 @@ def load_checkpoint(args, digest, rank, model, opt, scaler, gen):
 
 
 def bytes_so_far(args, opt, topk, carried):
-    """(bytes sent, dense fp32 bytes, steps) counted by the optimizer or TopK since this job
-    started, plus ``carried`` (the jobs before it, from the checkpoint)."""
+    """(bytes sent, dense fp32 bytes, steps) over the whole run: the optimizer's statistics (its
+    checkpoint carries their counts), or TopK's since this job started plus ``carried`` (the
+    jobs before it, from the example's checkpoint)."""
     if args.optimizer == "topk-ef":
         s = opt.compression_stats()
-        now = (s["bytes_sent"], s["bytes_dense"], s["steps"])
-    elif args.compression == "topk":
+        return s["bytes_sent"], s["bytes_dense"], s["steps"]
+    if args.compression == "topk":
         s = topk.stats()
         now = (s["bytes_sent"], s["bytes_dense"], 0)
     else:
@@ -460,7 +461,7 @@ def main(argv=None):
               "corpus_bytes": len(data), "corpus_sha256": digest, "parameters": n_params,
               "final_val_loss": history[-1]["val_loss"], "bytes_sent_per_step": sent,
               "bytes_dense_per_step": dense, "bytes_ratio": sent / dense,
-              "seconds": time.perf_counter() - t0, "history": history,
+              "seconds": time.perf_counter() - t0, "history": history, "first_step": first,
               "flags": vars(args)}  # every option as this run used it (--adam, --lr, --exchange, ...)
     if args.optimizer == "topk-ef":
         result["compression_stats"] = opt.compression_stats()
@@ -468,7 +469,7 @@ def main(argv=None):
         print(bytes_line)
         if "compression_stats" in result:
             st = result["compression_stats"]
-            print(f"compression_stats{' (this job, since --resume)' if args.resume else ''}: steps {st['steps']}, "
+            print(f"compression_stats{' (the times: this job, since --resume)' if args.resume else ''}: steps {st['steps']}, "
                   f"achieved density {st['density']:.4f}, "
                   f"selection {st['time_selection_s']:.2f}s, exchange wait {st['time_exchange_s']:.2f}s, "
                   f"non-finite resets {st['nonfinite_resets']}, exchange {st['exchange']} -> {st['exchange_family']}")

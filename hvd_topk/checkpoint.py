@@ -25,6 +25,7 @@ import weakref
 import torch
 
 from hvd_topk.loss_scale import is_loss_scale
+from hvd_topk.stats import CompressionStats
 
 STATE_KEY = "hvd_topk"  # the optimizer state_dict's entry holding this section
 LOCAL_STEPS_KEY = "hvd_topk_local_steps"  # hvd_topk.LocalSteps' section (its outer optimizer)
@@ -192,6 +193,9 @@ def check(engine, state):
     if not is_loss_scale(scale):
         raise CheckpointMismatch(f"the checkpoint's {STATE_KEY!r} section has residual_scale={scale!r}, not a "
                                  "loss scale (a finite number > 0, or None). Nothing was loaded.")
+    wrong = CompressionStats.check_carried(state["stats"]) if "stats" in state else None
+    if wrong:
+        raise CheckpointMismatch(f"the checkpoint's {STATE_KEY!r} section's 'stats' {wrong}. Nothing was loaded.")
     nonfinite = []
     for kind, buckets in (("residuals", residual_buckets(engine)), ("momenta", momentum_buckets(engine))):
         members = {m.name: m for b in buckets for m in b.members}
@@ -288,10 +292,12 @@ def own_state(engine, state):
 def save(engine):
     """This rank's residuals and momentum buffers (per parameter name), the step counter, and
     the rank/world size they belong to. With the hierarchical exchange: per bucket, this rank's
-    shard residual, or its full buffer after flat steps."""
+    shard residual, or its full buffer after flat steps. ``"stats"``: the statistics' counts
+    (``CompressionStats.carried``; from 2026-12-07), which ``load`` takes over."""
     out = {"format": STATE_FORMAT, "step": engine.step, "rank": engine.rank, "size": engine.world,
            "residuals": {}, "momenta": {}, "residual_scale": engine.residual_scale.scale,
-           "parameter_order": parameter_order(engine.param_groups, engine.names)}
+           "parameter_order": parameter_order(engine.param_groups, engine.names),
+           "stats": engine.stats.carried()}
     buckets = residual_buckets(engine)
     if engine.hier is not None:
         out["shards"] = {str(b.index): b.shard.clone() for b in buckets
@@ -315,12 +321,17 @@ def save(engine):
 def load(engine, state, nonfinite=()):
     """Put ``save``'s output, checked by ``check``, back into the engine's buckets (the step
     counter is the caller's). ``state`` None (a plain torch optimizer's state_dict): residuals
-    start from zero. ``nonfinite``: names whose residual held inf/nan, started from zero."""
+    start from zero. ``nonfinite``: names whose residual held inf/nan, started from zero. The
+    statistics' counts are taken over on every rank (they are the run's history, not unsent
+    work: ``compression_stats()`` then covers the whole run); a section written before they were
+    saved leaves them as they are."""
     if state is None:
         for b in momentum_buckets(engine):
             for flat in b.residuals():
                 flat.zero_()
         return
+    if "stats" in state:
+        engine.stats.carry(state["stats"])
     _load_residuals(engine, state, nonfinite)
     if "residual_scale" in state:
         # in the units of the loss scale they were saved in (None: true units), whatever the set-up now

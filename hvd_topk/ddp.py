@@ -208,8 +208,9 @@ class TopKState:
 
     # ---- statistics --------------------------------------------------------------------
     def stats(self):
-        """Totals since the start (``load_state_dict`` keeps them): ``bytes_ratio`` is bytes handed
-        to the network over a dense fp32 allreduce's, averaged over the whole run."""
+        """Totals since the start of the run: ``bytes_ratio`` is bytes handed to the network over a
+        dense fp32 allreduce's, averaged over the whole run (``load_state_dict`` takes over the
+        counts a checkpoint carries, the dense start's included)."""
         out = {k: v for k, v in self._stats.as_dict().items() if k in _STATS}
         out["current_density"] = self.schedule.density(self.iteration)
         out["buckets_by_exchange"] = dict(self._by_strategy)

@@ -2,9 +2,11 @@
 
 What a ``TopKState`` saves is this rank's residuals by parameter name (which needs
 ``named_parameters=``), the step, the rank, world size and process group's global ranks it
-belongs to, and the loss scale the residuals are in. Residuals are per rank: a state saved by
-another rank, world size or process group (another replica's DDP) keeps the step and restarts
-the residuals from zero, with a warning. Loading is all or nothing: the whole checkpoint is
+belongs to, the loss scale the residuals are in, and the statistics' counts (from 2026-12-07;
+taken over at the load, so that ``stats()`` covers the whole run, the dense start included).
+Residuals are per rank: a state saved by another rank, world size or process group (another
+replica's DDP) keeps the step and the statistics and restarts the residuals from zero, with a
+warning. Loading is all or nothing: the whole checkpoint is
 checked before anything is applied. The Horovod optimizer's section is ``hvd_topk.checkpoint``,
 whose name matching (``match_names``: ``torch.compile``'s ``_orig_mod.``) and warnings this
 shares.
@@ -20,6 +22,7 @@ from hvd_topk._stack import outside_level
 from hvd_topk._torch import still_written
 from hvd_topk.ddp_checks import OPTIMIZER_STEPS, group_members, group_rank_and_size
 from hvd_topk.loss_scale import is_loss_scale
+from hvd_topk.stats import CompressionStats
 
 STATE_VERSION = 1
 
@@ -47,7 +50,8 @@ def save(state):
     members = group_members(state.process_group) if dist.is_initialized() else None
     return {"version": STATE_VERSION, "iteration": state.iteration, "rank": rank,
             "world_size": world, "group_ranks": members, "density": state.density, "residuals": residuals,
-            "residual_scale": state.residual_scale.scale}
+            "residual_scale": state.residual_scale.scale, "stats": state._stats.carried(),
+            "buckets_by_exchange": dict(state._by_strategy)}
 
 
 def _checked(state, saved):
@@ -83,6 +87,13 @@ def _checked(state, saved):
     if not is_loss_scale(saved.get("residual_scale")):
         raise ValueError(f"the TopKState checkpoint has residual_scale={saved['residual_scale']!r}, not a loss "
                          "scale (a finite number > 0, or None); nothing was loaded")
+    wrong = CompressionStats.check_carried(saved["stats"]) if "stats" in saved else None
+    by_exchange = saved.get("buckets_by_exchange", {})
+    if wrong is None and not (isinstance(by_exchange, dict) and all(
+            isinstance(k, str) and checkpoint.is_count(v) for k, v in by_exchange.items())):
+        wrong = "'buckets_by_exchange' is not a dict of counts by exchange"
+    if wrong:
+        raise ValueError(f"the TopKState checkpoint's statistics: {wrong}; nothing was loaded")
     tensors = saved["residuals"]
     if not isinstance(tensors, dict) or not all(isinstance(n, str) and torch.is_tensor(t) and t.is_floating_point()
                                                 for n, t in tensors.items()):
@@ -116,6 +127,9 @@ def load(state, saved):
     for layout in state.layouts.values():
         layout.clear()
     state.pending = {}
+    if "stats" in saved:  # (the run's history, on every rank; absent: saved before 2026-12-07)
+        state._stats.carry(saved["stats"])
+        state._by_strategy = dict(saved.get("buckets_by_exchange", {}))
     if (saved["rank"], saved["world_size"]) != (rank, world):
         warnings.warn(f"hvd_topk.ddp: this state was saved by rank {saved['rank']} of {saved['world_size']}; "
                       f"this is rank {rank} of {world}: the residuals start from zero (the step is kept)")

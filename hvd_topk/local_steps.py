@@ -339,7 +339,8 @@ class _LocalSteps(torch.optim.Optimizer):
         state["param_groups"][0][SHARED_KEY] = {
             "anchors": [(p if start else a).detach().clone() for p, a in zip(local.params, local.anchors)],
             "outer_momentum": [_momentum_buffer(local.outer, a) for a in local.anchors]}
-        state[STATE_KEY] = {"outer": local.outer.state_dict()}
+        # (the steps: compression_stats()' dense bytes, as the outer section carries its counts)
+        state[STATE_KEY] = {"outer": local.outer.state_dict(), "steps": local.steps}
         return state
 
     def load_state_dict(self, state_dict):
@@ -363,6 +364,9 @@ class _LocalSteps(torch.optim.Optimizer):
             raise checkpoint.CheckpointMismatch(
                 f"the checkpoint's {STATE_KEY!r} entry is not the section hvd_topk.LocalSteps saves (a dict with "
                 "the outer optimizer's state under 'outer'). Nothing was loaded.")
+        if ours is not None and not checkpoint.is_count(ours.get("steps", 0)):
+            raise checkpoint.CheckpointMismatch(f"the checkpoint's {STATE_KEY!r} section has steps={ours['steps']!r}, "
+                                                "not a count. Nothing was loaded.")
         # the user's optimizer's state (sizes, shapes; the order where a DistributedOptimizer's section
         # records it), then the outer optimizer's section, then the shared weights
         names = {**dict(zip(local.params, local.names)), **local.frozen}
@@ -394,6 +398,7 @@ class _LocalSteps(torch.optim.Optimizer):
             return
         self._adopt_shared()
         local.outer._apply_loaded(*outer_loaded)
+        local.steps = ours.get("steps", local.steps)  # (absent: saved before 2026-12-07)
         self.param_groups[0][OUTER_TRIAL_KEY] = None  # the outer optimizer measures again, as after any load
 
     def _restart_outer(self):
@@ -562,7 +567,8 @@ class _LocalSteps(torch.optim.Optimizer):
     def compression_stats(self, reset=False):
         """The outer optimizer's statistics, with bytes compared to a dense allreduce at every
         step: ``steps`` (this rank's, since construction or the last reset), ``syncs``,
-        ``bytes_dense`` and ``bytes_ratio`` over steps."""
+        ``bytes_dense`` and ``bytes_ratio`` over steps; a loaded checkpoint's counts are taken
+        over (the whole run's)."""
         local = getattr(self, LOCAL)
         out = local.outer.compression_stats(reset=reset)
         syncs, steps = out["steps"], local.steps

@@ -489,7 +489,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def compression_stats(self, reset=False):
         """Totals on this rank since construction or the last ``compression_stats(reset=True)``:
         bytes sent vs dense, achieved density, tensors sparse/dense, selection and exchange
-        time, non-finite resets, the step and current density."""
+        time, non-finite resets, the step and current density. ``load_state_dict`` takes over
+        the counts a checkpoint carries (not the times), so that a resumed run's cover the whole
+        run, its dense start included."""
         engine = getattr(self, ENGINE)
         out = engine.compression_stats()
         if reset:

@@ -31,6 +31,11 @@ class CompressionStats:
         "time_host_gather_s",  # the allgather of the exchanged shards among the host's ranks
     )
 
+    # What a checkpoint carries (``carried``, ``carry``), so that the statistics of a resumed run
+    # cover the whole run (its dense start included), not the job since the resume: the counts,
+    # the same bits in the same run. The timers are this process's own.
+    CARRIED = ("steps",) + _FIELDS
+
     def __init__(self):
         self._lock = threading.Lock()
         self.reset()
@@ -56,6 +61,30 @@ class CompressionStats:
             raise KeyError(f"unknown statistic {name!r}")
         with self._lock:
             self._tensors[name] = amount if name not in self._tensors else self._tensors[name] + amount
+
+    def carried(self):
+        """The counts (``CARRIED``) as Python ints, for a checkpoint."""
+        out = self.as_dict()
+        return {name: int(out[name]) for name in self.CARRIED}
+
+    def carry(self, counts):
+        """Take a checkpoint's counts (``carried``'s output, checked by ``check_carried``) as this
+        object's own; the timers go on."""
+        with self._lock:
+            for name, amount in counts.items():
+                self._values[name] = amount
+                self._tensors.pop(name, None)
+
+    @classmethod
+    def check_carried(cls, counts):
+        """Why ``counts`` (a checkpoint's) is not ``carried``'s output, or None."""
+        if not isinstance(counts, dict):
+            return f"not a dict of counts (got {type(counts).__name__})"
+        unknown = sorted(str(k) for k in counts if k not in cls.CARRIED)
+        if unknown:
+            return f"holds no statistic named {unknown[:3]}"
+        bad = [k for k, v in counts.items() if isinstance(v, bool) or not isinstance(v, int) or v < 0]
+        return f"{bad[:3]} are not counts" if bad else None
 
     def __getstate__(self):
         """Pickled and deep-copied without the lock (a lock cannot be): the DDP hook's state is

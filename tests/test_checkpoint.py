@@ -1,5 +1,5 @@
 """hvd_topk/checkpoint.py, single process: saved residual names matched across torch.compile's
-prefix, the warning for dropped residuals."""
+prefix, the warning for dropped residuals, the statistics a checkpoint carries."""
 
 import pytest
 
@@ -92,3 +92,31 @@ def test_the_ddp_state_pickles_and_deep_copies_with_its_statistics():
         assert counts["bytes_ratio"] == 0.25
         copied._stats.add(bytes_sent=4)
         assert copied._stats.as_dict()["bytes_sent"] == 16 and state._stats.as_dict()["bytes_sent"] == 12
+
+
+def test_statistics_counts_carried_and_checked():
+    """What a checkpoint carries of the statistics (``CompressionStats.carried``): the counts as
+    Python ints, device tensors read, the times left out; ``carry`` makes them the object's own
+    (a pending device amount of the same count replaced, not added) while the times go on; a
+    damaged entry is named by ``check_carried`` (both front ends refuse the checkpoint with it)."""
+    import torch
+    from hvd_topk.stats import CompressionStats
+
+    stats = CompressionStats()
+    stats.add(steps=3, bytes_sent=120, bytes_dense=4000, time_selection_s=0.5)
+    stats.add_tensor("elements_selected", torch.tensor(30))
+    counts = stats.carried()
+    assert counts["steps"] == 3 and counts["bytes_sent"] == 120 and counts["elements_selected"] == 30
+    assert all(type(v) is int for v in counts.values()) and "time_selection_s" not in counts
+    assert CompressionStats.check_carried(counts) is None
+    other = CompressionStats()
+    other.add(steps=1, time_selection_s=0.25)
+    other.add_tensor("elements_selected", torch.tensor(7))
+    other.carry(counts)
+    got = other.as_dict()
+    assert (got["steps"], got["bytes_sent"], got["elements_selected"], got["time_selection_s"]) == (3, 120, 30, 0.25)
+    assert got["bytes_ratio"] == 120 / 4000
+    assert "not a dict" in CompressionStats.check_carried([3])
+    assert "no statistic named ['bytes_recieved']" in CompressionStats.check_carried({"bytes_recieved": 1})
+    assert "['steps'] are not counts" in CompressionStats.check_carried({"steps": -1})
+    assert "['steps'] are not counts" in CompressionStats.check_carried({"steps": 2.5})

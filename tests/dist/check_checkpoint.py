@@ -134,6 +134,9 @@ def check_truncated_and_foreign_sections():
         odd = copy.deepcopy(good)
         odd["hvd_topk"]["residual_scale"] = scale
         refused(opt, odd, re.escape(f"residual_scale={scale!r}, not a loss scale"), f"residual_scale={scale!r}")
+    damaged = copy.deepcopy(good)
+    damaged["hvd_topk"]["stats"]["bytes_sent"] = -8
+    refused(opt, damaged, re.escape("'stats' ['bytes_sent'] are not counts"), "damaged statistics")
     trains_on(model, opt, "after the refused loads")
 
 

@@ -862,6 +862,11 @@ def check_resume(bucket_cap_mb=0.005, compiled_names=False, **state_kwargs):
     train(ddp_c, opt_c, 4, start=3)
     for (name, a), c in zip(model.named_parameters(), model_c.parameters()):
         assert torch.equal(a, c), f"resume: {name} differs (max {float((a - c).abs().max())})"
+    # the counts carried: the whole run's (not the buckets per exchange: the new DDP exchanges its
+    # initial buckets, as many as DDP's first layout has, until its rebuild)
+    whole, resumed = state.stats(), state_c.stats()
+    for key in ("steps", "bytes_sent", "bytes_dense", "elements_total", "elements_selected"):
+        assert resumed[key] == whole[key] > 0, (key, resumed[key], whole[key])
     mine, theirs = state.state_dict()["residuals"], state_c.state_dict()["residuals"]
     if compiled_names:
         assert sorted(theirs) == sorted(f"_orig_mod.{n}" for n in mine), sorted(theirs)

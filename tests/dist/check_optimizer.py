@@ -415,7 +415,9 @@ def train(model, opt, steps, start=0):
 
 
 def check_checkpoint_resume():
-    """Save at step 3 (one state per rank), resume in fresh objects: bitwise equal at step 7."""
+    """Save at step 3 (one state per rank), resume in fresh objects: bitwise equal at step 7, and
+    ``compression_stats()``' counts those of the run that never stopped (the checkpoint carries
+    them: the whole run's, its density warm-up included)."""
     model, opt = build(min_numel=500, warmup_steps=4)
     train(model, opt, 7)
     model_b, opt_b = build(min_numel=500, warmup_steps=4)
@@ -430,6 +432,9 @@ def check_checkpoint_resume():
         assert torch.equal(a, c), f"resume: {name} differs (max {float((a - c).abs().max())})"
     for name, r in opt.state_dict()["hvd_topk"]["residuals"].items():
         assert torch.equal(r, opt_c.state_dict()["hvd_topk"]["residuals"][name]), name
+    whole, resumed = opt.compression_stats(), opt_c.compression_stats()
+    for key in ("steps", "bytes_sent", "bytes_dense", "elements_total", "elements_selected", "tensors_sparse"):
+        assert resumed[key] == whole[key] > 0, (key, resumed[key], whole[key])
     # A state saved on another rank restarts the residuals from zero, with a warning. (The next
     # rank's real state: this rank's own relabelled would hold this engine's own residuals, which
     # an elastic worker restoring its commit keeps, check_checkpoint.py.)
