@@ -226,7 +226,9 @@ class TopKState:
 
     # ---- checkpoints -------------------------------------------------------------------
     def state_dict(self):
-        """This rank's residuals by parameter name, the step, rank and world size.
+        """This rank's residuals by parameter name, the step, the rank, world size and process
+        group's global ranks, the loss scale the residuals are in, and the statistics' counts
+        (``hvd_topk.ddp_checkpoint``).
 
         Call it after ``optimizer.step()`` (or before this step's ``backward()``). In between,
         this step's unsent gradient is already in the residuals, and a run resumed from the

@@ -91,9 +91,9 @@ def _checked(state, saved):
     by_exchange = saved.get("buckets_by_exchange", {})
     if wrong is None and not (isinstance(by_exchange, dict) and all(
             isinstance(k, str) and checkpoint.is_count(v) for k, v in by_exchange.items())):
-        wrong = "'buckets_by_exchange' is not a dict of counts by exchange"
+        wrong = "are beside a 'buckets_by_exchange' that is not a dict of counts by exchange"
     if wrong:
-        raise ValueError(f"the TopKState checkpoint's statistics: {wrong}; nothing was loaded")
+        raise ValueError(f"the TopKState checkpoint's 'stats' {wrong}; nothing was loaded")
     tensors = saved["residuals"]
     if not isinstance(tensors, dict) or not all(isinstance(n, str) and torch.is_tensor(t) and t.is_floating_point()
                                                 for n, t in tensors.items()):
@@ -132,13 +132,13 @@ def load(state, saved):
         state._by_strategy = dict(saved.get("buckets_by_exchange", {}))
     if (saved["rank"], saved["world_size"]) != (rank, world):
         warnings.warn(f"hvd_topk.ddp: this state was saved by rank {saved['rank']} of {saved['world_size']}; "
-                      f"this is rank {rank} of {world}: the residuals start from zero (the step is kept)")
+                      f"this is rank {rank} of {world}: the residuals start from zero (the step and the statistics are kept)")
         return
     members = saved.get("group_ranks")
     if members is not None and list(members) != group_members(state.process_group):
         warnings.warn(f"hvd_topk.ddp: this state was saved in the process group of global ranks "
                       f"{list(members)}; this one's are {group_members(state.process_group)} (another replica's "
-                      "DDP): the residuals start from zero (the step is kept)")
+                      "DDP): the residuals start from zero (the step and the statistics are kept)")
         return
     state.pending = {name: t.detach().clone() for name, t in residuals.items()}
     for layout in state.layouts.values():

@@ -91,7 +91,7 @@ class LocalStepsState:
     it was built: they have no anchor), ``param_ids`` and ``param_signature`` (every parameter
     of the optimizer's groups, and the trained ones' shapes, dtypes and devices, when it was
     built: the anchors were made for them). Statistics: ``steps`` taken on this rank (for
-    ``compression_stats``). ``inside`` (in ``step()``) and ``steps_elsewhere`` (the user's
+    ``compression_stats``; a checkpoint carries them). ``inside`` (in ``step()``) and ``steps_elsewhere`` (the user's
     optimizer stepped outside it since) tell ``warn_stepped_elsewhere`` what happened."""
 
     def __init__(self, params, names, anchors, outer, sync_every, frozen, param_ids):
@@ -566,9 +566,9 @@ class _LocalSteps(torch.optim.Optimizer):
 
     def compression_stats(self, reset=False):
         """The outer optimizer's statistics, with bytes compared to a dense allreduce at every
-        step: ``steps`` (this rank's, since construction or the last reset), ``syncs``,
-        ``bytes_dense`` and ``bytes_ratio`` over steps; a loaded checkpoint's counts are taken
-        over (the whole run's)."""
+        step: ``steps`` (this rank's over the run: since construction or the last reset, or as
+        a loaded checkpoint carried them), ``syncs``, ``bytes_dense`` and ``bytes_ratio`` over
+        steps."""
         local = getattr(self, LOCAL)
         out = local.outer.compression_stats(reset=reset)
         syncs, steps = out["steps"], local.steps

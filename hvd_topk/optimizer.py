@@ -487,11 +487,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.__dict__[AMP_SCALING_ATTRIBUTE] = value
 
     def compression_stats(self, reset=False):
-        """Totals on this rank since construction or the last ``compression_stats(reset=True)``:
-        bytes sent vs dense, achieved density, tensors sparse/dense, selection and exchange
-        time, non-finite resets, the step and current density. ``load_state_dict`` takes over
-        the counts a checkpoint carries (not the times), so that a resumed run's cover the whole
-        run, its dense start included."""
+        """Totals on this rank over the run: since construction or the last
+        ``compression_stats(reset=True)``, and ``load_state_dict`` takes over the counts a
+        checkpoint carries (not the times), so that a resumed run's cover the whole run, its dense
+        start included; an elastic ``restore()`` takes the commit's back, as it does the model.
+        Bytes sent vs dense, achieved density, tensors sparse/dense, selection and exchange time,
+        non-finite resets, the step and current density."""
         engine = getattr(self, ENGINE)
         out = engine.compression_stats()
         if reset:

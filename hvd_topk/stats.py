@@ -1,5 +1,6 @@
 """Counters that users, examples and benchmarks read: what was sent, what it replaced."""
 
+import numbers
 import threading
 
 # The "dense fp32" every ratio is against: 4 bytes an element whatever the parameters' dtype (a
@@ -71,20 +72,24 @@ class CompressionStats:
         """Take a checkpoint's counts (``carried``'s output, checked by ``check_carried``) as this
         object's own; the timers go on."""
         with self._lock:
-            for name, amount in counts.items():
-                self._values[name] = amount
+            for name, amount in self.known(counts).items():
+                self._values[name] = int(amount)
                 self._tensors.pop(name, None)
 
     @classmethod
     def check_carried(cls, counts):
-        """Why ``counts`` (a checkpoint's) is not ``carried``'s output, or None."""
+        """Why ``counts`` (a checkpoint's) is not ``carried``'s output, or None. Names this version
+        does not count (a later version's) are not checked: ``known`` leaves them out."""
         if not isinstance(counts, dict):
-            return f"not a dict of counts (got {type(counts).__name__})"
-        unknown = sorted(str(k) for k in counts if k not in cls.CARRIED)
-        if unknown:
-            return f"holds no statistic named {unknown[:3]}"
-        bad = [k for k, v in counts.items() if isinstance(v, bool) or not isinstance(v, int) or v < 0]
-        return f"{bad[:3]} are not counts" if bad else None
+            return f"is not a dict of counts (got {type(counts).__name__})"
+        bad = [k for k, v in cls.known(counts).items()
+               if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0]
+        return f"holds {bad[:3]}, not counts" if bad else None
+
+    @classmethod
+    def known(cls, counts):
+        """The counts of ``counts`` that this version keeps (``CARRIED``)."""
+        return {name: amount for name, amount in counts.items() if name in cls.CARRIED}
 
     def __getstate__(self):
         """Pickled and deep-copied without the lock (a lock cannot be): the DDP hook's state is

@@ -116,7 +116,12 @@ def test_statistics_counts_carried_and_checked():
     got = other.as_dict()
     assert (got["steps"], got["bytes_sent"], got["elements_selected"], got["time_selection_s"]) == (3, 120, 30, 0.25)
     assert got["bytes_ratio"] == 120 / 4000
-    assert "not a dict" in CompressionStats.check_carried([3])
-    assert "no statistic named ['bytes_recieved']" in CompressionStats.check_carried({"bytes_recieved": 1})
-    assert "['steps'] are not counts" in CompressionStats.check_carried({"steps": -1})
-    assert "['steps'] are not counts" in CompressionStats.check_carried({"steps": 2.5})
+    assert "is not a dict" in CompressionStats.check_carried([3])
+    assert "holds ['steps'], not counts" in CompressionStats.check_carried({"steps": -1})
+    assert "holds ['steps'], not counts" in CompressionStats.check_carried({"steps": 2.5})
+    # a later version's statistic is neither refused nor taken
+    later = {**counts, "bytes_received": 999}
+    assert CompressionStats.check_carried(later) is None
+    fresh = CompressionStats()
+    fresh.carry(later)
+    assert "bytes_received" not in fresh.as_dict() and fresh.as_dict()["bytes_sent"] == 120

@@ -197,6 +197,25 @@ def test_adamws_checkpoint_into_frozen_variance_past_its_freeze():
     np.testing.assert_allclose(p.detach().numpy(), numpy_adamw(p0, gs, freeze=3), rtol=1e-12, atol=1e-14)
 
 
+def test_own_checkpoint_with_torch_keys_is_not_taken_for_another_optimizers():
+    """A LocalAdamW checkpoint written before variance_sketch existed whose group also holds a
+    torch key (``foreach``): its own options (lr_in_residual, ...) say it is LocalAdamW's, so the
+    missing option is what it was trained with (0), not the built value ("auto")."""
+    p = torch.nn.Parameter(torch.randn(5))
+    old = LocalAdamW([p], lr=LR)
+    p.grad = torch.randn(5)
+    old.transform_local_gradient(p, p.grad, ranks=2)
+    old.step()
+    saved = old.state_dict()
+    for group in saved["param_groups"]:
+        del group["variance_sketch"]
+        group["foreach"] = None
+    loaded = LocalAdamW([torch.nn.Parameter(p.detach().clone())], lr=LR)
+    with pytest.warns(UserWarning, match="lack variance_sketch: taken as variance_sketch=0"):
+        loaded.load_state_dict(saved)
+    assert loaded.param_groups[0]["variance_sketch"] == 0 and "foreach" not in loaded.param_groups[0]
+
+
 def test_adamws_own_options_left_out_of_a_loaded_checkpoint():
     """torch AdamW's options that hvd_topk's optimizers lack (amsgrad, foreach, ...) are not kept
     in their param groups (they went on into every later checkpoint, and

@@ -77,7 +77,8 @@ class _CheckedGroups(torch.optim.Optimizer):
         by another optimizer, or before an option existed, failed at the next step with a
         KeyError): from ``LOADED_WITHOUT``, what a checkpoint of this optimizer written before the
         option existed was trained with, or, where the checkpoint is another optimizer's (torch
-        Adam's own options in its groups: a dense AdamW run moving to the recipe, which has no
+        options this one does not have in its groups, ``amsgrad``, ``foreach``, ..., and none of
+        this one's own beyond Adam's: a dense AdamW run moving to the recipe, which has no
         residuals whose units an option must match), the value this optimizer was built with, as
         ``hvd_topk.DistributedOptimizer`` does for it (``checkpoint.fill_options``); the DDP hook
         loads it directly."""
@@ -86,8 +87,11 @@ class _CheckedGroups(torch.optim.Optimizer):
             if isinstance(group, dict):
                 self._check_options({**self.defaults, **group})
         built = [dict(g) for g in self.param_groups]  # (torch matches the groups by position)
+        own = [k for k in self._options if k not in _ADAM_OPTIONS]  # (LocalAdamW's lr_in_residual, ...)
+        saved_own = any(isinstance(g, dict) and any(k in g for k in own) for g in groups or ())
         super().load_state_dict(state_dict)
         foreign = self._drop_adams_options() - {"differentiable"}  # (torch may add that one itself)
+        foreign = set() if saved_own else foreign  # (this optimizer's own, with foreach= given, say)
         without, kept = [], []
         for group, was in zip(self.param_groups, built):
             for key in self._options:
@@ -104,12 +108,12 @@ class _CheckedGroups(torch.optim.Optimizer):
             betas = [(g["betas"], was["betas"]) for g, was in zip(self.param_groups, built)
                      if "betas" in was and tuple(g["betas"]) != tuple(was["betas"])]
             warnings.warn(f"hvd_topk.{name}: the checkpoint is another optimizer's (its param groups hold torch "
-                          f"Adam's {', '.join(sorted(foreign))}) and lacks {', '.join(kept)}: they keep the values "
-                          f"this {name} was built with. Its other options (lr, betas, weight decay, ...) come from "
-                          "the checkpoint, as torch's load_state_dict does: set them in param_groups after loading "
-                          "to change them" + (f" (betas {tuple(betas[0][0])} from the checkpoint, where this {name} "
-                                              f"was built with {tuple(betas[0][1])})" if betas else "") + ".",
-                          stacklevel=outside_level())
+                          f"options {name} does not have: {', '.join(sorted(foreign))}) and lacks {', '.join(kept)}: "
+                          f"they keep the values this {name} was built with. The options it holds (lr, weight "
+                          "decay, ...) come from it, as torch's load_state_dict does: set them in param_groups after "
+                          "loading to change them" + (f" (betas {tuple(betas[0][0])} from the checkpoint, where this "
+                                                      f"{name} was built with {tuple(betas[0][1])})" if betas else "")
+                          + ".", stacklevel=outside_level())
         if without:
             warnings.warn(f"hvd_topk.{name}: the checkpoint's param groups lack "
                           f"{', '.join(without)}: taken as {', '.join(f'{k}={self.LOADED_WITHOUT[k]!r}' for k in without)}, "

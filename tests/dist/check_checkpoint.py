@@ -136,7 +136,7 @@ def check_truncated_and_foreign_sections():
         refused(opt, odd, re.escape(f"residual_scale={scale!r}, not a loss scale"), f"residual_scale={scale!r}")
     damaged = copy.deepcopy(good)
     damaged["hvd_topk"]["stats"]["bytes_sent"] = -8
-    refused(opt, damaged, re.escape("'stats' ['bytes_sent'] are not counts"), "damaged statistics")
+    refused(opt, damaged, re.escape("'stats' holds ['bytes_sent'], not counts"), "damaged statistics")
     trains_on(model, opt, "after the refused loads")
 
 

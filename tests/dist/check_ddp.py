@@ -916,10 +916,8 @@ def check_resume_local_adamw():
     run(ddp_b, inner_b, schedule_b, 3)
     saved = copy.deepcopy({"model": model_b.state_dict(), "opt": inner_b.state_dict(),
                            "schedule": schedule_b.state_dict(), "topk": state_b.state_dict()})
-    mine = saved["opt"]["state"][0]["exp_avg_sq"].sum().double().cpu().reshape(1)
-    moments = torch.empty(dist.get_world_size(), dtype=torch.float64)
-    dist.all_gather_into_tensor(moments, mine)
-    assert len(set(moments.tolist())) == dist.get_world_size(), f"the ranks' moments are alike: {moments.tolist()}"
+    moments = [float(m) for m in gather(float(saved["opt"]["state"][0]["exp_avg_sq"].double().sum()))]
+    assert len(set(moments)) == dist.get_world_size(), f"the ranks' moments are alike: {moments}"
     model_c, ddp_c, inner_c, schedule_c, state_c = fresh(123)
     model_c.load_state_dict(saved["model"])
     inner_c.load_state_dict(saved["opt"])
