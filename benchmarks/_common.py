@@ -411,13 +411,24 @@ def _save_report(args, argv, script, benchmark, render, info, started, runs, par
     return report
 
 
-def run_example(np_, extra, seed, epochs, timeout, example, launcher="mpirun"):
+def run_example(np_, extra, seed, epochs, timeout, example, launcher="mpirun", hosts=None, ranks_per_host=1):
     """One local ``mpirun`` (or ``torchrun --standalone``) of ``example`` (``--epochs`` unless None)
-    and its JSON result, with ``wall_s``."""
+    and its JSON result, with ``wall_s``. ``hosts``: an open ``emulated_hosts.EmulatedHosts``, to
+    launch ``mpirun`` over them instead, ``ranks_per_host`` on each."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         length = [] if epochs is None else ["--epochs", str(epochs)]
         argv = [str(example), "--quiet", "--json", str(out), *length, "--seed", str(seed), *extra]
+        if hosts is not None:  # (the ranks write out through the shared file system: one machine)
+            cmd = hosts.mpirun_command(argv, np=np_, slots=ranks_per_host, pythonpath=str(Path(example).parent.parent),
+                                       wdir=Path(example).parent.parent)
+            t0 = time.perf_counter()
+            rc, output = emulated_hosts.stream(hosts.launcher_cmd(cmd), timeout=timeout, prefix="    | ")
+            if rc != 0 or not out.exists():
+                raise RuntimeError(f"exit {rc}: {shlex.join(map(str, cmd))}\n{output[-4000:]}")
+            result = json.loads(out.read_text())
+            result["wall_s"] = time.perf_counter() - t0
+            return result
         if launcher == "torchrun":
             cmd = launch.torchrun_command(np_, argv)
         else:

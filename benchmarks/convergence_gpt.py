@@ -23,6 +23,7 @@ benchmarks/results/gpt/convergence-gpt.
 """
 
 import argparse
+import contextlib
 import datetime
 import json
 import shlex
@@ -34,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import fmt_s, machine_info, run_example, write_report  # noqa: E402
+from _common import emulated_hosts, fmt_s, machine_info, run_example, write_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "pytorch_gpt.py"
@@ -407,6 +408,11 @@ for _lr, _beta1 in (("1.5e-2", "0.5"), ("1.5e-2", "0.9"), ("2e-2", "0.5"), ("2e-
     _name = f"gv-1%-lr{_lr}-fp16v-sketch256"
     CONFIGS[f"{_name}-beta1-{_beta1}"] = (f"{CONFIGS[_name][0]}, beta1 {_beta1} inside LocalAdamW",
                                          [*CONFIGS[_name][1], "--beta1", _beta1])
+# 8 ranks on 2 emulated hosts of 4 (--ranks-per-host 4): the recipe with the hierarchical exchange
+# (dense inside a host, Top-K of the host's summed updates across hosts), as a job of 8-GPU hosts runs it
+CONFIGS["gv-1%-lr1.5e-2-fp16v-sketch256-hier"] = (
+    f"{CONFIGS['gv-1%-lr1.5e-2-fp16v-sketch256'][0]}, hierarchical (dense inside a host, sparse across hosts)",
+    [*CONFIGS["gv-1%-lr1.5e-2-fp16v-sketch256"][1], "--hierarchical"])
 # the same momentum in the 2-rank 1% recipe
 CONFIGS["gv-1%-lr1e-2-fp16v-beta1-0.5"] = (f"{CONFIGS['gv-1%-lr1e-2-fp16v'][0]}, beta1 0.5 inside LocalAdamW",
                                          [*CONFIGS["gv-1%-lr1e-2-fp16v"][1], "--beta1", "0.5"])
@@ -500,6 +506,9 @@ def main(argv=None):
     ap.add_argument("--seeds", type=int, nargs="+", default=[42, 43, 44])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--np", type=int, default=2)
+    ap.add_argument("--ranks-per-host", type=int, default=1, metavar="L",
+                    help="launch on NP/L emulated hosts of L ranks each (network namespaces joined by 10 Gbit "
+                         "links; needs root), as --hierarchical configs need; default 1: one mpirun on this host")
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--out-prefix", type=Path, default=ROOT / "benchmarks" / "results" / "gpt" / "convergence-gpt")
     ap.add_argument("--eval-every", type=int, default=None,
@@ -511,6 +520,13 @@ def main(argv=None):
                          "where it was made ('made': date, git revision, command, code; for runs of files written "
                          "before 2026-12-05, that file's)")
     args = ap.parse_args(argv)
+    per_host = args.ranks_per_host
+    if per_host < 1 or args.np % per_host:
+        ap.error(f"--ranks-per-host must divide --np {args.np}, got {per_host}")
+    if per_host > 1 and any(c in DDP_CONFIGS for c in args.configs):
+        ap.error("--ranks-per-host launches mpirun: not the ddp-* configs")
+    if per_host == 1 and any("--hierarchical" in CONFIGS[c][1] for c in args.configs):
+        ap.error("the hierarchical configs need hosts: --ranks-per-host L (L > 1)")
     extra = [] if args.eval_every is None else ["--eval-every", str(args.eval_every)]
     command = shlex.join(["python", "benchmarks/convergence_gpt.py", *(sys.argv[1:] if argv is None else argv)])
     code = code_fingerprint()
@@ -523,25 +539,30 @@ def main(argv=None):
     runs, started = [], time.perf_counter()
     partial = Path(f"{args.out_prefix}.partial.json")
     plan = [(c, s) for c in args.configs for s in args.seeds]
-    for i, (name, seed) in enumerate(plan, 1):
-        print(f"[{i:2d}/{len(plan)}] {name:<18s} seed {seed} ... ", end="", flush=True)
-        used = " ".join([*CONFIGS[name][1], *extra])
-        r = earlier.get((name, used, args.steps, seed, args.np))
-        if r is None:
-            ddp = name in DDP_CONFIGS
-            r = run_example(args.np, ["--steps", str(args.steps), *CONFIGS[name][1], *extra], seed, None,
-                            args.timeout, DDP_EXAMPLE if ddp else EXAMPLE, "torchrun" if ddp else "mpirun")
-            r.update(config=name, seed=seed, args_used=used, made=dict(
-                here, date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")))
-        else:
-            r = dict(r, reused=True)
-        runs.append(r)
-        # every finished run kept at once: a job stopped part-way loses only the run in progress
-        # (pass the file to --reuse to go on from it)
-        partial.write_text(json.dumps({"runs": runs}, indent=1, default=str))
-        elapsed = time.perf_counter() - started
-        print(f"val loss {r['final_val_loss']:.4f}  ({r['wall_s']:.0f}s; ~{fmt_s(elapsed / i * (len(plan) - i))} left)",
-              flush=True)
+    # emulated hosts (network namespaces, tools/emulated_hosts.py) where ranks must sit on several hosts;
+    # quality does not depend on the links' rate, so they are fast (10 Gbit) to keep runs short
+    with (emulated_hosts.EmulatedHosts(args.np // per_host, rate="10gbit", sshd=True, ssh_port=2292)
+          if per_host > 1 else contextlib.nullcontext()) as hosts:
+        for i, (name, seed) in enumerate(plan, 1):
+            print(f"[{i:2d}/{len(plan)}] {name:<18s} seed {seed} ... ", end="", flush=True)
+            used = " ".join([*CONFIGS[name][1], *extra])
+            r = earlier.get((name, used, args.steps, seed, args.np))
+            if r is None:
+                ddp = name in DDP_CONFIGS
+                r = run_example(args.np, ["--steps", str(args.steps), *CONFIGS[name][1], *extra], seed, None,
+                                args.timeout, DDP_EXAMPLE if ddp else EXAMPLE, "torchrun" if ddp else "mpirun",
+                                hosts=hosts, ranks_per_host=per_host)
+                r.update(config=name, seed=seed, args_used=used, ranks_per_host=per_host, made=dict(
+                    here, date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")))
+            else:
+                r = dict(r, reused=True)
+            runs.append(r)
+            # every finished run kept at once: a job stopped part-way loses only the run in progress
+            # (pass the file to --reuse to go on from it)
+            partial.write_text(json.dumps({"runs": runs}, indent=1, default=str))
+            elapsed = time.perf_counter() - started
+            print(f"val loss {r['final_val_loss']:.4f}  ({r['wall_s']:.0f}s; ~{fmt_s(elapsed / i * (len(plan) - i))} left)",
+                  flush=True)
     rows = []
     for name in args.configs:
         losses = [r["final_val_loss"] for r in runs if r["config"] == name]
@@ -556,7 +577,8 @@ def main(argv=None):
     targets = steps_to_target(runs, args.configs, args.steps)
     info = machine_info()
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": command, "machine": info, "np": args.np, "steps": args.steps, "seeds": args.seeds,
+            "command": command, "machine": info, "np": args.np, "ranks_per_host": per_host, "steps": args.steps,
+            "seeds": args.seeds,
             "total_wall_s": time.perf_counter() - started}
     prefix = args.out_prefix
     lines = ["# Convergence on the transformer workload (examples/pytorch_gpt.py, AdamW)", "",
@@ -566,6 +588,8 @@ def main(argv=None):
              f"Command: `{command}`  ",
              f"Each run: `mpirun -np {args.np} python examples/pytorch_gpt.py --quiet --json OUT --steps {args.steps} "
              f"--seed SEED ARGS`"
+             + (f" on {args.np // per_host} emulated hosts of {per_host} ranks (network namespaces, 10 Gbit links)"
+                if per_host > 1 else "")
              + (f" (`ddp-*` rows: `torchrun --standalone --nproc_per_node {args.np} examples/ddp_gpt.py ...`)"
                 if any(c in DDP_CONFIGS for c in args.configs) else "")
              + f" (the example's defaults otherwise); seeds {', '.join(map(str, args.seeds))}; "

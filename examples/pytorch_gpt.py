@@ -65,6 +65,9 @@ def parse_args(argv=None):
     p.add_argument("--selection-scope", choices=("tensor", "bucket"), default="tensor")
     p.add_argument("--exchange", choices=EXCHANGES, default="auto",
                    help="topk-ef: how buckets travel (default auto: a measured trial picks)")
+    p.add_argument("--hierarchical", action="store_true",
+                   help="topk-ef: dense inside each host, sparse across hosts (starts Horovod with "
+                        "hvd_topk.init(), which adds the host process sets)")
     p.add_argument("--warmup-steps", type=int, default=0,
                    help="topk-ef: density warm-up steps (DGC's exponential schedule from --warmup-density)")
     p.add_argument("--warmup-density", type=float, default=0.25)
@@ -200,6 +203,8 @@ def parse_args(argv=None):
         p.error("--amp fp16 needs CUDA (GradScaler); on CPU use --amp bf16")
     if args.compression != "topk" and (args.fp16_values or args.compact or args.density != 0.01):
         p.error("--density, --fp16-values and --compact only apply to --compression topk")
+    if args.hierarchical and (args.optimizer != "topk-ef" or args.sync_every > 1 or args.exchange in DENSE_EXCHANGES):
+        p.error("--hierarchical applies to --optimizer topk-ef with a sparse --exchange, without --sync-every")
     check_topk_arguments(p, args)  # (a non-default --density without topk was refused above)
     refuse_topk_flags_with_dense_exchange(p, args, {
         "density": 0.01, "fp16_values": False, "compact": False, "no_error_feedback": False,
@@ -359,7 +364,8 @@ def make_optimizer(args, model, scaler):
                                             selection_scope=args.selection_scope, exchange=args.exchange, **schedule,
                                             min_numel=args.min_numel, grad_scaler=scaler,
                                             residual_decay=args.residual_decay,
-                                            momentum_correction=momentum_correction)
+                                            momentum_correction=momentum_correction,
+                                            hierarchical=True if args.hierarchical else "auto")
         return opt, topk
     compression = topk or {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[args.compression]
     return hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), compression=compression), topk
@@ -381,7 +387,10 @@ def bytes_per_step(model, args, opt, topk, carried=(0, 0, 0)):
 
 def main(argv=None):
     args = parse_args(argv)
-    hvd.init()
+    if args.hierarchical:
+        hvd_topk.init()  # hvd.init() plus the host and cross-host process sets
+    else:
+        hvd.init()
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     rank, size = hvd.rank(), hvd.size()
