@@ -10,6 +10,7 @@ gradients are gathered and fed to ``reference.ErrorFeedbackReference`` (numpy), 
 the averaged result DDP must leave in ``p.grad``; the ranks must hold the same bits.
 """
 
+import contextlib
 import copy
 import gc
 import os
@@ -518,13 +519,14 @@ def check_auto_updates():
 
 
 def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.0, 0.95), eps=1e-3, wd=0.1, variance_sketch=0,
-                      bucket_cap_mb=25):
+                      bucket_cap_mb=25, accumulate=1):
     """The AdamW recipe through DDP: each rank's numpy Adam (global variance: v/P + (1-1/P)
     mean^2, lr inside) on its own gradient, the error-feedback contract on those updates, and
     inner.step() applying p * (1 - lr wd) - result. ``variance_sketch`` (at least every
     tensor's size: exact sketches): each estimate rescaled by the bias-corrected EMA (beta2) of
     |the ranks' average gradient|^2 over the earlier steps, over the sum of the rank's previous
-    (unrescaled) estimate."""
+    (unrescaled) estimate. ``accumulate``: micro-batches per step, all but the last under
+    ``no_sync()`` (one Adam step on their summed gradient, as the reference takes it)."""
     rank, size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = Net().to(DEVICE)
@@ -537,13 +539,15 @@ def check_local_adamw(steps=4, density=0.05, lr=0.01, betas=(0.0, 0.95), eps=1e-
     ref = ErrorFeedbackReference(size)
     moments, measured, last_sums = {}, {}, {}
     for step in range(steps):
-        x, y = batch(step, rank)
         shadow.load_state_dict(model.state_dict())
         shadow.zero_grad()
-        F.cross_entropy(shadow(x), y).backward()
         before = {n: host(p).astype(np.float64) for n, p in model.named_parameters()}
         inner.zero_grad(set_to_none=True)
-        F.cross_entropy(ddp(x), y).backward()
+        for part in range(accumulate):
+            x, y = batch(step, rank, part)
+            F.cross_entropy(shadow(x), y).backward()
+            with ddp.no_sync() if part < accumulate - 1 else contextlib.nullcontext():
+                F.cross_entropy(ddp(x), y).backward()
         for name, p in model.named_parameters():
             updates = []
             grads = gather(host(shadow.get_parameter(name).grad).astype(np.float64))
@@ -1566,6 +1570,7 @@ CHECKS = [
     ("LocalAdamW recipe", check_local_adamw),
     ("LocalAdamW recipe, variance_sketch (exact sizes), several buckets",
      lambda: check_local_adamw(steps=5, variance_sketch=4096, bucket_cap_mb=0.005)),
+    ("LocalAdamW recipe, no_sync accumulation over 3 micro-batches", lambda: check_local_adamw(accumulate=3)),
     ("LocalAdamW recipe, channels_last convolutions", check_local_adamw_channels_last),
     ("LocalAdamW stepped twice, or another optimizer stepped: said", check_local_adamw_misstepped),
     ("checkpoint of channels_last weights: residuals in element order", check_residuals_channels_last),
