@@ -15,6 +15,8 @@ same model, corpus and batches through DistributedDataParallel and a communicati
         --steps 1000 --timeout 1500 --out-prefix benchmarks/results/gpt/convergence-gpt-local-1000   # LocalAdamW
     .venv/bin/python benchmarks/convergence_gpt.py --configs dense ef-1% --seeds 42 --steps 60 \
         --out-prefix /tmp/gpt-smoke                                     # quick check
+    .venv/bin/python benchmarks/convergence_gpt.py --configs gv-1%-lr1.5e-2-fp16v-sketch256-hier \
+        gv-1%-lr1.5e-2-fp16v-sketch256 --np 8 --ranks-per-host 4 --steps 1000   # 2 emulated hosts of 4 (root)
 
 Writes PREFIX.json (every run with its validation history, command, machine, date), PREFIX.md
 (final validation loss: mean, sample std, min-max over seeds; vs dense) and PREFIX.png (the

@@ -162,11 +162,14 @@ class TopKEngine:
         # the host / cross-host process sets when the hierarchical exchange may be used
         setting = options.hierarchical
         if setting == "auto" and (options.momentum_correction or compression.compact
-                                  or options.exchange in DENSE_EXCHANGES):
+                                  or options.exchange in DENSE_EXCHANGES or updates):
             # nothing would run hierarchically (a dense exchange; compact pairs, the flat
-            # allgather's alone), or momentum_correction, which it does not support: "auto"
+            # allgather's alone), or momentum_correction, which it does not support, or an
+            # inner optimizer's updates, which it costs quality (hierarchy.UPDATES_COST): "auto"
             # steps aside (the checkpoint keeps the flat format too)
             setting = False
+        elif setting is True and updates and self.member:
+            warnings.warn(hierarchy.UPDATES_COST, stacklevel=outside_level())
         self.hier = hierarchy.resolve(setting, process_set, elastic_mode()) if self.member else None
         if self.hier is not None and options.momentum_correction:
             raise ValueError("momentum_correction is not supported with the hierarchical exchange; pass "

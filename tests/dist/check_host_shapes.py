@@ -48,8 +48,8 @@ def check_topology():
     assert hvd.size() == sum(HOSTS)
 
 
-def _optimizer(model, compression=None, **options):
-    return hvd_topk.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+def _optimizer(model, compression=None, inner=None, **options):
+    return hvd_topk.DistributedOptimizer(inner or torch.optim.SGD(model.parameters(), lr=0.1),
                                          named_parameters=model.named_parameters(),
                                          compression=compression or hvd_topk.TopK(density=DENSITY),
                                          min_numel=MIN_NUMEL, **options)
@@ -118,16 +118,23 @@ def check_users_process_sets_serve_the_hierarchy():
 
 def check_auto_steps_aside_where_nothing_runs_hierarchically():
     """hierarchical="auto" (the default) on 3 hosts x 2 with momentum_correction (which the
-    hierarchical exchange does not support), with compact pairs and with exchange="dense" or
-    "dense_fp16" (which it did not step aside for before 2026-12-05): it
-    steps aside, so the job trains as on one host (momentum_correction raised before
-    2026-12-05); hierarchical=True still refuses momentum_correction."""
+    hierarchical exchange does not support), with compact pairs, with exchange="dense" or
+    "dense_fp16" (which it did not step aside for before 2026-12-05), and over LocalAdamW or DeMo
+    (whose updates it costs quality: hierarchy.UPDATES_COST; used before 2026-12-08): it steps
+    aside, so the job trains as on one host (momentum_correction raised before 2026-12-05);
+    hierarchical=True still refuses momentum_correction, and over LocalAdamW warns once."""
     for options in [dict(momentum_correction=0.9, exchange="allgather"),
                     dict(exchange="allgather", compression=hvd_topk.TopK(density=DENSITY, compact=True)),
-                    dict(exchange="dense"), dict(exchange="dense_fp16")]:
+                    dict(exchange="dense"), dict(exchange="dense_fp16"),
+                    dict(exchange="allgather", inner=hvd_topk.LocalAdamW), dict(exchange="auto", inner=hvd_topk.DeMo)]:
         torch.manual_seed(0)
         model = Net()
-        opt = _optimizer(model, **options)
+        if "inner" in options:
+            options = dict(options, inner=options["inner"](model.parameters(), lr=1e-3))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt = _optimizer(model, **options)
+        assert not [w for w in caught if "hierarch" in str(w.message)], [str(w.message) for w in caught]
         train(model, opt, 2, batch)
         assert not opt.compression_stats()["hierarchical"], options
         # nor does its checkpoint say it was (a resume at another layout would drop its residuals)
@@ -136,6 +143,15 @@ def check_auto_steps_aside_where_nothing_runs_hierarchically():
             assert_same_on_all_ranks(p.detach().numpy(), f"{options}: parameter {name}")
     with raises(ValueError, match="momentum_correction is not supported with the hierarchical exchange"):
         _optimizer(Net(), exchange="allgather", hierarchical=True, momentum_correction=0.9)
+    model = Net()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = _optimizer(model, inner=hvd_topk.LocalAdamW(model.parameters(), lr=1e-3), exchange="allgather",
+                         hierarchical=True)
+    said = [str(w.message) for w in caught if "hierarchical=True over an inner optimizer" in str(w.message)]
+    assert len(said) == 1 and "4.6% and 5.9% above the flat exchange" in said[0], [str(w.message) for w in caught]
+    train(model, opt, 1, batch)
+    assert opt.compression_stats()["hierarchical"]  # (warned, not refused)
 
 
 def check_dense_fallback_agreed_by_a_host(steps=2):
