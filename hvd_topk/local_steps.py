@@ -91,8 +91,9 @@ class LocalStepsState:
     it was built: they have no anchor), ``param_ids`` and ``param_signature`` (every parameter
     of the optimizer's groups, and the trained ones' shapes, dtypes and devices, when it was
     built: the anchors were made for them). Statistics: ``steps`` taken on this rank (for
-    ``compression_stats``; a checkpoint carries them). ``inside`` (in ``step()``) and ``steps_elsewhere`` (the user's
-    optimizer stepped outside it since) tell ``warn_stepped_elsewhere`` what happened."""
+    ``compression_stats``; a checkpoint carries them). ``inside`` (in ``step()``) and
+    ``steps_elsewhere`` (the user's optimizer stepped outside it since) tell
+    ``warn_stepped_elsewhere`` what happened."""
 
     def __init__(self, params, names, anchors, outer, sync_every, frozen, param_ids):
         self.params, self.names, self.anchors, self.outer = params, names, anchors, outer
