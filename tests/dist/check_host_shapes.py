@@ -149,7 +149,7 @@ def check_auto_steps_aside_where_nothing_runs_hierarchically():
         opt = _optimizer(model, inner=hvd_topk.LocalAdamW(model.parameters(), lr=1e-3), exchange="allgather",
                          hierarchical=True)
     said = [str(w.message) for w in caught if "hierarchical=True over an inner optimizer" in str(w.message)]
-    assert len(said) == 1 and "4.6% and 5.9% above the flat exchange" in said[0], [str(w.message) for w in caught]
+    assert len(said) == 1 and "6.2% above the flat exchange" in said[0], [str(w.message) for w in caught]
     train(model, opt, 1, batch)
     assert opt.compression_stats()["hierarchical"]  # (warned, not refused)
 
