@@ -419,32 +419,28 @@ def run_example(np_, extra, seed, epochs, timeout, example, launcher="mpirun", h
         out = Path(tmp) / "result.json"
         length = [] if epochs is None else ["--epochs", str(epochs)]
         argv = [str(example), "--quiet", "--json", str(out), *length, "--seed", str(seed), *extra]
-        if hosts is not None:  # (the ranks write out through the shared file system: one machine)
-            cmd = hosts.mpirun_command(argv, np=np_, slots=ranks_per_host, pythonpath=str(Path(example).parent.parent),
-                                       wdir=Path(example).parent.parent)
-            t0 = time.perf_counter()
-            rc, output = emulated_hosts.stream(hosts.launcher_cmd(cmd), timeout=timeout, prefix="    | ")
-            if rc != 0 or not out.exists():
-                raise RuntimeError(f"exit {rc}: {shlex.join(map(str, cmd))}\n{output[-4000:]}")
-            result = json.loads(out.read_text())
-            result["wall_s"] = time.perf_counter() - t0
-            return result
-        if launcher == "torchrun":
-            cmd = launch.torchrun_command(np_, argv)
-        else:
-            cmd = launch.mpirun_command(np_, argv)
         t0 = time.perf_counter()
-        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True) as proc:
-            try:
-                stdout, stderr = proc.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
-                raise RuntimeError(f"timed out after {timeout}s: {shlex.join(cmd)}") from None
+        if hosts is not None:  # (the ranks write out through the shared file system: one machine)
+            cmd = hosts.launcher_cmd(hosts.mpirun_command(argv, np=np_, slots=ranks_per_host, pythonpath=str(REPO),
+                                                          wdir=REPO))
+            # (its output streamed as progress; a run past timeout is killed there)
+            rc, output = emulated_hosts.stream(cmd, timeout=timeout, prefix="    | ")
+            failure = f"exit {rc}: {shlex.join(map(str, cmd))}\n{output[-4000:]}"
+        else:
+            cmd = launch.torchrun_command(np_, argv) if launcher == "torchrun" else launch.mpirun_command(np_, argv)
+            with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  start_new_session=True) as proc:
+                try:
+                    stdout, stderr = proc.communicate(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.communicate()
+                    raise RuntimeError(f"timed out after {timeout}s: {shlex.join(cmd)}") from None
+            rc = proc.returncode
+            failure = f"exit {rc}: {shlex.join(cmd)}\n--- stdout\n{stdout}\n--- stderr\n{stderr}"
         wall = time.perf_counter() - t0
-        if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"exit {proc.returncode}: {shlex.join(cmd)}\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
+        if rc != 0 or not out.exists():
+            raise RuntimeError(failure)
         result = json.loads(out.read_text())
     result["wall_s"] = wall
     return result
