@@ -22,7 +22,6 @@ from hvd_topk._stack import outside_level
 from hvd_topk._torch import still_written
 from hvd_topk.ddp_checks import OPTIMIZER_STEPS, group_members, group_rank_and_size
 from hvd_topk.loss_scale import is_loss_scale
-from hvd_topk.stats import CompressionStats
 
 STATE_VERSION = 1
 
@@ -87,13 +86,14 @@ def _checked(state, saved):
     if not is_loss_scale(saved.get("residual_scale")):
         raise ValueError(f"the TopKState checkpoint has residual_scale={saved['residual_scale']!r}, not a loss "
                          "scale (a finite number > 0, or None); nothing was loaded")
-    wrong = CompressionStats.check_carried(saved["stats"]) if "stats" in saved else None
-    by_exchange = saved.get("buckets_by_exchange", {})
-    if wrong is None and not (isinstance(by_exchange, dict) and all(
-            isinstance(k, str) and checkpoint.is_count(v) for k, v in by_exchange.items())):
-        wrong = "are beside a 'buckets_by_exchange' that is not a dict of counts by exchange"
+    wrong = checkpoint.stats_problem(saved["stats"]) if "stats" in saved else None
     if wrong:
         raise ValueError(f"the TopKState checkpoint's 'stats' {wrong}; nothing was loaded")
+    by_exchange = saved.get("buckets_by_exchange", {})
+    if not (isinstance(by_exchange, dict) and all(isinstance(k, str) and checkpoint.is_count(v)
+                                                  for k, v in by_exchange.items())):
+        raise ValueError("the TopKState checkpoint's 'buckets_by_exchange' is not a dict of counts by exchange; "
+                         "nothing was loaded")
     tensors = saved["residuals"]
     if not isinstance(tensors, dict) or not all(isinstance(n, str) and torch.is_tensor(t) and t.is_floating_point()
                                                 for n, t in tensors.items()):

@@ -1,6 +1,5 @@
 """Counters that users, examples and benchmarks read: what was sent, what it replaced."""
 
-import numbers
 import threading
 
 # The "dense fp32" every ratio is against: 4 bytes an element whatever the parameters' dtype (a
@@ -69,26 +68,17 @@ class CompressionStats:
         return {name: int(out[name]) for name in self.CARRIED}
 
     def carry(self, counts):
-        """Take a checkpoint's counts (``carried``'s output, checked by ``check_carried``) as this
-        object's own; the timers go on."""
+        """Take a checkpoint's counts (``carried``'s output, checked by
+        ``hvd_topk.checkpoint.stats_problem``) as this object's own; the timers go on."""
         with self._lock:
             for name, amount in self.known(counts).items():
                 self._values[name] = int(amount)
                 self._tensors.pop(name, None)
 
     @classmethod
-    def check_carried(cls, counts):
-        """Why ``counts`` (a checkpoint's) is not ``carried``'s output, or None. Names this version
-        does not count (a later version's) are not checked: ``known`` leaves them out."""
-        if not isinstance(counts, dict):
-            return f"is not a dict of counts (got {type(counts).__name__})"
-        bad = [k for k, v in cls.known(counts).items()
-               if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0]
-        return f"holds {bad[:3]}, not counts" if bad else None
-
-    @classmethod
     def known(cls, counts):
-        """The counts of ``counts`` that this version keeps (``CARRIED``)."""
+        """The counts of ``counts`` that this version keeps (``CARRIED``): a later version's others
+        are left out."""
         return {name: amount for name, amount in counts.items() if name in cls.CARRIED}
 
     def __getstate__(self):

@@ -98,8 +98,9 @@ def test_statistics_counts_carried_and_checked():
     """What a checkpoint carries of the statistics (``CompressionStats.carried``): the counts as
     Python ints, device tensors read, the times left out; ``carry`` makes them the object's own
     (a pending device amount of the same count replaced, not added) while the times go on; a
-    damaged entry is named by ``check_carried`` (both front ends refuse the checkpoint with it)."""
+    damaged entry is named by ``checkpoint.stats_problem`` (both front ends refuse the checkpoint with it)."""
     import torch
+    from hvd_topk.checkpoint import stats_problem
     from hvd_topk.stats import CompressionStats
 
     stats = CompressionStats()
@@ -108,7 +109,7 @@ def test_statistics_counts_carried_and_checked():
     counts = stats.carried()
     assert counts["steps"] == 3 and counts["bytes_sent"] == 120 and counts["elements_selected"] == 30
     assert all(type(v) is int for v in counts.values()) and "time_selection_s" not in counts
-    assert CompressionStats.check_carried(counts) is None
+    assert stats_problem(counts) is None
     other = CompressionStats()
     other.add(steps=1, time_selection_s=0.25)
     other.add_tensor("elements_selected", torch.tensor(7))
@@ -116,12 +117,12 @@ def test_statistics_counts_carried_and_checked():
     got = other.as_dict()
     assert (got["steps"], got["bytes_sent"], got["elements_selected"], got["time_selection_s"]) == (3, 120, 30, 0.25)
     assert got["bytes_ratio"] == 120 / 4000
-    assert "is not a dict" in CompressionStats.check_carried([3])
-    assert "holds ['steps'], not counts" in CompressionStats.check_carried({"steps": -1})
-    assert "holds ['steps'], not counts" in CompressionStats.check_carried({"steps": 2.5})
+    assert "is not a dict" in stats_problem([3])
+    assert "holds ['steps'], not counts" in stats_problem({"steps": -1})
+    assert "holds ['steps'], not counts" in stats_problem({"steps": 2.5})
     # a later version's statistic is neither refused nor taken
     later = {**counts, "bytes_received": 999}
-    assert CompressionStats.check_carried(later) is None
+    assert stats_problem(later) is None
     fresh = CompressionStats()
     fresh.carry(later)
     assert "bytes_received" not in fresh.as_dict() and fresh.as_dict()["bytes_sent"] == 120
