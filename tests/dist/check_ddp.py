@@ -906,7 +906,7 @@ def check_resume_local_adamw():
         hvd_topk.ddp.register(ddp, state)
         return model, ddp, inner, torch.optim.lr_scheduler.CosineAnnealingLR(inner, T_max=7), state
 
-    def run(ddp, inner, schedule, steps, start=0):
+    def train_scheduled(ddp, inner, schedule, steps, start=0):
         for step in range(start, start + steps):
             x, y = batch(step, rank)
             inner.zero_grad(set_to_none=True)
@@ -915,9 +915,9 @@ def check_resume_local_adamw():
             schedule.step()
 
     model, ddp, inner, schedule, state = fresh()
-    run(ddp, inner, schedule, 7)
+    train_scheduled(ddp, inner, schedule, 7)
     model_b, ddp_b, inner_b, schedule_b, state_b = fresh()
-    run(ddp_b, inner_b, schedule_b, 3)
+    train_scheduled(ddp_b, inner_b, schedule_b, 3)
     saved = copy.deepcopy({"model": model_b.state_dict(), "opt": inner_b.state_dict(),
                            "schedule": schedule_b.state_dict(), "topk": state_b.state_dict()})
     moments = [float(m) for m in gather(float(saved["opt"]["state"][0]["exp_avg_sq"].double().sum()))]
@@ -927,7 +927,7 @@ def check_resume_local_adamw():
     inner_c.load_state_dict(saved["opt"])
     schedule_c.load_state_dict(saved["schedule"])
     state_c.load_state_dict(saved["topk"])
-    run(ddp_c, inner_c, schedule_c, 4, start=3)
+    train_scheduled(ddp_c, inner_c, schedule_c, 4, start=3)
     for (name, a), c in zip(model.named_parameters(), model_c.parameters()):
         assert torch.equal(a, c), f"LocalAdamW resume: {name} differs (max {float((a - c).abs().max())})"
         assert torch.equal(inner.state[a]["exp_avg_sq"], inner_c.state[c]["exp_avg_sq"]), f"{name}'s moments"
